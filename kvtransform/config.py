@@ -1,0 +1,141 @@
+"""Transform configurations: dataclasses with a JSON/YAML round trip and strict keys.
+
+Every transform is described by one dataclass (``CanonicalConfig``, ``DualKVConfig``, ``SpeContextConfig``). They are
+registered as Hydra structured configs (``kvtransform.cli``) so a misspelt key on the command line is an error, and
+:func:`config_from_dict` applies the same strictness to plain dicts / YAML / JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+
+@dataclass
+class VerifyConfig:
+    """Verification gate: run the original and the rewritten module on the same real inputs.
+
+    Attributes:
+        enabled: run the gate (turning it off is only for debugging; the report then says ``passed: null``).
+        lengths: sequence lengths (tokens) of the tokenised verification texts.
+        batch_size: rows per verification batch; rows after the first are left-padded when ``padding`` is true.
+        padding: also verify a left-padded batch (exercises the attention mask).
+        tolerance: maximum allowed relative error ``max|a-b| / max|b|`` on the logits; ``None`` picks by dtype
+            (fp32: 1e-4, fp16/bf16: 2e-2).
+        seed: seed for anything random in the gate.
+    """
+
+    enabled: bool = True
+    lengths: list = field(default_factory=lambda: [9, 37])
+    batch_size: int = 2
+    padding: bool = True
+    tolerance: Optional[float] = None
+    seed: int = 0
+
+
+@dataclass
+class CanonicalConfig:
+    """Rewrite every standard attention into ``kvt.attention`` (the canonical op) and verify."""
+
+    name: str = "canonical"
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+
+    # ---- serialisation -------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+
+@dataclass
+class DualKVConfig(CanonicalConfig):
+    """Shared-prefix packed training attention (DualKV, arXiv 2605.15422).
+
+    Attributes:
+        verify_groups: (prompt length, response lengths) used by the exactness check against the replicated batch.
+    """
+
+    name: str = "dualkv"
+    verify_groups: list = field(default_factory=lambda: [[11, [5, 9, 3]], [6, [4, 1]]])
+
+
+@dataclass
+class SpeContextConfig(CanonicalConfig):
+    """Sparse retrieval decode (SpeContext, arXiv 2512.00722, §4.3).
+
+    Attributes:
+        budget: B, tokens kept per KV head per decode step.
+        num_sink: always-kept first tokens (0 = off, as in the paper).
+        num_recent: always-kept most recent tokens (0 = off, as in the paper).
+        retrieval: where the retrieval head comes from: ``"self"`` (the model's own first layer projections) or a
+            path / registry name of a draft model.
+        offload: keep the full KV cache of some layers on CPU with elastic loading (memory model decides which).
+    """
+
+    name: str = "specontext"
+    budget: int = 2048
+    num_sink: int = 0
+    num_recent: int = 0
+    retrieval: str = "self"
+    offload: bool = False
+
+
+CONFIG_TYPES: dict[str, type] = {
+    "canonical": CanonicalConfig,
+    "dualkv": DualKVConfig,
+    "specontext": SpeContextConfig,
+}
+
+
+def config_from_dict(d: dict[str, Any]) -> CanonicalConfig:
+    """Build the config dataclass named by ``d["name"]`` (default ``canonical``), rejecting unknown keys.
+
+    Raises:
+        ValueError: unknown transform name, or a key that the config does not have (the message lists valid keys).
+    """
+    d = dict(d)
+    name = d.get("name", "canonical")
+    if name not in CONFIG_TYPES:
+        raise ValueError(f"unknown transform {name!r}; choose one of {sorted(CONFIG_TYPES)}")
+    cls = CONFIG_TYPES[name]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(d))
+    except Exception as e:  # omegaconf.errors.ConfigKeyError and friends
+        valid = [f.name for f in dataclasses.fields(cls)]
+        raise ValueError(f"invalid {name} config: {e}. Valid keys: {valid}") from None
+    return OmegaConf.to_object(merged)
+
+
+def config_from_yaml(text: str) -> CanonicalConfig:
+    """Parse YAML text written by :meth:`CanonicalConfig.to_yaml`."""
+    return config_from_dict(OmegaConf.to_container(OmegaConf.create(text)))
+
+
+def config_from_json(text: str) -> CanonicalConfig:
+    """Parse JSON text written by :meth:`CanonicalConfig.to_json`."""
+    return config_from_dict(json.loads(text))
+
+
+def resolve_config(config: "str | CanonicalConfig | dict") -> CanonicalConfig:
+    """Accept a transform name, a config dataclass or a dict, return the dataclass.
+
+    Raises:
+        ValueError: unknown name or invalid keys.
+        TypeError: anything else.
+    """
+    if isinstance(config, CanonicalConfig):
+        return config
+    if isinstance(config, str):
+        if config not in CONFIG_TYPES:
+            raise ValueError(f"unknown transform {config!r}; choose one of {sorted(CONFIG_TYPES)}")
+        return CONFIG_TYPES[config]()
+    if isinstance(config, dict):
+        return config_from_dict(config)
+    raise TypeError(f"config must be a transform name, a config dataclass or a dict, not {type(config).__name__}")

@@ -1,0 +1,26 @@
+"""Test setup. TRITON_INTERPRET must be set before any @triton.jit kernel is defined, so it is set here, before
+kvtransform is imported by any test module: kernels then run on CPU tensors through Triton's interpreter."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    # Fresh random inputs every run (numerics rule), but a failure prints its seed so it can be replayed.
+    seed = int.from_bytes(os.urandom(4), "little") if not os.environ.get("KVT_TEST_SEED") else int(os.environ["KVT_TEST_SEED"])
+    torch.manual_seed(seed)
+    yield seed
+
+
+def pytest_runtest_makereport(item, call):
+    if call.when == "call" and call.excinfo is not None:
+        seed = item.funcargs.get("_seed_everything")
+        if seed is not None:
+            item.add_report_section("call", "seed", f"rerun with KVT_TEST_SEED={seed}")
