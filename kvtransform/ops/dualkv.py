@@ -1,1 +1,188 @@
-"""kvt::dualkv_attention (issue 3): filled in by the DualKV op work."""
+"""``kvt::dualkv_attention``: attention over the packed shared-prefix (DualKV) layout.
+
+``torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, softmax_scale) -> (out, lse)``
+
+* q ``(T, H, D)``, k/v ``(T, H_kv, D)`` (GQA: query head ``h`` reads KV head ``h // (H // H_kv)``), fp16/bf16/fp32;
+* cu_seqlens int32 ``(S+1,)``, segment_prefix int32 ``(S,)``: the layout of :class:`kvtransform.layout.DualKVLayout`;
+* out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log of the softmax denominator (scaled scores).
+
+A prefix token attends causally within its prefix; token ``r`` of a response attends to its group's whole prefix
+plus tokens ``0..r`` of its own response (DualKV, arXiv 2605.15422, §2–3).
+
+CUDA tensors run the Triton kernels of ``kvtransform.kernels.dualkv`` (forward in one launch; deterministic
+backward); CPU tensors run the plain-PyTorch reference. The fake implementation needs no data, so the op is an opaque
+node under ``torch.export``/``torch.compile`` with cu_seqlens/segment_prefix as ordinary tensor inputs.
+
+Autograd: gradients for q, k, v. The gradient of ``lse`` is honoured exactly (it enters the backward as
+``Delta = rowsum(dO∘O) - dLSE``); the offsets get none. The backward is its own op,
+``kvt::dualkv_attention_backward``, so AOT autograd traces it as an opaque node too.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from ..kernels import dualkv as _k
+from ..layout import DualKVLayout, _check_structure
+
+# Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
+USE_TRITON_ON_CPU = False
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or (USE_TRITON_ON_CPU and _k._interpreting())
+
+
+def _reference_fwd(q, k, v, cu_seqlens, segment_prefix, scale):
+    out, lse = _k.dualkv_attention_reference(q, k, v, cu_seqlens, segment_prefix, scale)
+    return out.contiguous(), lse.float().contiguous()
+
+
+@torch.library.custom_op("kvt::dualkv_attention", mutates_args=())
+def _dualkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+               segment_prefix: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(q):
+        return _k.dualkv_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale)
+    with torch.no_grad():
+        return _reference_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale)
+
+
+@_dualkv_op.register_fake
+def _(q, k, v, cu_seqlens, segment_prefix, softmax_scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("kvt::dualkv_attention_backward", mutates_args=())
+def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
+                   segment_prefix: torch.Tensor, softmax_scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_triton(q):
+        return _k.dualkv_bwd(grad_out, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale, grad_lse)
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o, l = _k.dualkv_attention_reference(qq, kk, vv, cu_seqlens, segment_prefix, softmax_scale)
+        outs, grads = [o], [grad_out]
+        if grad_lse is not None:
+            outs.append(l)
+            grads.append(grad_lse.to(l.dtype))
+        dq, dk, dv = torch.autograd.grad(outs, (qq, kk, vv), grads)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_dualkv_bwd_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_ctx(ctx, inputs, output):
+    q, k, v, cu_seqlens, segment_prefix, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, segment_prefix)
+    ctx.scale = softmax_scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens, segment_prefix = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.kvt.dualkv_attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse,
+                                                        cu_seqlens, segment_prefix, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_dualkv_op.register_autograd(_backward, setup_context=_setup_ctx)
+
+
+# ====================================================================================================== wrapper
+def _is_tracing(*tensors) -> bool:
+    try:
+        if torch.compiler.is_compiling():
+            return True
+    except Exception:  # pragma: no cover
+        pass
+    from torch._subclasses.fake_tensor import FakeTensor
+    for t in tensors:
+        if isinstance(t, FakeTensor) or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return True
+    return False
+
+
+SUPPORTED_HEAD_DIMS = "multiples of 8 from 16 to 256 (64, 80, 96, 128, 256 are the tuned ones)"
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                 segment_prefix: torch.Tensor, check_data: bool = True) -> None:
+    """Validate DualKV inputs; raises ValueError naming the problem (see :func:`dualkv_attention`)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (T, heads, head_dim); got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    devs = {str(t.device) for t in (q, k, v, cu_seqlens, segment_prefix)}
+    if len(devs) != 1:
+        raise ValueError(f"tensors on different devices: q {q.device}, k {k.device}, v {v.device}, cu_seqlens "
+                         f"{cu_seqlens.device}, segment_prefix {segment_prefix.device}")
+    if q.dtype not in _k.SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {q.dtype}: DualKV attention takes float16, bfloat16 or float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    t, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"k/v must be (T={t}, H_kv, D={d}); got {tuple(k.shape)}")
+    h_kv = k.shape[1]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"query heads H={h} must be divisible by KV heads H_kv={h_kv}")
+    if not (16 <= d <= _k.MAX_HEAD_DIM and d % 8 == 0):
+        raise ValueError(f"unsupported head_dim {d}: supported are {SUPPORTED_HEAD_DIMS}")
+    if cu_seqlens.dtype != torch.int32 or segment_prefix.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens and segment_prefix must be int32; got {cu_seqlens.dtype}, "
+                         f"{segment_prefix.dtype}")
+    if cu_seqlens.dim() != 1 or segment_prefix.dim() != 1 or cu_seqlens.numel() != segment_prefix.numel() + 1:
+        raise ValueError(f"cu_seqlens must be (S+1,) and segment_prefix (S,); got {tuple(cu_seqlens.shape)} and "
+                         f"{tuple(segment_prefix.shape)}")
+    if check_data:
+        _check_structure([int(x) for x in cu_seqlens.tolist()], [int(x) for x in segment_prefix.tolist()], t)
+
+
+def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     layout: Union[DualKVLayout, torch.Tensor], segment_prefix: Optional[torch.Tensor] = None,
+                     softmax_scale: Optional[float] = None, return_lse: bool = False):
+    """DualKV attention over the packed shared-prefix layout (validating wrapper of ``torch.ops.kvt.dualkv_attention``).
+
+    Args:
+        q: ``(T, H, D)`` float16/bfloat16/float32.
+        k, v: ``(T, H_kv, D)``, same dtype and device; ``H % H_kv == 0``.
+        layout: a :class:`DualKVLayout` (moved to q's device if needed), or the int32 ``cu_seqlens`` ``(S+1,)``
+            tensor, in which case ``segment_prefix`` (int32 ``(S,)``) is required.
+        softmax_scale: default ``D ** -0.5``.
+        return_lse: also return the fp32 ``(H, T)`` natural-log LSE.
+
+    Returns:
+        out ``(T, H, D)`` in q.dtype, or ``(out, lse)``.
+
+    Raises:
+        ValueError: offsets not starting at 0 or not monotone, offsets that do not sum to T, a prompt or response of
+            length 0, a response not directly after its prefix, an unsupported head_dim (not a multiple of 8 in
+            [16, 256]) or dtype, H not divisible by H_kv, q/k/v dtypes or shapes that disagree, or tensors on
+            different devices. The data checks (offset values) are skipped while tracing (export/compile).
+    """
+    if isinstance(layout, DualKVLayout):
+        if segment_prefix is not None:
+            raise ValueError("pass segment_prefix only with a cu_seqlens tensor, not with a DualKVLayout")
+        if layout.device != q.device:
+            layout = layout.to(q.device)
+        cu_seqlens, segment_prefix = layout.cu_seqlens, layout.segment_prefix
+    else:
+        cu_seqlens = layout
+        if segment_prefix is None:
+            raise ValueError("segment_prefix is required when layout is a cu_seqlens tensor")
+    check_inputs(q, k, v, cu_seqlens, segment_prefix, check_data=not _is_tracing(q, cu_seqlens))
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, scale)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["dualkv_attention", "check_inputs", "DualKVLayout"]

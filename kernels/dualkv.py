@@ -1,0 +1,579 @@
+"""DualKV attention: Triton forward, deterministic Triton backward, and the plain-PyTorch reference.
+
+Packed shared-prefix layout (``kvtransform.layout``): segments ``[cu_seqlens[s], cu_seqlens[s+1])`` ordered group by
+group (prefix, then its responses); ``segment_prefix[s]`` is the prefix segment of response ``s`` (``-1`` for a
+prefix). A query of a prefix attends causally within its prefix; query ``r`` of a response attends to the whole
+prefix of its group plus tokens ``0..r`` of its own response. Source: DualKV (arXiv 2605.15422, §2–3); the paper's
+kernel is CUDA with fp32 atomics in the backward; this one is Triton and bitwise deterministic.
+
+Kernels (one launch each, covering every group and segment):
+
+* forward ``_fwd_kernel``: one program per (query block, query head), taken from a work table built on the device
+  from ``cu_seqlens`` (heaviest blocks first). Keys are visited in two phases: the group's prefix (a "context" range,
+  unmasked except its last block) for response queries, then the query's own segment (unmasked blocks below the
+  diagonal, masked diagonal block). Online softmax in fp32 (exp2), output and natural-log LSE.
+* backward: ``_bwd_delta_kernel`` (``Delta = rowsum(dO∘O) - dLSE``), ``_bwd_dq_kernel`` (one program per query block
+  and head, same key ranges as the forward) and ``_bwd_dkdv_kernel`` (one program per key block and KV head; it loops
+  over the ``H/H_kv`` query heads that read the KV head and over every query that sees the key block: the causal
+  queries of its own segment and, for a prefix key block, every response query of its group, which lie contiguously
+  after the prefix). Each output element is owned by exactly one program and accumulated in fp32 registers in a fixed
+  order, so gradients are bitwise reproducible (no atomics).
+
+GQA: query head ``h`` reads KV head ``h // (H // H_kv)``; K/V are never copied. Head dims up to 256 are padded to the
+next power of two with masks. fp16/bf16 use the tensor cores with fp32 accumulation; fp32 inputs use IEEE fp32 dots.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ====================================================================================================== reference
+def dualkv_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                               segment_prefix: torch.Tensor, softmax_scale: Optional[float] = None,
+                               upcast: bool = True):
+    """Plain-PyTorch (differentiable) DualKV attention, segment by segment.
+
+    Each query segment is one dense attention: a prefix against its own keys (causal); a response ``r`` against
+    ``cat(prefix keys, own keys)`` with the bottom-right aligned causal mask (the whole prefix plus ``0..r``).
+
+    Args:
+        q: ``(T, H, D)``; k, v: ``(T, H_kv, D)``, ``H % H_kv == 0``; any float dtype.
+        cu_seqlens: int ``(S+1,)`` segment boundaries; segment_prefix: int ``(S,)`` (``-1`` for a prefix).
+        softmax_scale: default ``D ** -0.5``.
+        upcast: compute in fp32 (or fp64 if the inputs are fp64); if False, the matmuls run in the input dtype and
+            only the softmax in fp32 (PyTorch's own low-precision error, used by the numerics rule of the tests).
+
+    Returns:
+        ``(out, lse)``: out ``(T, H, D)`` in ``q.dtype``; lse ``(H, T)`` fp32 (fp64 for fp64 inputs), natural log.
+
+    Reads the offsets on the host (one sync); not for use under tracing.
+    """
+    t, h, d = q.shape
+    h_kv = k.shape[1]
+    grp = h // h_kv
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    sp = [int(x) for x in segment_prefix.tolist()]
+    work = torch.float64 if q.dtype == torch.float64 else (torch.float32 if upcast else q.dtype)
+    soft = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses = [], []
+    for s in range(len(sp)):
+        a, b = cu[s], cu[s + 1]
+        qs = q[a:b].to(work).transpose(0, 1)  # (H, n, D)
+        if sp[s] < 0:
+            ks, vs = k[a:b], v[a:b]
+        else:
+            pa, pb = cu[sp[s]], cu[sp[s] + 1]
+            ks, vs = torch.cat([k[pa:pb], k[a:b]]), torch.cat([v[pa:pb], v[a:b]])
+        ks = ks.to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        vs = vs.to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        n, m = b - a, ks.shape[1]
+        scores = torch.matmul(qs, ks.transpose(-1, -2)).to(soft) * scale
+        keep = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # (H, n)
+        p = torch.exp(scores - lse[..., None])
+        o = torch.matmul(p.to(vs.dtype), vs)
+        outs.append(o.transpose(0, 1).to(q.dtype))
+        lses.append(lse)
+    out = torch.cat(outs) if outs else q.new_zeros(q.shape)
+    lse = torch.cat(lses, dim=1) if lses else torch.zeros(h, t, dtype=soft, device=q.device)
+    return out, lse
+
+
+# ====================================================================================================== work tables
+def _segment_tables(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor):
+    """Per-segment int32 ranges, on the device, without host syncs.
+
+    Returns ``(kctx_lo, kctx_hi, qctx_lo, qctx_hi)``: the context *key* range a segment's queries also see (the group
+    prefix, for a response; empty for a prefix) and the context *query* range that also sees a segment's keys (all
+    response tokens of the group, for a prefix; empty for a response)."""
+    cu = cu_seqlens.long()
+    sp = segment_prefix.long()
+    s = sp.numel()
+    is_resp = sp >= 0
+    p = sp.clamp(min=0)
+    zero = torch.zeros_like(sp)
+    kctx_lo = torch.where(is_resp, cu[p], zero)
+    kctx_hi = torch.where(is_resp, cu[p + 1], zero)
+    # group end of each prefix: max end of its responses (and itself)
+    owner = torch.where(is_resp, p, torch.arange(s, device=sp.device))
+    gend = torch.zeros(s, dtype=torch.long, device=sp.device).scatter_reduce(0, owner, cu[1:], reduce="amax",
+                                                                           include_self=True)
+    qctx_lo = torch.where(is_resp, zero, cu[1:])
+    qctx_hi = torch.where(is_resp, zero, gend)
+    return (kctx_lo.to(torch.int32), kctx_hi.to(torch.int32), qctx_lo.to(torch.int32), qctx_hi.to(torch.int32))
+
+
+def _work_table(cu_seqlens: torch.Tensor, block: int, total_tokens: int, extra: torch.Tensor, per_block_sign: int):
+    """Blocks of ``block`` tokens of every segment, heaviest first, as two int32 tensors ``(seg, blk)`` of static
+    length ``cdiv(T, block) + S`` (unused entries have ``seg = -1``). Built on the device, no host sync.
+
+    Cost of block ``b`` of segment ``s``: ``extra[s] + (b+1)*block`` (query blocks: the keys they visit) if
+    ``per_block_sign > 0``, else ``extra[s] + len_s - b*block`` (key blocks: the queries that see them)."""
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    s = lens.numel()
+    nblk = (lens + block - 1) // block
+    ends = torch.cumsum(nblk, 0)
+    w = triton.cdiv(total_tokens, block) + s
+    i = torch.arange(w, device=cu.device)
+    seg = torch.searchsorted(ends, i, right=True)
+    valid = seg < s
+    seg_c = seg.clamp(max=s - 1)
+    blk = i - (ends[seg_c] - nblk[seg_c])
+    if per_block_sign > 0:
+        cost = extra.long()[seg_c] + (blk + 1) * block
+    else:
+        cost = extra.long()[seg_c] + lens[seg_c] - blk * block
+    cost = torch.where(valid, cost, torch.full_like(cost, -1))
+    order = torch.argsort(cost, descending=True, stable=True)
+    seg_out = torch.where(valid, seg_c, torch.full_like(seg_c, -1))[order].to(torch.int32).contiguous()
+    blk_out = blk[order].to(torch.int32).contiguous()
+    return seg_out, blk_out, w
+
+
+# ====================================================================================================== forward
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, q_idx, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi, kbound,
+               qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
+               CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    for start in range(lo, hi, BLOCK_N):
+        k_idx = start + offs_n
+        k_off = k_idx.to(tl.int64)
+        if MASK_K:
+            lm = k_idx[:, None] < kbound
+            if not EVEN_D:
+                lm = lm & (offs_d[None, :] < D)
+            k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=lm, other=0.0)
+            v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=lm, other=0.0)
+        else:
+            if EVEN_D:
+                k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :])
+                v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :])
+            else:
+                dm = offs_d[None, :] < D
+                k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=dm, other=0.0)
+                v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=dm, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if MASK_K:
+            keep = k_idx[None, :] < kbound
+            if CAUSAL:
+                keep = keep & (k_idx[None, :] <= q_idx[:, None])
+            qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                T, H, GROUP, qk_scale,
+                D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    w = pid // H
+    h = pid % H
+    seg = tl.load(WSEG + w)
+    if seg < 0:
+        return
+    blk = tl.load(WBLK + w)
+    ss = tl.load(CU + seg)
+    se = tl.load(CU + seg + 1)
+    cs = tl.load(KCTX_LO + seg)
+    ce = tl.load(KCTX_HI + seg)
+    hk = h // GROUP
+    q_start = ss + blk * BLOCK_M
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    qm = offs_m[:, None] < se
+    if not EVEN_D:
+        qm = qm & (offs_d[None, :] < D)
+    q = tl.load(Q + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qm, other=0.0)
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # phase 1: the group prefix (response queries only): whole blocks unmasked, then the tail
+    c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                               cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                               c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC)
+    # phase 2: own segment: blocks strictly below the diagonal unmasked, then the diagonal block(s)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                               ss, q_start, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                               q_start, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True,
+                               True, PREC)
+    out = acc / l_i[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    tl.store(O + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=qm)
+    tl.store(LSE + h.to(tl.int64) * T + offs_m, lse, mask=offs_m < se)
+
+
+# ====================================================================================================== backward
+@triton.jit
+def _bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dt, stride_dh, T,
+                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    msk = (offs_m[:, None] < T) & (offs_d[None, :] < D)
+    o = tl.load(O + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=msk, other=0.0)
+    do = tl.load(DO + offs_m.to(tl.int64)[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=msk,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + h.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
+    tl.store(DELTA + h.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse2, delta, q_idx, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi,
+                  kbound, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                  MASK_K: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    for start in range(lo, hi, BLOCK_N):
+        k_idx = start + offs_n
+        k_off = k_idx.to(tl.int64)
+        if MASK_K:
+            lm = k_idx[:, None] < kbound
+            if not EVEN_D:
+                lm = lm & (offs_d[None, :] < D)
+            k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=lm, other=0.0)
+            v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=lm, other=0.0)
+        else:
+            if EVEN_D:
+                k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :])
+                v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :])
+            else:
+                dm = offs_d[None, :] < D
+                k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=dm, other=0.0)
+                v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=dm, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.math.exp2(qk - lse2[:, None])
+        if MASK_K:
+            keep = k_idx[None, :] < kbound
+            if CAUSAL:
+                keep = keep & (k_idx[None, :] <= q_idx[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                   stride_dqt, stride_dqh, T, H, GROUP, qk_scale, sm_scale,
+                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    w = pid // H
+    h = pid % H
+    seg = tl.load(WSEG + w)
+    if seg < 0:
+        return
+    blk = tl.load(WBLK + w)
+    ss = tl.load(CU + seg)
+    se = tl.load(CU + seg + 1)
+    cs = tl.load(KCTX_LO + seg)
+    ce = tl.load(KCTX_HI + seg)
+    hk = h // GROUP
+    q_start = ss + blk * BLOCK_M
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    rm = offs_m < se
+    qm = rm[:, None]
+    if not EVEN_D:
+        qm = qm & (offs_d[None, :] < D)
+    row = offs_m.to(tl.int64)[:, None]
+    q = tl.load(Q + row * stride_qt + h * stride_qh + offs_d[None, :], mask=qm, other=0.0)
+    do = tl.load(DO + row * stride_dot + h * stride_doh + offs_d[None, :], mask=qm, other=0.0)
+    lse2 = tl.load(LSE + h.to(tl.int64) * T + offs_m, mask=rm, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + h.to(tl.int64) * T + offs_m, mask=rm, other=0.0)
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                       cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                       c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                       ss, q_start, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                       q_start, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True, True,
+                       PREC)
+    dq = dq * sm_scale
+    tl.store(DQ + row * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qm)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                    offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    for start in range(lo, hi, BLOCK_M):
+        q_idx = start + offs_m
+        q_off = q_idx.to(tl.int64)
+        if MASK_Q:
+            rm = q_idx < qbound
+            lm = rm[:, None]
+            if not EVEN_D:
+                lm = lm & (offs_d[None, :] < D)
+            q = tl.load(q_base + q_off[:, None] * stride_qt + offs_d[None, :], mask=lm, other=0.0)
+            do = tl.load(do_base + q_off[:, None] * stride_dot + offs_d[None, :], mask=lm, other=0.0)
+            lse2 = tl.load(lse_base + q_idx, mask=rm, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_base + q_idx, mask=rm, other=0.0)
+        else:
+            if EVEN_D:
+                q = tl.load(q_base + q_off[:, None] * stride_qt + offs_d[None, :])
+                do = tl.load(do_base + q_off[:, None] * stride_dot + offs_d[None, :])
+            else:
+                dm = offs_d[None, :] < D
+                q = tl.load(q_base + q_off[:, None] * stride_qt + offs_d[None, :], mask=dm, other=0.0)
+                do = tl.load(do_base + q_off[:, None] * stride_dot + offs_d[None, :], mask=dm, other=0.0)
+            lse2 = tl.load(lse_base + q_idx) * 1.4426950408889634
+            delta = tl.load(delta_base + q_idx)
+        qkT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+        pT = tl.math.exp2(qkT - lse2[None, :])
+        if MASK_Q:
+            keep = q_idx[None, :] < qbound
+            if CAUSAL:
+                keep = keep & (q_idx[None, :] >= k_idx[:, None])
+            pT = tl.where(keep, pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG, WBLK,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                     stride_dkt, stride_dkh, stride_dvt, stride_dvh, T, H_KV, GROUP, qk_scale, sm_scale,
+                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    w = pid // H_KV
+    g = pid % H_KV
+    seg = tl.load(WSEG + w)
+    if seg < 0:
+        return
+    blk = tl.load(WBLK + w)
+    ss = tl.load(CU + seg)
+    se = tl.load(CU + seg + 1)
+    cs = tl.load(QCTX_LO + seg)
+    ce = tl.load(QCTX_HI + seg)
+    k_start = ss + blk * BLOCK_N
+    offs_n = k_start + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    km = offs_n[:, None] < se
+    if not EVEN_D:
+        km = km & (offs_d[None, :] < D)
+    krow = offs_n.to(tl.int64)[:, None]
+    k = tl.load(K + krow * stride_kt + g * stride_kh + offs_d[None, :], mask=km, other=0.0)
+    v = tl.load(V + krow * stride_vt + g * stride_vh + offs_d[None, :], mask=km, other=0.0)
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    diag_hi = tl.minimum(k_start + BLOCK_N, se)
+    o_full = diag_hi + ((se - diag_hi) // BLOCK_M) * BLOCK_M
+    c_full = cs + ((ce - cs) // BLOCK_M) * BLOCK_M
+    for hh in range(0, GROUP):
+        h = g * GROUP + hh
+        q_base = Q + h * stride_qh
+        do_base = DO + h * stride_doh
+        lse_base = LSE + h.to(tl.int64) * T
+        delta_base = DELTA + h.to(tl.int64) * T
+        # own segment: the diagonal (causal, masked), then the queries after it (whole blocks, then the tail)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D, False, False,
+                                 PREC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC)
+        # a prefix key block: every response query of its group (contiguous after the prefix), unmasked
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False, False, PREC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC)
+    dk = dk * sm_scale
+    tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
+    tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
+
+
+# ====================================================================================================== launchers
+def _default_fwd_cfg(d_pad: int, dtype: torch.dtype):
+    if _interpreting():
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    if d_pad <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if d_pad <= 128:
+        if dtype == torch.float32:
+            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def _default_bwd_cfg(d_pad: int, dtype: torch.dtype):
+    if _interpreting():
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    if d_pad <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+    if d_pad <= 128:
+        if dtype == torch.float32:
+            return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
+
+
+# Launch configurations can be overridden (the benchmark's tuning sweep does this): {"fwd": {...}, "dq": {...},
+# "dkdv": {...}} with keys BLOCK_M, BLOCK_N, num_warps, num_stages.
+CONFIG_OVERRIDES: dict = {}
+
+
+def _cfg(kind: str, d_pad: int, dtype: torch.dtype):
+    base = _default_fwd_cfg(d_pad, dtype) if kind in ("fwd", "dq") else _default_bwd_cfg(d_pad, dtype)
+    base = dict(base)
+    base.update(CONFIG_OVERRIDES.get(kind, {}))
+    return base
+
+
+def _prep(q, k, v):
+    t, h, d = q.shape
+    h_kv = k.shape[1]
+    d_pad = max(16, triton.next_power_of_2(d))
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    return t, h, d, h_kv, d_pad, prec
+
+
+def _lastdim_contig(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+               segment_prefix: torch.Tensor, scale: float):
+    """Triton DualKV forward (one launch for every group and segment).
+
+    Args:
+        q: ``(T, H, D)`` fp16/bf16/fp32, last dim contiguous (copied if not); k, v: ``(T, H_kv, D)``, same dtype.
+        cu_seqlens: int32 ``(S+1,)``; segment_prefix: int32 ``(S,)``; both on q's device (already validated).
+        scale: softmax scale.
+
+    Returns:
+        ``(out, lse)``: out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log.
+    """
+    q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
+    t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
+    out = torch.empty_like(q)
+    lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    cfg = _cfg("fwd", d_pad, q.dtype)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    assert bm % bn == 0
+    kctx_lo, kctx_hi, _, _ = _segment_tables(cu_seqlens, segment_prefix)
+    wseg, wblk, w = _work_table(cu_seqlens, bm, t, kctx_hi - kctx_lo, +1)
+    _fwd_kernel[(w * h,)](
+        q, k, v, out, lse, cu_seqlens, kctx_lo, kctx_hi, wseg, wblk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        t, h, h // h_kv, scale * LOG2E,
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, scale: float,
+               dlse: Optional[torch.Tensor] = None):
+    """Triton DualKV backward, bitwise deterministic (no atomics; every gradient element has one owner program).
+
+    Args:
+        do: ``(T, H, D)`` gradient of ``out``; q, k, v, out as in :func:`dualkv_fwd`; lse: fp32 ``(H, T)`` from the
+            forward; cu_seqlens, segment_prefix, scale as in :func:`dualkv_fwd`.
+        dlse: optional fp32 ``(H, T)`` gradient of ``lse`` (enters as ``Delta = rowsum(dO∘O) - dLSE``).
+
+    Returns:
+        ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v; the shared prefix's dK/dV include the contributions of
+        every response of its group plus its own causal part.
+    """
+    q, k, v, out, do = (_lastdim_contig(x) for x in (q, k, v, out, do))
+    t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if t == 0:
+        return dq, dk, dv
+    lse = lse.contiguous()
+    delta = torch.empty((h, t), dtype=torch.float32, device=q.device)
+    bmd = 32 if _interpreting() else 64
+    has_dlse = dlse is not None
+    _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
+        out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
+        do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
+    kctx_lo, kctx_hi, qctx_lo, qctx_hi = _segment_tables(cu_seqlens, segment_prefix)
+    # dQ
+    cfg = _cfg("dq", d_pad, q.dtype)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    assert bm % bn == 0
+    wseg, wblk, w = _work_table(cu_seqlens, bm, t, kctx_hi - kctx_lo, +1)
+    _bwd_dq_kernel[(w * h,)](
+        q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, wseg, wblk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dq.stride(0), dq.stride(1), t, h, h // h_kv, scale * LOG2E, scale,
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    # dK, dV
+    cfg = _cfg("dkdv", d_pad, q.dtype)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    assert bn % bm == 0
+    wseg, wblk, w = _work_table(cu_seqlens, bn, t, qctx_hi - qctx_lo, -1)
+    _bwd_dkdv_kernel[(w * h_kv,)](
+        q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, wseg, wblk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq, dk, dv
+
+
+def dualkv_flops(layout_or_pairs, num_heads: int, head_dim: int, backward: bool = False) -> float:
+    """Useful FLOPs: visible (query, key) pairs × 4·D·H (×2.5 for the backward)."""
+    pairs = layout_or_pairs if isinstance(layout_or_pairs, int) else layout_or_pairs.visible_pairs()
+    f = 4.0 * head_dim * num_heads * pairs
+    return f * 2.5 if backward else f
+
+
+__all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_flops", "CONFIG_OVERRIDES",
+           "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

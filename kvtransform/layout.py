@@ -1,0 +1,224 @@
+"""The packed shared-prefix (DualKV) token layout.
+
+Several groups share one packed token axis of length ``T``. Group ``g`` is its prompt (prefix, ``P_g`` tokens)
+followed by its ``N_g`` responses (``R_{g,0} .. R_{g,N_g-1}`` tokens)::
+
+    [P_0][R_0,0]..[R_0,N_0-1] [P_1][R_1,0].. ...
+
+Attention in this layout (DualKV, arXiv 2605.15422, §2–3): a prefix token attends causally within its prefix; token
+``r`` of a response attends to the whole prefix of its group plus tokens ``0..r`` of its own response, never to
+another response. Every per-token op runs once on the prompt instead of ``N_g`` times.
+
+The layout is described, flash-attention style, by two int32 device tensors:
+
+* ``cu_seqlens`` ``(S+1,)``: boundaries of the ``S`` segments in the packed axis, segments ordered group by group
+  (prefix_g, then response_g,0 .. response_g,N_g-1); ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``;
+* ``segment_prefix`` ``(S,)``: for a response segment, the index of its group's prefix segment; ``-1`` for a prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+
+def _check_structure(cu: Sequence[int], sp: Sequence[int], total_tokens: Optional[int]) -> None:
+    """Validate python lists ``cu`` (S+1) and ``sp`` (S). Raises ValueError naming the problem."""
+    s = len(sp)
+    if len(cu) != s + 1:
+        raise ValueError(f"cu_seqlens must have len(segment_prefix) + 1 = {s + 1} entries; got {len(cu)}")
+    if s == 0:
+        raise ValueError("the layout has no segments")
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0; got {cu[0]}")
+    for i in range(s):
+        if cu[i + 1] < cu[i]:
+            raise ValueError(f"cu_seqlens is not monotone: cu_seqlens[{i + 1}] = {cu[i + 1]} < cu_seqlens[{i}] = {cu[i]}")
+        if cu[i + 1] == cu[i]:
+            kind = "prompt (prefix)" if sp[i] < 0 else "response"
+            raise ValueError(f"segment {i} is a {kind} of length 0 (cu_seqlens[{i}] == cu_seqlens[{i + 1}] == {cu[i]})")
+    if total_tokens is not None and cu[-1] != total_tokens:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]} but there are {total_tokens} tokens (T): the segment lengths "
+                         f"must sum to T")
+    cur = -1
+    for i in range(s):
+        if sp[i] < 0:
+            if sp[i] != -1:
+                raise ValueError(f"segment_prefix[{i}] = {sp[i]}: a prefix segment must be marked -1")
+            cur = i
+        else:
+            if cur < 0:
+                raise ValueError(f"segment {i} is a response before any prefix segment")
+            if sp[i] != cur:
+                raise ValueError(f"segment_prefix[{i}] = {sp[i]} but the prefix of its group is segment {cur}: "
+                                 f"responses must directly follow their prefix")
+
+
+@dataclass
+class DualKVLayout:
+    """Packed layout of ``num_groups`` (prefix, responses) groups in one token axis.
+
+    Attributes:
+        cu_seqlens: int32 ``(S+1,)`` segment boundaries (see module docstring).
+        segment_prefix: int32 ``(S,)``: prefix segment index for a response segment, ``-1`` for a prefix.
+        prefix_lens: python ``P_g`` per group.
+        response_lens: python ``[R_{g,0}, ..]`` per group.
+
+    Build it with :meth:`from_lengths`; direct construction is checked by :meth:`validate`.
+    """
+
+    cu_seqlens: torch.Tensor
+    segment_prefix: torch.Tensor
+    prefix_lens: list = field(default_factory=list)
+    response_lens: list = field(default_factory=list)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_lengths(cls, groups: Sequence[tuple], device: Union[str, torch.device, None] = None) -> "DualKVLayout":
+        """Layout from ``[(P_0, [R_0,0, R_0,1, ..]), (P_1, [..]), ..]`` in packing order.
+
+        Raises:
+            ValueError: no groups, a prompt or response of length <= 0, or a non-integer length.
+        """
+        if len(groups) == 0:
+            raise ValueError("DualKVLayout needs at least one group")
+        cu, sp, prefix_lens, response_lens = [0], [], [], []
+        for g, grp in enumerate(groups):
+            if len(grp) != 2:
+                raise ValueError(f"group {g} must be (prefix_len, [response_lens]); got {grp!r}")
+            p, rs = grp
+            p = int(p)
+            rs = [int(r) for r in rs]
+            if p <= 0:
+                raise ValueError(f"group {g}: prompt (prefix) of length {p}; prompts must have at least one token")
+            for i, r in enumerate(rs):
+                if r <= 0:
+                    raise ValueError(f"group {g}: response {i} has length {r}; responses must have at least one token")
+            pidx = len(sp)
+            sp.append(-1)
+            cu.append(cu[-1] + p)
+            for r in rs:
+                sp.append(pidx)
+                cu.append(cu[-1] + r)
+            prefix_lens.append(p)
+            response_lens.append(rs)
+        if cu[-1] >= 2 ** 31:
+            raise ValueError(f"{cu[-1]} tokens do not fit int32 offsets")
+        return cls(torch.tensor(cu, dtype=torch.int32, device=device),
+                   torch.tensor(sp, dtype=torch.int32, device=device), prefix_lens, response_lens)
+
+    @classmethod
+    def from_tensors(cls, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor) -> "DualKVLayout":
+        """Layout from the two offset tensors (host sync: reads them). Raises ValueError if they are inconsistent."""
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        sp = [int(x) for x in segment_prefix.tolist()]
+        _check_structure(cu, sp, None)
+        prefix_lens, response_lens = [], []
+        for i, s in enumerate(sp):
+            n = cu[i + 1] - cu[i]
+            if s < 0:
+                prefix_lens.append(n)
+                response_lens.append([])
+            else:
+                response_lens[-1].append(n)
+        return cls(cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), prefix_lens, response_lens)
+
+    def __post_init__(self):
+        if not self.prefix_lens and self.cu_seqlens.numel() > 1:
+            # constructed from tensors only: fill the python side
+            other = DualKVLayout.from_tensors(self.cu_seqlens, self.segment_prefix)
+            self.prefix_lens, self.response_lens = other.prefix_lens, other.response_lens
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_groups(self) -> int:
+        return len(self.prefix_lens)
+
+    @property
+    def num_segments(self) -> int:
+        return self.num_groups + sum(len(r) for r in self.response_lens)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.prefix_lens) + sum(sum(r) for r in self.response_lens)
+
+    @property
+    def max_seqlen(self) -> int:
+        """Longest single segment (prefix or response)."""
+        return max([*self.prefix_lens, *(r for rs in self.response_lens for r in rs)])
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    def to(self, device) -> "DualKVLayout":
+        return DualKVLayout(self.cu_seqlens.to(device), self.segment_prefix.to(device),
+                            list(self.prefix_lens), [list(r) for r in self.response_lens])
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, total_tokens: Optional[int] = None) -> None:
+        """Check the tensors against each other, the python lengths and ``total_tokens`` (T).
+
+        Raises:
+            ValueError: wrong dtype/shape, offsets not monotone, a zero-length segment, offsets that do not sum to
+                ``total_tokens``, a response not directly after its prefix, or python lengths that disagree.
+        """
+        if self.cu_seqlens.dtype != torch.int32 or self.segment_prefix.dtype != torch.int32:
+            raise ValueError(f"cu_seqlens and segment_prefix must be int32; got {self.cu_seqlens.dtype}, "
+                             f"{self.segment_prefix.dtype}")
+        if self.cu_seqlens.dim() != 1 or self.segment_prefix.dim() != 1:
+            raise ValueError("cu_seqlens and segment_prefix must be 1-D")
+        if self.cu_seqlens.device != self.segment_prefix.device:
+            raise ValueError(f"cu_seqlens is on {self.cu_seqlens.device} but segment_prefix on "
+                             f"{self.segment_prefix.device}")
+        cu = [int(x) for x in self.cu_seqlens.tolist()]
+        sp = [int(x) for x in self.segment_prefix.tolist()]
+        _check_structure(cu, sp, total_tokens)
+        expect = DualKVLayout.from_lengths(list(zip(self.prefix_lens, self.response_lens)))
+        if expect.cu_seqlens.tolist() != cu or expect.segment_prefix.tolist() != sp:
+            raise ValueError("prefix_lens/response_lens disagree with cu_seqlens/segment_prefix")
+
+    # ------------------------------------------------------------------ derived index tensors
+    def position_ids(self) -> torch.Tensor:
+        """int64 ``(T,)``: ``0..P-1`` on a prefix, ``P..P+R-1`` on each of its responses."""
+        parts = []
+        for p, rs in zip(self.prefix_lens, self.response_lens):
+            parts.append(torch.arange(p))
+            for r in rs:
+                parts.append(torch.arange(p, p + r))
+        return torch.cat(parts).to(self.device)
+
+    def replicated_index(self) -> torch.Tensor:
+        """int64 index of length ``Σ_g Σ_i (P_g + R_g,i)``: ``packed[idx]`` is the replicated layout, every
+        response as its own sequence ``prefix + response``, groups and responses in packing order. A group without
+        responses contributes nothing."""
+        parts, off = [], 0
+        for p, rs in zip(self.prefix_lens, self.response_lens):
+            pre = torch.arange(off, off + p)
+            roff = off + p
+            for r in rs:
+                parts.append(pre)
+                parts.append(torch.arange(roff, roff + r))
+                roff += r
+            off = roff
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return torch.cat(parts).to(self.device)
+
+    def replicated_cu_seqlens(self) -> torch.Tensor:
+        """int32 ``(ΣN+1,)`` boundaries of the replicated sequences (``P_g + R_g,i`` each)."""
+        lens = [p + r for p, rs in zip(self.prefix_lens, self.response_lens) for r in rs]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        return torch.tensor(cu, dtype=torch.int32, device=self.device)
+
+    def visible_pairs(self) -> int:
+        """Number of (query, key) pairs the DualKV mask lets through (for FLOP counts)."""
+        n = 0
+        for p, rs in zip(self.prefix_lens, self.response_lens):
+            n += p * (p + 1) // 2
+            for r in rs:
+                n += r * p + r * (r + 1) // 2
+        return n
