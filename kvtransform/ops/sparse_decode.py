@@ -1,1 +1,309 @@
-"""kvt::retrieval_topk and kvt::sparse_decode_attention (issue 6): filled in by the sparse-decode work."""
+"""SpeContext sparse-retrieval decode ops (arXiv 2512.00722, §4.3): ``kvt::retrieval_topk`` and
+``kvt::sparse_decode_attention``.
+
+Once per decode step a small retrieval head picks, for every KV head, the ``B`` cached tokens the new token will
+attend to (:func:`retrieval_topk`); every layer then attends only to those (:func:`sparse_decode_attention`), or to
+a dense budget-sized slot buffer that already holds them (:func:`slot_decode_attention`, for layers whose full KV
+lives on CPU). Decode is memory-bound: the attention reads ``2 * batch * H_kv * B * D * itemsize`` bytes instead of
+the whole cache.
+
+Contract (shared by the runtime that calls these):
+
+* **Cache layout** ``(batch, H_kv, S_max, D)`` for K and V, last dim contiguous; ``lengths`` ``(batch,)`` int32
+  (int64 is converted) = number of valid cached tokens of each row, positions ``[0, lengths[b])``.
+* **Indices** are **int32** ``(batch, H_kv, B)``: token positions into the cache, shared by every layer of the
+  step. :func:`retrieval_topk` returns them in descending score order, valid entries first, then ``-1`` padding
+  when a row has fewer than ``B`` valid tokens (a row with ``lengths[b] <= B`` gets all of its tokens). It never
+  repeats a position.
+* **Masking / bad indices.** In the attention, an entry is used iff ``0 <= idx < lengths[b]`` (and ``< S_max``);
+  ``-1`` is the padding value. With validation on (the default for CPU tensors outside tracing; opt-in on CUDA
+  because it synchronises), any entry ``< -1`` or ``>= lengths[b]`` and any position listed twice for one
+  (row, KV head) raise ``ValueError``. With validation off the kernel still never reads out of range (such entries
+  are masked) but a duplicate is counted twice.
+* **The new token.** ``k_new``/``v_new`` ``(batch, H_kv, D)`` are the new token's own key/value; when given they are
+  always attended (in addition to the selected cache tokens) whether or not they are in the cache yet. If the
+  runtime has already appended the new token to the cache and wants it attended, either pass it here and do not
+  list its position in ``indices``, or list its position and pass ``k_new=v_new=None`` -- not both (it would count
+  twice).
+* **GQA**: query head ``h`` uses KV head ``h // (H // H_kv)``; indices are per KV head.
+* ``B >= lengths[b]`` with indices ``0..lengths[b]-1`` equals full attention over the row's cache (tested).
+
+CPU tensors run the PyTorch references in ``kvtransform.kernels.{retrieval,sparse_decode}``; CUDA tensors run the
+Triton kernels there. No autograd: decode is inference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvtransform.kernels.retrieval import retrieval_topk_reference, retrieval_topk_triton
+from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
+
+__all__ = ["retrieval_topk", "sparse_decode_attention", "slot_decode_attention", "check_indices"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# custom ops
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kvt::retrieval_topk", mutates_args=())
+def _retrieval_topk_op(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budget: int, sink: int,
+                       recent: int, scale: float) -> torch.Tensor:
+    if q.is_cuda:
+        return retrieval_topk_triton(q, k, lengths, budget, sink, recent, scale)
+    return retrieval_topk_reference(q, k, lengths, budget, sink, recent, scale)
+
+
+@_retrieval_topk_op.register_fake
+def _(q, k, lengths, budget, sink, recent, scale):
+    return q.new_empty((q.shape[0], k.shape[1], budget), dtype=torch.int32)
+
+
+@torch.library.custom_op("kvt::sparse_decode_attention", mutates_args=())
+def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      indices: Optional[torch.Tensor], lengths: torch.Tensor, k_new: Optional[torch.Tensor],
+                      v_new: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    if q.is_cuda:
+        return sparse_decode_triton(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale)
+    return sparse_decode_reference(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale).contiguous()
+
+
+@_sparse_decode_op.register_fake
+def _(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# validation helpers
+# ----------------------------------------------------------------------------------------------------------------
+def _is_concrete(*tensors) -> bool:
+    """False while tracing (dynamo / export / fake tensors), where data-dependent checks are impossible."""
+    try:
+        if torch.compiler.is_compiling():
+            return False
+    except Exception:  # pragma: no cover - very old torch
+        pass
+    from torch._subclasses.fake_tensor import is_fake
+    return not any(t is not None and is_fake(t) for t in tensors)
+
+
+def _want_validate(validate: Optional[bool], *tensors) -> bool:
+    if not _is_concrete(*tensors):
+        return False
+    if validate is None:
+        return all(t is None or t.device.type == "cpu" for t in tensors)
+    return bool(validate)
+
+
+def _check_lengths(lengths: torch.Tensor, batch: int, device: torch.device, name: str = "lengths") -> torch.Tensor:
+    if not isinstance(lengths, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor of shape (batch,) = ({batch},), int32; got {type(lengths)}")
+    if lengths.dim() != 1 or lengths.shape[0] != batch:
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},); got {tuple(lengths.shape)}")
+    if lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 (or int64); got {lengths.dtype}: pass lengths.to(torch.int32)")
+    if lengths.device != device:
+        raise ValueError(f"{name} is on {lengths.device} but the tensors are on {device}: move it with .to()")
+    return lengths.to(torch.int32).contiguous()
+
+
+def _check_length_values(lengths: torch.Tensor, limit: int, what: str) -> None:
+    if lengths.numel() == 0:
+        return
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo < 0:
+        raise ValueError(f"lengths must be >= 0; got min {lo}")
+    if hi > limit:
+        raise ValueError(f"lengths must be <= {what} = {limit}; got max {hi}: grow the cache or clamp lengths")
+
+
+def check_indices(indices: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Raise ``ValueError`` if any entry of ``indices`` ``(batch, H_kv, B)`` is ``< -1`` or ``>= lengths[b]``, or if
+    a valid position appears twice for one (row, KV head). ``-1`` entries are padding. Synchronises on CUDA."""
+    idx = indices.to(torch.int64)
+    lens = lengths.to(device=idx.device, dtype=torch.int64)[:, None, None]
+    bad = (idx < -1) | (idx >= lens)
+    if bool(bad.any()):
+        b, h, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"indices[{b}, {h}, {j}] = {int(idx[b, h, j])} is out of range for lengths[{b}] = "
+                         f"{int(lens[b, 0, 0])}: entries must be in [0, lengths[b]) or -1 for padding")
+    if idx.shape[-1] > 1:
+        srt = idx.sort(dim=-1).values
+        dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+        if bool(dup.any()):
+            b, h, j = (int(x) for x in dup.nonzero()[0])
+            raise ValueError(f"indices[{b}, {h}] lists position {int(srt[b, h, j])} more than once: each selected "
+                             f"token must appear once (use -1 for unused entries)")
+
+
+def _check_qkv(q, k, v, k_new, v_new, what: str):
+    if q.dim() != 3:
+        raise ValueError(f"q must be (batch, H, D) for one new token per row; got {tuple(q.shape)} "
+                         f"(squeeze the sequence dim of a (batch, H, 1, D) query)")
+    if k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{what} must be (batch, H_kv, S, D); got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v {what} must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    bsz, h, d = q.shape
+    if k.shape[0] != bsz or k.shape[3] != d:
+        raise ValueError(f"{what} {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
+    h_kv = k.shape[1]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({h_kv})")
+    if q.dtype not in _FLOATS:
+        raise ValueError(f"q must be fp16, bf16 or fp32; got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}: cast one of them")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} {what} must have a contiguous last (head_dim) dim; got strides {t.stride()}: "
+                             f"store the cache as (batch, H_kv, S, D) contiguous")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass both k_new and v_new (the new token's own key/value) or neither")
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if tuple(t.shape) != (bsz, h_kv, d):
+                raise ValueError(f"{name} must be (batch, H_kv, D) = {(bsz, h_kv, d)}; got {tuple(t.shape)} "
+                                 f"(squeeze the sequence dim of a (batch, H_kv, 1, D) tensor)")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}); got "
+                                 f"{t.dtype}, {t.device}")
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    return q.contiguous(), k_new, v_new
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public wrappers
+# ----------------------------------------------------------------------------------------------------------------
+def retrieval_topk(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budget: int, *, sink: int = 0,
+                   recent: int = 0, scale: Optional[float] = None,
+                   validate: Optional[bool] = None) -> torch.Tensor:
+    """Select ``budget`` cached tokens per KV head with the SpeContext retrieval head (§4.3).
+
+    Score of token ``j`` for KV head ``k``: ``max_{h in group k} softmax_j(q[b, h] · K[b, k, j] · scale)`` (softmax
+    per query head over the row's valid tokens, element-wise max over the GQA group); the ``budget`` best are kept.
+
+    Args:
+        q: ``(batch, H_r, D_r)`` retrieval-head queries of the new token, fp16/bf16/fp32.
+        k: ``(batch, H_r_kv, S_max, D_r)`` retrieval-head key cache, same dtype/device, last dim contiguous.
+            ``H_r % H_r_kv == 0``; ``H_r_kv`` is the KV-head count of the returned indices (the model's ``H_kv``).
+        lengths: ``(batch,)`` int32, valid tokens per row (include the new token's key if it may be selected).
+        budget: ``B >= 1``, tokens kept per (row, KV head).
+        sink: always keep the first ``sink`` tokens (default 0, as the paper).
+        recent: always keep the last ``recent`` tokens (default 0). ``sink + recent <= budget``.
+        scale: softmax scale, default ``D_r ** -0.5``.
+        validate: check ``lengths`` values (default: on for CPU tensors, off on CUDA to avoid a sync).
+
+    Returns:
+        int32 ``(batch, H_r_kv, budget)``: positions, descending score; ``-1`` padding after the valid ones when a
+        row has fewer than ``budget`` tokens (then all its tokens are returned). No position repeats.
+
+    Raises:
+        ValueError: bad ranks/shapes/dtypes, ``budget < 1``, ``sink``/``recent`` negative or ``sink + recent >
+        budget``, head counts that do not divide, or (when validating) lengths outside ``[0, S_max]``.
+    """
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(f"budget must be an int >= 1; got {budget!r}")
+    if sink < 0 or recent < 0:
+        raise ValueError(f"sink and recent must be >= 0; got sink={sink}, recent={recent}")
+    if sink + recent > budget:
+        raise ValueError(f"sink + recent ({sink} + {recent}) exceeds the budget {budget}: lower them or raise B")
+    if q.dim() != 3:
+        raise ValueError(f"q must be (batch, H_r, D_r); got {tuple(q.shape)}")
+    if k.dim() != 4:
+        raise ValueError(f"k must be the retrieval key cache (batch, H_r_kv, S_max, D_r); got {tuple(k.shape)}")
+    bsz, h_r, d = q.shape
+    if k.shape[0] != bsz or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
+    if k.shape[1] == 0 or h_r % k.shape[1] != 0:
+        raise ValueError(f"retrieval query heads ({h_r}) must be a multiple of its KV heads ({k.shape[1]})")
+    if q.dtype not in _FLOATS or k.dtype != q.dtype:
+        raise ValueError(f"q and k must share one dtype of fp16/bf16/fp32; got {q.dtype} and {k.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"k is on {k.device}, q on {q.device}")
+    if k.stride(-1) != 1:
+        raise ValueError(f"k must have a contiguous last dim; got strides {k.stride()}")
+    lengths = _check_lengths(lengths, bsz, q.device)
+    if _want_validate(validate, q, k, lengths):
+        _check_length_values(lengths, k.shape[2], "S_max")
+    scale = d ** -0.5 if scale is None else float(scale)
+    return torch.ops.kvt.retrieval_topk(q.contiguous(), k, lengths, int(budget), int(sink), int(recent), scale)
+
+
+def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            indices: Optional[torch.Tensor], lengths: torch.Tensor,
+                            k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None, *,
+                            scale: Optional[float] = None, validate: Optional[bool] = None) -> torch.Tensor:
+    """One decode step of attention over the selected cache tokens (gather mode), SpeContext §4.3.
+
+    ``out[b, h] = softmax(q[b,h] · K[b,k,sel] · scale ∪ q·k_new) · (V[b,k,sel] ∪ v_new)``, ``k = h // (H/H_kv)``.
+    With ``indices=None`` this is :func:`slot_decode_attention` (``k_cache``/``v_cache`` are slot buffers).
+
+    Args:
+        q: ``(batch, H, D)`` query of the new token, fp16/bf16/fp32.
+        k_cache, v_cache: ``(batch, H_kv, S_max, D)``, same dtype/device, last dim contiguous; ``H % H_kv == 0``.
+        indices: ``(batch, H_kv, B)`` int32 (int64 accepted) positions into the cache, ``-1`` = padding (see the
+            module docstring for masking, duplicates and validation); ``B >= 1``.
+        lengths: ``(batch,)`` int32, valid cached tokens per row (``<= S_max``), not counting ``k_new``.
+        k_new, v_new: optional ``(batch, H_kv, D)``, the new token's own K/V, always attended.
+        scale: softmax scale, default ``D ** -0.5``.
+        validate: check lengths and index values (out of range, duplicates); default on for CPU tensors outside
+            tracing, off on CUDA (it would synchronise).
+
+    Returns:
+        ``(batch, H, D)`` in ``q.dtype``; a row with no valid index and no ``k_new`` gives zeros.
+
+    Raises:
+        ValueError: shape/dtype/device mismatch, ``B < 1``, head counts that do not divide, non-integer indices,
+            and (when validating) lengths outside ``[0, S_max]``, indices out of range or duplicated.
+    """
+    if indices is None:
+        return slot_decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, scale=scale, validate=validate)
+    q, k_new, v_new = _check_qkv(q, k_cache, v_cache, k_new, v_new, "cache")
+    bsz, h_kv = q.shape[0], k_cache.shape[1]
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or indices.shape[:2] != (bsz, h_kv):
+        raise ValueError(f"indices must be (batch, H_kv, B) = ({bsz}, {h_kv}, B); got "
+                         f"{tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices)}")
+    if indices.shape[2] < 1:
+        raise ValueError("indices must select B >= 1 tokens per KV head (use -1 entries for padding)")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indices must be int32 (or int64); got {indices.dtype}")
+    if indices.device != q.device:
+        raise ValueError(f"indices are on {indices.device}, q on {q.device}")
+    lengths = _check_lengths(lengths, bsz, q.device)
+    if _want_validate(validate, q, k_cache, indices, lengths):
+        _check_length_values(lengths, k_cache.shape[2], "S_max")
+        check_indices(indices, lengths)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return torch.ops.kvt.sparse_decode_attention(q, k_cache, v_cache, indices.contiguous(), lengths, k_new, v_new,
+                                                 scale)
+
+
+def slot_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, lengths: torch.Tensor,
+                          k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None, *,
+                          scale: Optional[float] = None, validate: Optional[bool] = None) -> torch.Tensor:
+    """Decode attention over a dense budget-sized slot buffer (no gather), SpeContext §4.3 for layers whose full
+    KV lives on CPU and whose selected tokens were copied into GPU slots.
+
+    Args:
+        q: ``(batch, H, D)``.
+        k_slots, v_slots: ``(batch, H_kv, B, D)``, last dim contiguous; slots ``[0, lengths[b])`` are valid.
+        lengths: ``(batch,)`` int32, valid slots per row, ``<= B`` (``min(len_b, B)`` for a row of ``len_b``
+            tokens when the slots were filled from :func:`retrieval_topk`'s indices, whose valid entries come first).
+        k_new, v_new, scale, validate: as :func:`sparse_decode_attention`.
+
+    Returns:
+        ``(batch, H, D)`` in ``q.dtype``.
+    """
+    q, k_new, v_new = _check_qkv(q, k_slots, v_slots, k_new, v_new, "slots")
+    if k_slots.shape[2] < 1:
+        raise ValueError("the slot buffer must have B >= 1 slots")
+    lengths = _check_lengths(lengths, q.shape[0], q.device)
+    if _want_validate(validate, q, k_slots, lengths):
+        _check_length_values(lengths, k_slots.shape[2], "the slot count B")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return torch.ops.kvt.sparse_decode_attention(q, k_slots, v_slots, None, lengths, k_new, v_new, scale)

@@ -1,0 +1,247 @@
+"""kvt::sparse_decode_attention (issue 6): Triton kernel (under TRITON_INTERPRET=1) and CPU op vs fp64 references."""
+import pytest
+import torch
+
+from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
+from kvtransform.ops.sparse_decode import (check_indices, retrieval_topk, slot_decode_attention,
+                                           sparse_decode_attention)
+
+FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3}
+
+
+def _inputs(bsz, h, h_kv, s_max, d, dtype, lengths=None):
+    q = torch.randn(bsz, h, d, dtype=dtype)
+    k = torch.randn(bsz, h_kv, s_max, d, dtype=dtype)
+    v = torch.randn(bsz, h_kv, s_max, d, dtype=dtype)
+    kn = torch.randn(bsz, h_kv, d, dtype=dtype)
+    vn = torch.randn(bsz, h_kv, d, dtype=dtype)
+    if lengths is None:  # per-row differing lengths, one full row
+        lengths = torch.randint(1, s_max + 1, (bsz,))
+        lengths[0] = s_max
+    return q, k, v, kn, vn, torch.as_tensor(lengths, dtype=torch.int32)
+
+
+def _random_indices(lengths, h_kv, budget, pad_frac=0.2):
+    """Distinct positions per (row, KV head), some entries replaced by -1 padding at random places."""
+    bsz = lengths.shape[0]
+    idx = torch.full((bsz, h_kv, budget), -1, dtype=torch.int32)
+    for b in range(bsz):
+        n = int(lengths[b])
+        for k in range(h_kv):
+            take = min(n, budget)
+            perm = torch.randperm(n)[:take].to(torch.int32)
+            idx[b, k, :take] = perm
+            idx[b, k] = idx[b, k, torch.randperm(budget)]
+            drop = torch.rand(budget) < pad_frac
+            idx[b, k][drop] = -1
+    return idx
+
+
+def _dense_attention_fp64(q, k, v):
+    """Full attention of q (1, H, D) over k, v (1, H_kv, n, D), in fp64, GQA by repeat_interleave."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    p = torch.softmax(torch.einsum("bhd,bhnd->bhn", q.double(), k) * q.shape[-1] ** -0.5, dim=-1)
+    return torch.einsum("bhn,bhnd->bhd", p, v)
+
+
+def _check_close(out, q, k, v, idx, lengths, kn, vn, dtype):
+    ref64 = sparse_decode_reference(q.double(), k.double(), v.double(), idx, lengths,
+                                    None if kn is None else kn.double(), None if vn is None else vn.double())
+    ref_dt = sparse_decode_reference(q, k, v, idx, lengths, kn, vn, dtype=dtype)  # PyTorch's own error in dtype
+    err = (out.double() - ref64).abs().max().item()
+    torch_err = (ref_dt.double() - ref64).abs().max().item()
+    assert torch.isfinite(out).all()
+    assert err <= 2 * torch_err + FLOOR[dtype], (err, torch_err)
+
+
+# Acceptance shapes: S in {1, 17, 1025}, GQA 1/4/7, head_dim 64/80/128, per-row differing lengths; B below and above
+# the lengths; one and several splits; with and without the new token's own K/V.
+def _cases():
+    out = []
+    i = 0
+    for g in (1, 4, 7):
+        for d in (64, 80, 128):
+            for s_max in (1, 17, 1025):
+                budget = {1: 1, 17: 8, 1025: 300}[s_max] if i % 3 else s_max + 5  # B < len and B >= len
+                dtype = torch.float16 if i % 4 == 3 else torch.float32
+                splits = 1 + i % 3
+                block_n = 16 if s_max < 100 else 64
+                h_kv = 1 + i % 2
+                out.append((2 + i % 2, h_kv, g, s_max, d, budget, splits, block_n, dtype, i % 2 == 0))
+                i += 1
+    return out
+
+
+CASES = _cases()
+
+
+
+@pytest.mark.parametrize("bsz,h_kv,g,s_max,d,budget,splits,block_n,dtype,new", CASES)
+def test_gather_matches_fp64_reference(bsz, h_kv, g, s_max, d, budget, splits, block_n, dtype, new):
+    q, k, v, kn, vn, lengths = _inputs(bsz, h_kv * g, h_kv, s_max, d, dtype)
+    if not new:
+        kn = vn = None
+    idx = _random_indices(lengths, h_kv, budget)
+    out = sparse_decode_triton(q, k, v, idx, lengths, kn, vn, num_splits=splits, block_n=block_n)
+    assert out.shape == q.shape and out.dtype == dtype
+    _check_close(out, q, k, v, idx, lengths, kn, vn, dtype)
+
+
+@pytest.mark.parametrize("g,d,s_max", [(4, 128, 17), (7, 80, 1025), (1, 64, 1)])
+def test_budget_covering_length_equals_full_attention(g, d, s_max):
+    """B >= length: retrieval returns every token, and sparse decode equals full attention over cache + new token."""
+    bsz, h_kv, dtype = 3, 2, torch.float32
+    q, k, v, kn, vn, lengths = _inputs(bsz, h_kv * g, h_kv, s_max, d, dtype)
+    budget = s_max + 3
+    idx = retrieval_topk(q, k, lengths, budget)  # CPU op: reference retrieval on the same cache as keys
+    for b in range(bsz):
+        n = int(lengths[b])
+        for kh in range(h_kv):
+            sel = idx[b, kh]
+            assert sorted(sel[:n].tolist()) == list(range(n)) and (sel[n:] == -1).all()
+    out = sparse_decode_triton(q, k, v, idx, lengths, kn, vn, num_splits=2, block_n=16)
+    # Full attention: keys = cache[:len] then the new token, as one dense attention per row (fp64).
+    for b in range(bsz):
+        n = int(lengths[b])
+        kk = torch.cat([k[b:b + 1, :, :n], kn[b:b + 1, :, None]], dim=2).double()
+        vv = torch.cat([v[b:b + 1, :, :n], vn[b:b + 1, :, None]], dim=2).double()
+        full = _dense_attention_fp64(q[b:b + 1], kk, vv)
+        torch.testing.assert_close(out[b:b + 1].double(), full, rtol=0, atol=2e-5)
+        ref = sparse_decode_reference(q[b:b + 1].double(), k[b:b + 1].double(), v[b:b + 1].double(),
+                                      idx[b:b + 1], lengths[b:b + 1], kn[b:b + 1].double(), vn[b:b + 1].double())
+        torch.testing.assert_close(ref, full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gather_all_in_order_is_bitwise_slot_mode(splits):
+    """Indices 0..S_max-1 (gather) and the same cache read as a dense slot buffer give bit-identical outputs."""
+    q, k, v, kn, vn, lengths = _inputs(3, 8, 2, 97, 64, torch.float32)
+    idx = torch.arange(97, dtype=torch.int32).expand(3, 2, 97).contiguous()
+    a = sparse_decode_triton(q, k, v, idx, lengths, kn, vn, num_splits=splits, block_n=32)
+    b = sparse_decode_triton(q, k, v, None, lengths, kn, vn, num_splits=splits, block_n=32)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("g,d,dtype", [(4, 128, torch.float32), (7, 80, torch.float16)])
+def test_slot_mode_matches_fp64_reference(g, d, dtype):
+    bsz, h_kv, budget = 3, 2, 40
+    q, k, v, kn, vn, _ = _inputs(bsz, h_kv * g, h_kv, budget, d, dtype)
+    lengths = torch.tensor([40, 7, 1], dtype=torch.int32)
+    out = sparse_decode_triton(q, k, v, None, lengths, kn, vn, num_splits=2, block_n=16)
+    _check_close(out, q, k, v, None, lengths, kn, vn, dtype)
+    # slot buffer filled by gathering the selected tokens == gather mode over the full cache
+    s_max = 70
+    q, kc, vc, kn, vn, lens = _inputs(bsz, h_kv * g, h_kv, s_max, d, dtype, lengths=[70, 30, 3])
+    idx = retrieval_topk(q, kc, lens, budget)
+    slot_len = lens.clamp(max=budget)
+    safe = idx.clamp(min=0).long()[..., None].expand(-1, -1, -1, d)
+    ks, vs = torch.gather(kc, 2, safe), torch.gather(vc, 2, safe)
+    o_slot = sparse_decode_triton(q, ks, vs, None, slot_len, kn, vn, block_n=16)
+    o_gather = sparse_decode_triton(q, kc, vc, idx, lens, kn, vn, block_n=16)
+    torch.testing.assert_close(o_slot, o_gather, rtol=0, atol=2 * FLOOR[dtype])
+
+
+def test_masking_out_of_range_and_empty_rows():
+    q, k, v, kn, vn, _ = _inputs(3, 4, 2, 17, 64, torch.float32)
+    lengths = torch.tensor([17, 5, 0], dtype=torch.int32)
+    idx = _random_indices(lengths, 2, 8)
+    idx_bad = idx.clone()
+    idx_bad[1, :, 0] = 12  # >= lengths[1]: masked, never read
+    idx_bad[0, :, 1] = -7  # negative: masked
+    idx_ok = idx_bad.clone()
+    idx_ok[1, :, 0] = -1
+    idx_ok[0, :, 1] = -1
+    a = sparse_decode_triton(q, k, v, idx_bad, lengths, kn, vn, num_splits=2, block_n=16)
+    b = sparse_decode_triton(q, k, v, idx_ok, lengths, kn, vn, num_splits=2, block_n=16)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # row 2 has no cached token: with the new token it is exactly v_new, without it zeros
+    torch.testing.assert_close(a[2], vn[2].repeat_interleave(2, dim=0), rtol=0, atol=1e-6)
+    z = sparse_decode_triton(q, k, v, idx, lengths, num_splits=2, block_n=16)
+    assert (z[2] == 0).all()
+    # lengths beyond S_max are clamped by the kernel (the CPU wrapper rejects them)
+    c = sparse_decode_triton(q, k, v, idx, torch.tensor([1000, 5, 0], dtype=torch.int32), kn, vn, block_n=16)
+    torch.testing.assert_close(c, sparse_decode_triton(q, k, v, idx, lengths, kn, vn, block_n=16))
+
+
+def test_int64_indices_and_noncontiguous_q():
+    q, k, v, kn, vn, lengths = _inputs(2, 8, 2, 33, 64, torch.float32)
+    idx = _random_indices(lengths, 2, 16)
+    qt = torch.randn(2, 64, 8).transpose(1, 2)  # non-contiguous (strided) query
+    a = sparse_decode_triton(qt, k, v, idx.long(), lengths, kn, vn, block_n=16)
+    _check_close(a, qt, k, v, idx, lengths, kn, vn, torch.float32)
+
+
+def test_op_cpu_path_and_wrappers():
+    q, k, v, kn, vn, lengths = _inputs(3, 8, 2, 40, 64, torch.float32)
+    idx = _random_indices(lengths, 2, 12)
+    out = sparse_decode_attention(q, k, v, idx, lengths, kn, vn)
+    ref = sparse_decode_reference(q, k, v, idx, lengths, kn, vn)
+    torch.testing.assert_close(out, ref)
+    out2 = torch.ops.kvt.sparse_decode_attention(q, k, v, idx, lengths, kn, vn, 64 ** -0.5)
+    torch.testing.assert_close(out2, ref)
+    # indices=None routes to slot mode
+    sl = torch.tensor([40, 3, 9], dtype=torch.int32)
+    torch.testing.assert_close(sparse_decode_attention(q, k, v, None, sl), slot_decode_attention(q, k, v, sl))
+    torch.testing.assert_close(slot_decode_attention(q, k, v, sl, kn, vn),
+                               sparse_decode_reference(q, k, v, None, sl, kn, vn))
+
+
+def test_opcheck_and_export():
+    q, k, v, kn, vn, lengths = _inputs(2, 4, 2, 9, 16, torch.float32)
+    idx = _random_indices(lengths, 2, 4)
+    torch.library.opcheck(torch.ops.kvt.sparse_decode_attention.default, (q, k, v, idx, lengths, kn, vn, 0.25))
+    torch.library.opcheck(torch.ops.kvt.sparse_decode_attention.default, (q, k, v, None, lengths, None, None, 0.25))
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, idx, lengths, kn, vn):
+            return sparse_decode_attention(q, k, v, idx, lengths, kn, vn)
+
+    ep = torch.export.export(M(), (q, k, v, idx, lengths, kn, vn), strict=False)
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert torch.ops.kvt.sparse_decode_attention.default in targets
+    torch.testing.assert_close(ep.module()(q, k, v, idx, lengths, kn, vn), M()(q, k, v, idx, lengths, kn, vn))
+
+
+def test_bad_input_errors():
+    q, k, v, kn, vn, lengths = _inputs(2, 8, 2, 17, 64, torch.float32)
+    lengths = torch.tensor([17, 5], dtype=torch.int32)
+    idx = _random_indices(lengths, 2, 4)
+    bad = idx.clone()
+    bad[1, 0, 0] = 5
+    with pytest.raises(ValueError, match="out of range"):
+        sparse_decode_attention(q, k, v, bad, lengths)
+    bad = idx.clone()
+    bad[0, 1, :2] = 3
+    with pytest.raises(ValueError, match="more than once"):
+        sparse_decode_attention(q, k, v, bad, lengths)
+    with pytest.raises(ValueError, match="out of range"):
+        check_indices(torch.full((2, 2, 4), -2, dtype=torch.int32), lengths)
+    sparse_decode_attention(q, k, v, bad, lengths, validate=False)  # masked/unchecked path runs
+    with pytest.raises(ValueError, match="lengths must be <="):
+        sparse_decode_attention(q, k, v, idx, torch.tensor([18, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        sparse_decode_attention(q, k, v, idx, torch.tensor([-1, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="B >= 1"):
+        sparse_decode_attention(q, k, v, idx[..., :0], lengths)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        sparse_decode_attention(q[:, :7], k, v, idx, lengths)
+    with pytest.raises(ValueError, match="int32"):
+        sparse_decode_attention(q, k, v, idx.float(), lengths)
+    with pytest.raises(ValueError, match="int32"):
+        sparse_decode_attention(q, k, v, idx, lengths.float())
+    with pytest.raises(ValueError, match="both k_new and v_new"):
+        sparse_decode_attention(q, k, v, idx, lengths, kn, None)
+    with pytest.raises(ValueError, match=r"\(batch, H_kv, D\)"):
+        sparse_decode_attention(q, k, v, idx, lengths, kn[:, None], vn[:, None])
+    with pytest.raises(ValueError, match="contiguous last"):
+        kt = torch.randn(2, 2, 64, 17).transpose(2, 3)
+        sparse_decode_attention(q, kt, kt, idx, lengths)
+    with pytest.raises(ValueError, match=r"\(batch, H, D\)"):
+        sparse_decode_attention(q[:, :, None], k, v, idx, lengths)
+    with pytest.raises(ValueError, match="dtype"):
+        sparse_decode_attention(q.half(), k, v, idx, lengths)
+    with pytest.raises(ValueError, match=r"indices must be \(batch, H_kv, B\)"):
+        sparse_decode_attention(q, k, v, idx[:, :1], lengths)
+    with pytest.raises(ValueError, match="slot count"):
+        slot_decode_attention(q, k[:, :, :4], v[:, :, :4], lengths)
