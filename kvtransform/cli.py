@@ -1,0 +1,443 @@
+"""The ``kvtransform`` command line.
+
+Subcommands::
+
+    kvtransform optimize [MODEL] [key=value ...]   # load → transform → report → save → reload check (Hydra config)
+    kvtransform inspect MODEL [--attn-implementation eager] [--json]
+    kvtransform bench SUITE [overrides ...] [-m]   # forwarded to kvtransform.bench.run
+
+``optimize`` is a Hydra app composed from ``kvtransform.conf`` (``config.yaml`` + groups ``model/`` and
+``transform/``) on top of structured configs registered in Hydra's ConfigStore: :class:`OptimizeConfig`,
+:class:`ModelConfig` and the transform dataclasses of :mod:`kvtransform.config`. A misspelt key is an error that names
+the valid keys; ``--cfg job`` prints the composed config; ``--help`` lists groups and keys. Hydra writes no run
+directory, ``.hydra/`` folder or log file: the artifact goes to ``out`` only.
+
+Bad input (unknown model, bad path, existing ``out``, config typo, verification failure) prints one ``error:`` line
+and exits with status 2; set ``KVT_DEBUG=1`` for the full traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from .config import CONFIG_TYPES, config_from_dict
+
+__all__ = ["main", "ModelConfig", "OptimizeConfig", "UsageError"]
+
+USER_ERROR_EXIT = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+# ---- structured configs -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Which model ``optimize`` loads (arguments of :func:`kvtransform.models.load_model`).
+
+    Attributes:
+        name: registry name (``smollm2-135m``), local HF directory, ``.gguf`` file or a cached hub id.
+        dtype: ``float32`` | ``bfloat16`` | ``float16`` | ``auto``.
+        attn_implementation: ``sdpa`` | ``eager``.
+    """
+
+    name: str = "smollm2-135m"
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class OptimizeConfig:
+    """Top-level config of ``kvtransform optimize``.
+
+    Attributes:
+        model: the model to load.
+        transform: one of the transform configs (group ``transform``: canonical, dualkv, specontext).
+        out: output directory of the artifact.
+        overwrite: replace ``out`` when it exists and is not empty.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    transform: Any = MISSING
+    out: str = "outputs/${kvt_slug:${model.name}}-${transform.name}"
+    overwrite: bool = False
+
+
+def _slug(name: str) -> str:
+    """``outputs/<slug>-<transform>``: a registry name as is, a path by its last component without ``.gguf``."""
+    base = Path(str(name).rstrip("/")).name or "model"
+    if base.lower().endswith(".gguf"):
+        base = base[: -len(".gguf")]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", base)
+
+
+def register_configs() -> None:
+    """Register the structured configs in Hydra's ConfigStore and the ``kvt_slug`` resolver (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="kvt_optimize_schema", node=OptimizeConfig)
+    cs.store(name="kvt_model_schema", node=ModelConfig)
+    for name, cls in CONFIG_TYPES.items():
+        cs.store(name=f"kvt_transform_{name}", node=cls)
+    if not OmegaConf.has_resolver("kvt_slug"):
+        OmegaConf.register_new_resolver("kvt_slug", _slug)
+
+
+register_configs()
+
+# ---- output helpers -----------------------------------------------------------------------------------------------
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _fail(message: str) -> "NoReturn":  # noqa: F821
+    from rich.markup import escape
+
+    _console(stderr=True).print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
+    raise SystemExit(USER_ERROR_EXIT)
+
+
+def _is_user_error(e: BaseException) -> bool:
+    """Errors caused by input (printed as one line) vs. bugs (traceback)."""
+    if isinstance(e, (UsageError, ValueError, OSError, KeyError)):
+        return True
+    mod = type(e).__module__ or ""
+    return mod.startswith("kvtransform") or "Verification" in type(e).__name__
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0])
+    text = str(e).strip() or type(e).__name__
+    return text if isinstance(e, (UsageError, ValueError, OSError)) else f"{type(e).__name__}: {text}"
+
+
+def _guard(fn, *args, **kwargs):
+    """Run ``fn``; a user error becomes one ``error:`` line and exit status 2 (``KVT_DEBUG=1``: re-raise)."""
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit:
+        raise
+    except Exception as e:
+        if os.environ.get("KVT_DEBUG") or not _is_user_error(e):
+            raise
+        _fail(_message(e))
+
+
+# ---- optimize -----------------------------------------------------------------------------------------------------
+
+_HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                      "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
+_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def _split_optimize_args(args: Sequence[str]) -> tuple[list[str], list[str], bool]:
+    """Turn ``[MODEL] [key=value ...] [hydra flags]`` into Hydra's argv; return (argv, overrides, multirun)."""
+    out: list[str] = []
+    overrides: list[str] = []
+    model: Optional[str] = None
+    multirun = False
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("-"):
+            out.append(a)
+            if a in ("-m", "--multirun"):
+                multirun = True
+            if a in _HYDRA_VALUE_FLAGS and i + 1 < len(args):
+                out.append(args[i + 1])
+                i += 1
+            elif a == "--info" and i + 1 < len(args) and args[i + 1] in _INFO_CHOICES:
+                out.append(args[i + 1])
+                i += 1
+        elif "=" in a or a.startswith("~"):
+            out.append(a)
+            overrides.append(a)
+        elif model is None:
+            model = a
+        else:
+            raise UsageError(f"unexpected argument {a!r}: give one MODEL, then overrides as key=value")
+        i += 1
+    if model is not None:
+        from importlib.resources import files
+
+        if files("kvtransform.conf").joinpath("model", f"{model}.yaml").is_file():
+            ov = f"model={model}"
+        else:
+            ov = "model.name='" + model.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        out.insert(0, ov)
+        overrides.insert(0, ov)
+    return out, overrides, multirun
+
+
+def _leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for k in cfg.keys():
+        node = cfg._get_node(k)
+        path = f"{prefix}{k}"
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+            keys.extend(_leaf_keys(node, path + "."))
+        else:
+            keys.append(path)
+    return keys
+
+
+def _check_overrides(overrides: list[str]) -> None:
+    """Compose the config once with the Compose API so that a typo becomes one message naming the valid keys."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+
+    app = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
+    with initialize_config_module(config_module="kvtransform.conf", version_base="1.3"):
+        try:
+            compose(config_name="config", overrides=app)
+            return
+        except HydraException as e:
+            err = e
+        # Valid keys: the config composed from the group choices only (no key overrides).
+        groups = [o for o in app if "=" in o and "." not in o.split("=", 1)[0].lstrip("+~")]
+        try:
+            base = compose(config_name="config", overrides=groups)
+        except HydraException:
+            base = compose(config_name="config")
+    cause = err.__cause__
+    full_key = getattr(cause, "full_key", None)
+    text = str(err).splitlines()[0]
+    if full_key:
+        valid = _leaf_keys(base)
+        parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+        if parent:
+            siblings = [k for k in valid if k.startswith(parent + ".") and "." not in k[len(parent) + 1 :]] or valid
+        else:
+            siblings = list(base.keys())
+        close = difflib.get_close_matches(full_key, valid, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UsageError(f"unknown config key {full_key!r}.{hint} Valid keys: {', '.join(siblings)}")
+    if "Available options" in str(err):  # unknown group option: keep the options, drop the search path
+        text = " ".join(str(err).split("Config search path")[0].split()).replace("In 'config': ", "")
+    raise UsageError(text)
+
+
+def _logits(module, inputs) -> "torch.Tensor":  # noqa: F821
+    import torch
+
+    with torch.no_grad():
+        out = module(inputs)
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, dict):
+        return out["logits"]
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+def _reload_inputs(kvt, name: str, tok, vocab: int):
+    """A short tokenised text (or a packed shared-prefix batch for dualkv) for the reload check."""
+    import torch
+
+    text = "kvtransform rewrites attention in causal language models into fused kernels."
+    if tok is not None:
+        ids = tok(text, return_tensors="pt")["input_ids"]
+    else:
+        ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    if name == "dualkv" and hasattr(kvt, "pack_shared_prefix"):
+        return kvt.pack_shared_prefix(ids[0, :8], [ids[0, 8:12], ids[0, 12:]])
+    return ids
+
+
+def run_optimize(cfg: DictConfig) -> dict:
+    """The ``optimize`` job: load → transform (captures, rewrites, verifies) → report → save → reload check.
+
+    Args:
+        cfg: composed :class:`OptimizeConfig`.
+
+    Returns:
+        timings in seconds: ``load``, ``transform``, ``save``, ``reload``, ``total``.
+
+    Raises:
+        FileExistsError: ``out`` exists and is not empty and ``overwrite`` is false (checked before loading).
+        ValueError / FileNotFoundError: from :func:`kvtransform.models.load_model` and the transform.
+        RuntimeError: the reloaded artifact gives different logits.
+    """
+    import torch
+
+    import kvtransform as kvt
+    from .models import load_model
+
+    console = _console()
+    t0 = time.perf_counter()
+    out = Path(cfg.out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.overwrite:
+        raise FileExistsError(f"output directory {out} exists and is not empty; pass overwrite=true or out=<new dir>")
+    tcfg = config_from_dict(OmegaConf.to_container(cfg.transform, resolve=True))
+
+    model, tok = load_model(cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation)
+    t1 = time.perf_counter()
+    console.print(f"[bold]Loaded[/bold] {cfg.model.name} ({type(model).__name__}, {model.dtype}) in {t1 - t0:.1f} s")
+
+    opt = kvt.transform(model, tcfg)
+    t2 = time.perf_counter()
+    opt.report.print()
+
+    opt.save(str(out), overwrite=cfg.overwrite)
+    t3 = time.perf_counter()
+    console.print(f"[bold]Saved[/bold] artifact to {out}")
+
+    opt2 = kvt.load(str(out))
+    inputs = _reload_inputs(kvt, tcfg.name, tok, model.config.vocab_size)
+    a, b = _logits(opt, inputs), _logits(opt2, inputs)
+    err = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("inf")
+    tol = 1e-5 * max(1.0, a.float().abs().max().item())
+    if not err <= tol:
+        raise RuntimeError(f"the artifact reloaded from {out} gives different logits (max abs error {err:.3g})")
+    t4 = time.perf_counter()
+    console.print(f"[bold]Reloaded[/bold] {out}: same logits on a {tuple(a.shape)} forward (max abs diff {err:.2g})")
+    times = dict(load=t1 - t0, transform=t2 - t1, save=t3 - t2, reload=t4 - t3, total=t4 - t0)
+    console.print(
+        f"[bold green]Done[/bold green] in {times['total']:.1f} s wall "
+        f"(load {times['load']:.1f} s, transform+verify {times['transform']:.1f} s, save {times['save']:.1f} s, "
+        f"reload check {times['reload']:.1f} s)"
+    )
+    del torch
+    return times
+
+
+def _optimize(args: Sequence[str]) -> int:
+    import hydra
+
+    argv, overrides, multirun = _split_optimize_args(args)
+    if not multirun and not any(a in ("--help", "-h", "--hydra-help", "--shell-completion", "-sc") for a in argv):
+        _check_overrides(overrides)
+
+    @hydra.main(version_base="1.3", config_path="pkg://kvtransform.conf", config_name="config")
+    def _task(cfg: DictConfig) -> None:
+        _guard(run_optimize, cfg)
+
+    saved = sys.argv
+    sys.argv = ["kvtransform optimize", *argv]
+    try:
+        _task()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+# ---- inspect ------------------------------------------------------------------------------------------------------
+
+
+def _inspect(args: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvtransform inspect",
+        description="Load MODEL, capture it with torch.export and print the table of attention sites found "
+        "(layer, kind, q/kv heads, head_dim, mask kind, status). Nothing is written.",
+    )
+    p.add_argument("model", help="registry name (e.g. smollm2-135m), local HF directory, .gguf file or cached hub id")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto (default float32)")
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+    ns = p.parse_args(list(args))
+
+    def run() -> None:
+        import json
+
+        import kvtransform as kvt
+        from .models import load_model
+
+        model, _ = load_model(ns.model, dtype=ns.dtype, attn_implementation=ns.attn_implementation)
+        report = kvt.inspect(model)
+        if ns.json:
+            print(json.dumps(report.to_dict(), indent=2, default=str))
+        else:
+            report.print()
+
+    _guard(run)
+    return 0
+
+
+# ---- bench --------------------------------------------------------------------------------------------------------
+
+_BENCH_HELP = """usage: kvtransform bench SUITE [key=value ...] [-m]
+
+Run a benchmark suite (kvtransform.bench.run): long-format CSV, markdown table and plot; every row prints the
+command that reproduces it. `kvtransform bench SUITE --help` shows the suite's options."""
+
+
+def _bench(args: Sequence[str]) -> int:
+    if not args or args[0] in ("-h", "--help"):
+        print(_BENCH_HELP)
+        return 0
+    try:
+        from .bench import run
+    except ImportError:
+        _fail("kvtransform bench is not available in this version (kvtransform.bench.run is missing)")
+    rc = _guard(run, args[0], list(args[1:]))
+    return int(rc) if isinstance(rc, int) else 0
+
+
+# ---- entry point --------------------------------------------------------------------------------------------------
+
+_HELP = """usage: kvtransform COMMAND [ARGS ...]
+
+Rewrite attention in Hugging Face causal LMs (Llama, Qwen2, Qwen3, Mistral, ...) into kvtransform's ops:
+canonical kvt.attention, DualKV shared-prefix training attention, SpeContext sparse decode.
+
+commands:
+  optimize [MODEL] [key=value ...]   load, capture, rewrite, verify, save and reload-check a model
+                                     (default model smollm2-135m, transform=canonical; --cfg job prints the config)
+  inspect MODEL                      print the attention sites found in MODEL
+  bench SUITE [key=value ...] [-m]   run a benchmark suite
+
+MODEL: a registry name ({names}), a local HF model directory, a .gguf file, or a hub id in the local HF cache.
+Run `kvtransform COMMAND --help` for a command's options."""
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point ``kvtransform``.
+
+    Args:
+        argv: arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        exit status: 0 on success. User errors raise ``SystemExit(2)`` after printing one ``error:`` line.
+    """
+    from .models import REGISTRY
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_HELP.format(names=", ".join(sorted(REGISTRY))))
+        return 0 if args else USER_ERROR_EXIT
+    if args[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"kvtransform {__version__}")
+        return 0
+    commands = {"optimize": _optimize, "inspect": _inspect, "bench": _bench}
+    cmd = commands.get(args[0])
+    if cmd is None:
+        close = difflib.get_close_matches(args[0], list(commands), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        _fail(f"unknown command {args[0]!r}{hint}; commands: {', '.join(commands)}. See `kvtransform --help`")
+    return _guard(cmd, args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
