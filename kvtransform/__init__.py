@@ -9,7 +9,35 @@ Public API (DESIGN.md §2)::
 """
 from __future__ import annotations
 
+import importlib
+
 from . import ops  # noqa: F401  registers torch.ops.kvt.*
+from .api import OptimizedModule, inspect, load, register_transform, transform  # noqa: F401
 from .config import CanonicalConfig, DualKVConfig, SpeContextConfig, VerifyConfig  # noqa: F401
+from .report import Report  # noqa: F401
 
 __version__ = "0.1.0"
+
+# Names resolved on first use (keeps `import kvtransform` light): name -> module that defines it.
+_LAZY = {
+    "load_model": "kvtransform.models",
+    "tiny_model": "kvtransform.models",
+    "DualKVLayout": "kvtransform.layout",
+    "pack_shared_prefix": "kvtransform.dualkv",
+    "pack_shared_prefix_groups": "kvtransform.dualkv",
+    "PackedBatch": "kvtransform.dualkv",
+    "dualkv_attention": "kvtransform.ops.dualkv",
+    "retrieval_topk": "kvtransform.ops.sparse_decode",
+    "sparse_decode_attention": "kvtransform.ops.sparse_decode",
+    "VerificationError": "kvtransform.passes.verify",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvtransform' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

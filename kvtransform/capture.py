@@ -1,0 +1,115 @@
+"""Capture a Hugging Face causal LM as an FX graph with ``torch.export`` (non-strict, dynamic batch and sequence).
+
+``torch.fx.symbolic_trace`` no longer works on transformers v5 models; ``torch.export.export(..., strict=False)`` is
+the tracer (DESIGN.md §1, §5). The captured forward takes ``input_ids`` and ``attention_mask`` (both ``(B, S)``
+int64) with ``use_cache=False`` and returns the pytree of the model's output; :func:`capture` returns the unlifted
+``GraphModule`` (parameters as attributes, the same ``Parameter`` objects as the model's) that passes rewrite.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.export import Dim
+
+
+@dataclass
+class Captured:
+    """Result of :func:`capture`.
+
+    Attributes:
+        graph_module: unlifted ``torch.fx.GraphModule``; call it as ``gm(input_ids=..., attention_mask=...,
+            use_cache=False)``.
+        exported: the ``torch.export.ExportedProgram`` it came from.
+        max_seq_len: upper bound of the dynamic sequence dimension.
+        input_names: user input names in order.
+    """
+
+    graph_module: torch.fx.GraphModule
+    exported: torch.export.ExportedProgram
+    max_seq_len: int
+    input_names: tuple
+
+
+def max_positions(model) -> int:
+    cfg = model.config
+    n = getattr(cfg, "max_position_embeddings", None) or 4096
+    return int(min(n, 1 << 16))
+
+
+def example_inputs(model, batch: int = 2, seq: int = 8, device=None):
+    """Small example ``(input_ids, attention_mask)`` for tracing; the second row is left-padded by 2 tokens."""
+    device = device or next(model.parameters()).device
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    am = torch.ones(batch, seq, dtype=torch.long, device=device)
+    if batch > 1:
+        am[1, :2] = 0
+    return ids, am
+
+
+def capture(model: torch.nn.Module, max_seq_len: Optional[int] = None) -> Captured:
+    """Export ``model``'s forward (no KV cache) with dynamic batch and sequence length.
+
+    Args:
+        model: a transformers causal LM (``...ForCausalLM``) in eval mode, any dtype/device.
+        max_seq_len: upper bound of the dynamic sequence length; default ``config.max_position_embeddings``.
+
+    Returns:
+        :class:`Captured`.
+
+    Raises:
+        RuntimeError: when torch.export fails (the message carries the exporter's reason).
+    """
+    max_len = max_seq_len or max_positions(model)
+    ids, am = example_inputs(model)
+    seq = Dim("seq", min=2, max=max_len)
+    batch = Dim("batch", min=1, max=1024)
+    dyn = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}, "use_cache": None}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _quiet():
+            ep = torch.export.export(model, (), {"input_ids": ids, "attention_mask": am, "use_cache": False},
+                                     dynamic_shapes=dyn, strict=False)
+    except Exception as e:  # pragma: no cover - message path
+        raise RuntimeError(f"torch.export could not capture {type(model).__name__}: {e}") from e
+    finally:
+        model.train(was_training)
+    gm = ep.module()
+    _share_parameters(gm, model)
+    return Captured(gm, ep, max_len, ("input_ids", "attention_mask"))
+
+
+def _share_parameters(gm: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Make the captured module hold the model's own ``Parameter`` objects (so optimisers built on
+    ``model.parameters()`` train the transformed module, and no weight memory is duplicated)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, _ in list(gm.named_parameters(remove_duplicate=False)):
+        if name not in params:
+            continue
+        *path, leaf = name.split(".")
+        owner = gm
+        for p in path:
+            owner = getattr(owner, p)
+        owner._parameters[leaf] = params[name]
+
+
+@contextlib.contextmanager
+def _quiet():
+    import logging
+    import warnings
+
+    loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch._dynamo", "torch.fx")]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lv in zip(loggers, old):
+            lg.setLevel(lv)

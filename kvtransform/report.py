@@ -1,0 +1,136 @@
+"""What the passes did: per-pass records, per-attention-site records, and the verification result.
+
+``Report.to_dict()`` is the JSON written as ``report.json`` next to a saved artifact (issue 2, item 6)::
+
+    {"model": ..., "transform": ...,
+     "passes": [{"name", "matched", "rewritten", "skipped": [{"site", "reason"}], "nodes_removed", "notes"}],
+     "sites": [{"index", "layer", "kind", "q_heads", "kv_heads", "head_dim", "mask_kind", "status", "node"}],
+     "verification": {"max_abs_error", "max_rel_error", "tolerance", "passed", "cases"}}
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass
+class PassRecord:
+    name: str
+    matched: int = 0
+    rewritten: int = 0
+    skipped: list = field(default_factory=list)  # [{"site": int, "reason": str}]
+    nodes_removed: int = 0
+    notes: list = field(default_factory=list)
+
+    def skip(self, site: int, reason: str) -> None:
+        self.skipped.append({"site": site, "reason": reason})
+
+
+@dataclass
+class Site:
+    """One attention found in the graph.
+
+    ``kind``: ``"sdpa"`` (aten.scaled_dot_product_attention) or ``"eager"`` (matmul-softmax-matmul chain).
+    ``mask_kind``: ``"none"``, ``"causal"``, ``"causal+padding"``, ``"sliding_window"`` or ``"custom"``.
+    ``status``: ``"found"``, ``"canonical"``, ``"dualkv"``, ``"sparse_decode"`` or ``"skipped: <reason>"``.
+    """
+
+    index: int
+    layer: Optional[int]
+    kind: str
+    q_heads: Optional[int]
+    kv_heads: Optional[int]
+    head_dim: Optional[int]
+    mask_kind: str
+    status: str
+    node: str = ""
+
+
+@dataclass
+class Verification:
+    max_abs_error: Optional[float] = None
+    max_rel_error: Optional[float] = None
+    tolerance: Optional[float] = None
+    passed: Optional[bool] = None
+    cases: list = field(default_factory=list)  # [{"name", "shape", "max_abs_error", "max_rel_error"}]
+
+
+@dataclass
+class Report:
+    model: str = ""
+    transform: str = ""
+    passes: list = field(default_factory=list)
+    sites: list = field(default_factory=list)
+    verification: Verification = field(default_factory=Verification)
+    timings: dict = field(default_factory=dict)  # seconds per stage
+
+    def new_pass(self, name: str) -> PassRecord:
+        rec = PassRecord(name)
+        self.passes.append(rec)
+        return rec
+
+    def pass_record(self, name: str) -> Optional[PassRecord]:
+        return next((p for p in self.passes if p.name == name), None)
+
+    def count(self, status: str) -> int:
+        return sum(1 for s in self.sites if s.status == status)
+
+    # ---- serialisation -------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "transform": self.transform,
+            "passes": [asdict(p) for p in self.passes],
+            "sites": [asdict(s) for s in self.sites],
+            "verification": asdict(self.verification),
+            "timings": dict(self.timings),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Report":
+        return cls(
+            model=d.get("model", ""),
+            transform=d.get("transform", ""),
+            passes=[PassRecord(**p) for p in d.get("passes", [])],
+            sites=[Site(**s) for s in d.get("sites", [])],
+            verification=Verification(**d.get("verification", {})),
+            timings=dict(d.get("timings", {})),
+        )
+
+    # ---- display -------------------------------------------------------------------------------------------------
+    def print(self, console=None, sites: bool = True) -> None:
+        """Render the report as rich tables (passes, sites, verification)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        if sites and self.sites:
+            t = Table(title=f"attention sites ({len(self.sites)})", title_justify="left")
+            for col in ("#", "layer", "kind", "q heads", "kv heads", "head_dim", "mask", "status"):
+                t.add_column(col)
+            for s in self.sites:
+                t.add_row(str(s.index), str(s.layer), s.kind, str(s.q_heads), str(s.kv_heads), str(s.head_dim),
+                          s.mask_kind, s.status)
+            console.print(t)
+        if self.passes:
+            t = Table(title="passes", title_justify="left")
+            for col in ("pass", "matched", "rewritten", "skipped", "nodes removed", "notes"):
+                t.add_column(col)
+            for p in self.passes:
+                reasons = "; ".join(sorted({s["reason"] for s in p.skipped}))
+                t.add_row(p.name, str(p.matched), str(p.rewritten),
+                          f"{len(p.skipped)}" + (f" ({reasons})" if reasons else ""), str(p.nodes_removed),
+                          "; ".join(p.notes))
+            console.print(t)
+        v = self.verification
+        if v.passed is not None:
+            status = "[green]passed[/green]" if v.passed else "[red]FAILED[/red]"
+            console.print(f"verification: {status}  max_abs_error={v.max_abs_error:.3g}  "
+                          f"max_rel_error={v.max_rel_error:.3g}  tolerance={v.tolerance:.3g}  "
+                          f"({len(v.cases)} cases)")
+        elif self.passes:
+            console.print("verification: [yellow]not run[/yellow]")
