@@ -1,0 +1,166 @@
+"""``kvtransform bench SUITE [overrides...] [-m]``: Hydra-composed benchmark suites.
+
+:func:`run` composes the suite's structured config (``kvtransform.bench.config``) with Hydra's compose API, so a
+misspelt key or a bad value is a composition error raised before anything runs. With ``-m``/``--multirun`` every
+sweep override (``P=5059,8192``, ``mb=4,8``, ``method=fa2,dualkv``, ``range(...)``, ``choice(...)``) is expanded
+by Hydra's own override parser and basic sweeper into the cartesian product of jobs; all jobs run in this process
+(baselines measured in the same run) and land in one long-format CSV plus a markdown table and a PNG plot in
+``out_dir``. Each CSV row carries the command that reproduces it.
+
+Example (on a GPU)::
+
+    kvtransform bench dualkv-layer -m P=5059,8192,16384,32768 mb=4,8,16 out_dir=benchmarks/dualkv_layer
+    kvtransform bench dualkv-layer P=8192 mb=8 method=dualkv
+    python -m kvtransform.bench dualkv-attn -m P=4096,8192 mb=8,16
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shlex
+import subprocess
+import sys
+from typing import List, Optional
+
+__all__ = ["run", "compose_jobs", "SUITES"]
+
+SUITES = ("dualkv-layer", "dualkv-attn")
+
+_FLAGS_MULTIRUN = ("-m", "--multirun")
+
+
+def _commit() -> str:
+    env = os.environ.get("KVT_COMMIT")
+    if env:
+        return env
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def compose_jobs(suite: str, overrides: List[str], multirun: bool = False) -> list:
+    """Compose every job of a (possibly sweeping) command line.
+
+    Args:
+        suite: a name in :data:`SUITES`.
+        overrides: Hydra override strings (``key=value``, ``key=a,b`` with ``multirun``).
+        multirun: expand sweep overrides into the cartesian product of jobs.
+
+    Returns:
+        list of ``(job_overrides: list[str], cfg: DictConfig)``, one per job, in sweep order.
+
+    Raises:
+        ValueError: unknown suite, or a sweep override without ``multirun``.
+        hydra.errors.ConfigCompositionException / OverrideParseException: unknown key, bad value, bad syntax.
+    """
+    from hydra import compose, initialize
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from . import config as _config  # registers the suites in the ConfigStore
+
+    if suite not in _config.SUITES:
+        raise ValueError(f"unknown benchmark suite {suite!r}; suites: {', '.join(_config.SUITES)}")
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
+    if sweeps and not multirun:
+        raise ValueError(f"sweep override(s) {sweeps} need -m/--multirun")
+    batches = BasicSweeper.split_arguments(parsed, None)[0] if parsed else [[]]
+
+    def _compose_all():
+        return [(list(b), compose(config_name=suite, overrides=list(b))) for b in batches]
+
+    if GlobalHydra.instance().is_initialized():
+        return _compose_all()
+    with initialize(version_base=None, config_path=None):
+        return _compose_all()
+
+
+def repro_command(suite: str, job_overrides: List[str], method: Optional[str] = None) -> str:
+    """The shell command that reruns one row: the job's overrides, ``method`` pinned, ``out_dir``/``append`` left
+    to the user."""
+    keep = [o for o in job_overrides if o.split("=", 1)[0].lstrip("+~") not in ("method", "out_dir", "append")]
+    if method:
+        keep.append(f"method={method}")
+    return "kvtransform bench " + " ".join([suite] + [shlex.quote(o) for o in keep])
+
+
+def run(suite: str, argv: List[str]) -> list:
+    """Entry point of ``kvtransform bench SUITE [overrides...] [-m]``.
+
+    Args:
+        suite: ``dualkv-layer`` or ``dualkv-attn``.
+        argv: Hydra overrides, plus ``-m``/``--multirun`` to sweep, ``--cfg`` to print the composed config(s) and
+            stop, ``-h``/``--help``.
+
+    Returns:
+        the CSV rows written (list of dicts); also writes ``results.csv``, ``results.md`` and ``results.png`` under
+        each job's ``out_dir`` (the last job's ``out_dir`` when jobs differ), and prints the markdown table last.
+    """
+    from omegaconf import OmegaConf
+
+    from . import report
+    from .dualkv_layer import run_job
+
+    argv = list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        from . import config as _config
+
+        if suite in _config.SUITES:
+            print(OmegaConf.to_yaml(OmegaConf.structured(_config.SUITES[suite])))
+        return []
+    multirun = any(a in _FLAGS_MULTIRUN for a in argv)
+    show_cfg = "--cfg" in argv
+    overrides = [a for a in argv if a not in _FLAGS_MULTIRUN and a != "--cfg"]
+    unknown = [a for a in overrides if a.startswith("-")]
+    if unknown:
+        raise ValueError(f"unknown flag(s) {unknown}; use -m/--multirun, --cfg, -h")
+    jobs = compose_jobs(suite, overrides, multirun)
+    if show_cfg:
+        for ov, cfg in jobs:
+            print(f"# {' '.join(ov)}\n{OmegaConf.to_yaml(cfg)}")
+        return []
+
+    import torch
+
+    commit = _commit()
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    all_rows, by_dir = [], {}
+    print(f"kvtransform bench {suite}: {len(jobs)} job(s), commit {commit}, torch {torch.__version__}", flush=True)
+    for i, (ov, cfg) in enumerate(jobs):
+        from .dualkv_layer import resolve_device
+
+        dev = resolve_device(cfg)
+        dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        print(f"[job {i + 1}/{len(jobs)}] {' '.join(ov) or '(defaults)'}", flush=True)
+
+        def on_row(r, ov=ov, cfg=cfg, dev_name=dev_name):
+            r.update(suite=suite, device=dev_name, commit=commit, torch=torch.__version__,
+                     dtype=cfg.dtype.value if hasattr(cfg.dtype, "value") else str(cfg.dtype), timestamp=stamp,
+                     cmd=repro_command(suite, ov, r["method"]))
+            print("  " + report.row_line(r), flush=True)
+
+        rows = run_job(cfg, on_row)
+        all_rows += rows
+        by_dir.setdefault((str(cfg.out_dir), bool(cfg.append), bool(cfg.plot)), []).extend(rows)
+    for (out_dir, append, plot), rows in by_dir.items():
+        paths = report.write_all(rows, out_dir, append=append, plot=plot)
+        print("wrote " + ", ".join(paths), flush=True)
+        print(report.markdown(report.read_csv(paths[0])), flush=True)
+    return all_rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m kvtransform.bench SUITE [overrides...] [-m]`` (the same as ``kvtransform bench``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("suites: " + ", ".join(SUITES))
+        return 0
+    run(argv[0], argv[1:])
+    return 0

@@ -1,0 +1,294 @@
+"""Benchmark output: long-format CSV, markdown tables (ours next to the paper's and the H200 calibration, with
+ratios and the FLOP floor), a PNG plot, and the reproduce command of each row.
+
+``python -m kvtransform.bench.report results.csv [--md] [--plot out.png] [--repro]`` re-renders a committed CSV.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Iterable, List, Optional
+
+from . import seed
+
+COLUMNS = ["suite", "mode", "method", "impl", "pass", "P", "mb", "T", "T_packed", "T_replicated", "ms_p20", "ms_p50",
+           "ms_p80", "ms_mean", "iters", "gb", "tflops", "floor_ms", "check_rel_err", "check_vs", "status", "device",
+           "commit", "torch", "dtype", "timestamp", "cmd"]
+KEY = ["suite", "mode", "method", "pass", "P", "mb"]
+LAYER_METHODS = ["dualkv", "flex", "flex_rebuild", "fa2", "pg", "reference"]
+TARGETS = {"floor": 1.25, "flex": 1.2, "fa2": 3.5}  # issue 5: dualkv <= 1.25x floor, >= 1.2x flex, >= 3.5x fa2
+
+
+def _num(x) -> Optional[float]:
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def _fmt(x, nd=1) -> str:
+    f = _num(x)
+    return "–" if f is None else f"{f:.{nd}f}"
+
+
+def _ratio(a, b, nd=2) -> str:
+    a, b = _num(a), _num(b)
+    return "–" if a is None or b is None or b == 0 else f"{a / b:.{nd}f}×"
+
+
+def row_line(r: dict) -> str:
+    """One console line for a row: method, pass, shape, times, memory, status, and the reproduce command."""
+    if r.get("status", "ok") != "ok":
+        return f"{r['method']:<13} {r.get('pass', ''):<6} P={r['P']} mb={r['mb']}  {r['status']}   # {r.get('cmd', '')}"
+    return (f"{r['method']:<13} {r.get('pass', ''):<6} P={r['P']} mb={r['mb']} T={r['T']}  "
+            f"p50 {r['ms_p50']:.2f} ms [{r['ms_p20']:.2f}, {r['ms_p80']:.2f}]  {_fmt(r.get('gb'), 2)} GB  "
+            f"{_fmt(r.get('tflops'), 0)} TFLOP/s  floor {r['floor_ms']:.2f} ms  err {_num(r.get("check_rel_err")) or 0:.1e}"
+            f"   # {r.get('cmd', '')}")
+
+
+# ---------------------------------------------------------------------------------------------------------------- CSV
+
+
+def read_csv(path: str):
+    import pandas as pd
+
+    text = ["suite", "mode", "method", "impl", "pass", "status", "device", "commit", "torch", "dtype", "timestamp",
+            "cmd", "check_vs"]
+    return pd.read_csv(path, dtype={c: str for c in text}, keep_default_na=False, na_values=[""])
+
+
+def write_csv(rows: List[dict], path: str, append: bool = False):
+    """Write (or merge into, with ``append``: a rerun row replaces the old one with the same key) the long CSV."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    for c in COLUMNS:
+        if c not in df.columns:
+            df[c] = None
+    df = df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
+    if append and os.path.exists(path):
+        old = read_csv(path)
+        df = pd.concat([old, df], ignore_index=True)
+        df = df.drop_duplicates(subset=KEY, keep="last").reset_index(drop=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    df.to_csv(path, index=False)
+    return df
+
+
+def write_all(rows: List[dict], out_dir: str, append: bool = False, plot: bool = True) -> List[str]:
+    """``results.csv``, ``results.md`` and (``plot``) ``results.png`` in ``out_dir``; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    csv_path = os.path.join(out_dir, "results.csv")
+    df = write_csv(rows, csv_path, append=append)
+    md_path = os.path.join(out_dir, "results.md")
+    with open(md_path, "w") as f:
+        f.write(markdown(df) + "\n")
+    paths = [csv_path, md_path]
+    if plot:
+        png = os.path.join(out_dir, "results.png")
+        if plot_png(df, png):
+            paths.append(png)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------------------- markdown
+
+
+def _shapes(df) -> list:
+    seen = []
+    for P, mb in zip(df["P"], df["mb"]):
+        if (int(P), int(mb)) not in seen:
+            seen.append((int(P), int(mb)))
+    return sorted(seen)
+
+
+def _get(df, method, P, mb, pass_="fwdbwd"):
+    sel = df[(df["method"] == method) & (df["P"] == P) & (df["mb"] == mb) & (df["pass"] == pass_)]
+    return None if sel.empty else sel.iloc[-1]
+
+
+def _ms(row) -> Optional[float]:
+    if row is None or str(row.get("status", "ok")) != "ok":
+        return None
+    return _num(row["ms_p50"])
+
+
+def _cell_ms(row) -> str:
+    if row is None:
+        return "–"
+    st = str(row.get("status", "ok"))
+    if st != "ok":
+        return "OOM" if st == "OOM" else st.split(":")[0].split(" ")[0]
+    return f"{float(row['ms_p50']):.1f}"
+
+
+def _cell_gb(row) -> str:
+    if row is None or str(row.get("status", "ok")) != "ok":
+        return "–" if row is None else _cell_ms(row)
+    return _fmt(row.get("gb"), 1)
+
+
+def _tick(ok: Optional[bool]) -> str:
+    return "–" if ok is None else ("✓" if ok else "✗")
+
+
+def markdown_layer(df) -> str:
+    df = df[df["mode"] == "layer"]
+    if df.empty:
+        return ""
+    paper, calib = seed.table("paper_layer"), seed.table("h200_layer")
+    first = df.iloc[0]
+    out = [f"Device: {first['device']} · commit {first['commit']} · torch {first['torch']} · {first['dtype']} · "
+           f"median (p50) ms of fwd+bwd of one Qwen3-8B-shaped layer; paper = DualKV App. F.4 on an H100; "
+           f"floor = useful FLOPs at {790} TFLOP/s.", ""]
+    out += ["| P | mb | T packed | floor ms | dualkv ms | dualkv/floor | flex ms | flex/dualkv | flex rebuild ms | "
+            "fa2 ms | fa2/dualkv | pg ms | pg/dualkv | paper dualkv | paper fa2 | paper pg | paper dualkv/ours |",
+            "|" + "---|" * 17]
+    mem = ["| P | mb | dualkv GB | paper dualkv GB | flex GB | flex rebuild GB | fa2 GB | pg GB | paper pg GB |",
+           "|" + "---|" * 9]
+    tgt = ["| P | mb | dualkv ≤ 1.25× floor | ≥ 1.2× faster than flex | ≥ 3.5× faster than fa2 | GB ≤ paper DualKV |",
+           "|" + "---|" * 6]
+    cal = ["| P | mb | fa2 ms (ours / calib) | flex ms (ours / calib) | fa2 GB (ours / calib) | flex GB (ours / calib) |",
+           "|" + "---|" * 6]
+    for P, mb in _shapes(df):
+        r = {m: _get(df, m, P, mb) for m in LAYER_METHODS}
+        any_row = next(x for x in r.values() if x is not None)
+        floor = _num(any_row["floor_ms"])
+        d, fl, fa, pg = (_ms(r[m]) for m in ("dualkv", "flex", "fa2", "pg"))
+        pp = paper.get((P, mb), {})
+        out.append(f"| {P} | {mb} | {int(any_row['T_packed'])} | {_fmt(floor)} | {_cell_ms(r['dualkv'])} | "
+                   f"{_ratio(d, floor)} | {_cell_ms(r['flex'])} | {_ratio(fl, d)} | {_cell_ms(r['flex_rebuild'])} | "
+                   f"{_cell_ms(r['fa2'])} | {_ratio(fa, d)} | {_cell_ms(r['pg'])} | {_ratio(pg, d)} | "
+                   f"{_fmt(pp.get('dualkv_ms'))} | {_fmt(pp.get('fa2_ms')) if pp else '–'} | "
+                   f"{_fmt(pp.get('pg_ms')) if pp else '–'} | {_ratio(pp.get('dualkv_ms'), d)} |")
+        dg = _num(r["dualkv"]["gb"]) if r["dualkv"] is not None and _ms(r["dualkv"]) is not None else None
+        mem.append(f"| {P} | {mb} | {_cell_gb(r['dualkv'])} | {_fmt(pp.get('dualkv_gb'))} | {_cell_gb(r['flex'])} | "
+                   f"{_cell_gb(r['flex_rebuild'])} | {_cell_gb(r['fa2'])} | {_cell_gb(r['pg'])} | {_fmt(pp.get('pg_gb'))} |")
+        t_floor = None if d is None or floor is None else d <= TARGETS["floor"] * floor
+        t_flex = None if d is None or fl is None else fl >= TARGETS["flex"] * d
+        t_fa2 = None if d is None or fa is None else fa >= TARGETS["fa2"] * d
+        t_mem = None if dg is None or pp.get("dualkv_gb") is None else dg <= pp["dualkv_gb"]
+        tgt.append(f"| {P} | {mb} | {_tick(t_floor)} {_ratio(d, floor)} | {_tick(t_flex)} {_ratio(fl, d)} | "
+                   f"{_tick(t_fa2)} {_ratio(fa, d)} | {_tick(t_mem)} {_fmt(dg)} / {_fmt(pp.get('dualkv_gb'))} |")
+        c = calib.get((P, mb))
+        if c:
+            cal.append(f"| {P} | {mb} | {_cell_ms(r['fa2'])} / {_fmt(c['fa2_ms'])} | {_cell_ms(r['flex'])} / "
+                       f"{_fmt(c['flex_ms'])} | {_cell_gb(r['fa2'])} / {_fmt(c['fa2_gb'])} | {_cell_gb(r['flex'])} / "
+                       f"{_fmt(c['flex_gb'])} |")
+    out += ["", "Peak memory (GiB, torch.cuda.max_memory_allocated):", ""] + mem
+    out += ["", "Targets of issue 5 (✓ met, ✗ missed, – not measured):", ""] + tgt
+    if len(cal) > 2:
+        out += ["", "Harness check against ../shared/seed_tables/h200_calibration.csv (same H200 setup):", ""] + cal
+    bad = df[df["status"] != "ok"]
+    if not bad.empty:
+        out += ["", "Not measured: " + "; ".join(f"{m} P={P} mb={mb}: {s}" for m, P, mb, s in
+                                                 zip(bad["method"], bad["P"], bad["mb"], bad["status"]))]
+    return "\n".join(out)
+
+
+def markdown_attn(df) -> str:
+    df = df[df["mode"] == "attn"]
+    if df.empty:
+        return ""
+    calib = seed.table("h200_attn")
+    first = df.iloc[0]
+    out = [f"Device: {first['device']} · commit {first['commit']} · torch {first['torch']} · {first['dtype']} · "
+           "attention op alone, H=32, H_kv=8, D=128 unless overridden; useful TFLOP/s = 4·D·H·visible pairs "
+           "(×2.5 backward) over p50.", "",
+           "| P | N | T | method | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | vs flex (fwd+bwd) | GB | "
+           "calib flex fwd / bwd TFLOP/s |", "|" + "---|" * 12]
+    for P, mb in _shapes(df):
+        flex = _ms(_get(df, "flex", P, mb, "fwdbwd"))
+        c = calib.get((P, mb))
+        for m in [m for m in LAYER_METHODS if _get(df, m, P, mb, "fwdbwd") is not None]:
+            f, b, t = (_get(df, m, P, mb, p) for p in ("fwd", "bwd", "fwdbwd"))
+            ok = _ms(t) is not None
+            out.append(f"| {P} | {mb} | {int(t['T'])} | {m} | {_cell_ms(f)} | {_fmt(f['tflops'], 0) if ok else '–'} | "
+                       f"{_cell_ms(b)} | {_fmt(b['tflops'], 0) if ok else '–'} | {_cell_ms(t)} | "
+                       f"{_ratio(flex, _ms(t))} | {_cell_gb(t)} | "
+                       f"{(str(c['flex_fwd_tflops']) + ' / ' + str(c['flex_bwd_tflops'])) if c else '–'} |")
+    return "\n".join(out)
+
+
+def markdown(df) -> str:
+    """All tables for the modes present in ``df`` (a DataFrame of the long CSV)."""
+    parts = [p for p in (markdown_layer(df), markdown_attn(df)) if p]
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------------------- plot
+
+
+def plot_png(df, path: str) -> bool:
+    """Grouped bars of p50 ms per method for each (P, mb), log scale, with the FLOP floor (black tick) and the
+    paper's DualKV time (red tick). Returns False when nothing was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = df[(df["pass"] == "fwdbwd") & (df["status"] == "ok")]
+    if df.empty:
+        return False
+    paper = seed.table("paper_layer")
+    shapes = _shapes(df)
+    methods = [m for m in LAYER_METHODS if (df["method"] == m).any()]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(shapes) * max(1, len(methods)) * 0.35 + 2), 4.5))
+    w = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        xs, ys = [], []
+        for i, (P, mb) in enumerate(shapes):
+            y = _ms(_get(df, m, P, mb))
+            if y is not None:
+                xs.append(i - 0.4 + w * (j + 0.5))
+                ys.append(y)
+        ax.bar(xs, ys, w, label=m)
+    for i, (P, mb) in enumerate(shapes):
+        sel = df[(df["P"] == P) & (df["mb"] == mb)]
+        floor = _num(sel.iloc[0]["floor_ms"])
+        if floor:
+            ax.hlines(floor, i - 0.45, i + 0.45, colors="black", linewidth=2, label="FLOP floor" if i == 0 else None)
+        pd_ms = paper.get((P, mb), {}).get("dualkv_ms")
+        if pd_ms and (sel["mode"] == "layer").any():
+            ax.hlines(pd_ms, i - 0.45, i + 0.45, colors="red", linestyles="dashed", linewidth=1.5,
+                      label="paper DualKV (H100)" if not any(l.get_label() == "paper DualKV (H100)" for l in ax.collections) else None)
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels([f"P={P}\nmb={mb}" for P, mb in shapes], fontsize=8)
+    ax.set_yscale("log")
+    mode = df.iloc[0]["mode"]
+    ax.set_ylabel("ms, p50 (log)")
+    ax.set_title(f"{df.iloc[0]['suite']} ({'layer fwd+bwd' if mode == 'layer' else 'attention fwd+bwd'}) on "
+                 f"{df.iloc[0]['device']}")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def repro_lines(df) -> Iterable[str]:
+    for _, r in df.iterrows():
+        yield f"{r['method']:<13} P={r['P']} mb={r['mb']} {r['pass']}: {r['cmd']}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvtransform.bench.report", description=__doc__)
+    ap.add_argument("csv")
+    ap.add_argument("--md", action="store_true", help="print the markdown tables")
+    ap.add_argument("--plot", metavar="PNG", help="write the plot")
+    ap.add_argument("--repro", action="store_true", help="print each row's reproduce command")
+    a = ap.parse_args(argv)
+    df = read_csv(a.csv)
+    if a.repro:
+        print("\n".join(repro_lines(df)))
+    if a.plot:
+        plot_png(df, a.plot)
+    if a.md or not (a.repro or a.plot):
+        print(markdown(df))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
