@@ -120,7 +120,7 @@ def _is_user_error(e: BaseException) -> bool:
     if isinstance(e, (UsageError, ValueError, OSError, KeyError)):
         return True
     mod = type(e).__module__ or ""
-    return mod.startswith("kvtransform") or "Verification" in type(e).__name__
+    return mod.startswith(("kvtransform", "hydra", "omegaconf")) or "Verification" in type(e).__name__
 
 
 def _message(e: BaseException) -> str:
@@ -294,7 +294,7 @@ def run_optimize(cfg: DictConfig) -> dict:
     t1 = time.perf_counter()
     console.print(f"[bold]Loaded[/bold] {cfg.model.name} ({type(model).__name__}, {model.dtype}) in {t1 - t0:.1f} s")
 
-    opt = kvt.transform(model, tcfg)
+    opt = kvt.transform(model, tcfg, tokenizer=tok)
     t2 = time.perf_counter()
     opt.report.print()
 
@@ -383,7 +383,13 @@ command that reproduces it. `kvtransform bench SUITE --help` shows the suite's o
 
 def _bench(args: Sequence[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
-        print(_BENCH_HELP)
+        try:
+            from .bench import SUITES
+
+            suites = f"\n\nsuites: {', '.join(SUITES)}"
+        except ImportError:
+            suites = ""
+        print(_BENCH_HELP + suites)
         return 0
     try:
         from .bench import run

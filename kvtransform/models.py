@@ -193,6 +193,34 @@ def _from_pretrained(source: str, *, dtype, attn_implementation: str, **kwargs):
     return model
 
 
+def _precheck(source: str, **kwargs) -> None:
+    """Reject a non-causal model from its config alone (a weightless skeleton on the meta device), before any
+    weights are read. Raises ``ValueError`` (not a causal LM / unreadable config) or ``OSError`` (not found)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    try:
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except ValueError as e:
+        first = str(e).splitlines()[0][:200]
+        raise ValueError(f"{source}: config.json is not a Hugging Face model config ({first})") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{source}: {type(config).__name__} is an encoder-decoder model; {_CAUSAL_HINT}")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ValueError(f"{source}: not a causal LM ({str(e).splitlines()[0][:200]}); {_CAUSAL_HINT}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    try:
+        check_causal_lm(skeleton)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
 def _load_tokenizer(source: str, **kwargs):
     """The tokenizer stored beside the model, or ``None`` when the directory has none."""
     from transformers import AutoTokenizer
@@ -303,6 +331,7 @@ def load_model(
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
             hint = f" It holds GGUF files: pass one of them, e.g. {path / ggufs[0]}." if ggufs else ""
             raise ValueError(f"{path} is not a model directory (no config.json).{hint} {_accepted()}")
+        _precheck(str(path))
         with _status(f"Loading {path}"):
             try:
                 model = _from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
@@ -325,6 +354,7 @@ def load_model(
     # A hub id: only what is already cached (no network here, and no surprise downloads anywhere).
     with _status(f"Loading {name} from the local Hugging Face cache"):
         try:
+            _precheck(name, local_files_only=True)
             model = _from_pretrained(name, dtype=dt, attn_implementation=attn_implementation, local_files_only=True)
         except OSError:
             raise FileNotFoundError(
