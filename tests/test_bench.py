@@ -1,0 +1,176 @@
+"""Plumbing of ``kvtransform bench`` (issue 5) on CPU at tiny shapes: config strictness, sweep expansion, the
+layout helpers and FLOP floor, each method's output against the dense reference, and the CSV / markdown / PNG
+outputs. Timings here mean nothing; the numbers come from the H200 (BENCHMARKS.md)."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from kvtransform.bench import compose_jobs, repro_command, run
+from kvtransform.bench import dualkv_layer as dl
+from kvtransform.bench import report, seed
+
+TINY = ["r_min=3", "r_max=9", "hidden=64", "heads=4", "kv_heads=2", "head_dim=16", "mlp=96", "dtype=float32",
+        "warmup=0", "iters=1", "device=cpu"]
+
+
+def test_config_typo_is_an_error():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        compose_jobs("dualkv-layer", ["Pp=5059"])
+    with pytest.raises(ConfigCompositionException):
+        compose_jobs("dualkv-layer", ["method=fa3"])  # enum: not a method
+    with pytest.raises(ValueError, match="unknown benchmark suite"):
+        compose_jobs("dualkv-layr", [])
+    with pytest.raises(ValueError, match="-m"):
+        compose_jobs("dualkv-layer", ["P=5059,8192"])  # a sweep needs -m
+
+
+def test_sweep_expands_cartesian_product():
+    jobs = compose_jobs("dualkv-layer", ["P=5059,8192", "mb=4,8", "method=fa2,dualkv", "iters=3"], multirun=True)
+    assert len(jobs) == 8
+    combos = {(c.P, c.mb, c.method.value) for _, c in jobs}
+    assert combos == {(P, mb, m) for P in (5059, 8192) for mb in (4, 8) for m in ("fa2", "dualkv")}
+    assert all(c.iters == 3 for _, c in jobs)
+    # hydra sweep syntax beyond comma lists
+    assert [c.mb for _, c in compose_jobs("dualkv-layer", ["mb=range(4,17,4)"], multirun=True)] == [4, 8, 12, 16]
+    # defaults: the paper's setup
+    (_, c), = compose_jobs("dualkv-layer", [])
+    assert (c.hidden, c.heads, c.kv_heads, c.head_dim, c.mlp, c.seed, c.warmup) == (4096, 32, 8, 128, 14336, 42, 2)
+    (_, a), = compose_jobs("dualkv-attn", [])
+    assert a.mode.value == "attn"
+
+
+def test_response_lengths_and_floor_match_the_calibration_table():
+    assert dl.response_lengths(4) == [1483, 1106, 1185, 1193]  # seed 42, U[131, 2048]
+    for (P, mb), row in seed.table("h200_layer").items():
+        (_, cfg), = compose_jobs("dualkv-layer", [f"P={P}", f"mb={mb}"])
+        s = dl.Shape.of(cfg)
+        assert (s.T, s.T_rep) == (row["T_packed"], row["T_replicated"])
+        assert s.floor_ms == pytest.approx(row["floor_ms"], abs=0.06)
+
+
+def test_layout_indices():
+    P, R = 5, [3, 2]
+    seg = dl._segments(P, R, "cpu")
+    assert seg.tolist() == [0] * 5 + [1] * 3 + [2] * 2
+    rep = dl._replicated_index(P, R, "cpu")
+    assert rep.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 8, 9]
+    back = dl._packed_from_replicated(P, R, "cpu")
+    assert torch.equal(rep[back], torch.arange(P + sum(R)))
+    assert dl.visible_pairs(P, R) == 15 + (3 * 5 + 6) + (2 * 5 + 3)
+
+
+@pytest.mark.parametrize("name", ["fa2", "pg", "dualkv"])
+def test_methods_match_reference(name):
+    """Each method's attention output and its input gradients equal the dense-mask reference (fp32, GQA 2)."""
+    (_, cfg), = compose_jobs("dualkv-layer", ["P=13", "mb=3"] + TINY)
+    dev = torch.device("cpu")
+    P, R = 13, dl.response_lengths(3, 3, 9, 42)
+    T = P + sum(R)
+    q = torch.randn(T, 4, 16, dtype=torch.float64)
+    k, v = torch.randn(T, 2, 16, dtype=torch.float64), torch.randn(T, 2, 16, dtype=torch.float64)
+    do = torch.randn(T, 4, 16, dtype=torch.float64)
+    ref = dl.Reference()
+    ref.setup(P, R, cfg, dev)
+    m = dl.METHODS[name]()
+    m.setup(P, R, cfg, dev)
+    if name == "dualkv":
+        q, k, v, do = (t.float() for t in (q, k, v, do))
+
+    def grads(meth, replicated):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        if replicated:
+            idx = dl._replicated_index(P, R, dev)
+            back = dl._packed_from_replicated(P, R, dev)
+            o = meth(qq[idx], kk[idx], vv[idx])[back]
+        else:
+            o = meth(qq, kk, vv)
+        o.backward(do)
+        return o.detach(), qq.grad, kk.grad, vv.grad
+
+    tol = 1e-10 if q.dtype == torch.float64 else 1e-4
+    for a, b in zip(grads(m, m.replicated), grads(ref, False)):
+        assert (a - b).norm() / b.norm() < tol
+
+
+def test_run_writes_csv_markdown_plot(tmp_path, capsys):
+    out = tmp_path / "res"
+    rows = run("dualkv-layer", ["-m", "P=11,17", "mb=2", f"out_dir={out}"] + TINY)
+    names = {r["method"] for r in rows}
+    assert {"reference", "fa2", "pg", "flex", "flex_rebuild", "dualkv"} <= names
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {r["method"] for r in ok} >= {"reference", "fa2", "pg", "dualkv"}
+    for r in ok:  # same layer, same inputs: every method's attention agrees with the first one run
+        assert r["check_rel_err"] < 1e-4
+        assert r["ms_p20"] <= r["ms_p50"] <= r["ms_p80"]
+        assert r["cmd"].startswith("kvtransform bench dualkv-layer ") and f"method={r['method']}" in r["cmd"]
+        assert "out_dir" not in r["cmd"]
+    flex = [r for r in rows if r["method"] == "flex"][0]
+    assert flex["status"].startswith("unavailable")  # no FlexAttention backward on CPU
+    for f in ("results.csv", "results.md", "results.png"):
+        assert (out / f).stat().st_size > 0
+    df = report.read_csv(str(out / "results.csv"))
+    assert len(df) == len(rows) and set(report.COLUMNS) <= set(df.columns)
+    assert str(df["commit"].iloc[0]) == rows[0]["commit"]  # a hex hash stays a string
+    md = (out / "results.md").read_text()
+    assert "| 11 | 2 |" in md and "| 17 | 2 |" in md and "paper dualkv" in md
+    assert "Targets of issue 5" in md
+    printed = capsys.readouterr().out
+    assert "kvtransform bench dualkv-layer P=11 mb=2" in printed and printed.rstrip().endswith(md.rstrip()[-40:])
+
+    # append: a rerun of one row replaces it, the others stay
+    run("dualkv-layer", ["P=11", "mb=2", "method=fa2", "append=true", "plot=false", f"out_dir={out}"] + TINY)
+    df2 = report.read_csv(str(out / "results.csv"))
+    assert len(df2) == len(df)
+
+
+def test_attn_mode_rows(tmp_path):
+    rows = run("dualkv-attn", ["P=9", "mb=2", "method=pg", f"out_dir={tmp_path}", "plot=false"] + TINY)
+    assert [r["pass"] for r in rows] == ["fwd", "bwd", "fwdbwd"]
+    assert all(r["status"] == "ok" and r["tflops"] > 0 for r in rows)
+    assert rows[2]["ms_p50"] == pytest.approx(rows[0]["ms_p50"] + rows[1]["ms_p50"])  # one iteration
+    md = (tmp_path / "results.md").read_text()
+    assert "| 9 | 2 |" in md and "pg" in md
+
+
+def test_markdown_against_paper_rows():
+    """A synthetic CSV on the paper's shapes renders ratios against the paper and the floor, and target ticks."""
+    import pandas as pd
+
+    rows = []
+    for m, ms, gb in [("dualkv", 40.0, 3.0), ("flex", 60.0, 3.5), ("fa2", 150.0, 6.0), ("pg", 120.0, 9.0)]:
+        rows.append(dict(suite="dualkv-layer", mode="layer", method=m, impl="", **{"pass": "fwdbwd"}, P=5059, mb=4, T=10026,
+                         T_packed=10026, T_replicated=25203, ms_p20=ms, ms_p50=ms, ms_p80=ms, gb=gb, floor_ms=19.6,
+                         status="ok", device="H200", commit="abc", torch="2.11", dtype="bfloat16", cmd="x"))
+    md = report.markdown(pd.DataFrame(rows))
+    line = [ln for ln in md.splitlines() if ln.startswith("| 5059 | 4 | 10026")][0]
+    assert "40.0" in line and "36.6" in line and "93.2" in line and "3.75×" in line  # fa2/dualkv
+    assert "✗ 2.04×" in md and "✓ 1.50×" in md and "✓ 3.75×" in md and "✓ 3.0 / 4.0" in md
+    assert "85.8" in md  # calibration row exists for (5059, 4)
+
+
+def test_report_cli(tmp_path, capsys):
+    run("dualkv-layer", ["P=7", "mb=2", "method=fa2", f"out_dir={tmp_path}", "plot=false"] + TINY)
+    report.main([str(tmp_path / "results.csv"), "--repro", "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert "kvtransform bench dualkv-layer P=7 mb=2" in out and "method=fa2" in out
+    assert os.path.getsize(tmp_path / "p.png") > 0
+
+
+def test_repro_command_and_percentile():
+    assert repro_command("dualkv-layer", ["P=5059", "out_dir=x", "method=all"], "fa2") == \
+        "kvtransform bench dualkv-layer P=5059 method=fa2"
+    assert dl.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert dl.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 20) == pytest.approx(1.8)
+    assert math.isclose(dl.percentile([5.0], 80), 5.0)
+
+
+def test_cli_forwards_to_bench(tmp_path):
+    cli = pytest.importorskip("kvtransform.cli")
+    rc = cli.main(["bench", "dualkv-layer", "P=7", "mb=2", "method=pg", f"out_dir={tmp_path}", "plot=false"] + TINY)
+    assert rc == 0 and (tmp_path / "results.csv").exists()
