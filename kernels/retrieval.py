@@ -144,6 +144,7 @@ def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Ten
     m_all = part_m.amax(dim=-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
     lse = (m_safe + torch.log((part_l * torch.exp(part_m - m_safe)).sum(dim=-1, keepdim=True))).squeeze(-1)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # empty rows: every score is -inf anyway
     out = torch.empty((b, h_kv, s_max), device=q.device, dtype=torch.float32)
     _group_max_kernel[grid](
         scores, lse.contiguous(), lengths, out,
