@@ -97,6 +97,56 @@ def dualkv_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out, lse
 
 
+def dualkv_attention_reference_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor,
+                                        k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                                        segment_prefix: torch.Tensor, softmax_scale: Optional[float] = None):
+    """Explicit (no autograd) gradients of :func:`dualkv_attention_reference`, computed in fp32 (fp64 for fp64
+    inputs) segment by segment; the prefix's dK/dV sum its own causal part and every response of its group.
+
+    Args:
+        grad_out: ``(T, H, D)``; grad_lse: optional ``(H, T)``; the rest as :func:`dualkv_attention_reference`.
+
+    Returns:
+        ``(dq, dk, dv)`` in the dtypes and shapes of q, k, v.
+    """
+    t, h, d = q.shape
+    h_kv = k.shape[1]
+    grp = h // h_kv
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    sp = [int(x) for x in segment_prefix.tolist()]
+    dq = torch.zeros(q.shape, dtype=work, device=q.device)
+    dk = torch.zeros(k.shape, dtype=work, device=q.device)
+    dv = torch.zeros(v.shape, dtype=work, device=q.device)
+    for s in range(len(sp)):
+        a, b = cu[s], cu[s + 1]
+        rows = [(a, b)] if sp[s] < 0 else [(cu[sp[s]], cu[sp[s] + 1]), (a, b)]
+        qs = q[a:b].to(work).transpose(0, 1)
+        ks = torch.cat([k[x:y] for x, y in rows]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        vs = torch.cat([v[x:y] for x, y in rows]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        dos = grad_out[a:b].to(work).transpose(0, 1)
+        n, m = b - a, ks.shape[1]
+        scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+        keep = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
+        p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+        o = torch.matmul(p, vs)
+        delta = (o * dos).sum(-1)
+        if grad_lse is not None:
+            delta = delta - grad_lse[:, a:b].to(work)
+        dp = torch.matmul(dos, vs.transpose(-1, -2))
+        ds = p * (dp - delta[..., None])
+        dq[a:b] = (torch.matmul(ds, ks) * scale).transpose(0, 1)
+        dks = (torch.matmul(ds.transpose(-1, -2), qs) * scale).view(h_kv, grp, m, d).sum(1).transpose(0, 1)
+        dvs = torch.matmul(p.transpose(-1, -2), dos).view(h_kv, grp, m, d).sum(1).transpose(0, 1)
+        off = 0
+        for x, y in rows:
+            dk[x:y] += dks[off:off + y - x]
+            dv[x:y] += dvs[off:off + y - x]
+            off += y - x
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 # ====================================================================================================== work tables
 def _segment_tables(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor):
     """Per-segment int32 ranges, on the device, without host syncs.
@@ -575,5 +625,5 @@ def dualkv_flops(layout_or_pairs, num_heads: int, head_dim: int, backward: bool 
     return f * 2.5 if backward else f
 
 
-__all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_flops", "CONFIG_OVERRIDES",
+__all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward", "dualkv_flops", "CONFIG_OVERRIDES",
            "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

@@ -60,14 +60,8 @@ def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(q):
         return _k.dualkv_bwd(grad_out, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale, grad_lse)
-    with torch.enable_grad():
-        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o, l = _k.dualkv_attention_reference(qq, kk, vv, cu_seqlens, segment_prefix, softmax_scale)
-        outs, grads = [o], [grad_out]
-        if grad_lse is not None:
-            outs.append(l)
-            grads.append(grad_lse.to(l.dtype))
-        dq, dk, dv = torch.autograd.grad(outs, (qq, kk, vv), grads)
+    dq, dk, dv = _k.dualkv_attention_reference_backward(grad_out, grad_lse, q, k, v, cu_seqlens, segment_prefix,
+                                                        softmax_scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

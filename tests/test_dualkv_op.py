@@ -1,0 +1,241 @@
+"""kvt::dualkv_attention (issue 3): Triton kernels under TRITON_INTERPRET=1 against an fp64 reference computed on the
+*replicated* layout (each response as its own sequence prompt+response; prefix K/V gradients summed over the copies).
+
+Numerics rule (DESIGN.md §3): max error of out, LSE, dQ, dK, dV ≤ 2 × PyTorch's own error in the same dtype
+(``dualkv_attention_reference(upcast=False)``) + a small absolute floor.
+"""
+import pytest
+import torch
+
+import kvtransform  # noqa: F401  registers torch.ops.kvt.*
+from kvtransform.kernels import dualkv as K
+from kvtransform.layout import DualKVLayout
+from kvtransform.ops import dualkv as dualkv_ops
+from kvtransform.ops.dualkv import dualkv_attention
+
+FLOOR = {torch.float32: 2e-5, torch.float16: 2e-4}
+
+
+def replicated_reference(q, k, v, layout: DualKVLayout, scale):
+    """fp64 DualKV attention through the replicated layout: every response becomes the sequence prefix+response,
+    plain causal attention per sequence, GQA by repeating heads. Prefix rows are read from the first copy (all copies
+    are equal); groups without responses run their prefix alone. Differentiable: the gradient of a prefix key/value is
+    the sum over its copies."""
+    q, k, v = q.double(), k.double(), v.double()
+    grp = q.shape[1] // k.shape[1]
+    idx = layout.replicated_index()
+    rcu = layout.replicated_cu_seqlens().tolist()
+    qr, kr, vr = q[idx], k[idx], v[idx]
+    outs, lses = [], []
+
+    def causal(qs, ks, vs):
+        qs, ks, vs = qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)
+        ks, vs = ks.repeat_interleave(grp, 0), vs.repeat_interleave(grp, 0)
+        n = qs.shape[1]
+        s = qs @ ks.transpose(-1, -2) * scale
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        return (torch.softmax(s, -1) @ vs).transpose(0, 1), lse
+
+    seq, off = 0, 0
+    for p, rs in zip(layout.prefix_lens, layout.response_lens):
+        if not rs:
+            o, l = causal(q[off:off + p], k[off:off + p], v[off:off + p])
+            outs.append(o), lses.append(l)
+            off += p
+            continue
+        for i, r in enumerate(rs):
+            a, b = rcu[seq], rcu[seq + 1]
+            o, l = causal(qr[a:b], kr[a:b], vr[a:b])
+            if i == 0:
+                outs.append(o[:p]), lses.append(l[:, :p])
+            outs.append(o[p:]), lses.append(l[:, p:])
+            seq += 1
+        off += p + sum(rs)
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def make_inputs(layout, h, h_kv, d, dtype):
+    t = layout.total_tokens
+    q = torch.randn(t, h, d, dtype=dtype)
+    k = torch.randn(t, h_kv, d, dtype=dtype)
+    v = torch.randn(t, h_kv, d, dtype=dtype)
+    return q, k, v
+
+
+def maxerr(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def check_rule(name, got, pt, ref, dtype):
+    e_got, e_pt = maxerr(got, ref), maxerr(pt, ref)
+    bound = 2 * e_pt + FLOOR[dtype]
+    assert e_got <= bound, f"{name}: kernel error {e_got:.3g} > 2 x PyTorch error {e_pt:.3g} + {FLOOR[dtype]:g}"
+    return e_got, e_pt
+
+
+# (groups, H, H_kv, D, dtype): every P, R in {1, 15, 16, 17, 97}, GQA ratios 1, 4, 7, head_dim 64/80/96/128 (+256),
+# several groups with different P, a group without responses; a representative subset of the cross product.
+CASES = [
+    ([(1, [1])], 2, 2, 64, torch.float32),
+    ([(15, [16, 17])], 4, 1, 80, torch.float32),
+    ([(16, [1, 15]), (17, [97])], 7, 1, 96, torch.float32),
+    ([(97, [15, 16, 1]), (1, [17])], 4, 4, 128, torch.float32),
+    ([(17, [1]), (97, [16, 97]), (15, [])], 8, 2, 64, torch.float32),
+    ([(16, [17, 16]), (1, [1, 1])], 14, 2, 80, torch.float16),
+    ([(97, [97]), (15, [1])], 4, 1, 128, torch.float16),
+    ([(15, [16]), (16, [15])], 2, 1, 96, torch.float16),
+    ([(17, [15, 16])], 2, 2, 256, torch.float32),
+]
+
+
+def _id(c):
+    groups, h, hkv, d, dt = c
+    return f"{'+'.join(f'{p}x{len(r)}' for p, r in groups)}-H{h}-Hkv{hkv}-D{d}-{str(dt)[6:]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_kernels_match_replicated_reference(case):
+    groups, h, h_kv, d, dtype = case
+    layout = DualKVLayout.from_lengths(groups)
+    q, k, v = make_inputs(layout, h, h_kv, d, dtype)
+    scale = d ** -0.5
+    cu, sp = layout.cu_seqlens, layout.segment_prefix
+
+    # fp64 reference on the replicated layout
+    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
+    ref_out, ref_lse = replicated_reference(qd, kd, vd, layout, scale)
+    do = torch.randn(q.shape, dtype=dtype)
+    ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
+
+    # PyTorch's own error in this dtype (matmuls in the input dtype, softmax in fp32)
+    qp, kp, vp = (x.clone().requires_grad_(True) for x in (q, k, v))
+    pt_out, pt_lse = K.dualkv_attention_reference(qp, kp, vp, cu, sp, scale, upcast=False)
+    pt_grads = torch.autograd.grad(pt_out, (qp, kp, vp), do)
+
+    out, lse = K.dualkv_fwd(q, k, v, cu, sp, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (h, layout.total_tokens)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    check_rule("out", out, pt_out, ref_out, dtype)
+    check_rule("lse", lse, pt_lse, ref_lse, dtype)
+
+    dq, dk, dv = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale)
+    for name, g, pg, rg in zip(("dq", "dk", "dv"), (dq, dk, dv), pt_grads, ref_grads):
+        assert g.dtype == dtype and g.shape == rg.shape
+        check_rule(name, g, pg, rg, dtype)
+
+    # bitwise deterministic backward
+    dq2, dk2, dv2 = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale)
+    assert torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2)
+
+
+def test_reference_matches_replicated():
+    layout = DualKVLayout.from_lengths([(16, [1, 15]), (17, [97]), (5, [])])
+    q, k, v = make_inputs(layout, 4, 2, 64, torch.float64)
+    a, la = K.dualkv_attention_reference(q, k, v, layout.cu_seqlens, layout.segment_prefix, 0.3)
+    b, lb = replicated_reference(q, k, v, layout, 0.3)
+    assert maxerr(a, b) < 1e-12 and maxerr(la, lb) < 1e-12
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["cpu-reference", "triton-interpreter"])
+def test_op_autograd_with_lse_grad(use_triton, monkeypatch):
+    monkeypatch.setattr(dualkv_ops, "USE_TRITON_ON_CPU", use_triton)
+    layout = DualKVLayout.from_lengths([(17, [15, 16]), (15, [1])])
+    q, k, v = make_inputs(layout, 4, 2, 64, torch.float32)
+    scale = 0.11
+    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
+    ref_out, ref_lse = replicated_reference(qd, kd, vd, layout, scale)
+    do, dl = torch.randn_like(q), torch.randn(4, layout.total_tokens)
+    ref_grads = torch.autograd.grad((ref_out, ref_lse), (qd, kd, vd), (do.double(), dl.double()), retain_graph=True)
+
+    qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
+    out, lse = dualkv_attention(qq, kk, vv, layout, softmax_scale=scale, return_lse=True)
+    assert maxerr(out, ref_out) < 1e-5 and maxerr(lse, ref_lse) < 1e-5
+    grads = torch.autograd.grad((out, lse), (qq, kk, vv), (do, dl))
+    for g, r in zip(grads, ref_grads):
+        assert maxerr(g, r) < 5e-5
+    # out only (grad of lse absent)
+    out = dualkv_attention(qq, kk, vv, layout.cu_seqlens, layout.segment_prefix, softmax_scale=scale)
+    grads = torch.autograd.grad(out, (qq, kk, vv), do)
+    ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
+    for g, r in zip(grads, ref_grads):
+        assert maxerr(g, r) < 5e-5
+
+
+def test_default_scale_and_layout_device_move():
+    layout = DualKVLayout.from_lengths([(3, [2])])
+    q, k, v = make_inputs(layout, 2, 1, 64, torch.float32)
+    a = dualkv_attention(q, k, v, layout)
+    b = dualkv_attention(q, k, v, layout, softmax_scale=64 ** -0.5)
+    assert torch.equal(a, b)
+
+
+def test_opcheck():
+    layout = DualKVLayout.from_lengths([(5, [3, 2]), (2, [1])])
+    q, k, v = (x.requires_grad_(True) for x in make_inputs(layout, 4, 2, 64, torch.float32))
+    torch.library.opcheck(torch.ops.kvt.dualkv_attention.default,
+                          (q, k, v, layout.cu_seqlens, layout.segment_prefix, 0.125))
+
+
+def test_torch_export_with_layout_inputs():
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, cu, sp):
+            return torch.ops.kvt.dualkv_attention(q, k, v, cu, sp, 0.125)[0] * 2
+
+    layout = DualKVLayout.from_lengths([(5, [3, 2]), (2, [1])])
+    q, k, v = make_inputs(layout, 4, 2, 64, torch.float32)
+    args = (q, k, v, layout.cu_seqlens, layout.segment_prefix)
+    t = torch.export.Dim("ntok", min=2)
+    s = torch.export.Dim("nseg", min=1)
+    ep = torch.export.export(M(), args, dynamic_shapes=({0: t}, {0: t}, {0: t}, {0: s + 1}, {0: s}), strict=False)
+    assert any(n.target == torch.ops.kvt.dualkv_attention.default for n in ep.graph.nodes)
+    lay2 = DualKVLayout.from_lengths([(4, [1, 2, 3])])
+    q2, k2, v2 = make_inputs(lay2, 4, 2, 64, torch.float32)
+    got = ep.module()(q2, k2, v2, lay2.cu_seqlens, lay2.segment_prefix)
+    ref, _ = replicated_reference(q2, k2, v2, lay2, 0.125)
+    assert maxerr(got, 2 * ref) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+def _good():
+    layout = DualKVLayout.from_lengths([(3, [2, 1])])
+    q, k, v = make_inputs(layout, 4, 2, 64, torch.float32)
+    return q, k, v, layout.cu_seqlens.clone(), layout.segment_prefix.clone()
+
+
+def _i32(x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("mutate, msg", [
+    (lambda q, k, v, cu, sp: (q, k, v, _i32([0, 3, 2, 6]), sp), "not monotone"),
+    (lambda q, k, v, cu, sp: (q, k, v, _i32([0, 3, 5, 7]), sp), "sum to T"),
+    (lambda q, k, v, cu, sp: (q, k, v, _i32([0, 3, 5, 5]), sp), "response of length 0"),
+    (lambda q, k, v, cu, sp: (q, k, v, _i32([0, 0, 5, 6]), sp), "prompt .prefix. of length 0"),
+    (lambda q, k, v, cu, sp: (q, k, v, _i32([1, 3, 5, 6]), sp), "start at 0"),
+    (lambda q, k, v, cu, sp: (q, k, v, cu, _i32([-1, 0, 1])), "directly follow"),
+    (lambda q, k, v, cu, sp: (q, k, v, cu.long(), sp), "int32"),
+    (lambda q, k, v, cu, sp: (q, k, v, cu[:-1], sp), r"\(S\+1,\)"),
+    (lambda q, k, v, cu, sp: (q[..., :60], k[..., :60], v[..., :60], cu, sp), "unsupported head_dim 60"),
+    (lambda q, k, v, cu, sp: (torch.randn(6, 4, 264), torch.randn(6, 2, 264), torch.randn(6, 2, 264), cu, sp),
+     "unsupported head_dim 264"),
+    (lambda q, k, v, cu, sp: (q.double(), k.double(), v.double(), cu, sp), "unsupported dtype"),
+    (lambda q, k, v, cu, sp: (q, k.half(), v, cu, sp), "share one dtype"),
+    (lambda q, k, v, cu, sp: (q[:, :3], k, v, cu, sp), "divisible"),
+    (lambda q, k, v, cu, sp: (q, k, v[:, :1], cu, sp), "same shape"),
+    (lambda q, k, v, cu, sp: (q, k, v, cu.to("meta"), sp), "different devices"),
+    (lambda q, k, v, cu, sp: (q[0], k, v, cu, sp), "3-D"),
+])
+def test_bad_inputs(mutate, msg):
+    args = mutate(*_good())
+    with pytest.raises(ValueError, match=msg):
+        dualkv_attention(*args)
+
+
+def test_bad_layout_arguments():
+    q, k, v, cu, sp = _good()
+    with pytest.raises(ValueError, match="segment_prefix is required"):
+        dualkv_attention(q, k, v, cu)
+    with pytest.raises(ValueError, match="only with a cu_seqlens"):
+        dualkv_attention(q, k, v, DualKVLayout(cu, sp), sp)

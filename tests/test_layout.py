@@ -1,0 +1,84 @@
+"""DualKVLayout (kvtransform/layout.py): construction, derived index tensors, validation errors."""
+import pytest
+import torch
+
+from kvtransform.layout import DualKVLayout
+
+
+def test_from_lengths_tensors_and_properties():
+    lay = DualKVLayout.from_lengths([(3, [2, 1]), (4, [5])])
+    assert lay.cu_seqlens.dtype == torch.int32 and lay.segment_prefix.dtype == torch.int32
+    assert lay.cu_seqlens.tolist() == [0, 3, 5, 6, 10, 15]
+    assert lay.segment_prefix.tolist() == [-1, 0, 0, -1, 3]
+    assert lay.prefix_lens == [3, 4] and lay.response_lens == [[2, 1], [5]]
+    assert lay.num_groups == 2 and lay.num_segments == 5
+    assert lay.total_tokens == 15 and lay.max_seqlen == 5
+    lay.validate(15)
+    # pairs: group 0: 3*4/2 + (2*3 + 3) + (1*3 + 1) = 6 + 9 + 4; group 1: 10 + (5*4 + 15)
+    assert lay.visible_pairs() == 19 + 45
+
+
+def test_position_ids():
+    lay = DualKVLayout.from_lengths([(3, [2, 1]), (2, [3])])
+    assert lay.position_ids().dtype == torch.int64
+    assert lay.position_ids().tolist() == [0, 1, 2, 3, 4, 3, 0, 1, 2, 3, 4]
+
+
+def test_replicated_index_and_cu():
+    lay = DualKVLayout.from_lengths([(3, [2, 1]), (2, [3]), (4, [])])
+    idx = lay.replicated_index()
+    assert idx.dtype == torch.int64
+    assert idx.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10]
+    assert lay.replicated_cu_seqlens().tolist() == [0, 5, 9, 14]
+    assert lay.replicated_cu_seqlens().dtype == torch.int32
+    # replicated positions are 0..P+R-1 per sequence
+    pos = lay.position_ids()[idx]
+    cu = lay.replicated_cu_seqlens().tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        assert pos[a:b].tolist() == list(range(b - a))
+
+
+def test_from_tensors_roundtrip_and_to():
+    lay = DualKVLayout.from_lengths([(7, [1, 2, 3]), (1, [1])])
+    lay2 = DualKVLayout(lay.cu_seqlens.clone(), lay.segment_prefix.clone())
+    assert lay2.prefix_lens == [7, 1] and lay2.response_lens == [[1, 2, 3], [1]]
+    lay3 = lay.to("cpu")
+    assert torch.equal(lay3.cu_seqlens, lay.cu_seqlens) and lay3.prefix_lens == lay.prefix_lens
+
+
+@pytest.mark.parametrize("groups, msg", [
+    ([(0, [1])], "prompt"),
+    ([(3, [2, 0])], "response 1 has length 0"),
+    ([(3, [-1])], "length"),
+    ([], "at least one group"),
+])
+def test_from_lengths_errors(groups, msg):
+    with pytest.raises(ValueError, match=msg):
+        DualKVLayout.from_lengths(groups)
+
+
+def test_validate_errors():
+    lay = DualKVLayout.from_lengths([(3, [2, 1])])
+    with pytest.raises(ValueError, match="sum to T"):
+        lay.validate(7)
+    bad = DualKVLayout(torch.tensor([0, 3, 2, 6], dtype=torch.int32), torch.tensor([-1, 0, 0], dtype=torch.int32),
+                       [3], [[2, 1]])
+    with pytest.raises(ValueError, match="not monotone"):
+        bad.validate(6)
+    bad = DualKVLayout(torch.tensor([0, 3, 3, 6], dtype=torch.int32), torch.tensor([-1, 0, 0], dtype=torch.int32),
+                       [3], [[2, 1]])
+    with pytest.raises(ValueError, match="length 0"):
+        bad.validate(6)
+    bad = DualKVLayout(torch.tensor([0, 3, 5, 6], dtype=torch.int32), torch.tensor([-1, 0, 1], dtype=torch.int32),
+                       [3], [[2, 1]])
+    with pytest.raises(ValueError, match="directly follow"):
+        bad.validate(6)
+    bad = DualKVLayout(torch.tensor([0, 3, 5, 6], dtype=torch.int64), torch.tensor([-1, 0, 0], dtype=torch.int32),
+                       [3], [[2, 1]])
+    with pytest.raises(ValueError, match="int32"):
+        bad.validate(6)
+    bad = DualKVLayout(lay.cu_seqlens, lay.segment_prefix, [3], [[1, 2]])
+    with pytest.raises(ValueError, match="disagree"):
+        bad.validate(6)
+    with pytest.raises(ValueError, match="not monotone"):
+        DualKVLayout(torch.tensor([0, 3, 2, 6], dtype=torch.int32), torch.tensor([-1, 0, 0], dtype=torch.int32))
