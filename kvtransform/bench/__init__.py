@@ -145,13 +145,23 @@ def run(suite: str, argv: List[str]) -> list:
                      cmd=repro_command(suite, ov, r["method"]))
             print("  " + report.row_line(r), flush=True)
 
+        out_dir = str(cfg.out_dir)
+        if out_dir not in by_dir:  # rows already in out_dir survive only with append=true
+            old = os.path.join(out_dir, "results.csv")
+            prior = report.read_csv(old).to_dict("records") if cfg.append and os.path.exists(old) else []
+            by_dir[out_dir] = {"prior": prior, "rows": [], "plot": False}
         rows = run_job(cfg, on_row)
         all_rows += rows
-        by_dir.setdefault((str(cfg.out_dir), bool(cfg.append), bool(cfg.plot)), []).extend(rows)
-    for (out_dir, append, plot), rows in by_dir.items():
-        paths = report.write_all(rows, out_dir, append=append, plot=plot)
-        print("wrote " + ", ".join(paths), flush=True)
-        print(report.markdown(report.read_csv(paths[0])), flush=True)
+        d = by_dir[out_dir]
+        d["rows"] += rows
+        d["plot"] = d["plot"] or bool(cfg.plot)
+        # written after every job, so a run cut short still leaves its finished rows
+        d["paths"] = report.write_all(d["prior"] + d["rows"], out_dir, append=False, plot=False)
+    for out_dir, d in by_dir.items():
+        if d["plot"]:
+            d["paths"] = report.write_all(d["prior"] + d["rows"], out_dir, append=False, plot=True)
+        print("wrote " + ", ".join(d["paths"]), flush=True)
+        print(report.markdown(report.read_csv(d["paths"][0])), flush=True)
     return all_rows
 
 

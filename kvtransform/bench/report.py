@@ -64,6 +64,8 @@ def write_csv(rows: List[dict], path: str, append: bool = False):
     import pandas as pd
 
     df = pd.DataFrame(rows)
+    if not df.empty:  # a rerun row replaces the earlier one with the same key
+        df = df.drop_duplicates(subset=[k for k in KEY if k in df.columns], keep="last").reset_index(drop=True)
     for c in COLUMNS:
         if c not in df.columns:
             df[c] = None
