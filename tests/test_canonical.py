@@ -1,0 +1,202 @@
+"""Spine: capture → canonical attention pass → verification → save/load, on tiny random configs of the four families
+(sdpa and eager) and on the real SmolLM2-135M."""
+import json
+
+import pytest
+import torch
+
+import kvtransform as kvt
+from kvtransform.capture import capture
+from kvtransform.passes.attention import classify_mask, find_attention
+from kvtransform.passes.manager import PassContext
+from kvtransform.passes.verify import VerificationError
+from kvtransform.report import Report
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+IMPLS = ["sdpa", "eager"]
+
+
+def _batch(vocab, b=3, s=23, pad=(0, 5, 11)):
+    ids = torch.randint(0, vocab, (b, s))
+    am = torch.ones(b, s, dtype=torch.long)
+    for r, p in enumerate(pad[:b]):
+        am[r, :p] = 0
+    return ids, am
+
+
+def _attention_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.kvt.attention.default]
+
+
+@pytest.fixture(scope="module", params=[(f, i) for f in FAMILIES for i in IMPLS], ids=lambda p: f"{p[0]}-{p[1]}")
+def transformed(request):
+    fam, impl = request.param
+    model = kvt.tiny_model(fam, attn_implementation=impl, num_hidden_layers=2)
+    opt = kvt.transform(model, "canonical", progress=False)
+    return model, opt
+
+
+def test_every_site_canonical(transformed):
+    model, opt = transformed
+    cfg = model.config
+    r = opt.report
+    assert len(r.sites) == cfg.num_hidden_layers
+    assert r.count("canonical") == cfg.num_hidden_layers
+    assert [s.layer for s in r.sites] == list(range(cfg.num_hidden_layers))
+    for s in r.sites:
+        assert (s.q_heads, s.kv_heads, s.head_dim) == (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                        cfg.hidden_size // cfg.num_attention_heads or cfg.head_dim)
+        assert s.mask_kind == "causal+padding"
+    gm = opt.core.gm
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten.scaled_dot_product_attention.default not in targets
+    assert torch.ops.aten.softmax.int not in targets
+    nodes = _attention_nodes(gm)
+    assert len(nodes) == cfg.num_hidden_layers
+    for n in nodes:  # GQA visible: K/V keep H_kv heads; causal flag on, no materialised mask
+        q, k, v, attn_mask, key_padding, scale, causal = n.args
+        assert k.meta["val"].shape[1] == cfg.num_key_value_heads
+        assert attn_mask is None and key_padding is not None and causal is True
+    # the (B, 1, S, S) mask construction is gone
+    assert not [n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                and n.meta["val"].dtype == torch.bool and n.meta["val"].dim() == 4]
+    assert r.pass_record("attention").nodes_removed > 0
+
+
+def test_equal_to_original_left_padded(transformed):
+    model, opt = transformed
+    ids, am = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am, use_cache=False).logits
+        out = opt(ids, am)
+    keep = am.bool()
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out[keep], ref[keep], rtol=1e-5, atol=1e-5)
+    v = opt.report.verification
+    assert v.passed is True and v.max_rel_error <= 1e-4 and len(v.cases) >= 2
+
+
+def test_gradients_equal_and_parameters_shared(transformed):
+    model, opt = transformed
+    assert all(a is b for a, b in zip(opt.parameters(), model.parameters()))
+    ids, am = _batch(model.config.vocab_size, b=2, s=9, pad=(0, 3))
+    keep = am.bool()
+    model.zero_grad()
+    opt(ids, am)[keep].square().mean().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(input_ids=ids, attention_mask=am, use_cache=False).logits[keep].square().mean().backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+
+
+def test_sliding_window_mask_is_kept():
+    model = kvt.tiny_model("mistral", attn_implementation="sdpa", sliding_window=6)
+    opt = kvt.transform(model, "canonical", progress=False)
+    assert {s.mask_kind for s in opt.report.sites} == {"sliding_window"}
+    for n in _attention_nodes(opt.core.gm):
+        assert n.args[3] is not None and n.args[6] is False  # the mask stays an input, no causal shortcut
+    ids, am = _batch(model.config.vocab_size, s=19)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(ids, am)[am.bool()],
+                                   model(input_ids=ids, attention_mask=am, use_cache=False).logits[am.bool()],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_mask_proof_rejects_a_non_causal_mask():
+    """A mask node that is not causal must not be classified causal (so it would never be dropped)."""
+    model = kvt.tiny_model("llama")
+    cap = capture(model)
+    gm = cap.graph_module
+    ctx = PassContext(Report(), model.config, cap.max_seq_len)
+    m = find_attention(gm)[0]
+    assert classify_mask(gm, m.mask, False, ctx, {}) == "causal+padding"
+    # graft a transposed mask (anti-causal) in front of the first site and classify it
+    with gm.graph.inserting_before(m.out):
+        bad = gm.graph.call_function(torch.ops.aten.transpose.int, (m.mask, 2, 3))
+    assert classify_mask(gm, bad, False, ctx, {}) == "custom"
+
+
+def test_inspect_reports_sites_without_rewriting():
+    model = kvt.tiny_model("qwen2", attn_implementation="eager", num_hidden_layers=3)
+    r = kvt.inspect(model, progress=False)
+    assert [s.status for s in r.sites] == ["found"] * 3 and [s.kind for s in r.sites] == ["eager"] * 3
+
+
+def test_training_dropout_site_is_skipped_and_reported():
+    model = kvt.tiny_model("llama", attn_implementation="eager", attention_dropout=0.5)
+    model.train()
+    from kvtransform.passes.attention import canonicalize_attention
+    cap = capture(model)  # capture puts the model in eval mode: dropout becomes inactive, site is rewritable
+    ctx = PassContext(Report(), model.config, cap.max_seq_len)
+    canonicalize_attention(cap.graph_module, ctx)
+    assert ctx.report.count("canonical") == model.config.num_hidden_layers
+    assert model.training  # capture restores the mode
+
+
+def test_verification_gate_refuses(tmp_path):
+    model = kvt.tiny_model("llama")
+    cfg = kvt.CanonicalConfig()
+    cfg.verify.tolerance = 1e-30  # fp32 differences (~1e-7) exceed this: the gate must refuse
+    with pytest.raises(VerificationError, match="Nothing was written"):
+        kvt.transform(model, cfg, progress=False)
+
+
+def test_save_load_roundtrip(tmp_path):
+    model = kvt.tiny_model("qwen3")
+    opt = kvt.transform(model, "canonical", progress=False)
+    out = tmp_path / "art"
+    opt.save(out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "graph.py", "meta.json", "model.pt2",
+                                                     "report.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
+    d = json.loads((out / "report.json").read_text())
+    assert {"passes", "sites", "verification"} <= set(d)
+    assert set(d["verification"]) >= {"max_abs_error", "max_rel_error", "tolerance", "passed"}
+    assert {"name", "matched", "rewritten", "skipped"} <= set(d["passes"][0])
+    assert {"layer", "kind", "q_heads", "kv_heads", "head_dim", "mask_kind", "status"} <= set(d["sites"][0])
+    assert "kvt.attention" in (out / "graph.py").read_text()
+    loaded = kvt.load(out)
+    assert loaded.config == opt.config and loaded.report.to_dict() == opt.report.to_dict()
+    ids, am = _batch(model.config.vocab_size, s=31)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, am)[am.bool()], opt(ids, am)[am.bool()], rtol=0, atol=0)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        opt.save(out)
+    opt.save(out, overwrite=True)
+    assert kvt.load(out) is not None
+    with pytest.raises(FileNotFoundError, match="not a kvtransform artifact"):
+        kvt.load(tmp_path)
+
+
+def test_config_errors():
+    model = kvt.tiny_model("llama")
+    with pytest.raises(ValueError, match="unknown transform"):
+        kvt.transform(model, "flashy", progress=False)
+    with pytest.raises(ValueError, match="Valid keys"):
+        kvt.transform(model, {"name": "canonical", "verfy": {}}, progress=False)
+
+
+def test_bert_is_refused():
+    from transformers import BertConfig, BertForMaskedLM
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=64)).eval()
+    with pytest.raises(ValueError, match="causal"):
+        kvt.transform(bert, "canonical", progress=False)
+
+
+@pytest.mark.slow
+def test_real_smollm2_end_to_end(tmp_path):
+    model, tok = kvt.load_model("smollm2-135m")
+    opt = kvt.transform(model, "canonical", tokenizer=tok, progress=False)
+    r = opt.report
+    assert len(r.sites) == 30 and r.count("canonical") == 30
+    assert {(s.q_heads, s.kv_heads, s.head_dim) for s in r.sites} == {(9, 3, 64)}
+    assert r.verification.passed and r.verification.max_rel_error < 1e-5
+    opt.save(tmp_path / "smol")
+    loaded = kvt.load(tmp_path / "smol")
+    ids = tok("The library on the hill keeps its oldest maps", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(loaded(ids), ref, rtol=1e-4, atol=1e-4)
