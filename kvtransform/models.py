@@ -221,6 +221,9 @@ def _precheck(source: str, **kwargs) -> None:
         raise ValueError(f"{source}: {e}") from None
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def _load_tokenizer(source: str, **kwargs):
     """The tokenizer stored beside the model, or ``None`` when the directory has none."""
     from transformers import AutoTokenizer
@@ -337,7 +340,8 @@ def load_model(
                 model = _from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
             except OSError as e:
                 raise ValueError(f"{path} is not a loadable model directory: {str(e).splitlines()[0]}") from None
-            tok = _load_tokenizer(str(path))
+            has_tok = any((path / f).is_file() for f in _TOKENIZER_FILES)
+            tok = _load_tokenizer(str(path)) if has_tok else None
         return model, tok
 
     looks_like_path = (
