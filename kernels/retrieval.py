@@ -41,11 +41,11 @@ def _retrieval_score_kernel(
     stride_kb, stride_kh, stride_ks,
     H_R, H_KV, S_MAX, NUM_BLOCKS, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    BLOCKS_PER_PROG: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One program = one (row, KV head, block of BLOCK_S positions). Loads the K block once for the whole GQA
-    group, writes raw scaled scores (fp32, -inf past the row's length) and per-head block softmax partials
-    (max, sum of exp) for the LSE."""
+    """One program = one (row, KV head) and BLOCKS_PER_PROG consecutive blocks of BLOCK_S positions (a loop, so
+    the K loads pipeline). Each K block is loaded once for the whole GQA group; the program writes raw scaled scores
+    (fp32, -inf past the row's length) and per-head, per-block softmax partials (max, sum of exp) for the LSE."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -54,28 +54,29 @@ def _retrieval_score_kernel(
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
-    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     heads = kvh * G + offs_g
     gmask = offs_g < G
     dmask = offs_d < D
-    smask = offs_s < length
-
     q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :],
-                mask=smask[:, None] & dmask[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # (G_PAD, BLOCK_S) fp32
-    s = tl.where(smask[None, :], s, float("-inf"))
-
     row = b.to(tl.int64) * H_R + heads
-    tl.store(SCORES + row[:, None] * S_MAX + offs_s[None, :], s,
-             mask=gmask[:, None] & (offs_s < S_MAX)[None, :])
-    m = tl.max(s, axis=1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-    tl.store(PART_M + row * NUM_BLOCKS + pid_s, m, mask=gmask)
-    tl.store(PART_L + row * NUM_BLOCKS + pid_s, l, mask=gmask)
+    for i in range(0, BLOCKS_PER_PROG):
+        blk = pid_s * BLOCKS_PER_PROG + i
+        offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
+        smask = offs_s < length
+        k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :],
+                    mask=smask[:, None] & dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # (G_PAD, BLOCK_S) fp32
+        s = tl.where(smask[None, :], s, float("-inf"))
+        tl.store(SCORES + row[:, None] * S_MAX + offs_s[None, :], s,
+                 mask=gmask[:, None] & (offs_s < S_MAX)[None, :])
+        m = tl.max(s, axis=1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l = tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+        pmask = gmask & ((offs_g * 0 + blk) < NUM_BLOCKS)
+        tl.store(PART_M + row * NUM_BLOCKS + blk, m, mask=pmask)
+        tl.store(PART_L + row * NUM_BLOCKS + blk, l, mask=pmask)
 
 
 @triton.jit
@@ -117,11 +118,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float,
                             sink: int = 0, recent: int = 0, block_s: int = 128,
-                            num_warps: int = 4) -> torch.Tensor:
+                            num_warps: int = 4, blocks_per_prog: int = 1, num_stages: int = 2) -> torch.Tensor:
     """Group-max retrieval scores with Triton: ``(batch, H_r_kv, S_max)`` fp32 log-probabilities (group max of
     ``s - lse``), ``+inf`` at forced sink/recent positions, ``-inf`` at positions ``>= lengths[b]``.
 
-    Shapes as the module docstring. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (tests)."""
+    Shapes as the module docstring. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+    ``block_s`` / ``num_warps`` / ``blocks_per_prog`` / ``num_stages`` are the scoring kernel's launch config."""
     b, h_r, d = q.shape
     h_kv, s_max = k.shape[1], k.shape[2]
     g = h_r // h_kv
@@ -131,14 +133,14 @@ def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Ten
     part_m = torch.empty((b, h_r, nb), device=q.device, dtype=torch.float32)
     part_l = torch.empty((b, h_r, nb), device=q.device, dtype=torch.float32)
     lengths = lengths.to(device=q.device, dtype=torch.int32)
-    grid = (nb, b * h_kv)
-    _retrieval_score_kernel[grid](
+    bpp = max(1, min(int(blocks_per_prog), nb))
+    _retrieval_score_kernel[(triton.cdiv(nb, bpp), b * h_kv)](
         q, k, lengths, scores, part_m, part_l,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         h_r, h_kv, s_max, nb, float(scale),
-        G=g, G_PAD=_next_pow2(g, 16), D=d, D_PAD=_next_pow2(d, 16), BLOCK_S=block_s,
-        DOT_PREC=_dot_precision(q.dtype), num_warps=num_warps,
+        G=g, G_PAD=_next_pow2(g, 16), D=d, D_PAD=_next_pow2(d, 16), BLOCK_S=block_s, BLOCKS_PER_PROG=bpp,
+        DOT_PREC=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     # LSE per query head from the block partials (tiny: batch * H_r * S_max / block_s floats).
     m_all = part_m.amax(dim=-1, keepdim=True)
@@ -146,7 +148,7 @@ def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Ten
     lse = (m_safe + torch.log((part_l * torch.exp(part_m - m_safe)).sum(dim=-1, keepdim=True))).squeeze(-1)
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # empty rows: every score is -inf anyway
     out = torch.empty((b, h_kv, s_max), device=q.device, dtype=torch.float32)
-    _group_max_kernel[grid](
+    _group_max_kernel[(nb, b * h_kv)](
         scores, lse.contiguous(), lengths, out,
         h_r, h_kv, s_max, int(sink), int(recent),
         G=g, G_PAD=_next_pow2(g, 2), BLOCK_S=block_s, num_warps=num_warps,
@@ -208,9 +210,10 @@ def retrieval_topk_reference(q: torch.Tensor, k: torch.Tensor, lengths: torch.Te
 
 def retrieval_topk_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budget: int,
                           sink: int = 0, recent: int = 0, scale: Optional[float] = None,
-                          block_s: int = 128, num_warps: int = 4) -> torch.Tensor:
-    """Triton ``kvt::retrieval_topk``: Triton scoring + ``torch.topk``; the CUDA path of the op."""
+                          **launch) -> torch.Tensor:
+    """Triton ``kvt::retrieval_topk``: Triton scoring + ``torch.topk``; the CUDA path of the op. ``launch``: the
+    scoring launch config (see :func:`retrieval_scores_triton`)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not math.isfinite(scale):
         raise ValueError("retrieval scale must be finite")
-    return select_topk(retrieval_scores_triton(q, k, lengths, scale, sink, recent, block_s, num_warps), budget)
+    return select_topk(retrieval_scores_triton(q, k, lengths, scale, sink, recent, **launch), budget)

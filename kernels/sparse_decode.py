@@ -152,14 +152,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_config(n_sel: int, programs: int, device: torch.device) -> dict:
-    """Launch config: BLOCK_N, warps, stages and the number of splits (enough programs to fill the SMs ~4 deep)."""
+    """Launch config: BLOCK_N, warps, stages and the number of splits (about 2 programs per SM).
+
+    Tuned on an H200 (batch 32, H 32, H_kv 8, D 128, B 2048, bf16; BENCHMARKS.md): BLOCK_N 64, 4 warps, 2 stages,
+    2 splits (512 programs) reached 90% of the copy bandwidth; 3 splits (the earlier 4-per-SM rule) 78%."""
     block_n = 64
     n_blocks = max(1, triton.cdiv(n_sel, block_n))
     if device.type == "cuda":
-        splits = max(1, min(n_blocks, triton.cdiv(4 * _num_sms(device), max(programs, 1))))
+        splits = max(1, min(n_blocks, triton.cdiv(2 * _num_sms(device), max(programs, 1))))
     else:
         splits = 1
-    return dict(block_n=block_n, num_splits=splits, num_warps=4, num_stages=3)
+    return dict(block_n=block_n, num_splits=splits, num_warps=4, num_stages=2)
 
 
 def sparse_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: Optional[torch.Tensor],

@@ -54,6 +54,14 @@ def bench(fn, graph=True, rep=40):
     return list(__import__("triton").testing.do_bench(fn, warmup=10, rep=rep, quantiles=QUANT))
 
 
+def read_bandwidth(dev) -> float:
+    """Read-only streaming ceiling: a sum over 1 GiB of bf16 (bytes read / time)."""
+    x = torch.randn(2 ** 30 // 2, device=dev, dtype=torch.bfloat16)
+    out = torch.empty((), device=dev, dtype=torch.float32)
+    t = bench(lambda: torch.sum(x, dtype=torch.float32, out=out), graph=False, rep=100)[1]
+    return x.numel() * 2 / (t * 1e-3) / 1e9
+
+
 def copy_bandwidth(dev) -> float:
     x = torch.randn(2 ** 30 // 2, device=dev, dtype=torch.bfloat16)  # 1 GiB
     y = torch.empty_like(x)
@@ -124,7 +132,9 @@ def main():
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--seqlens", default="4096,16384,32768")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep", choices=["full", "small", "none"], default="full",
+                    help="launch-config sweep of the gather kernel at the largest S")
+    ap.add_argument("--retrieval-sweep", action="store_true", help="sweep the retrieval scoring launch config")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     dev = torch.device(os.environ.get("KVT_BENCH_DEVICE", "cuda"))  # cpu: dry run of the script's logic only
@@ -137,7 +147,8 @@ def main():
     print(f"device {name}, torch {torch.__version__}, triton {__import__('triton').__version__}, commit {commit}")
     t0 = time.time()
     bw = copy_bandwidth(dev)
-    print(f"copy bandwidth (read+write): {bw:.0f} GB/s")
+    rbw = read_bandwidth(dev) if dev.type == "cuda" else float("nan")
+    print(f"copy bandwidth (read+write): {bw:.0f} GB/s; read-only (torch.sum): {rbw:.0f} GB/s")
     rows = []
     ok = True if args.no_check else check_bf16(dev)
     print(f"bf16 checks: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f} s)")
@@ -152,12 +163,13 @@ def main():
         gbps = nbytes / (ms[1] * 1e-3) / 1e9 if nbytes else float("nan")
         rows.append(dict(method=method, op=op, mode=mode, params=params, p20_ms=f"{ms[0]:.4f}",
                          p50_ms=f"{ms[1]:.4f}", p80_ms=f"{ms[2]:.4f}", gbps=f"{gbps:.0f}",
-                         pct_copy=f"{100 * gbps / bw:.1f}", memory_gb=f"{nbytes / 1e9:.3f}", device=name,
+                         pct_copy=f"{100 * gbps / bw:.1f}", pct_read=f"{100 * gbps / rbw:.1f}",
+                         memory_gb=f"{nbytes / 1e9:.3f}", device=name,
                          commit=commit, command=cmd))
         print(f"  {method:28s} {mode:10s} {params:34s} p50 {ms[1]:.4f} ms  {gbps:7.0f} GB/s  "
-              f"{100 * gbps / bw:5.1f}% of copy")
+              f"{100 * gbps / bw:5.1f}% of copy  {100 * gbps / rbw:5.1f}% of read")
 
-    best = {}
+    best, best_r = {}, {}
     for s_max in sorted(seqlens, reverse=True):
         torch.cuda.empty_cache()
         q = torch.randn(bsz, h, d, device=dev, dtype=dt)
@@ -174,27 +186,47 @@ def main():
         p = f"b={bsz} H={h} Hkv={h_kv} D={d} S={s_max} B={budget}"
         print(f"## S = {s_max}")
 
-        if not args.no_sweep and not best:
+        if args.sweep != "none" and not best:
             print("  sweep (gather, S max):")
+            if args.sweep == "full":
+                grid = [dict(block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
+                        for bn in (32, 64, 128) for nw in (4, 8) for ns in (2, 3, 4) for sp in (2, 4, 8)
+                        if not (bn == 128 and ns == 4)]
+            else:
+                grid = [dict(block_n=64, num_warps=4, num_stages=ns, num_splits=sp)
+                        for ns in (2, 3) for sp in (1, 2, 3, 4)]
             res = []
-            for bn in (32, 64, 128):
-                for nw in (4, 8):
-                    for ns in (2, 3, 4):
-                        for sp in (2, 4, 8):
-                            if bn == 128 and ns == 4:
-                                continue
-                            cfg = dict(block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
-                            try:
-                                ms = bench(lambda: sparse_decode_triton(q, k, v, idx, lens, kn, vn, **cfg), rep=15)
-                            except Exception as e:
-                                print(f"    {cfg}: {type(e).__name__}")
-                                continue
-                            res.append((ms[1], cfg))
+            for cfg in grid:
+                try:
+                    ms = bench(lambda: sparse_decode_triton(q, k, v, idx, lens, kn, vn, **cfg), rep=15)
+                except Exception as e:
+                    print(f"    {cfg}: {type(e).__name__}")
+                    continue
+                res.append((ms[1], cfg))
             res.sort(key=lambda r: r[0])
             for t, cfg in res[:6]:
                 print(f"    {t:.4f} ms  {sel_bytes / (t * 1e-3) / 1e9:.0f} GB/s  {cfg}")
             best = res[0][1]
-            print(f"  default config would be: splits etc. from default_config; best {best}")
+            print(f"  best {best}")
+        if args.retrieval_sweep and not best_r:
+            print("  sweep (retrieval scoring, S max):")
+            grid = [dict(block_s=bs, num_warps=nw, blocks_per_prog=bpp, num_stages=ns)
+                    for bs in (64, 128) for nw in (4, 8) for bpp, ns in ((1, 2), (4, 2), (4, 3), (8, 3))]
+            grid += [dict(block_s=256, num_warps=8, blocks_per_prog=bpp, num_stages=2) for bpp in (1, 4)]
+            res = []
+            for cfg in grid:
+                try:
+                    ms = bench(lambda: retrieval_scores_triton(qr, kr, lens, d ** -0.5, **cfg), rep=15)
+                except Exception as e:
+                    print(f"    {cfg}: {type(e).__name__}")
+                    continue
+                res.append((ms[1], cfg))
+            res.sort(key=lambda r: r[0])
+            r_bytes = bsz * h_kv * s_max * d * item
+            for t, cfg in res[:6]:
+                print(f"    {t:.4f} ms  {r_bytes / (t * 1e-3) / 1e9:.0f} GB/s  {cfg}")
+            best_r = res[0][1]
+            print(f"  best retrieval {best_r}")
 
         # sparse gather decode (ours): default config, tuned config, sorted indices
         add("kvt.sparse_decode(default)", "sparse_decode", "gather", p,
@@ -242,6 +274,12 @@ def main():
         scores = retrieval_scores_triton(qr, kr, lens, d ** -0.5)
         add("kvt.retrieval(scoring)", "retrieval_topk", "scoring", p,
             bench(lambda: retrieval_scores_triton(qr, kr, lens, d ** -0.5)), r_bytes)
+        if best_r:
+            add("kvt.retrieval(scoring,tuned)", "retrieval_topk", "scoring", p + f" {best_r}",
+                bench(lambda: retrieval_scores_triton(qr, kr, lens, d ** -0.5, **best_r)), r_bytes)
+            add("kvt.retrieval_topk(tuned)", "retrieval_topk", "total", p + f" {best_r}",
+                bench(lambda: select_topk(retrieval_scores_triton(qr, kr, lens, d ** -0.5, **best_r), budget)),
+                r_bytes)
         add("torch.topk(sorted)", "retrieval_topk", "select", p, bench(lambda: select_topk(scores, budget)), 0)
         add("torch.topk(unsorted)", "retrieval_topk", "select", p,
             bench(lambda: torch.topk(scores, budget, dim=-1, sorted=False)), 0)
@@ -254,12 +292,13 @@ def main():
         w.writeheader()
         w.writerows(rows)
     print(f"\nwrote {path}; total {time.time() - t0:.0f} s")
-    print(f"\ncopy bandwidth {bw:.0f} GB/s; bf16 checks {'PASS' if ok else 'FAIL'}; commit {commit}; {name}")
-    print("| method | op | mode | S | p50 ms | GB/s | % copy |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\ncopy bandwidth {bw:.0f} GB/s, read-only {rbw:.0f} GB/s; bf16 checks {'PASS' if ok else 'FAIL'}; "
+          f"commit {commit}; {name}")
+    print("| method | op | mode | S | p50 ms | GB/s | % copy | % read |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = [t for t in r["params"].split() if t.startswith("S=")][0][2:]
-        print(f"| {r['method']} | {r['op']} | {r['mode']} | {s} | {r['p50_ms']} | {r['gbps']} | {r['pct_copy']} |")
+        print(f"| {r['method']} | {r['op']} | {r['mode']} | {s} | {r['p50_ms']} | {r['gbps']} | {r['pct_copy']} | {r['pct_read']} |")
 
 
 if __name__ == "__main__":
