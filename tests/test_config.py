@@ -1,0 +1,102 @@
+"""Transform configs: JSON/YAML round trips, strict keys, and agreement with the Hydra config groups."""
+import dataclasses
+import json
+
+import pytest
+
+from kvtransform.config import (
+    CONFIG_TYPES,
+    CanonicalConfig,
+    DualKVConfig,
+    SpeContextConfig,
+    VerifyConfig,
+    config_from_dict,
+    config_from_json,
+    config_from_yaml,
+    resolve_config,
+)
+
+NON_DEFAULT = {
+    "canonical": lambda: CanonicalConfig(verify=VerifyConfig(lengths=[4, 8, 16], tolerance=1e-3, padding=False)),
+    "dualkv": lambda: DualKVConfig(verify_groups=[[3, [1, 2]], [7, [5]]], verify=VerifyConfig(seed=3)),
+    "specontext": lambda: SpeContextConfig(budget=64, num_sink=4, num_recent=8, retrieval="smollm2-135m",
+                                           offload=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_TYPES))
+@pytest.mark.parametrize("which", ["default", "changed"])
+def test_round_trip(name, which):
+    cfg = CONFIG_TYPES[name]() if which == "default" else NON_DEFAULT[name]()
+    assert cfg.name == name
+    from_json = config_from_json(cfg.to_json())
+    from_yaml = config_from_yaml(cfg.to_yaml())
+    assert type(from_json) is type(cfg) and from_json == cfg
+    assert type(from_yaml) is type(cfg) and from_yaml == cfg
+    assert json.loads(cfg.to_json()) == dataclasses.asdict(cfg)
+
+
+@pytest.mark.parametrize(
+    "d,valid",
+    [
+        ({"name": "specontext", "budgt": 8}, "budget"),
+        ({"name": "canonical", "verfy": {}}, "verify"),
+        ({"name": "dualkv", "verify_group": []}, "verify_groups"),
+    ],
+)
+def test_typo_rejected_naming_valid_keys(d, valid):
+    with pytest.raises(ValueError, match="Valid keys") as e:
+        config_from_dict(d)
+    assert valid in str(e.value)
+
+
+def test_nested_typo_and_bad_type_rejected():
+    with pytest.raises(ValueError):
+        config_from_dict({"name": "canonical", "verify": {"lenghts": [1]}})
+    with pytest.raises(ValueError):
+        config_from_dict({"name": "specontext", "budget": "lots"})
+    with pytest.raises(ValueError):
+        config_from_yaml("name: specontext\nbudget: 8\nofload: true\n")
+
+
+def test_unknown_transform_name():
+    with pytest.raises(ValueError, match="canonical"):
+        config_from_dict({"name": "flashattn"})
+    with pytest.raises(ValueError, match="dualkv"):
+        resolve_config("flashattn")
+
+
+def test_resolve_config():
+    assert resolve_config("dualkv") == DualKVConfig()
+    sp = SpeContextConfig(budget=16)
+    assert resolve_config(sp) is sp
+    assert resolve_config({"name": "specontext", "budget": 16}) == sp
+    with pytest.raises(TypeError):
+        resolve_config(3)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_TYPES))
+def test_hydra_group_matches_dataclass(name):
+    """conf/transform/<name>.yaml composes to exactly the dataclass defaults (what optimize passes on)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    import kvtransform.cli  # noqa: F401  registers the structured configs
+
+    with initialize_config_module(config_module="kvtransform.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"transform={name}"])
+    assert config_from_dict(OmegaConf.to_container(cfg.transform, resolve=True)) == CONFIG_TYPES[name]()
+    assert cfg.model.name == "smollm2-135m"
+
+
+def test_hydra_typo_is_a_composition_error():
+    from hydra import compose, initialize_config_module
+    from hydra.errors import ConfigCompositionException
+
+    import kvtransform.cli  # noqa: F401
+
+    with initialize_config_module(config_module="kvtransform.conf", version_base="1.3"):
+        with pytest.raises(ConfigCompositionException):
+            compose(config_name="config", overrides=["transform=specontext", "transform.budgt=4"])
+        with pytest.raises(ConfigCompositionException):
+            compose(config_name="config", overrides=["transform.verify.batch_size=two"])
