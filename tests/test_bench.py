@@ -174,3 +174,22 @@ def test_cli_forwards_to_bench(tmp_path):
     cli = pytest.importorskip("kvtransform.cli")
     rc = cli.main(["bench", "dualkv-layer", "P=7", "mb=2", "method=pg", f"out_dir={tmp_path}", "plot=false"] + TINY)
     assert rc == 0 and (tmp_path / "results.csv").exists()
+
+
+@pytest.mark.parametrize("P,R,block", [(5, [3, 2], 4), (17, [15, 16, 97], 16), (300, [100, 257, 31], 128),
+                                       (640, [128, 256], 128), (1, [1, 1], 16)])
+def test_layout_block_mask_equals_create_block_mask(P, R, block):
+    """The FlexAttention block mask built from the layout is exactly create_block_mask's (all index tensors)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg = dl._segments(P, R, "cpu")
+    T = seg.numel()
+
+    def mm(b, h, q, kv):
+        return (kv <= q) & ((seg[kv] == seg[q]) | (seg[kv] == 0))
+
+    a = create_block_mask(mm, None, None, T, T, device="cpu", BLOCK_SIZE=block)
+    b = dl.shared_prefix_block_mask(P, R, "cpu", mm, block=block)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

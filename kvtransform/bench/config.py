@@ -68,7 +68,9 @@ class DualKVBenchConfig:
         matmul_tflops: bf16 matmul rate used for the FLOP floor (790 = measured on the H200).
         fa2_impl: ``auto`` (varlen_attn with GQA if torch has it, else per-sequence flash SDPA), ``varlen``, ``sdpa``.
         flex_compile: ``auto`` (torch.compile on CUDA, eager on CPU), ``true`` or ``false``.
-        flex_mask_compile: build the block mask with ``create_block_mask(..., _compile=True)``.
+        flex_mask: how the FlexAttention block mask is built: ``blocks`` (from the layout's segment bounds, O(T * T/128)
+            work, what a trainer that knows its layout does), ``eager`` (``create_block_mask``, evaluates the mask on
+            all T^2 pairs) or ``compiled`` (``torch.compile(create_block_mask)``).
         dualkv_layout_per_step: build the DualKV layout inside each timed step (as training must).
         max_mem_gb: skip (status ``skip-mem``) a method whose estimated peak exceeds this (0 = the device's memory).
         out_dir: where ``results.csv``, ``results.md`` and ``results.png`` are written.
@@ -100,7 +102,7 @@ class DualKVBenchConfig:
     matmul_tflops: float = 790.0
     fa2_impl: str = "auto"
     flex_compile: str = "auto"
-    flex_mask_compile: bool = False
+    flex_mask: str = "blocks"
     dualkv_layout_per_step: bool = True
     max_mem_gb: float = 0.0
     out_dir: str = "out/bench/dualkv-layer"

@@ -280,11 +280,18 @@ class FA2(AttnMethod):
 
             return varlen_attn(q, k, v, self.cu, self.cu, self.max_len, self.max_len, **self.kw)
         outs = []
-        ctx = _flash_ctx(self.device)
-        with ctx:
+        g = q.shape[1] // k.shape[1]
+        with _flash_ctx(self.device):
             for s, e in zip(self.bounds[:-1], self.bounds[1:]):
-                o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
-                                                   v[s:e].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+                qs, ks, vs = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))
+                if getattr(self, "gqa_ok", True):
+                    try:
+                        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                    except RuntimeError:  # this torch's flash kernel without GQA: repeat K/V heads instead
+                        self.gqa_ok = False
+                        self.impl += " (kv heads repeated)"
+                if not getattr(self, "gqa_ok", True):
+                    o = F.scaled_dot_product_attention(qs, _repeat_kv(ks, g, 1), _repeat_kv(vs, g, 1), is_causal=True)
                 outs.append(o[0].transpose(0, 1))
         return torch.cat(outs)
 
@@ -361,6 +368,63 @@ def _flex_fn(compile_: bool):
     return _FLEX_FN["compiled"]
 
 
+def shared_prefix_block_masks(P: int, R: list, device, block: int = 128):
+    """Block-level (partial, full) bool masks ``(nQ, nKV)`` of the shared-prefix mask, computed from the layout.
+
+    Query row ``q`` sees keys ``[0, q]`` on the prompt, ``[0, P) U [start(q), q]`` in a response; a block is *full*
+    when every query row of it (inside ``T``) sees every key of the key block, *partial* when some pair is visible
+    and it is not full. Work ``O(T * nKV)`` in chunks, never ``O(T^2)``.
+    """
+    T = P + sum(R)
+    nb = (T + block - 1) // block
+    seg = _segments(P, R, device).long()
+    starts = torch.tensor([0] + [P + sum(R[:i]) for i in range(len(R))], device=device)
+    q = torch.arange(T, device=device)
+    s = starts[seg]  # start of the query's own segment (0 on the prompt)
+    hi1 = torch.where(seg == 0, q, torch.full_like(q, P - 1))  # interval 1: [0, hi1]
+    kb_lo = torch.arange(nb, device=device) * block
+    kb_hi = torch.clamp(kb_lo + block - 1, max=T - 1)
+    kb_size = torch.full_like(kb_lo, block)  # a ragged last block is never full (as create_block_mask pads it)
+    anyv = torch.zeros(nb, nb, dtype=torch.int32, device=device)  # query rows of the block seeing some key
+    notfull = torch.zeros(nb, nb, dtype=torch.int32, device=device)  # query rows of the block missing some key
+    rows_per_chunk = max(block, (1 << 24) // max(nb, 1) // block * block)
+    for r0 in range(0, T, rows_per_chunk):
+        r1 = min(T, r0 + rows_per_chunk)
+        qq = q[r0:r1, None]
+        lo2 = torch.where(seg[r0:r1] == 0, T, s[r0:r1])[:, None]  # interval 2: [lo2, q] (empty on the prompt)
+        c1 = (torch.minimum(hi1[r0:r1, None], kb_hi[None]) - kb_lo[None] + 1).clamp_min(0)
+        c2 = (torch.minimum(qq, kb_hi[None]) - torch.maximum(lo2, kb_lo[None]) + 1).clamp_min(0)
+        cov = c1 + c2  # visible keys of each key block, per query row
+        qb = torch.arange(r0, r1, device=device) // block
+        anyv.index_add_(0, qb, (cov > 0).int())
+        notfull.index_add_(0, qb, (cov < kb_size[None]).int())
+    if T % block:
+        notfull[-1] += 1  # the padded query rows of the last block see nothing
+    full = notfull == 0
+    partial = anyv > 0
+    partial = partial & ~full
+    return partial, full
+
+
+def shared_prefix_block_mask(P: int, R: list, device, mask_mod, block: int = 128):
+    """FlexAttention ``BlockMask`` of the shared-prefix layout built from :func:`shared_prefix_block_masks` (what a
+    trainer that knows its layout does instead of evaluating ``mask_mod`` on all ``T^2`` pairs)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    T = P + sum(R)
+    partial, full = shared_prefix_block_masks(P, R, device, block)
+
+    def dense_to_ordered(m):
+        num = m.sum(-1, dtype=torch.int32)
+        idx = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return num[None, None].contiguous(), idx[None, None].contiguous()
+
+    kv_num, kv_idx = dense_to_ordered(partial)
+    fkv_num, fkv_idx = dense_to_ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(T, T))
+
+
 class Flex(AttnMethod):
     """FlexAttention on the packed tokens with a shared-prefix block mask
     (``kv <= q and (seg[kv] == seg[q] or seg[kv] == prompt)``), GQA by ``enable_gqa``. ``rebuild``: the block mask
@@ -382,19 +446,31 @@ class Flex(AttnMethod):
         self.fn = _flex_fn(comp)
         self.seg = _segments(P, R, device)
         self.T = self.seg.numel()
-        self.impl = ("compiled" if comp else "eager") + (" mask/step" if self.rebuild else " mask once")
+        self.impl = (("compiled" if comp else "eager") + f" {cfg.flex_mask}-mask" +
+                     ("/step" if self.rebuild else " once"))
         self.block_mask = None if self.rebuild else self._build()
 
-    def _build(self):
-        from torch.nn.attention.flex_attention import create_block_mask
-
+    def _mask_mod(self):
         seg = self.seg
 
         def shared_prefix(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & ((seg[kv_idx] == seg[q_idx]) | (seg[kv_idx] == 0))
 
-        kw = {"_compile": True} if self.cfg.flex_mask_compile else {}
-        return create_block_mask(shared_prefix, None, None, self.T, self.T, device=self.device, **kw)
+        return shared_prefix
+
+    def _build(self):
+        how = self.cfg.flex_mask
+        if how == "blocks":
+            return shared_prefix_block_mask(self.P, self.R, self.device, self._mask_mod())
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if how == "compiled":
+            if "cbm" not in _FLEX_FN:
+                _FLEX_FN["cbm"] = torch.compile(create_block_mask)
+            return _FLEX_FN["cbm"](self._mask_mod(), None, None, self.T, self.T, device=self.device)
+        if how != "eager":
+            raise ValueError(f"flex_mask must be blocks, eager or compiled, not {how!r}")
+        return create_block_mask(self._mask_mod(), None, None, self.T, self.T, device=self.device)
 
     def per_step(self):
         if self.rebuild:
