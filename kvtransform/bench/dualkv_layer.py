@@ -725,6 +725,7 @@ def run_method(cfg, shape: Shape, name: str, device) -> list:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         times = time_steps(step, device, cfg.warmup, cfg.iters, cfg.time_budget_s, cfg.min_iters)
+        base["impl"] = meth.impl
         if device.type == "cuda":
             base["gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         base["iters"] = len(times)
