@@ -188,6 +188,7 @@ def smollm2_fresh(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smollm2-convert")  # one worker converts once for both tests (module fixture)
 def test_registry_smollm2_and_cache(smollm2_fresh):
     cache, (m1, tok1), (m2, tok2), dt = smollm2_fresh
     target = cache / "smollm2-135m"
@@ -211,6 +212,7 @@ def test_registry_smollm2_and_cache(smollm2_fresh):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smollm2-convert")
 def test_gguf_path_matches_registry(smollm2_fresh):
     _, (m1, tok1), _, _ = smollm2_fresh
     gguf = REGISTRY["smollm2-135m"].locate()
