@@ -752,6 +752,9 @@ def run_method(cfg, shape: Shape, name: str, device) -> list:
     finally:
         state.clear()
         meth = None
+        for layer_ in _LAYER_CACHE.values():
+            for p in layer_.parameters():
+                p.grad = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
