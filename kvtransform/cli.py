@@ -363,7 +363,7 @@ def _inspect(args: Sequence[str]) -> int:
         from .models import load_model
 
         model, _ = load_model(ns.model, dtype=ns.dtype, attn_implementation=ns.attn_implementation)
-        report = kvt.inspect(model)
+        report = kvt.inspect(model, progress=not ns.json)
         if ns.json:
             print(json.dumps(report.to_dict(), indent=2, default=str))
         else:
