@@ -185,8 +185,11 @@ def markdown_layer(df) -> str:
         out += ["", "Harness check against ../shared/seed_tables/h200_calibration.csv (same H200 setup):", ""] + cal
     bad = df[df["status"] != "ok"]
     if not bad.empty:
-        out += ["", "Not measured: " + "; ".join(f"{m} P={P} mb={mb}: {s}" for m, P, mb, s in
-                                                 zip(bad["method"], bad["P"], bad["mb"], bad["status"]))]
+        groups = {}
+        for m, P, mb, st in zip(bad["method"], bad["P"], bad["mb"], bad["status"]):
+            groups.setdefault((m, st), []).append(f"{P}/{mb}")
+        out += ["", "Not measured (method, status: P/mb):"]
+        out += [f"- {m}, {st}: {', '.join(v)}" for (m, st), v in groups.items()]
     return "\n".join(out)
 
 
