@@ -113,3 +113,67 @@ def _quiet():
     finally:
         for lg, lv in zip(loggers, old):
             lg.setLevel(lv)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# packed (DualKV) capture — added for the dualkv transform (issue 4)
+# ---------------------------------------------------------------------------------------------------------------------
+PACKED_INPUTS = ("input_ids", "position_ids", "cu_seqlens", "segment_prefix")
+
+
+class PackedForward(torch.nn.Module):
+    """Wrapper exported by :func:`capture_packed`: ``(input_ids (1, T), position_ids (1, T), cu_seqlens (S+1,),
+    segment_prefix (S,)) -> logits (1, T, vocab)``.
+
+    The model sees ``position_ids`` and an all-ones ``attention_mask`` built from ``input_ids`` (so transformers
+    builds a plain causal mask, not its packed-sequence mask from position ids); ``cu_seqlens`` and
+    ``segment_prefix`` are unused here: they only become graph placeholders, which the dualkv pass wires into
+    ``kvt.dualkv_attention``.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, cu_seqlens, segment_prefix):
+        out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids,
+                         use_cache=False)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+
+def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20) -> Captured:
+    """Export ``model``'s forward over one packed token axis: ``(input_ids (1, T), position_ids (1, T), cu_seqlens
+    (S+1,) int32, segment_prefix (S,) int32) -> logits (1, T, vocab)``, dynamic ``T`` and ``S``.
+
+    Used by the dualkv transform (DualKV, arXiv 2605.15422): before its pass the graph computes plain causal attention
+    over the whole axis; the pass rewires every attention to the layout placeholders. The captured module holds the
+    model's own ``Parameter`` objects.
+
+    Args:
+        model: a transformers causal LM, any dtype/device.
+        max_tokens: upper bound of the dynamic packed length ``T``.
+
+    Raises:
+        RuntimeError: when torch.export fails.
+    """
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), device=device)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 5, 6, 7, 5, 6, 7]], device=device)
+    cu = torch.tensor([0, 5, 9, 12], dtype=torch.int32, device=device)
+    sp = torch.tensor([-1, 0, 0], dtype=torch.int32, device=device)
+    tok = Dim("tokens", min=2, max=int(max_tokens))
+    seg = Dim("segments", min=2, max=int(max_tokens))
+    seg1 = Dim("segments_plus_1", min=3, max=int(max_tokens) + 1)
+    dyn = {"input_ids": {1: tok}, "position_ids": {1: tok}, "cu_seqlens": {0: seg1}, "segment_prefix": {0: seg}}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _quiet():
+            ep = torch.export.export(PackedForward(model), (ids, pos, cu, sp), dynamic_shapes=dyn, strict=False)
+    except Exception as e:  # pragma: no cover - message path
+        raise RuntimeError(f"torch.export could not capture {type(model).__name__} (packed): {e}") from e
+    finally:
+        model.train(was_training)
+    gm = ep.module()
+    _share_parameters(gm.model, model)
+    return Captured(gm, ep, int(max_tokens), PACKED_INPUTS)

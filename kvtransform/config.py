@@ -55,15 +55,42 @@ class CanonicalConfig:
 
 
 @dataclass
+class DualKVDemoConfig:
+    """The GRPO-like demo ``kvtransform optimize transform=dualkv`` runs after the transform.
+
+    Attributes:
+        enabled: run it.
+        num_responses: N responses sampled from the model itself for one real prompt of the shipped text.
+        max_new_tokens: longest sampled response (a response stops after EOS).
+        prompt_index: which line of ``kvtransform/data/prompts.txt`` is the prompt.
+        temperature: sampling temperature.
+        repeats: timed forward+backward repetitions (median reported, after one warm-up).
+        seed: seed of sampling and advantages.
+    """
+
+    enabled: bool = True
+    num_responses: int = 8
+    max_new_tokens: int = 48
+    prompt_index: int = 0
+    temperature: float = 1.0
+    repeats: int = 3
+    seed: int = 0
+
+
+@dataclass
 class DualKVConfig(CanonicalConfig):
     """Shared-prefix packed training attention (DualKV, arXiv 2605.15422).
 
     Attributes:
         verify_groups: (prompt length, response lengths) used by the exactness check against the replicated batch.
+        verify_backward: the gate also compares every parameter gradient of ``Σ advantage_i · Σ logprobs_i``.
+        demo: the demo ``kvtransform optimize transform=dualkv`` runs (not used by ``kvt.transform``).
     """
 
     name: str = "dualkv"
     verify_groups: list = field(default_factory=lambda: [[11, [5, 9, 3]], [6, [4, 1]]])
+    verify_backward: bool = True
+    demo: DualKVDemoConfig = field(default_factory=DualKVDemoConfig)
 
 
 @dataclass
