@@ -433,9 +433,14 @@ def check_exactness(model, opt: DualKVModule, batch: PackedBatch, advantages: Op
         padded: run the original as one right-padded batch instead of N separate sequences.
 
     Returns:
-        dict: ``logprobs_abs``/``logprobs_rel`` (max abs error, and that over max |reference|), ``grad_abs``,
-        ``grad_rel`` (worst parameter, relative to that parameter's max |reference gradient|), ``grad_worst``
-        (its name), ``num_params``.
+        dict: ``logprobs_abs``/``logprobs_rel`` (max abs error, and that over max |reference|); ``grad_abs``,
+        ``grad_rel`` (the worst parameter's max abs error, and that over the parameter's max |reference
+        gradient|), ``grad_worst`` (its name); ``grad_global_rel`` (``‖g − g_ref‖₂ / ‖g_ref‖₂`` over all
+        parameters as one vector); ``num_params``.
+
+    Note: in fp32 the per-parameter ``grad_rel`` of a deep model has a noise floor set by the original model itself:
+    on SmolLM2-135M (30 layers) the original run as N separate sequences and as one padded batch already differ by
+    ~3e-5 on some LayerNorm weights (summation order); ``grad_global_rel`` sits at ~4e-6 for both.
     """
     n = batch.num_responses
     if advantages is None:
@@ -457,15 +462,19 @@ def check_exactness(model, opt: DualKVModule, batch: PackedBatch, advantages: Op
         g_new = torch.autograd.grad(loss_new, ps, allow_unused=True)
         g_ref = torch.autograd.grad(loss_ref, ps, allow_unused=True)
         worst = (0.0, 0.0, "")
+        sq_diff, sq_ref = 0.0, 0.0
         for (name, p), x, y in zip(params, g_new, g_ref):
             if x is None and y is None:
                 continue
-            x = torch.zeros_like(p) if x is None else x
-            y = torch.zeros_like(p) if y is None else y
+            x = (torch.zeros_like(p) if x is None else x).detach().double()
+            y = (torch.zeros_like(p) if y is None else y).detach().double()
+            sq_diff += float(((x - y) ** 2).sum())
+            sq_ref += float((y ** 2).sum())
             e, r = _rel(x, y)
             if r > worst[1] or r != r:
                 worst = (e, r, name)
         res["grad_abs"], res["grad_rel"], res["grad_worst"] = worst
+        res["grad_global_rel"] = math.sqrt(sq_diff / sq_ref) if sq_ref > 0 else math.sqrt(sq_diff)
         res["num_params"] = len(params)
     return res
 
@@ -518,8 +527,10 @@ def run_gate(model, opt: DualKVModule, cfg: DualKVConfig, tokenizer, report: Rep
     v.cases.append({"name": "logprobs", "shape": shape, "max_abs_error": res["logprobs_abs"],
                     "max_rel_error": res["logprobs_rel"]})
     if "grad_rel" in res:
-        v.cases.append({"name": f"grad ({res['num_params']} params, worst {res['grad_worst']})", "shape": shape,
+        v.cases.append({"name": f"grad, worst parameter ({res['grad_worst']})", "shape": shape,
                         "max_abs_error": res["grad_abs"], "max_rel_error": res["grad_rel"]})
+        v.cases.append({"name": f"grad, all {res['num_params']} parameters (L2)", "shape": shape,
+                        "max_abs_error": res["grad_abs"], "max_rel_error": res["grad_global_rel"]})
     v.max_abs_error = max(c["max_abs_error"] for c in v.cases)
     v.max_rel_error = max(c["max_rel_error"] for c in v.cases)
     bad = any(c["max_rel_error"] != c["max_rel_error"] for c in v.cases)
@@ -666,8 +677,9 @@ def run_demo(model, tokenizer, opt: DualKVModule, cfg: DualKVConfig, console=Non
                                              f"{len(rs) * (p + max(rs))})")
         t.add_row("token ratio ρ = Σ(P+R_i)/(P+ΣR)", f"{res['rho']:.2f}  (vs padded: {res['rho_padded']:.2f})")
         t.add_row("log-prob max rel error", f"{res['logprobs_rel']:.2e} (abs {res['logprobs_abs']:.2e})")
-        t.add_row("gradient max rel error", f"{res['grad_rel']:.2e} ({res['grad_worst']}; {res['num_params']} "
-                                            f"params)")
+        t.add_row("gradient rel error, all params (L2)", f"{res['grad_global_rel']:.2e}  ({res['num_params']} "
+                                                         f"params)")
+        t.add_row("gradient rel error, worst param (max)", f"{res['grad_rel']:.2e}  ({res['grad_worst']})")
         t.add_row("fwd+bwd packed (DualKV)", f"{res['packed_ms']:.1f} ms")
         t.add_row("fwd+bwd original, padded replicated", f"{res['replicated_ms']:.1f} ms")
         t.add_row("speedup", f"{res['speedup']:.2f}×  (median of {d.repeats}, {dev})")
