@@ -461,7 +461,11 @@ class Flex(AttnMethod):
     def _build(self):
         how = self.cfg.flex_mask
         if how == "blocks":
-            return shared_prefix_block_mask(self.P, self.R, self.device, self._mask_mod())
+            try:
+                return shared_prefix_block_mask(self.P, self.R, self.device, self._mask_mod())
+            except TypeError:  # an older BlockMask.from_kv_blocks (no seq_lengths): let create_block_mask build it
+                how = "eager"
+                self.impl = self.impl.replace("blocks-mask", "eager-mask")
         from torch.nn.attention.flex_attention import create_block_mask
 
         if how == "compiled":
