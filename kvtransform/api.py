@@ -185,11 +185,17 @@ def transform(model: torch.nn.Module, config="canonical", tokenizer=None, progre
 
     Raises:
         ValueError: unknown transform / invalid config, or a model that is not a decoder-only causal LM.
+        NotImplementedError: ``"specontext"`` (only its ops exist so far).
         kvtransform.passes.verify.VerificationError: the rewritten model differs beyond tolerance.
     """
     cfg = resolve_config(config)
     if cfg.name not in TRANSFORMS:
         _load_transform_modules()
+    if cfg.name == "specontext" and cfg.name not in TRANSFORMS:
+        raise NotImplementedError(
+            "the SpeContext transform (decode-step capture, sparse_decode pass, KV-cache runtime, generate) is not "
+            "built yet; its ops are available: kvtransform.retrieval_topk and kvtransform.sparse_decode_attention. "
+            "Use transform='canonical' or 'dualkv'.")
     if cfg.name not in TRANSFORMS:
         raise ValueError(f"transform {cfg.name!r} is not available in this installation; available: "
                          f"{sorted(TRANSFORMS)}")

@@ -118,7 +118,7 @@ def _fail(message: str) -> "NoReturn":  # noqa: F821
 
 def _is_user_error(e: BaseException) -> bool:
     """Errors caused by input (printed as one line) vs. bugs (traceback)."""
-    if isinstance(e, (UsageError, ValueError, OSError, KeyError)):
+    if isinstance(e, (UsageError, ValueError, OSError, KeyError, NotImplementedError)):
         return True
     mod = type(e).__module__ or ""
     return mod.startswith(("kvtransform", "hydra", "omegaconf")) or "Verification" in type(e).__name__
@@ -128,7 +128,7 @@ def _message(e: BaseException) -> str:
     if isinstance(e, KeyError) and e.args:
         return str(e.args[0])
     text = str(e).strip() or type(e).__name__
-    return text if isinstance(e, (UsageError, ValueError, OSError)) else f"{type(e).__name__}: {text}"
+    return text if isinstance(e, (UsageError, ValueError, OSError, NotImplementedError)) else f"{type(e).__name__}: {text}"
 
 
 def _guard(fn, *args, **kwargs):
