@@ -10,6 +10,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Under pytest-xdist every worker would start one OpenMP thread per core: on CI's 2 cores, 2 workers x 2 threads
+# oversubscribe the machine and OpenMP's spin-waits make small ops ~10x slower. One thread per worker.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed_everything():
