@@ -507,8 +507,8 @@ def _default_fwd_cfg(d_pad: int, dtype: torch.dtype):
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2) if d_pad <= 128 else \
             dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    if d_pad <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    if d_pad <= 128:  # H200 sweep (P=8K, N=16, D=128): 128/128/8/3 451 TFLOP/s, 128/64/8/3 425
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
 
 
@@ -519,19 +519,23 @@ def _default_dq_cfg(d_pad: int, dtype: torch.dtype):
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1) if d_pad <= 128 else \
             dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if d_pad <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
 def _default_bwd_cfg(d_pad: int, dtype: torch.dtype):
-    """dK/dV launch config (BLOCK_N keys per program, BLOCK_M queries per step)."""
+    """dK/dV launch config (BLOCK_N keys per program, BLOCK_M queries per step).
+
+    KV_AS_B=False (K, V as the A operands of the (BLOCK_N, BLOCK_M) products) is the default: on the H200 with
+    triton 3.6 the KV_AS_B=True variant (transposed P and dS as A operands) gave wrong, run-to-run different dK at
+    P=8K (a miscompiled shared-memory transpose, presumably; not investigated further) and was slower anyway."""
     if _interpreting():
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1, KV_AS_B=True)
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1, KV_AS_B=False)
     if dtype == torch.float32:
-        return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, KV_AS_B=True)
-    if d_pad <= 128:
-        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2, KV_AS_B=True)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, KV_AS_B=True)
+        return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, KV_AS_B=False)
+    if d_pad <= 128:  # H200 sweep (P=8K, N=16, D=128): whole backward 28.6 ms (318 TFLOP/s)
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2, KV_AS_B=False)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, KV_AS_B=False)
 
 
 # Launch configurations can be overridden (the benchmark's tuning sweep does this): {"fwd": {...}, "dq": {...},
@@ -592,7 +596,7 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
 
 def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, scale: float,
-               dlse: Optional[torch.Tensor] = None):
+               dlse: Optional[torch.Tensor] = None, _kernels: tuple = ("dq", "dkdv")):
     """Triton DualKV backward, bitwise deterministic (no atomics; every gradient element has one owner program).
 
     Args:
@@ -619,7 +623,14 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
     kctx_lo, kctx_hi, qctx_lo, qctx_hi = _segment_tables(cu_seqlens, segment_prefix)
-    # dQ
+    if "dq" in _kernels:
+        _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale)
+    if "dkdv" in _kernels:
+        _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale)
+    return dq, dk, dv
+
+
+def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale):
     cfg = _cfg("dq", d_pad, q.dtype)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     assert bm % bn == 0
@@ -630,7 +641,9 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dq.stride(0), dq.stride(1), t, h, h // h_kv, scale * LOG2E, scale,
         D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    # dK, dV
+
+
+def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale):
     cfg = _cfg("dkdv", d_pad, q.dtype)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     assert bn % bm == 0
@@ -639,9 +652,8 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, KV_AS_B=cfg.get("KV_AS_B", True),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return dq, dk, dv
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
+        KV_AS_B=cfg.get("KV_AS_B", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def dualkv_flops(layout_or_pairs, num_heads: int, head_dim: int, backward: bool = False) -> float:
