@@ -62,15 +62,17 @@ class DualKVDemoConfig:
         enabled: run it.
         num_responses: N responses sampled from the model itself for one real prompt of the shipped text.
         max_new_tokens: longest sampled response (a response stops after EOS).
+        min_new_tokens: shortest sampled response (EOS is suppressed before it).
         prompt_index: which line of ``kvtransform/data/prompts.txt`` is the prompt.
         temperature: sampling temperature.
-        repeats: timed forward+backward repetitions (median reported, after one warm-up).
+        repeats: timed forward+backward repetitions of each (interleaved; median reported, after one warm-up).
         seed: seed of sampling and advantages.
     """
 
     enabled: bool = True
     num_responses: int = 8
     max_new_tokens: int = 48
+    min_new_tokens: int = 4
     prompt_index: int = 0
     temperature: float = 1.0
     repeats: int = 3
