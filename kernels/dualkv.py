@@ -390,8 +390,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                     offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                    KV_AS_B: tl.constexpr):
+                    EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     for start in range(lo, hi, BLOCK_M):
         q_idx = start + offs_m
         q_off = q_idx.to(tl.int64)
@@ -414,32 +413,18 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, 
                 do = tl.load(do_base + q_off[:, None] * stride_dot + offs_d[None, :], mask=dm, other=0.0)
             lse2 = tl.load(lse_base + q_idx) * 1.4426950408889634
             delta = tl.load(delta_base + q_idx)
-        if KV_AS_B:
-            # (BLOCK_M, BLOCK_N) orientation: K and V are B operands (shared memory, stored once per program)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            p = tl.math.exp2(qk - lse2[:, None])
-            if MASK_Q:
-                keep = q_idx[:, None] < qbound
-                if CAUSAL:
-                    keep = keep & (q_idx[:, None] >= k_idx[None, :])
-                p = tl.where(keep, p, 0.0)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
-        else:
-            # (BLOCK_N, BLOCK_M) orientation: K and V are A operands
-            qkT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-            pT = tl.math.exp2(qkT - lse2[None, :])
-            if MASK_Q:
-                keep = q_idx[None, :] < qbound
-                if CAUSAL:
-                    keep = keep & (q_idx[None, :] >= k_idx[:, None])
-                pT = tl.where(keep, pT, 0.0)
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
-            dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dsT = pT * (dpT - delta[None, :])
-            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+        # (BLOCK_N, BLOCK_M) orientation: K and V are the A operands, loaded once per program
+        qkT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        pT = tl.math.exp2(qkT - lse2[None, :])
+        if MASK_Q:
+            keep = q_idx[None, :] < qbound
+            if CAUSAL:
+                keep = keep & (q_idx[None, :] >= k_idx[:, None])
+            pT = tl.where(keep, pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
     return dk, dv
 
 
@@ -448,7 +433,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh, T, H_KV, GROUP, qk_scale, sm_scale,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     EVEN_D: tl.constexpr, PREC: tl.constexpr, KV_AS_B: tl.constexpr):
+                     EVEN_D: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     w = pid // H_KV
     g = pid % H_KV
@@ -483,17 +468,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
         delta_base = DELTA + h.to(tl.int64) * T
         # own segment: the diagonal (causal, masked), then the queries after it (whole blocks, then the tail)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC, KV_AS_B)
+                                 offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D, False, False,
-                                 PREC, KV_AS_B)
+                                 PREC)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC, KV_AS_B)
+                                 offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC)
         # a prefix key block: every response query of its group (contiguous after the prefix), unmasked
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False, False, PREC, KV_AS_B)
+                                 offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False, False, PREC)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC, KV_AS_B)
+                                 offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC)
     dk = dk * sm_scale
     tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
     tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
@@ -518,28 +503,28 @@ def _default_dq_cfg(d_pad: int, dtype: torch.dtype):
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1) if d_pad <= 128 else \
             dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    if d_pad <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
+    if d_pad <= 128:  # H200 sweep: 128/64/8/3 best of 8
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
 def _default_bwd_cfg(d_pad: int, dtype: torch.dtype):
     """dK/dV launch config (BLOCK_N keys per program, BLOCK_M queries per step).
 
-    KV_AS_B=False (K, V as the A operands of the (BLOCK_N, BLOCK_M) products) is the default: on the H200 with
-    triton 3.6 the KV_AS_B=True variant (transposed P and dS as A operands) gave wrong, run-to-run different dK at
-    P=8K (a miscompiled shared-memory transpose, presumably; not investigated further) and was slower anyway."""
+    The kernel computes the (BLOCK_N, BLOCK_M) products with K and V as the A operands. A variant with K and V as
+    B operands (transposed P and dS as A operands) was dropped: on the H200 with triton 3.6 it gave wrong,
+    run-to-run different dK at P=8K (BENCHMARKS.md, DualKV section) and was slower anyway."""
     if _interpreting():
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1, KV_AS_B=False)
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
-        return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, KV_AS_B=False)
-    if d_pad <= 128:  # H200 sweep (P=8K, N=16, D=128): whole backward 28.6 ms (318 TFLOP/s)
-        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2, KV_AS_B=False)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, KV_AS_B=False)
+        return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    if d_pad <= 128:  # H200 sweep (P=8K, N=16, D=128): 64/128/8/3 best of 13
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
 # Launch configurations can be overridden (the benchmark's tuning sweep does this): {"fwd": {...}, "dq": {...},
-# "dkdv": {...}} with keys BLOCK_M, BLOCK_N, num_warps, num_stages (and KV_AS_B for dkdv).
+# "dkdv": {...}} with keys BLOCK_M, BLOCK_N, num_warps, num_stages.
 CONFIG_OVERRIDES: dict = {}
 
 
@@ -653,7 +638,7 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
         D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
-        KV_AS_B=cfg.get("KV_AS_B", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def dualkv_flops(layout_or_pairs, num_heads: int, head_dim: int, backward: bool = False) -> float:

@@ -132,10 +132,10 @@ def test_kernels_match_replicated_reference(case):
 
 @pytest.mark.parametrize("cfg", [
     {"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dq": dict(BLOCK_M=32, BLOCK_N=16),
-     "dkdv": dict(BLOCK_M=16, BLOCK_N=32, KV_AS_B=True)},
+     "dkdv": dict(BLOCK_M=16, BLOCK_N=32)},
     {"fwd": dict(BLOCK_M=16, BLOCK_N=16), "dq": dict(BLOCK_M=16, BLOCK_N=16),
-     "dkdv": dict(BLOCK_M=16, BLOCK_N=16, KV_AS_B=False)},
-], ids=["kv-as-B", "blocks16"])
+     "dkdv": dict(BLOCK_M=16, BLOCK_N=16)},
+], ids=["blocks32-16", "blocks16"])
 def test_kernels_other_launch_configs(cfg, monkeypatch):
     monkeypatch.setattr(K, "CONFIG_OVERRIDES", cfg)
     layout = DualKVLayout.from_lengths([(17, [15, 1]), (16, [33])])

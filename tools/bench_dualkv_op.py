@@ -195,14 +195,10 @@ def time_ours(q, k, v, do, lay, scale):
     return fwd, bwd, mem, {}
 
 
-_FLEX = {}
-
-
 def time_flex(q, k, v, do, lay, scale):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    flex = _FLEX["fn"]
+    torch._dynamo.reset()  # a fresh compile per shape (grad-mode changes count as recompiles; the limit is 8)
+    flex = torch.compile(flex_attention, dynamic=False)
     dev = q.device
     t = q.shape[0]
     cu = lay.cu_seqlens.long()
@@ -287,12 +283,11 @@ def time_fa2_replicated(q, k, v, do, lay, scale):
 
 
 # ------------------------------------------------------------------------------------------------ tuning
-# (BLOCK_M, BLOCK_N, num_warps, num_stages[, KV_AS_B]); the first of each list is the default. Round 1 (commit
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first of each list is the default. Round 1 (commit
 # d9bea5b, BENCHMARKS.md) swept 6 fwd / 5 dq / 8 dkdv configs; these are round 2, around round 1's best.
 FWD_CANDS = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (128, 64, 4, 3)]
-DQ_CANDS = [(128, 32, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
-DKDV_CANDS = [(64, 128, 8, 2, False), (64, 128, 8, 3, False), (32, 128, 8, 3, False), (64, 64, 4, 3, False),
-              (128, 128, 8, 2, False)]
+DQ_CANDS = [(128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 3)]
+DKDV_CANDS = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 
 
 def split_backward(dev, p=8192, n=16):
@@ -313,16 +308,6 @@ def split_backward(dev, p=8192, n=16):
           f"({2.0 * f / (res['delta+dkdv'] - res['delta']) / 1e9:.0f} TFLOP/s on its 4 matmuls)")
 
 
-def race_diag(dev):
-    """Round 1 saw wrong, run-to-run different dK with KV_AS_B=True at P=8K: rerun that case with it."""
-    saved = dict(K.CONFIG_OVERRIDES)
-    K.CONFIG_OVERRIDES["dkdv"] = dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2, KV_AS_B=True)
-    print("## diagnostic: KV_AS_B=True dK/dV variant (round 1 default) at the 8K case")
-    check_bf16(dev, only=(0,))
-    K.CONFIG_OVERRIDES.clear()
-    K.CONFIG_OVERRIDES.update(saved)
-
-
 def tune(dev, p=8192, n=16):
     print(f"## launch-config sweep at P={p}, N={n}, H=32/8, D=128, bf16 (median ms)")
     lay = paper_layout(p, n, dev)
@@ -336,8 +321,6 @@ def tune(dev, p=8192, n=16):
         for cand in cands:
             bm, bn, nw, ns = cand[:4]
             K.CONFIG_OVERRIDES[kind] = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
-            if len(cand) > 4:
-                K.CONFIG_OVERRIDES[kind]["KV_AS_B"] = cand[4]
             try:
                 if kind == "fwd":
                     ms = bench(lambda: K.dualkv_fwd(q, k, v, cu, sp, scale), rep=100)[1]
@@ -354,8 +337,6 @@ def tune(dev, p=8192, n=16):
         if res:
             cand = min(res)[1]
             best[kind] = dict(BLOCK_M=cand[0], BLOCK_N=cand[1], num_warps=cand[2], num_stages=cand[3])
-            if len(cand) > 4:
-                best[kind]["KV_AS_B"] = cand[4]
             K.CONFIG_OVERRIDES[kind] = best[kind]
         else:
             K.CONFIG_OVERRIDES.pop(kind, None)
@@ -368,7 +349,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="bf16 correctness checks first")
     ap.add_argument("--tune", action="store_true", help="launch-config sweep before the benchmark")
-    ap.add_argument("--diag", action="store_true", help="rerun the 8K check with the KV_AS_B=True dK/dV variant")
     ap.add_argument("--split", action="store_true", help="time the backward kernels apart")
     ap.add_argument("--all", action="store_true", help="all 8 (P, N) shapes instead of the calibration's 4")
     ap.add_argument("--shapes", default="", help="P:N,P:N,... overrides the shape list")
@@ -384,8 +364,6 @@ def main():
     ok = True
     if args.check:
         ok = check_bf16(dev)
-    if args.diag:
-        race_diag(dev)
     if args.tune:
         tune(dev)
         if args.check:  # the tuned configs must pass too (D=128 cases)
