@@ -364,6 +364,14 @@ def _flex_fn(compile_: bool):
     if not compile_:
         return flex_attention
     if "compiled" not in _FLEX_FN:
+        # one compiled flex for every shape of a sweep: the second shape makes dynamo mark the lengths dynamic; a
+        # higher recompile limit keeps it from silently falling back to eager flex (which materialises T^2 scores)
+        import torch._dynamo.config as dcfg
+
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(dcfg, name):
+                setattr(dcfg, name, max(getattr(dcfg, name), 64 if "accumulated" not in name else 512))
         _FLEX_FN["compiled"] = torch.compile(flex_attention)
     return _FLEX_FN["compiled"]
 
@@ -675,10 +683,9 @@ def run_method(cfg, shape: Shape, name: str, device) -> list:
             state["x"] = x
             params = list(layer.parameters())
 
-            def forward_attn():
-                with torch.no_grad():
-                    meth.per_step()
-                    return layer(x, meth, return_attn=True)[1]
+            def forward_attn():  # grad mode as in the step, so compiled flex is not recompiled for no_grad
+                meth.per_step()
+                return layer(x, meth, return_attn=True)[1].detach()
 
             def step(mark):
                 x.grad = None
@@ -696,9 +703,8 @@ def run_method(cfg, shape: Shape, name: str, device) -> list:
             state.update(q=q, k=k, v=v, do=do)
 
             def forward_attn():
-                with torch.no_grad():
-                    meth.per_step()
-                    return meth(q, k, v)
+                meth.per_step()
+                return meth(q, k, v).detach()
 
             def step(mark):
                 q.grad = k.grad = v.grad = None
