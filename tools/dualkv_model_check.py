@@ -105,6 +105,7 @@ def main(argv=None) -> int:
         gate = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
         opt = kvt.transform(model, DualKVConfig(verify=VerifyConfig(enabled=False)), progress=False)
     t_transform = time.perf_counter() - t0
+    print(f"[{time.perf_counter() - t_start:.0f}s] transformed ({t_transform:.1f} s), gate {gate}", flush=True)
     ver = opt.report.verification
 
     # ---- GRPO-like batch -----------------------------------------------------------------------------------------
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
+    print(f"[{time.perf_counter() - t_start:.0f}s] gradients computed (packed, original bf16, fp32 reference)",
+          flush=True)
     rows, worst = [], {"ratio": 0.0}
     n_fail = 0
     for (name, _), a, b, r in zip(params, g_packed, g_orig, g_ref):
