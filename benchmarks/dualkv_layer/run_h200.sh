@@ -8,7 +8,7 @@
 #   kvtransform bench dualkv-layer -m P=131072 mb=8 method=flex,flex_rebuild,dualkv time_budget_s=3 append=true out_dir=DIR
 set -o pipefail
 OUT_DIR=${1:-out/bench/dualkv-layer}
-python3 - "$OUT_DIR" <<'PY'
+python3 -P - "$OUT_DIR" <<'PY'
 import sys
 
 from kvtransform.bench import run
