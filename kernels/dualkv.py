@@ -648,5 +648,6 @@ def dualkv_flops(layout_or_pairs, num_heads: int, head_dim: int, backward: bool 
     return f * 2.5 if backward else f
 
 
-__all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward", "dualkv_flops", "CONFIG_OVERRIDES",
+__all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",
+           "dualkv_flops", "CONFIG_OVERRIDES",
            "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
