@@ -141,7 +141,7 @@ class PackedForward(torch.nn.Module):
         return out.logits if hasattr(out, "logits") else out[0]
 
 
-def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20) -> Captured:
+def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20, force_auto_dims: bool = False) -> Captured:
     """Export ``model``'s forward over one packed token axis: ``(input_ids (1, T), position_ids (1, T), cu_seqlens
     (S+1,) int32, segment_prefix (S,) int32) -> logits (1, T, vocab)``, dynamic ``T`` and ``S``.
 
@@ -152,6 +152,7 @@ def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20) -> Capture
     Args:
         model: a transformers causal LM, any dtype/device.
         max_tokens: upper bound of the dynamic packed length ``T``.
+        force_auto_dims: skip the named-``Dim`` attempt and export with ``Dim.AUTO`` (the fallback; for tests).
 
     Raises:
         RuntimeError: when torch.export fails.
@@ -164,16 +165,31 @@ def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20) -> Capture
     tok = Dim("tokens", min=2, max=int(max_tokens))
     seg = Dim("segments", min=2, max=int(max_tokens))
     seg1 = Dim("segments_plus_1", min=3, max=int(max_tokens) + 1)
-    dyn = {"input_ids": {1: tok}, "position_ids": {1: tok}, "cu_seqlens": {0: seg1}, "segment_prefix": {0: seg}}
+    named = {"input_ids": {1: tok}, "position_ids": {1: tok}, "cu_seqlens": {0: seg1}, "segment_prefix": {0: seg}}
+    # Fallback: on CUDA, SDPA's mask handling emits guards the named-Dim solver cannot prove although they always
+    # hold (e.g. ``min(128*T, 512*T) == 128*T``); Dim.AUTO accepts them, and we check T stayed dynamic.
+    auto = {"input_ids": {1: Dim.AUTO}, "position_ids": {1: Dim.AUTO}, "cu_seqlens": {0: Dim.AUTO},
+            "segment_prefix": {0: Dim.AUTO}}
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), _quiet():
-            ep = torch.export.export(PackedForward(model), (ids, pos, cu, sp), dynamic_shapes=dyn, strict=False)
-    except Exception as e:  # pragma: no cover - message path
-        raise RuntimeError(f"torch.export could not capture {type(model).__name__} (packed): {e}") from e
+        ep, err = None, None
+        for dyn in ((auto,) if force_auto_dims else (named, auto)):
+            try:
+                with torch.no_grad(), _quiet():
+                    ep = torch.export.export(PackedForward(model), (ids, pos, cu, sp), dynamic_shapes=dyn,
+                                             strict=False)
+                break
+            except Exception as e:  # pragma: no cover - message path
+                err = e
+        if ep is None:
+            raise RuntimeError(f"torch.export could not capture {type(model).__name__} (packed): {err}") from err
     finally:
         model.train(was_training)
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and node.name == "input_ids":
+            if isinstance(node.meta["val"].shape[1], int):
+                raise RuntimeError("packed capture specialised the token count; cannot build a dynamic module")
     gm = ep.module()
     _share_parameters(gm.model, model)
     return Captured(gm, ep, int(max_tokens), PACKED_INPUTS)
