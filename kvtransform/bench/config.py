@@ -71,6 +71,9 @@ class DualKVBenchConfig:
         flex_mask: how the FlexAttention block mask is built: ``blocks`` (from the layout's segment bounds, O(T * T/128)
             work, what a trainer that knows its layout does), ``eager`` (``create_block_mask``, evaluates the mask on
             all T^2 pairs) or ``compiled`` (``torch.compile(create_block_mask)``).
+        flex_static: compile flex_attention with static shapes for each T (dynamo reset per shape: a full compile per
+            job, but static-shape kernels). Default off: one compile shared by the sweep, dynamic after the first
+            shape; on the H200 (BENCHMARKS.md) those later shapes ran 1-9% slower than the calibration's flex.
         dualkv_layout_per_step: build the DualKV layout inside each timed step (as training must).
         max_mem_gb: skip (status ``skip-mem``) a method whose estimated peak exceeds this (0 = the device's memory).
         out_dir: where ``results.csv``, ``results.md`` and ``results.png`` are written.
@@ -103,6 +106,7 @@ class DualKVBenchConfig:
     fa2_impl: str = "auto"
     flex_compile: str = "auto"
     flex_mask: str = "blocks"
+    flex_static: bool = False
     dualkv_layout_per_step: bool = True
     max_mem_gb: float = 0.0
     out_dir: str = "out/bench/dualkv-layer"

@@ -358,11 +358,20 @@ class PrefixGrouper(AttnMethod):
 _FLEX_FN: dict = {}
 
 
-def _flex_fn(compile_: bool):
+def _flex_fn(compile_: bool, static_T: int = 0):
+    """flex_attention, compiled once for the sweep, or (``static_T``) compiled with static shapes for one length T
+    (dynamo reset when T changes: a full compile per shape, the fastest kernels)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compile_:
         return flex_attention
+    if static_T:
+        if _FLEX_FN.get("static_T") != static_T:
+            torch._dynamo.reset()
+            _FLEX_FN.clear()
+            _FLEX_FN["static_T"] = static_T
+            _FLEX_FN["static"] = torch.compile(flex_attention, dynamic=False)
+        return _FLEX_FN["static"]
     if "compiled" not in _FLEX_FN:
         # one compiled flex for every shape of a sweep: the second shape makes dynamo mark the lengths dynamic; a
         # higher recompile limit keeps it from silently falling back to eager flex (which materialises T^2 scores)
@@ -451,11 +460,11 @@ class Flex(AttnMethod):
             raise Unavailable("FlexAttention has no backward on CPU")
         comp = cfg.flex_compile
         comp = (device.type == "cuda") if comp == "auto" else str(comp).lower() in ("1", "true", "yes")
-        self.fn = _flex_fn(comp)
         self.seg = _segments(P, R, device)
         self.T = self.seg.numel()
-        self.impl = (("compiled" if comp else "eager") + f" {cfg.flex_mask}-mask" +
-                     ("/step" if self.rebuild else " once"))
+        self.fn = _flex_fn(comp, self.T if cfg.flex_static else 0)
+        kind = ("compiled" + (" static" if cfg.flex_static else "")) if comp else "eager"
+        self.impl = f"{kind} {cfg.flex_mask}-mask" + ("/step" if self.rebuild else " once")
         self.block_mask = None if self.rebuild else self._build()
 
     def _mask_mod(self):
