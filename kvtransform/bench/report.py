@@ -240,7 +240,7 @@ def plot_png(df, path: str) -> bool:
     paper = seed.table("paper_layer")
     shapes = _shapes(df)
     methods = [m for m in LAYER_METHODS if (df["method"] == m).any()]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(shapes) * max(1, len(methods)) * 0.35 + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(min(18, max(6, 0.25 * len(shapes) * max(1, len(methods)) + 2)), 5))
     w = 0.8 / max(1, len(methods))
     for j, m in enumerate(methods):
         xs, ys = [], []
