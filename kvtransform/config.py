@@ -86,12 +86,16 @@ class DualKVConfig(CanonicalConfig):
     Attributes:
         verify_groups: (prompt length, response lengths) used by the exactness check against the replicated batch.
         verify_backward: the gate also compares every parameter gradient of ``Σ advantage_i · Σ logprobs_i``.
+        verify_grad_tolerance: maximum ``‖g − g_ref‖₂ / ‖g_ref‖₂`` over all parameters; ``None`` picks by dtype
+            (fp32: 1e-4, fp16/bf16: 5e-2: on the H200, a 4-layer Qwen3-8B-shaped bf16 model's own gradients differ
+            from fp32 by 2.3e-2, so two equal bf16 computations can differ by more than the 2e-2 logits tolerance).
         demo: the demo ``kvtransform optimize transform=dualkv`` runs (not used by ``kvt.transform``).
     """
 
     name: str = "dualkv"
     verify_groups: list = field(default_factory=lambda: [[11, [5, 9, 3]], [6, [4, 1]]])
     verify_backward: bool = True
+    verify_grad_tolerance: Optional[float] = None
     demo: DualKVDemoConfig = field(default_factory=DualKVDemoConfig)
 
 
