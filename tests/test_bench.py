@@ -193,3 +193,12 @@ def test_layout_block_mask_equals_create_block_mask(P, R, block):
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
                  "full_q_num_blocks", "full_q_indices"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_typo_messages_name_the_fix():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match=r"unknown key 'Pp'.*did you mean 'P'"):
+        compose_jobs("dualkv-layer", ["Pp=5059"])
+    with pytest.raises(ConfigCompositionException, match="expected one of"):
+        compose_jobs("dualkv-layer", ["method=fa3"])

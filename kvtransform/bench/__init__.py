@@ -66,13 +66,29 @@ def compose_jobs(suite: str, overrides: List[str], multirun: bool = False) -> li
     if suite not in _config.SUITES:
         raise ValueError(f"unknown benchmark suite {suite!r}; suites: {', '.join(_config.SUITES)}")
     parsed = OverridesParser.create().parse_overrides(overrides)
+    import dataclasses
+    import difflib
+
+    from hydra.errors import ConfigCompositionException
+
+    keys = [f.name for f in dataclasses.fields(_config.SUITES[suite])]
+    for o in parsed:
+        key = o.get_key_element().lstrip("+~").split(".")[0]
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigCompositionException(f"unknown key {key!r} for suite {suite}{hint}; keys: {', '.join(keys)}")
     sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
     if sweeps and not multirun:
         raise ValueError(f"sweep override(s) {sweeps} need -m/--multirun")
     batches = BasicSweeper.split_arguments(parsed, None)[0] if parsed else [[]]
 
     def _compose_all():
-        return [(list(b), compose(config_name=suite, overrides=list(b))) for b in batches]
+        try:
+            return [(list(b), compose(config_name=suite, overrides=list(b))) for b in batches]
+        except ConfigCompositionException as e:  # say why (bad value, valid choices), not only which override
+            cause = str(e.__cause__).splitlines()[0] if e.__cause__ else ""
+            raise ConfigCompositionException(f"{e}: {cause}" if cause else str(e)) from e
 
     if GlobalHydra.instance().is_initialized():
         return _compose_all()
