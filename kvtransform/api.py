@@ -95,12 +95,14 @@ class OptimizedModule(torch.nn.Module):
 
     # ---- emission --------------------------------------------------------------------------------------------------
     def export_example(self):
-        """Example inputs and dynamic shapes used to export this module as ``.pt2``."""
+        """``(args, dynamic_shapes)`` for exporting ``core`` as ``.pt2``: example positional inputs of ``core`` and
+        their dynamic dimensions (a tuple matching ``args``). Subclasses with another ``core`` signature override
+        this."""
         ids = torch.ones(2, 8, dtype=torch.long, device=_device_of(self))
         am = torch.ones_like(ids)
         seq = Dim("seq", min=2, max=self.max_seq_len)
         batch = Dim("batch", min=1, max=1024)
-        return (ids, am), {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+        return (ids, am), ({0: batch, 1: seq}, {0: batch, 1: seq})
 
     def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
         """Write ``model.pt2`` (torch.export), ``graph.py`` (readable graph code), ``config.yaml`` and
@@ -118,7 +120,8 @@ class OptimizedModule(torch.nn.Module):
         try:
             args, dyn = self.export_example()
             with torch.no_grad(), _quiet_export():
-                ep = torch.export.export(_ExportWrapper(self), args, dynamic_shapes=dyn, strict=False)
+                ep = torch.export.export(_ExportWrapper(self), tuple(args), dynamic_shapes={"args": tuple(dyn)},
+                                         strict=False)
             torch.export.save(ep, tmp / "model.pt2")
             (tmp / "graph.py").write_text(self.code)
             (tmp / "config.yaml").write_text(self.config.to_yaml())
@@ -139,12 +142,14 @@ class OptimizedModule(torch.nn.Module):
 
 
 class _ExportWrapper(torch.nn.Module):
+    """What ``.pt2`` holds: ``core`` with its positional signature (``kvt.load`` wraps the module back)."""
+
     def __init__(self, opt):
         super().__init__()
         self.core = opt.core
 
-    def forward(self, input_ids, attention_mask):
-        return self.core(input_ids, attention_mask)
+    def forward(self, *args):
+        return self.core(*args)
 
 
 def load(path: str | os.PathLike) -> OptimizedModule:

@@ -273,16 +273,14 @@ def _check_packed(input_ids, position_ids, layout: DualKVLayout, vocab_size: Opt
 
 # ====================================================================================================== module
 class _PackedLogits(torch.nn.Module):
-    """Adapter: ``(input_ids (1, T), (position_ids (1, T), cu_seqlens, segment_prefix)) -> logits (1, T, V)``
-    around the rewritten packed graph. The layout travels as one tuple so that ``OptimizedModule.save`` (which
-    exports ``core(input_ids, attention_mask)``) exports it unchanged; a reloaded ``.pt2`` has the same signature."""
+    """Adapter: ``(input_ids (1, T), position_ids (1, T), cu_seqlens, segment_prefix) -> logits (1, T, V)``
+    around the rewritten packed graph; a reloaded ``.pt2`` has the same signature."""
 
     def __init__(self, gm: torch.fx.GraphModule):
         super().__init__()
         self.gm = gm
 
-    def forward(self, input_ids, layout):
-        position_ids, cu_seqlens, segment_prefix = layout
+    def forward(self, input_ids, position_ids, cu_seqlens, segment_prefix):
         return self.gm(input_ids, position_ids, cu_seqlens, segment_prefix)
 
 
@@ -311,7 +309,7 @@ class DualKVModule(OptimizedModule):
         input_ids, position_ids, lay = self._normalise(batch, layout, input_ids, position_ids, cu_seqlens,
                                                        segment_prefix)
         _check_packed(input_ids, position_ids, lay, self.vocab_size)
-        return self.core(input_ids, (position_ids, lay.cu_seqlens, lay.segment_prefix))
+        return self.core(input_ids, position_ids, lay.cu_seqlens, lay.segment_prefix)
 
     def _normalise(self, batch, layout, input_ids, position_ids, cu_seqlens, segment_prefix):
         dev = _device_of(self)
@@ -362,8 +360,8 @@ class DualKVModule(OptimizedModule):
         tok = Dim("tokens", min=2, max=self.max_seq_len)
         seg = Dim("segments", min=2, max=self.max_seq_len)
         seg1 = Dim("segments_plus_1", min=3, max=self.max_seq_len + 1)
-        args = (b.input_ids, (b.position_ids, b.cu_seqlens, b.segment_prefix))
-        return args, {"input_ids": {1: tok}, "attention_mask": ({1: tok}, {0: seg1}, {0: seg})}
+        args = (b.input_ids, b.position_ids, b.cu_seqlens, b.segment_prefix)
+        return args, ({1: tok}, {1: tok}, {0: seg1}, {0: seg})
 
 
 def _embedding_rows(core: torch.nn.Module) -> Optional[int]:
