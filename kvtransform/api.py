@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch.export import Dim
 
-from .capture import capture
+from .capture import capture, export_dynamic
 from .config import CanonicalConfig, config_from_yaml, resolve_config
 from .report import Report
 
@@ -119,9 +119,8 @@ class OptimizedModule(torch.nn.Module):
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
             args, dyn = self.export_example()
-            with torch.no_grad(), _quiet_export():
-                ep = torch.export.export(_ExportWrapper(self), tuple(args), dynamic_shapes={"args": tuple(dyn)},
-                                         strict=False)
+            ep = export_dynamic(_ExportWrapper(self), tuple(args), None, {"args": tuple(dyn)},
+                                "the transformed module")
             torch.export.save(ep, tmp / "model.pt2")
             (tmp / "graph.py").write_text(self.code)
             (tmp / "config.yaml").write_text(self.config.to_yaml())
@@ -324,11 +323,3 @@ def _json(obj) -> str:
     import json
 
     return json.dumps(obj, indent=2)
-
-
-@contextlib.contextmanager
-def _quiet_export():
-    from .capture import _quiet
-
-    with _quiet():
-        yield

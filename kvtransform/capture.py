@@ -71,16 +71,51 @@ def capture(model: torch.nn.Module, max_seq_len: Optional[int] = None) -> Captur
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), _quiet():
-            ep = torch.export.export(model, (), {"input_ids": ids, "attention_mask": am, "use_cache": False},
-                                     dynamic_shapes=dyn, strict=False)
-    except Exception as e:  # pragma: no cover - message path
-        raise RuntimeError(f"torch.export could not capture {type(model).__name__}: {e}") from e
+        ep = export_dynamic(model, (), {"input_ids": ids, "attention_mask": am, "use_cache": False}, dyn,
+                            type(model).__name__)
     finally:
         model.train(was_training)
+    _require_dynamic(ep, "input_ids", 1)
     gm = ep.module()
     _share_parameters(gm, model)
     return Captured(gm, ep, max_len, ("input_ids", "attention_mask"))
+
+
+def _auto_dims(spec):
+    """The same dynamic-shape spec with every named ``Dim`` replaced by ``Dim.AUTO``."""
+    if isinstance(spec, dict):
+        return {k: _auto_dims(v) for k, v in spec.items()}
+    if isinstance(spec, (tuple, list)):
+        return type(spec)(_auto_dims(v) for v in spec)
+    return None if spec is None else Dim.AUTO
+
+
+def export_dynamic(module: torch.nn.Module, args: tuple, kwargs: Optional[dict], dynamic_shapes, what: str,
+                   force_auto_dims: bool = False) -> torch.export.ExportedProgram:
+    """``torch.export.export(..., strict=False)`` with named dynamic dims, falling back to ``Dim.AUTO``.
+
+    On CUDA, SDPA's mask handling emits guards the named-``Dim`` solver cannot prove although they always hold
+    (e.g. ``min(128*T, 512*T) == 128*T``); ``Dim.AUTO`` accepts them. Callers check that what must stay dynamic did.
+
+    Raises:
+        RuntimeError: neither attempt exported (the message carries the exporter's reason).
+    """
+    err = None
+    specs = (_auto_dims(dynamic_shapes),) if force_auto_dims else (dynamic_shapes, _auto_dims(dynamic_shapes))
+    for spec in specs:
+        try:
+            with torch.no_grad(), _quiet():
+                return torch.export.export(module, tuple(args), kwargs or {}, dynamic_shapes=spec, strict=False)
+        except Exception as e:  # pragma: no cover - message path
+            err = e
+    raise RuntimeError(f"torch.export could not capture {what}: {err}") from err
+
+
+def _require_dynamic(ep: torch.export.ExportedProgram, placeholder: str, dim: int) -> None:
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and node.name == placeholder and isinstance(node.meta["val"].shape[dim], int):
+            raise RuntimeError(f"torch.export specialised dimension {dim} of {placeholder}; cannot build a module "
+                               f"for every length")
 
 
 def _share_parameters(gm: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -166,30 +201,14 @@ def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20, force_auto
     seg = Dim("segments", min=2, max=int(max_tokens))
     seg1 = Dim("segments_plus_1", min=3, max=int(max_tokens) + 1)
     named = {"input_ids": {1: tok}, "position_ids": {1: tok}, "cu_seqlens": {0: seg1}, "segment_prefix": {0: seg}}
-    # Fallback: on CUDA, SDPA's mask handling emits guards the named-Dim solver cannot prove although they always
-    # hold (e.g. ``min(128*T, 512*T) == 128*T``); Dim.AUTO accepts them, and we check T stayed dynamic.
-    auto = {"input_ids": {1: Dim.AUTO}, "position_ids": {1: Dim.AUTO}, "cu_seqlens": {0: Dim.AUTO},
-            "segment_prefix": {0: Dim.AUTO}}
     was_training = model.training
     model.eval()
     try:
-        ep, err = None, None
-        for dyn in ((auto,) if force_auto_dims else (named, auto)):
-            try:
-                with torch.no_grad(), _quiet():
-                    ep = torch.export.export(PackedForward(model), (ids, pos, cu, sp), dynamic_shapes=dyn,
-                                             strict=False)
-                break
-            except Exception as e:  # pragma: no cover - message path
-                err = e
-        if ep is None:
-            raise RuntimeError(f"torch.export could not capture {type(model).__name__} (packed): {err}") from err
+        ep = export_dynamic(PackedForward(model), (ids, pos, cu, sp), None, named,
+                            f"{type(model).__name__} (packed)", force_auto_dims=force_auto_dims)
     finally:
         model.train(was_training)
-    for node in ep.graph.nodes:
-        if node.op == "placeholder" and node.name == "input_ids":
-            if isinstance(node.meta["val"].shape[1], int):
-                raise RuntimeError("packed capture specialised the token count; cannot build a dynamic module")
+    _require_dynamic(ep, "input_ids", 1)
     gm = ep.module()
     _share_parameters(gm.model, model)
     return Captured(gm, ep, int(max_tokens), PACKED_INPUTS)
