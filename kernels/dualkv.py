@@ -201,26 +201,35 @@ def _work_table(cu_seqlens: torch.Tensor, block: int, total_tokens: int, extra: 
 
 # ====================================================================================================== forward
 @triton.jit
+def _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D: tl.constexpr,
+                   EVEN_D: tl.constexpr, MASK_K: tl.constexpr):
+    """One (BLOCK_N, D_pad) block of K and of V at token indices ``k_idx``; rows ``>= kbound`` and padded head-dim
+    columns read as 0 (masks only where the caller says the block can be ragged)."""
+    k_off = k_idx.to(tl.int64)
+    if MASK_K:
+        lm = k_idx[:, None] < kbound
+        if not EVEN_D:
+            lm = lm & (offs_d[None, :] < D)
+        k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=lm, other=0.0)
+        v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=lm, other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :])
+            v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :])
+        else:
+            dm = offs_d[None, :] < D
+            k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=dm, other=0.0)
+            v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=dm, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q_idx, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi, kbound,
                qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
                CAUSAL: tl.constexpr, PREC: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
         k_idx = start + offs_n
-        k_off = k_idx.to(tl.int64)
-        if MASK_K:
-            lm = k_idx[:, None] < kbound
-            if not EVEN_D:
-                lm = lm & (offs_d[None, :] < D)
-            k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=lm, other=0.0)
-            v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=lm, other=0.0)
-        else:
-            if EVEN_D:
-                k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :])
-                v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :])
-            else:
-                dm = offs_d[None, :] < D
-                k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=dm, other=0.0)
-                v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=dm, other=0.0)
+        k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if MASK_K:
             keep = k_idx[None, :] < kbound
@@ -311,21 +320,7 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, q_idx, k_base, v_base, stride_kt, stri
                   MASK_K: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
         k_idx = start + offs_n
-        k_off = k_idx.to(tl.int64)
-        if MASK_K:
-            lm = k_idx[:, None] < kbound
-            if not EVEN_D:
-                lm = lm & (offs_d[None, :] < D)
-            k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=lm, other=0.0)
-            v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=lm, other=0.0)
-        else:
-            if EVEN_D:
-                k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :])
-                v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :])
-            else:
-                dm = offs_d[None, :] < D
-                k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=dm, other=0.0)
-                v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=dm, other=0.0)
+        k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.math.exp2(qk - lse2[:, None])
         if MASK_K:
