@@ -24,7 +24,6 @@ import argparse
 import csv
 import inspect
 import os
-import subprocess
 import sys
 import time
 
@@ -33,20 +32,11 @@ import triton
 
 from kvtransform.kernels import dualkv as K
 from kvtransform.layout import DualKVLayout
+from kvtransform.bench import git_commit
 
 QUANT = [0.2, 0.5, 0.8]
 SHAPES = [(4096, 16), (8192, 16), (16384, 8), (32768, 16)]  # the calibration table's (P, N)
 ALL_SHAPES = [(p, n) for p in (4096, 8192, 16384, 32768) for n in (8, 16)]
-
-
-def _commit() -> str:
-    if os.environ.get("KVT_COMMIT"):
-        return os.environ["KVT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def bench(fn, rep=200):
@@ -358,7 +348,7 @@ def main():
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     name = torch.cuda.get_device_name(0)
-    commit = _commit()
+    commit = git_commit()
     print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}, commit {commit}")
     os.makedirs(args.out, exist_ok=True)
     ok = True

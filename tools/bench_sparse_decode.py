@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import subprocess
 import sys
 import time
 
@@ -28,18 +27,9 @@ import torch.nn.functional as F
 from kvtransform.kernels.retrieval import retrieval_scores_reference, retrieval_scores_triton, select_topk
 from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
 from kvtransform.ops.sparse_decode import retrieval_topk, sparse_decode_attention
+from kvtransform.bench import git_commit
 
 QUANT = [0.2, 0.5, 0.8]
-
-
-def _commit() -> str:
-    if os.environ.get("KVT_COMMIT"):
-        return os.environ["KVT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def bench(fn, graph=True, rep=40):
@@ -141,7 +131,7 @@ def main():
         sys.exit("needs a CUDA device")
     torch.manual_seed(0)
     name = torch.cuda.get_device_name(0)
-    commit = _commit()
+    commit = git_commit()
     cmd = "python3 tools/bench_sparse_decode.py " + " ".join(sys.argv[1:])
     print(f"device {name}, torch {torch.__version__}, triton {__import__('triton').__version__}, commit {commit}")
     t0 = time.time()

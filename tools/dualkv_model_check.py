@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -88,6 +86,7 @@ def main(argv=None) -> int:
     import kvtransform as kvt
     from kvtransform.config import DualKVConfig, VerifyConfig
     from kvtransform.dualkv import _params, replicated_logprobs
+    from kvtransform.bench import git_commit
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
@@ -187,11 +186,7 @@ def main(argv=None) -> int:
     t_pad = cuda_time(padded_step, 1, args.reps)
     mem_pad = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or os.environ.get("KVT_COMMIT", "?")
-    except Exception:
-        commit = os.environ.get("KVT_COMMIT", "?")
+    commit = git_commit()
     res = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d"),

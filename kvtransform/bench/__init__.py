@@ -29,7 +29,8 @@ SUITES = ("dualkv-layer", "dualkv-attn")
 _FLAGS_MULTIRUN = ("-m", "--multirun")
 
 
-def _commit() -> str:
+def git_commit() -> str:
+    """Short commit of the checkout benchmarks run from (``$KVT_COMMIT`` wins: the device copy has no ``.git``)."""
     env = os.environ.get("KVT_COMMIT")
     if env:
         return env
@@ -144,7 +145,7 @@ def run(suite: str, argv: List[str]) -> list:
 
     import torch
 
-    commit = _commit()
+    commit = git_commit()
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     all_rows, by_dir = [], {}
     print(f"kvtransform bench {suite}: {len(jobs)} job(s), commit {commit}, torch {torch.__version__}", flush=True)
