@@ -202,3 +202,47 @@ def test_typo_messages_name_the_fix():
         compose_jobs("dualkv-layer", ["Pp=5059"])
     with pytest.raises(ConfigCompositionException, match="expected one of"):
         compose_jobs("dualkv-layer", ["method=fa3"])
+
+
+@pytest.mark.parametrize("overrides, msg", [
+    (["r_min=9", "r_max=3"], r"r_min=9 > r_max=3.*set r_min <= r_max"),
+    (["P=-3"], r"P=-3: .*must be >= 1"),
+    (["mb=0"], r"mb=0: .*must be >= 1"),
+    (["r_min=0"], r"r_min=0: .*must be >= 1"),
+    (["iters=0"], r"iters=0: .*must be >= 1"),
+    (["warmup=-1"], r"warmup=-1: .*must be >= 0"),
+    (["min_iters=0"], r"min_iters=0"),
+    (["head_dim=0"], r"head_dim=0"),
+    (["heads=4", "kv_heads=3"], r"not divisible by kv_heads=3"),
+    (["time_budget_s=-1"], r"time_budget_s=-1"),
+    (["matmul_tflops=0"], r"matmul_tflops=0"),
+    (["fa2_impl=fa3"], r"fa2_impl=fa3: fa2_impl must be one of auto, varlen, sdpa"),
+    (["flex_mask=dense"], r"flex_mask must be one of"),
+    (["device=gpu0"], r"device=gpu0: device must be auto, cpu, cuda or cuda:N"),
+])
+def test_bad_values_fail_before_any_job(overrides, msg):
+    with pytest.raises(ValueError, match=msg):
+        compose_jobs("dualkv-attn", overrides)
+    with pytest.raises(ValueError, match=msg):
+        run("dualkv-layer", overrides + ["out_dir=unused"])
+
+
+def test_bad_sweep_value_names_the_job_and_runs_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"job P=-3.*P=-3: .*must be >= 1"):
+        run("dualkv-layer", ["-m", "P=7,-3", "mb=2", f"out_dir={tmp_path}"] + TINY)
+    assert not os.listdir(tmp_path)  # the good job did not run either
+
+
+def test_cli_bad_value_is_one_error_line(tmp_path, capsys):
+    cli = pytest.importorskip("kvtransform.cli")
+    for argv in (["r_min=9", "r_max=3"], ["P=-3"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["bench", "dualkv-attn", f"out_dir={tmp_path}"] + argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and "Traceback" not in err
+    assert not os.listdir(tmp_path)
+    from kvtransform.bench import main
+
+    assert main(["dualkv-layer", "P=-3", f"out_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.startswith("error: bad benchmark setting: P=-3")

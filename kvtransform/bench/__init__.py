@@ -54,7 +54,8 @@ def compose_jobs(suite: str, overrides: List[str], multirun: bool = False) -> li
         list of ``(job_overrides: list[str], cfg: DictConfig)``, one per job, in sweep order.
 
     Raises:
-        ValueError: unknown suite, or a sweep override without ``multirun``.
+        ValueError: unknown suite, a sweep override without ``multirun``, or a value out of range in any job
+            (:func:`kvtransform.bench.config.validate`: ``P``/``mb``/``r_min``/``r_max`` >= 1, ``r_min <= r_max``, ...).
         hydra.errors.ConfigCompositionException / OverrideParseException: unknown key, bad value, bad syntax.
     """
     from hydra import compose, initialize
@@ -92,9 +93,17 @@ def compose_jobs(suite: str, overrides: List[str], multirun: bool = False) -> li
             raise ConfigCompositionException(f"{e}: {cause}" if cause else str(e)) from e
 
     if GlobalHydra.instance().is_initialized():
-        return _compose_all()
-    with initialize(version_base=None, config_path=None):
-        return _compose_all()
+        jobs = _compose_all()
+    else:
+        with initialize(version_base=None, config_path=None):
+            jobs = _compose_all()
+    for ov, cfg in jobs:  # every job's values, before any job runs
+        try:
+            _config.validate(cfg)
+        except ValueError as e:
+            where = f" (job {' '.join(ov)})" if len(jobs) > 1 else ""
+            raise ValueError(f"bad benchmark setting{where}: {e}") from None
+    return jobs
 
 
 def repro_command(suite: str, job_overrides: List[str], method: Optional[str] = None) -> str:
@@ -145,6 +154,9 @@ def run(suite: str, argv: List[str]) -> list:
 
     import torch
 
+    for ov, cfg in jobs:  # a device that is not there fails here, before the first job runs
+        if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={cfg.device} but CUDA is not available here; use device=cpu or device=auto")
     commit = git_commit()
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     all_rows, by_dir = [], {}
@@ -189,5 +201,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(__doc__)
         print("suites: " + ", ".join(SUITES))
         return 0
-    run(argv[0], argv[1:])
+    try:
+        run(argv[0], argv[1:])
+    except Exception as e:  # bad input: one line and exit status 2, as ``kvtransform bench`` does
+        if os.environ.get("KVT_DEBUG") or not (isinstance(e, ValueError)
+                                               or (type(e).__module__ or "").startswith(("hydra", "omegaconf"))):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -133,6 +133,65 @@ SUITES = {
 }
 
 
+_CHOICES = {
+    "fa2_impl": ("auto", "varlen", "sdpa"),
+    "flex_compile": ("auto", "true", "false", "1", "0", "yes", "no"),
+    "flex_mask": ("blocks", "eager", "compiled"),
+}
+
+
+def validate(cfg) -> None:
+    """Check the values of one composed job (types are Hydra's job) before anything runs.
+
+    Raises:
+        ValueError: one line naming the setting, its value and the fix: ``P``, ``mb``, ``r_min``, ``iters``,
+            ``min_iters`` and the layer shape below 1, ``r_min > r_max``, ``heads`` not divisible by ``kv_heads``,
+            a negative ``warmup``/``time_budget_s``/``max_mem_gb``, ``matmul_tflops <= 0``, an unknown
+            ``fa2_impl``/``flex_compile``/``flex_mask`` or an unparsable ``device``.
+    """
+    at_least_1 = {
+        "P": "the prompt (shared prefix) length in tokens",
+        "mb": "the number of responses sharing the prompt",
+        "r_min": "the shortest response length in tokens",
+        "r_max": "the longest response length in tokens",
+        "iters": "the number of timed steps",
+        "min_iters": "the floor of timed steps under time_budget_s",
+        "hidden": "the layer's hidden size",
+        "heads": "the number of query heads",
+        "kv_heads": "the number of KV heads",
+        "head_dim": "the head dimension",
+        "mlp": "the MLP width",
+    }
+    for key, what in at_least_1.items():
+        val = getattr(cfg, key)
+        if val < 1:
+            raise ValueError(f"{key}={val}: {key} is {what} and must be >= 1; set {key}=1 or more")
+    if cfg.r_min > cfg.r_max:
+        raise ValueError(f"r_min={cfg.r_min} > r_max={cfg.r_max}: response lengths are drawn uniformly from "
+                         f"[r_min, r_max]; set r_min <= r_max")
+    if cfg.heads % cfg.kv_heads != 0:
+        raise ValueError(f"heads={cfg.heads} is not divisible by kv_heads={cfg.kv_heads} (GQA); pick kv_heads "
+                         f"dividing heads")
+    for key, what in (("warmup", "untimed steps"), ("time_budget_s", "seconds (0 = no budget)"),
+                      ("max_mem_gb", "GiB (0 = the device's memory)")):
+        val = getattr(cfg, key)
+        if val < 0:
+            raise ValueError(f"{key}={val}: {key} counts {what} and must be >= 0")
+    if not cfg.matmul_tflops > 0:
+        raise ValueError(f"matmul_tflops={cfg.matmul_tflops}: the matmul rate of the FLOP floor must be > 0")
+    for key, allowed in _CHOICES.items():
+        val = str(getattr(cfg, key))
+        if (val.lower() if key == "flex_compile" else val) not in allowed:
+            raise ValueError(f"{key}={getattr(cfg, key)}: {key} must be one of {', '.join(allowed)}")
+    if str(cfg.device) != "auto":
+        import torch
+
+        try:
+            torch.device(str(cfg.device))
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"device={cfg.device}: device must be auto, cpu, cuda or cuda:N") from None
+
+
 def register() -> None:
     """Store every suite's config under its suite name (idempotent)."""
     cs = ConfigStore.instance()
