@@ -8,6 +8,7 @@ are the original model's ``Parameter`` objects.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -81,11 +82,43 @@ class OptimizedModule(torch.nn.Module):
         self.max_seq_len = int(max_seq_len)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq); got shape {tuple(input_ids.shape)}")
+        """Logits ``(B, S, vocab)``.
+
+        Raises:
+            ValueError: ``input_ids`` not an integer ``(B, S)`` tensor with ``B >= 1`` and ``1 <= S <= max_seq_len``,
+                token ids outside the vocabulary, or an ``attention_mask`` that is not 0/1 of the same shape.
+        """
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(f"{type(self).__name__} takes input_ids as an integer tensor (batch, seq); got "
+                             f"{type(input_ids).__name__}" + (" — a PackedBatch needs kvt.transform(model, "
+                                                              "'dualkv')" if type(input_ids).__name__ ==
+                                                              "PackedBatch" else ""))
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor of shape (batch, seq); got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        if b < 1 or not 1 <= s <= self.max_seq_len:
+            raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: need batch >= 1 and 1 <= seq <= "
+                             f"{self.max_seq_len} (the model's maximum positions, captured as the dynamic bound)")
+        vocab = self.vocab_size
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or (vocab is not None and hi >= vocab):
+            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        elif tuple(attention_mask.shape) != (b, s) or attention_mask.dtype.is_floating_point or \
+                not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError(f"attention_mask must be 0/1 (int or bool) of shape {(b, s)} like input_ids; got "
+                             f"{attention_mask.dtype} {tuple(attention_mask.shape)}")
         return self.core(input_ids, attention_mask.to(torch.long))
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """Rows of the input embedding (token ids must be below it), or None if not found."""
+        if not hasattr(self, "_vocab_size"):
+            self._vocab_size = next((int(p.shape[0]) for n, p in self.core.named_parameters(remove_duplicate=False)
+                                     if n.endswith(("embed_tokens.weight", "wte.weight")) and p.dim() == 2), None)
+        return self._vocab_size
 
     @property
     def code(self) -> str:
@@ -203,6 +236,7 @@ def transform(model: torch.nn.Module, config="canonical", tokenizer=None, progre
     if cfg.name not in TRANSFORMS:
         raise ValueError(f"transform {cfg.name!r} is not available in this installation; available: "
                          f"{sorted(TRANSFORMS)}")
+    _check_model(model)
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "kvt_tokenizer", None)
     return TRANSFORMS[cfg.name](model, cfg, tokenizer=tokenizer, progress=progress)
 
@@ -263,11 +297,24 @@ def run_verification(model, opt: OptimizedModule, cfg: CanonicalConfig, tokenize
     if not cfg.verify.enabled:
         return
     param = next(model.parameters())
-    cases = verification_cases(cfg.verify, tokenizer, model.config.vocab_size, param.device)
+    vcfg = cfg.verify
+    too_long = [n for n in vcfg.lengths if n > opt.max_seq_len]
+    if too_long:  # verify at the longest length the module accepts instead
+        vcfg = dataclasses.replace(vcfg, lengths=sorted({min(n, opt.max_seq_len) for n in vcfg.lengths}))
+        report.pass_record("attention").notes.append(
+            f"verify lengths {too_long} exceed the model's {opt.max_seq_len} positions; verified at "
+            f"{opt.max_seq_len} instead") if report.pass_record("attention") else None
+    cases = verification_cases(vcfg, tokenizer, model.config.vocab_size, param.device)
     tol = default_tolerance(param.dtype, cfg.verify.tolerance)
 
     def original(ids, am):
-        return model(input_ids=ids, attention_mask=am, use_cache=False).logits
+        # The transformed module computes the model in eval mode (attention dropout off): compare with that.
+        was_training = model.training
+        model.eval()
+        try:
+            return model(input_ids=ids, attention_mask=am, use_cache=False).logits
+        finally:
+            model.train(was_training)
 
     with _stage(progress, f"verifying on {len(cases)} real inputs"):
         t0 = time.perf_counter()

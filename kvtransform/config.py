@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -35,6 +36,20 @@ class VerifyConfig:
     tolerance: Optional[float] = None
     seed: int = 0
 
+    def validate(self) -> None:
+        """Raises ValueError (naming the key and the fix) for values the gate cannot run with."""
+        if self.enabled and not list(self.lengths):
+            raise ValueError("verify.lengths is empty: give at least one length (>= 2 tokens), or set "
+                             "verify.enabled=false to skip verification explicitly")
+        for n in self.lengths:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+                raise ValueError(f"verify.lengths must be integers >= 2 tokens; got {n!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"verify.batch_size must be an integer >= 1; got {self.batch_size!r}")
+        if self.tolerance is not None and not (math.isfinite(self.tolerance) and self.tolerance > 0):
+            raise ValueError(f"verify.tolerance must be a finite number > 0 (or null for the dtype's default); "
+                             f"got {self.tolerance!r}")
+
 
 @dataclass
 class CanonicalConfig:
@@ -42,6 +57,10 @@ class CanonicalConfig:
 
     name: str = "canonical"
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+
+    def validate(self) -> None:
+        """Raises ValueError for invalid values (subclasses extend it)."""
+        self.verify.validate()
 
     # ---- serialisation -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -98,6 +117,15 @@ class DualKVConfig(CanonicalConfig):
     verify_grad_tolerance: Optional[float] = None
     demo: DualKVDemoConfig = field(default_factory=DualKVDemoConfig)
 
+    def validate(self) -> None:
+        super().validate()
+        if self.verify.enabled and not list(self.verify_groups):
+            raise ValueError("verify_groups is empty: give at least one [prompt_length, [response_lengths...]] "
+                             "group, or set verify.enabled=false")
+        g = self.verify_grad_tolerance
+        if g is not None and not (math.isfinite(g) and g > 0):
+            raise ValueError(f"verify_grad_tolerance must be a finite number > 0 (or null); got {g!r}")
+
 
 @dataclass
 class SpeContextConfig(CanonicalConfig):
@@ -118,6 +146,14 @@ class SpeContextConfig(CanonicalConfig):
     num_recent: int = 0
     retrieval: str = "self"
     offload: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1 token per KV head; got {self.budget}")
+        if self.num_sink < 0 or self.num_recent < 0 or self.num_sink + self.num_recent > self.budget:
+            raise ValueError(f"num_sink and num_recent must be >= 0 with num_sink + num_recent <= budget; got "
+                             f"{self.num_sink}, {self.num_recent}, budget {self.budget}")
 
 
 CONFIG_TYPES: dict[str, type] = {
@@ -140,10 +176,12 @@ def config_from_dict(d: dict[str, Any]) -> CanonicalConfig:
     cls = CONFIG_TYPES[name]
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(d))
-    except Exception as e:  # omegaconf.errors.ConfigKeyError and friends
+        cfg = OmegaConf.to_object(merged)
+    except Exception as e:  # omegaconf.errors.ConfigKeyError / ValidationError and friends
         valid = [f.name for f in dataclasses.fields(cls)]
         raise ValueError(f"invalid {name} config: {e}. Valid keys: {valid}") from None
-    return OmegaConf.to_object(merged)
+    cfg.validate()
+    return cfg
 
 
 def config_from_yaml(text: str) -> CanonicalConfig:
@@ -164,6 +202,7 @@ def resolve_config(config: "str | CanonicalConfig | dict") -> CanonicalConfig:
         TypeError: anything else.
     """
     if isinstance(config, CanonicalConfig):
+        config.validate()
         return config
     if isinstance(config, str):
         if config not in CONFIG_TYPES:

@@ -20,6 +20,7 @@ The transformed module's parameters are the original model's ``Parameter`` objec
 from __future__ import annotations
 
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -40,8 +41,29 @@ TokenIds = Union[Sequence[int], torch.Tensor]
 
 
 # ====================================================================================================== packing
+def _token_id(v, what: str, j: int) -> int:
+    """One token id as a python int: python ints, NumPy integer scalars and 0-d integer tensors (``operator.index``);
+    floats, bools and strings raise ValueError."""
+    bad = isinstance(v, (bool, str, bytes)) or (isinstance(v, torch.Tensor) and (v.dim() != 0 or v.dtype == torch.bool)) \
+        or type(v).__name__ in ("bool_", "bool") and type(v).__module__ == "numpy"
+    if not bad:
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise ValueError(f"{what}: element {j} is {v!r}, not an integer token id (ints, NumPy integers or an integer "
+                     f"tensor; not floats, bools or strings)")
+
+
 def _as_ids(x: TokenIds, what: str, vocab_size: Optional[int]) -> torch.Tensor:
-    """1-D int64 CPU tensor from a list of ints or a 1-D integer tensor; raises ValueError on bad input."""
+    """1-D int64 CPU tensor from a list of ints (or NumPy integers), a 1-D integer tensor or a 1-D integer NumPy
+    array; raises ValueError on bad input."""
+    if type(x).__module__ == "numpy" and hasattr(x, "ndim") and hasattr(x, "dtype"):  # a NumPy array
+        if x.ndim != 1:
+            raise ValueError(f"{what} must be 1-D token ids; got a NumPy array of shape {tuple(x.shape)}")
+        if x.dtype.kind not in "iu":
+            raise ValueError(f"{what} must hold integer token ids; got NumPy dtype {x.dtype}")
+        x = torch.tensor(x.astype("int64"))
     if isinstance(x, torch.Tensor):
         if x.dim() != 1:
             raise ValueError(f"{what} must be a 1-D tensor or a list of token ids; got a tensor of shape "
@@ -54,11 +76,7 @@ def _as_ids(x: TokenIds, what: str, vocab_size: Optional[int]) -> torch.Tensor:
             seq = list(x)
         except TypeError:
             raise ValueError(f"{what} must be a list of token ids or a 1-D tensor; got {type(x).__name__}") from None
-        for j, v in enumerate(seq):
-            if isinstance(v, bool) or not isinstance(v, (int,)) and not (isinstance(v, torch.Tensor) and v.dim() == 0
-                                                                          and not v.dtype.is_floating_point):
-                raise ValueError(f"{what}: element {j} is {v!r}, not an integer token id")
-        t = torch.tensor([int(v) for v in seq], dtype=torch.long)
+        t = torch.tensor([_token_id(v, what, j) for j, v in enumerate(seq)], dtype=torch.long)
     if t.numel() == 0:
         raise ValueError(f"{what} is empty: prompts and responses need at least one token")
     lo, hi = int(t.min()), int(t.max())
@@ -166,11 +184,14 @@ class PackedBatch:
             ``log p(r_ij | prompt, r_i<j)``; the first comes from the last prompt position. Differentiable.
 
         Raises:
-            ValueError: logits of the wrong rank, a length that is not ``T``, or a vocabulary smaller than the
-                largest token id of the batch.
+            ValueError: logits that are not a floating-point tensor, of the wrong rank, a length that is not ``T``,
+                or a vocabulary smaller than the largest token id of the batch.
         """
         if not isinstance(logits, torch.Tensor):
             raise ValueError(f"logits must be a tensor (1, T, vocab); got {type(logits).__name__}")
+        if not logits.dtype.is_floating_point:
+            raise ValueError(f"logits must be a floating-point tensor (the model's output, e.g. float32/bfloat16); "
+                             f"got dtype {logits.dtype}: pass the logits, not token ids or argmax indices")
         if logits.dim() == 3:
             if logits.shape[0] != 1:
                 raise ValueError(f"logits must be (1, T, vocab) for a packed batch; got {tuple(logits.shape)}")
@@ -200,8 +221,8 @@ def pack_shared_prefix_groups(groups: Sequence[tuple], vocab_size: Optional[int]
     """Pack several groups ``[(prompt_ids, [response_ids, ...]), ...]`` into one :class:`PackedBatch`.
 
     Args:
-        groups: per group a prompt (list of ints or 1-D integer tensor, ≥ 1 token) and a non-empty list of
-            responses (same types, ≥ 1 token each).
+        groups: per group a prompt (list of ints or NumPy integers, 1-D integer tensor or NumPy array, ≥ 1 token)
+            and a non-empty list of responses (same types, ≥ 1 token each).
         vocab_size: when given, every id must be ``< vocab_size``.
         device: device of the batch tensors (default CPU, or the device of the first tensor given).
 
@@ -300,7 +321,6 @@ class DualKVModule(OptimizedModule):
 
     def __init__(self, core: torch.nn.Module, config: DualKVConfig, report: Report, max_seq_len: int = 1 << 20):
         super().__init__(core, config, report, max_seq_len=max_seq_len)
-        self.vocab_size = _embedding_rows(core)
 
     def forward(self, batch: Union[PackedBatch, torch.Tensor, None] = None, layout: Optional[DualKVLayout] = None,
                 *, input_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
@@ -362,13 +382,6 @@ class DualKVModule(OptimizedModule):
         seg1 = Dim("segments_plus_1", min=3, max=self.max_seq_len + 1)
         args = (b.input_ids, b.position_ids, b.cu_seqlens, b.segment_prefix)
         return args, ({1: tok}, {1: tok}, {0: seg1}, {0: seg})
-
-
-def _embedding_rows(core: torch.nn.Module) -> Optional[int]:
-    for name, p in core.named_parameters(remove_duplicate=False):
-        if name.endswith("embed_tokens.weight") and p.dim() == 2:
-            return int(p.shape[0])
-    return None
 
 
 # ====================================================================================================== exactness

@@ -200,3 +200,51 @@ def test_real_smollm2_end_to_end(tmp_path):
     with torch.no_grad():
         ref = model(input_ids=ids, use_cache=False).logits
         torch.testing.assert_close(loaded(ids), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"lengths": []}, "verify.lengths is empty"),
+    ({"lengths": [1]}, "lengths must be integers >= 2"),
+    ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+    ({"tolerance": -1.0}, "tolerance must be a finite number > 0"),
+    ({"tolerance": float("nan")}, "tolerance must be a finite number > 0"),
+])
+def test_verify_config_rejects_values_the_gate_cannot_run(bad, match):
+    with pytest.raises(ValueError, match=match):
+        kvt.transform(kvt.tiny_model("llama"), {"name": "canonical", "verify": bad}, progress=False)
+
+
+def test_verify_lengths_beyond_the_model_are_clamped_and_reported():
+    model = kvt.tiny_model("qwen3", max_position_embeddings=32)
+    opt = kvt.transform(model, "canonical", progress=False)  # default lengths include 37 > 32
+    assert [c["shape"][1] for c in opt.report.verification.cases] == [9, 9, 32, 32]
+    assert any("verified at 32" in n for n in opt.report.pass_record("attention").notes)
+
+
+def test_module_input_validation():
+    model = kvt.tiny_model("llama", max_position_embeddings=32)
+    opt = kvt.transform(model, "canonical", progress=False)
+    ids = torch.randint(0, 100, (2, 5))
+    cases = [
+        ((torch.randint(0, 100, (2, 40)),), "1 <= seq <= 32"),
+        ((torch.tensor([[1, 2, 500]]),), "outside the vocabulary"),
+        ((torch.ones(1, 4),), "integer tensor"),
+        ((torch.ones(0, 5, dtype=torch.long),), "batch >= 1"),
+        ((ids, torch.ones(2, 3, dtype=torch.long)), "attention_mask must be 0/1"),
+        ((ids, torch.full((2, 5), 0.5)), "attention_mask must be 0/1"),
+        ((kvt.pack_shared_prefix([1, 2, 3], [[4, 5]]),), "dualkv"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            opt(*args)
+
+
+def test_train_mode_model_is_verified_in_eval_semantics():
+    model = kvt.tiny_model("llama", attention_dropout=0.5).train()
+    opt = kvt.transform(model, "canonical", progress=False)
+    assert opt.report.verification.passed and model.training
+
+
+def test_plain_module_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="causal"):
+        kvt.transform(torch.nn.Linear(2, 2), progress=False)

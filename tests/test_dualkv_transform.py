@@ -68,10 +68,45 @@ def test_response_logprobs_indexing():
     (lambda: kvt.pack_shared_prefix(torch.tensor([1.0]), [[2]]), "integer token ids"),
     (lambda: kvt.pack_shared_prefix(torch.ones(2, 3, dtype=torch.long), [[2]]), "1-D"),
     (lambda: kvt.pack_shared_prefix_groups([]), "non-empty"),
+    (lambda: kvt.pack_shared_prefix([True, 2], [[2]]), "element 0 is True, not an integer"),
+    (lambda: kvt.pack_shared_prefix(["a"], [[2]]), "element 0 is 'a', not an integer"),
+    (lambda: kvt.pack_shared_prefix([torch.tensor(1.0)], [[2]]), "not an integer"),
+    (lambda: kvt.pack_shared_prefix([torch.tensor(True)], [[2]]), "not an integer"),
 ])
 def test_pack_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+def test_pack_accepts_numpy_ids():
+    np = pytest.importorskip("numpy")
+    p, r = torch.tensor([103, 5, 6]), torch.tensor([7, 8])
+    b = kvt.pack_shared_prefix(p.numpy(), [r.numpy(), [np.int64(3), np.int32(4)], list(r.numpy()),
+                                          r.numpy().astype(np.uint16)])
+    assert b.input_ids.tolist() == [[103, 5, 6, 7, 8, 3, 4, 7, 8, 7, 8]] and b.input_ids.dtype == torch.long
+    assert b.response_lengths == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="NumPy dtype float64"):
+        kvt.pack_shared_prefix(np.array([1.0, 2.0]), [[2]])
+    with pytest.raises(ValueError, match="NumPy dtype bool"):
+        kvt.pack_shared_prefix(np.array([True]), [[2]])
+    with pytest.raises(ValueError, match=r"1-D.*shape \(1, 2\)"):
+        kvt.pack_shared_prefix(np.array([[1, 2]]), [[2]])
+    with pytest.raises(ValueError, match="not an integer"):
+        kvt.pack_shared_prefix([np.float64(1.0)], [[2]])
+    with pytest.raises(ValueError, match="not an integer"):
+        kvt.pack_shared_prefix([np.bool_(True)], [[2]])
+    with pytest.raises(ValueError, match=r"id 99.*outside the vocabulary"):
+        kvt.pack_shared_prefix(np.array([1, 99]), [[2]], vocab_size=50)
+
+
+def test_response_logprobs_needs_float_logits():
+    b = kvt.pack_shared_prefix([1, 2], [[3, 4]])
+    for bad in (torch.zeros(1, 4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.int32),
+                torch.zeros(1, 4, 8, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"floating-point tensor.*got dtype"):
+            b.response_logprobs(bad)
+    for ok in (torch.zeros(1, 4, 8), torch.zeros(4, 8, dtype=torch.bfloat16)):
+        assert [x.shape for x in b.response_logprobs(ok)] == [(2,)]
 
 
 def test_response_logprobs_bad_logits():
@@ -196,8 +231,8 @@ def test_gate_rejects_wrong_module(llama, monkeypatch):
     model, opt = llama
 
     class Leaky(torch.nn.Module):  # plain causal attention over the whole packed axis (what a missing rewrite does)
-        def forward(self, input_ids, layout):
-            return model(input_ids=input_ids, position_ids=layout[0], use_cache=False,
+        def forward(self, input_ids, position_ids, cu_seqlens, segment_prefix):
+            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                          attention_mask=torch.ones_like(input_ids)).logits
 
     bad = DualKVModule(Leaky(), DualKVConfig(), Report())
