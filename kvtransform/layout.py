@@ -17,10 +17,71 @@ The layout is described, flash-attention style, by two int32 device tensors:
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
+
+
+def _as_length(x, what: str) -> int:
+    """``x`` as a python int: python ints and NumPy / torch integer scalars (``operator.index``); a float, a bool or
+    anything else raises ValueError."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        raise ValueError(f"{what} must be an integer; got the bool {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer; got {x!r} ({type(x).__name__}): pass whole token counts "
+                         f"(int, or a NumPy/torch integer)") from None
+
+
+def _lists_from_lengths(groups) -> tuple:
+    """``(cu, sp, prefix_lens, response_lens)`` python lists from ``[(P_g, [R_g,i, ..]), ..]``; ValueError on no
+    groups, a malformed group, a non-integer length or a length <= 0."""
+    if isinstance(groups, torch.Tensor) or not hasattr(groups, "__len__"):
+        raise ValueError(f"groups must be a sequence of (prefix_len, [response_lens]); got {type(groups).__name__}")
+    if len(groups) == 0:
+        raise ValueError("DualKVLayout needs at least one group")
+    cu, sp, prefix_lens, response_lens = [0], [], [], []
+    for g, grp in enumerate(groups):
+        if not hasattr(grp, "__len__") or len(grp) != 2:
+            raise ValueError(f"group {g} must be (prefix_len, [response_lens]); got {grp!r}")
+        p, rs = grp
+        p = _as_length(p, f"group {g}: prompt (prefix) length")
+        if isinstance(rs, (str, bytes)) or not hasattr(rs, "__iter__"):
+            raise ValueError(f"group {g}: response lengths must be a list of integers; got {rs!r}")
+        rs = [_as_length(r, f"group {g}: response {i} length") for i, r in enumerate(rs)]
+        if p <= 0:
+            raise ValueError(f"group {g}: prompt (prefix) of length {p}; prompts must have at least one token")
+        for i, r in enumerate(rs):
+            if r <= 0:
+                raise ValueError(f"group {g}: response {i} has length {r}; responses must have at least one token")
+        pidx = len(sp)
+        sp.append(-1)
+        cu.append(cu[-1] + p)
+        for r in rs:
+            sp.append(pidx)
+            cu.append(cu[-1] + r)
+        prefix_lens.append(p)
+        response_lens.append(rs)
+    if cu[-1] >= 2 ** 31:
+        raise ValueError(f"{cu[-1]} tokens do not fit int32 offsets")
+    return cu, sp, prefix_lens, response_lens
+
+
+def _has_data(t) -> bool:
+    """A real tensor whose values can be read (not a fake / meta tensor, not while compiling)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return False
+    try:
+        if torch.compiler.is_compiling():
+            return False
+    except Exception:  # pragma: no cover
+        pass
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor) and (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter))
 
 
 def _check_structure(cu: Sequence[int], sp: Sequence[int], total_tokens: Optional[int]) -> None:
@@ -65,7 +126,9 @@ class DualKVLayout:
         prefix_lens: python ``P_g`` per group.
         response_lens: python ``[R_{g,0}, ..]`` per group.
 
-    Build it with :meth:`from_lengths`; direct construction is checked by :meth:`validate`.
+    Build it with :meth:`from_lengths` or :meth:`from_tensors`. Direct construction with both the tensors and the
+    python lengths checks that they describe the same layout (ValueError otherwise; one read of the tensors, skipped
+    for fake / meta tensors); :meth:`validate` also checks dtypes and the token count.
     """
 
     cu_seqlens: torch.Tensor
@@ -78,35 +141,14 @@ class DualKVLayout:
     def from_lengths(cls, groups: Sequence[tuple], device: Union[str, torch.device, None] = None) -> "DualKVLayout":
         """Layout from ``[(P_0, [R_0,0, R_0,1, ..]), (P_1, [..]), ..]`` in packing order.
 
+        Lengths are python ints or NumPy / torch integer scalars.
+
         Raises:
-            ValueError: no groups, a prompt or response of length <= 0, or a non-integer length.
+            ValueError: no groups, a prompt or response of length <= 0, or a non-integer length (a float or a bool).
         """
-        if len(groups) == 0:
-            raise ValueError("DualKVLayout needs at least one group")
-        cu, sp, prefix_lens, response_lens = [0], [], [], []
-        for g, grp in enumerate(groups):
-            if len(grp) != 2:
-                raise ValueError(f"group {g} must be (prefix_len, [response_lens]); got {grp!r}")
-            p, rs = grp
-            p = int(p)
-            rs = [int(r) for r in rs]
-            if p <= 0:
-                raise ValueError(f"group {g}: prompt (prefix) of length {p}; prompts must have at least one token")
-            for i, r in enumerate(rs):
-                if r <= 0:
-                    raise ValueError(f"group {g}: response {i} has length {r}; responses must have at least one token")
-            pidx = len(sp)
-            sp.append(-1)
-            cu.append(cu[-1] + p)
-            for r in rs:
-                sp.append(pidx)
-                cu.append(cu[-1] + r)
-            prefix_lens.append(p)
-            response_lens.append(rs)
-        if cu[-1] >= 2 ** 31:
-            raise ValueError(f"{cu[-1]} tokens do not fit int32 offsets")
-        return cls(torch.tensor(cu, dtype=torch.int32, device=device),
-                   torch.tensor(sp, dtype=torch.int32, device=device), prefix_lens, response_lens)
+        cu, sp, prefix_lens, response_lens = _lists_from_lengths(groups)
+        return cls._trusted(torch.tensor(cu, dtype=torch.int32, device=device),
+                            torch.tensor(sp, dtype=torch.int32, device=device), prefix_lens, response_lens)
 
     @classmethod
     def from_tensors(cls, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor) -> "DualKVLayout":
@@ -122,13 +164,50 @@ class DualKVLayout:
                 response_lens.append([])
             else:
                 response_lens[-1].append(n)
-        return cls(cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), prefix_lens, response_lens)
+        return cls._trusted(cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), prefix_lens, response_lens)
+
+    @classmethod
+    def _trusted(cls, cu_seqlens, segment_prefix, prefix_lens, response_lens) -> "DualKVLayout":
+        """Construct without the consistency check (the caller built both sides from one source)."""
+        obj = cls.__new__(cls)
+        obj.cu_seqlens, obj.segment_prefix = cu_seqlens, segment_prefix
+        obj.prefix_lens, obj.response_lens = prefix_lens, response_lens
+        return obj
 
     def __post_init__(self):
-        if not self.prefix_lens and self.cu_seqlens.numel() > 1:
-            # constructed from tensors only: fill the python side
-            other = DualKVLayout.from_tensors(self.cu_seqlens, self.segment_prefix)
-            self.prefix_lens, self.response_lens = other.prefix_lens, other.response_lens
+        for name in ("cu_seqlens", "segment_prefix"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise ValueError(f"{name} must be an int32 tensor; got {type(getattr(self, name)).__name__}: build "
+                                 f"the layout from python lengths with DualKVLayout.from_lengths([(P, [R, ..]), ..])")
+        if not self.prefix_lens and not self.response_lens:
+            if self.cu_seqlens.numel() > 1:
+                # constructed from tensors only: fill the python side
+                other = DualKVLayout.from_tensors(self.cu_seqlens, self.segment_prefix)
+                self.prefix_lens, self.response_lens = other.prefix_lens, other.response_lens
+            return
+        # both sides given: the kernels read the tensors, position_ids()/replicated_index() the lists, so they must
+        # agree. One read of each tensor (construction is not a hot path); skipped for fake / meta tensors.
+        if len(self.prefix_lens) != len(self.response_lens):
+            raise ValueError(f"prefix_lens has {len(self.prefix_lens)} groups but response_lens "
+                             f"{len(self.response_lens)}: give one [R_g,0, ..] list per prompt (or build the layout "
+                             f"with DualKVLayout.from_lengths)")
+        _, _, self.prefix_lens, self.response_lens = _lists_from_lengths(list(zip(self.prefix_lens,
+                                                                                  self.response_lens)))
+        if _has_data(self.cu_seqlens) and _has_data(self.segment_prefix):
+            self._check_agree()
+
+    def _check_agree(self, total_tokens: Optional[int] = None) -> None:
+        if self.cu_seqlens.dim() != 1 or self.segment_prefix.dim() != 1:
+            raise ValueError("cu_seqlens and segment_prefix must be 1-D")
+        cu = [int(x) for x in self.cu_seqlens.tolist()]
+        sp = [int(x) for x in self.segment_prefix.tolist()]
+        _check_structure(cu, sp, total_tokens)
+        ecu, esp, _, _ = _lists_from_lengths(list(zip(self.prefix_lens, self.response_lens)))
+        if ecu != cu or esp != sp:
+            raise ValueError(f"prefix_lens/response_lens disagree with cu_seqlens/segment_prefix: the lengths "
+                             f"{list(zip(self.prefix_lens, self.response_lens))} give cu_seqlens {ecu} and "
+                             f"segment_prefix {esp}, the tensors hold {cu} and {sp}; build the layout with "
+                             f"DualKVLayout.from_lengths or DualKVLayout.from_tensors so both sides agree")
 
     # ------------------------------------------------------------------ properties
     @property
@@ -153,8 +232,8 @@ class DualKVLayout:
         return self.cu_seqlens.device
 
     def to(self, device) -> "DualKVLayout":
-        return DualKVLayout(self.cu_seqlens.to(device), self.segment_prefix.to(device),
-                            list(self.prefix_lens), [list(r) for r in self.response_lens])
+        return DualKVLayout._trusted(self.cu_seqlens.to(device), self.segment_prefix.to(device),
+                                     list(self.prefix_lens), [list(r) for r in self.response_lens])
 
     # ------------------------------------------------------------------ checks
     def validate(self, total_tokens: Optional[int] = None) -> None:
@@ -172,12 +251,7 @@ class DualKVLayout:
         if self.cu_seqlens.device != self.segment_prefix.device:
             raise ValueError(f"cu_seqlens is on {self.cu_seqlens.device} but segment_prefix on "
                              f"{self.segment_prefix.device}")
-        cu = [int(x) for x in self.cu_seqlens.tolist()]
-        sp = [int(x) for x in self.segment_prefix.tolist()]
-        _check_structure(cu, sp, total_tokens)
-        expect = DualKVLayout.from_lengths(list(zip(self.prefix_lens, self.response_lens)))
-        if expect.cu_seqlens.tolist() != cu or expect.segment_prefix.tolist() != sp:
-            raise ValueError("prefix_lens/response_lens disagree with cu_seqlens/segment_prefix")
+        self._check_agree(total_tokens)
 
     # ------------------------------------------------------------------ derived index tensors
     def position_ids(self) -> torch.Tensor:

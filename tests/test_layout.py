@@ -61,24 +61,64 @@ def test_validate_errors():
     lay = DualKVLayout.from_lengths([(3, [2, 1])])
     with pytest.raises(ValueError, match="sum to T"):
         lay.validate(7)
-    bad = DualKVLayout(torch.tensor([0, 3, 2, 6], dtype=torch.int32), torch.tensor([-1, 0, 0], dtype=torch.int32),
-                       [3], [[2, 1]])
+    # malformed tensors given with python lengths: rejected on construction (the lengths must agree with them)
     with pytest.raises(ValueError, match="not monotone"):
-        bad.validate(6)
-    bad = DualKVLayout(torch.tensor([0, 3, 3, 6], dtype=torch.int32), torch.tensor([-1, 0, 0], dtype=torch.int32),
-                       [3], [[2, 1]])
+        DualKVLayout(torch.tensor([0, 3, 2, 6], dtype=torch.int32), torch.tensor([-1, 0, 0], dtype=torch.int32),
+                     [3], [[2, 1]])
     with pytest.raises(ValueError, match="length 0"):
-        bad.validate(6)
-    bad = DualKVLayout(torch.tensor([0, 3, 5, 6], dtype=torch.int32), torch.tensor([-1, 0, 1], dtype=torch.int32),
-                       [3], [[2, 1]])
+        DualKVLayout(torch.tensor([0, 3, 3, 6], dtype=torch.int32), torch.tensor([-1, 0, 0], dtype=torch.int32),
+                     [3], [[2, 1]])
     with pytest.raises(ValueError, match="directly follow"):
-        bad.validate(6)
+        DualKVLayout(torch.tensor([0, 3, 5, 6], dtype=torch.int32), torch.tensor([-1, 0, 1], dtype=torch.int32),
+                     [3], [[2, 1]])
     bad = DualKVLayout(torch.tensor([0, 3, 5, 6], dtype=torch.int64), torch.tensor([-1, 0, 0], dtype=torch.int32),
                        [3], [[2, 1]])
     with pytest.raises(ValueError, match="int32"):
         bad.validate(6)
-    bad = DualKVLayout(lay.cu_seqlens, lay.segment_prefix, [3], [[1, 2]])
     with pytest.raises(ValueError, match="disagree"):
-        bad.validate(6)
+        DualKVLayout(lay.cu_seqlens, lay.segment_prefix, [3], [[1, 2]])
     with pytest.raises(ValueError, match="not monotone"):
         DualKVLayout(torch.tensor([0, 3, 2, 6], dtype=torch.int32), torch.tensor([-1, 0, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("groups, msg", [
+    ([(3.7, [2.2])], r"prompt \(prefix\) length must be an integer; got 3.7"),
+    ([(3, [2.0])], "response 0 length must be an integer; got 2.0"),
+    ([(True, [1])], "bool"),
+    ([(3, [False])], "bool"),
+    ([("3", [1])], "must be an integer"),
+    ([(3, 2)], "response lengths must be a list"),
+])
+def test_from_lengths_rejects_non_integers(groups, msg):
+    with pytest.raises(ValueError, match=msg):
+        DualKVLayout.from_lengths(groups)
+
+
+def test_from_lengths_accepts_numpy_and_torch_integers():
+    np = pytest.importorskip("numpy")
+    lay = DualKVLayout.from_lengths([(np.int64(3), [np.int32(2), torch.tensor(1)]), (torch.tensor(2), np.array([4]))])
+    assert lay.prefix_lens == [3, 2] and lay.response_lens == [[2, 1], [4]]
+    assert all(type(x) is int for x in lay.prefix_lens + [r for rs in lay.response_lens for r in rs])
+    assert lay.cu_seqlens.tolist() == [0, 3, 5, 6, 8, 12]
+
+
+def test_direct_construction_must_agree():
+    """Tensors and python lengths that describe different layouts are rejected on construction (the kernels read
+    the tensors, position_ids()/replicated_index() the lists)."""
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"disagree.*from_lengths"):
+        DualKVLayout(cu_seqlens=torch.tensor([0, 3, 5, 8], **i32), segment_prefix=torch.tensor([-1, 0, 0], **i32),
+                     prefix_lens=[3], response_lens=[[2, 4]])
+    with pytest.raises(ValueError, match="disagree"):  # same token count, different grouping
+        DualKVLayout(torch.tensor([0, 3, 5, 8], **i32), torch.tensor([-1, 0, 0], **i32), [5], [[3]])
+    with pytest.raises(ValueError, match="1 groups but response_lens 2"):
+        DualKVLayout(torch.tensor([0, 3, 5, 8], **i32), torch.tensor([-1, 0, 0], **i32), [3], [[2], [3]])
+    with pytest.raises(ValueError, match="must be an integer"):
+        DualKVLayout(torch.tensor([0, 3, 5, 8], **i32), torch.tensor([-1, 0, 0], **i32), [3.0], [[2, 3]])
+    with pytest.raises(ValueError, match="must be an int32 tensor.*from_lengths"):
+        DualKVLayout([0, 3, 5, 8], [-1, 0, 0], [3], [[2, 3]])
+    ok = DualKVLayout(torch.tensor([0, 3, 5, 8], **i32), torch.tensor([-1, 0, 0], **i32), [3], [[2, 3]])
+    assert ok.position_ids().tolist() == [0, 1, 2, 3, 4, 3, 4, 5]
+    # meta tensors carry no data: nothing to compare, accepted as before
+    DualKVLayout(ok.cu_seqlens.to("meta"), ok.segment_prefix.to("meta"), [3], [[2, 3]])
+    assert ok.to("meta").prefix_lens == [3]
