@@ -132,6 +132,15 @@ def test_op_cpu_path_opcheck_and_export():
     assert torch.equal(ep.module()(q, k, lengths), a)
 
 
+def test_integer_like_counts():
+    """NumPy / torch integer scalars are accepted for budget, sink and recent, and give the int result."""
+    np = pytest.importorskip("numpy")
+    q, k, lengths = _inputs(2, 2, 4, 17, 32, torch.float32, lengths=[17, 3])
+    want = retrieval_topk(q, k, lengths, 5, sink=1, recent=2)
+    got = retrieval_topk(q, k, lengths, np.int64(5), sink=np.int32(1), recent=torch.tensor(2))
+    assert torch.equal(got, want)
+
+
 def test_bad_input_errors():
     q, k, lengths = _inputs(2, 2, 4, 17, 32, torch.float32, lengths=[17, 3])
     with pytest.raises(ValueError, match="budget"):
@@ -140,6 +149,16 @@ def test_bad_input_errors():
         retrieval_topk(q, k, lengths, 4, sink=-1)
     with pytest.raises(ValueError, match="exceeds the budget"):
         retrieval_topk(q, k, lengths, 4, sink=3, recent=2)
+    with pytest.raises(ValueError, match=r"sink must be an integer token count; got 1.5.*sink=1"):
+        retrieval_topk(q, k, lengths, 4, sink=1.5)
+    with pytest.raises(ValueError, match="recent must be an integer token count; got 2.0"):
+        retrieval_topk(q, k, lengths, 4, recent=2.0)
+    with pytest.raises(ValueError, match="budget must be an integer token count; got 4.0"):
+        retrieval_topk(q, k, lengths, 4.0)
+    with pytest.raises(ValueError, match="budget must be an integer token count; got the bool"):
+        retrieval_topk(q, k, lengths, True)
+    with pytest.raises(ValueError, match="sink must be an integer"):
+        retrieval_topk(q, k, lengths, 4, sink=torch.tensor(1.0))
     with pytest.raises(ValueError, match="multiple of its KV heads"):
         retrieval_topk(q[:, :7], k, lengths, 4)
     with pytest.raises(ValueError, match="lengths must be <="):

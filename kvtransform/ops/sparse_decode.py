@@ -33,6 +33,7 @@ Triton kernels there. No autograd: decode is inference.
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -179,6 +180,20 @@ def _check_qkv(q, k, v, k_new, v_new, what: str):
 # ----------------------------------------------------------------------------------------------------------------
 # public wrappers
 # ----------------------------------------------------------------------------------------------------------------
+def _as_count(x, name: str) -> int:
+    """``x`` as a python int: ints and NumPy / torch integer scalars (``operator.index``); floats, bools and anything
+    else raise ValueError (a float token count would otherwise be truncated silently)."""
+    if isinstance(x, torch.SymInt):
+        return x
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        raise ValueError(f"{name} must be an integer token count; got the bool {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer token count; got {x!r} ({type(x).__name__}): pass an int "
+                         f"(or a NumPy/torch integer), e.g. {name}={int(x) if isinstance(x, float) else 1}") from None
+
+
 def retrieval_topk(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budget: int, *, sink: int = 0,
                    recent: int = 0, scale: Optional[float] = None,
                    validate: Optional[bool] = None) -> torch.Tensor:
@@ -192,7 +207,8 @@ def retrieval_topk(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budg
         k: ``(batch, H_r_kv, S_max, D_r)`` retrieval-head key cache, same dtype/device, last dim contiguous.
             ``H_r % H_r_kv == 0``; ``H_r_kv`` is the KV-head count of the returned indices (the model's ``H_kv``).
         lengths: ``(batch,)`` int32, valid tokens per row (include the new token's key if it may be selected).
-        budget: ``B >= 1``, tokens kept per (row, KV head).
+        budget: ``B >= 1``, tokens kept per (row, KV head). ``budget``, ``sink`` and ``recent`` are ints or NumPy /
+            torch integer scalars; a float or a bool is a ValueError.
         sink: always keep the first ``sink`` tokens (default 0, as the paper).
         recent: always keep the last ``recent`` tokens (default 0). ``sink + recent <= budget``.
         scale: softmax scale, default ``D_r ** -0.5``.
@@ -203,10 +219,12 @@ def retrieval_topk(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budg
         row has fewer than ``budget`` tokens (then all its tokens are returned). No position repeats.
 
     Raises:
-        ValueError: bad ranks/shapes/dtypes, ``budget < 1``, ``sink``/``recent`` negative or ``sink + recent >
+        ValueError: bad ranks/shapes/dtypes, a non-integer ``budget``/``sink``/``recent``, ``budget < 1``,
+        ``sink``/``recent`` negative or ``sink + recent >
         budget``, head counts that do not divide, or (when validating) lengths outside ``[0, S_max]``.
     """
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+    budget, sink, recent = (_as_count(x, name) for x, name in ((budget, "budget"), (sink, "sink"), (recent, "recent")))
+    if budget < 1:
         raise ValueError(f"budget must be an int >= 1; got {budget!r}")
     if sink < 0 or recent < 0:
         raise ValueError(f"sink and recent must be >= 0; got sink={sink}, recent={recent}")
