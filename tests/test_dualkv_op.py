@@ -250,9 +250,9 @@ def _i32(x):
     (lambda q, k, v, cu, sp: (q, k, v, cu, _i32([-1, 0, 1])), "directly follow"),
     (lambda q, k, v, cu, sp: (q, k, v, cu.long(), sp), "int32"),
     (lambda q, k, v, cu, sp: (q, k, v, cu[:-1], sp), r"\(S\+1,\)"),
-    (lambda q, k, v, cu, sp: (q[..., :60], k[..., :60], v[..., :60], cu, sp), "unsupported head_dim 60"),
+    (lambda q, k, v, cu, sp: (q[..., :0], k[..., :0], v[..., :0], cu, sp), "unsupported head_dim 0"),
     (lambda q, k, v, cu, sp: (torch.randn(6, 4, 264), torch.randn(6, 2, 264), torch.randn(6, 2, 264), cu, sp),
-     "unsupported head_dim 264"),
+     r"unsupported head_dim 264: supported are 1 to 256"),
     (lambda q, k, v, cu, sp: (q.double(), k.double(), v.double(), cu, sp), "unsupported dtype"),
     (lambda q, k, v, cu, sp: (q, k.half(), v, cu, sp), "share one dtype"),
     (lambda q, k, v, cu, sp: (q[:, :3], k, v, cu, sp), "divisible"),
@@ -272,3 +272,51 @@ def test_bad_layout_arguments():
         dualkv_attention(q, k, v, cu)
     with pytest.raises(ValueError, match="only with a cu_seqlens"):
         dualkv_attention(q, k, v, DualKVLayout(cu, sp), sp)
+
+
+@pytest.mark.parametrize("d, dtype", [(20, torch.float32), (24, torch.float32), (12, torch.float16), (60, torch.float32),
+                                      (1, torch.float32)])
+def test_small_and_odd_head_dims(d, dtype, monkeypatch):
+    """Head dims that are not multiples of 8 / below 16: the kernels pad to max(16, next power of two) with masks, so
+    the wrapper accepts them and they match the fp64 replicated reference (forward and backward, interpreter)."""
+    monkeypatch.setattr(dualkv_ops, "USE_TRITON_ON_CPU", True)
+    layout = DualKVLayout.from_lengths([(17, [15, 1]), (5, [3])])
+    q, k, v = make_inputs(layout, 4, 2, d, dtype)
+    do = torch.randn(q.shape, dtype=dtype)
+    scale = d ** -0.5
+    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
+    ref_out, ref_lse = replicated_reference(qd, kd, vd, layout, scale)
+    ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
+    qp, kp, vp = (x.clone().requires_grad_(True) for x in (q, k, v))
+    pt_out, pt_lse = K.dualkv_attention_reference(qp, kp, vp, layout.cu_seqlens, layout.segment_prefix, scale,
+                                                  upcast=False)
+    pt_grads = torch.autograd.grad(pt_out, (qp, kp, vp), do)
+    qt, kt, vt = (x.clone().requires_grad_(True) for x in (q, k, v))
+    out, lse = dualkv_attention(qt, kt, vt, layout, return_lse=True)  # the wrapper accepts d, runs the kernels
+    grads = torch.autograd.grad(out, (qt, kt, vt), do)
+    check_rule("out", out, pt_out, ref_out, dtype)
+    check_rule("lse", lse, pt_lse, ref_lse, dtype)
+    for name, g, pg, rg in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
+        check_rule(name, g, pg, rg, dtype)
+
+
+def test_raw_op_rejects_unsupported_head_dim_on_the_kernel_path(monkeypatch):
+    """The transformed graph calls torch.ops.kvt.dualkv_attention directly: its kernel path raises the wrapper's
+    ValueError; the reference path and the fake implementation stay permissive."""
+    layout = DualKVLayout.from_lengths([(3, [2])])
+    q, k, v = make_inputs(layout, 2, 1, 264, torch.float32)
+    args = (q, k, v, layout.cu_seqlens, layout.segment_prefix, 0.1)
+    out, _ = torch.ops.kvt.dualkv_attention(*args)  # CPU reference: any head_dim
+    assert out.shape == q.shape
+    monkeypatch.setattr(dualkv_ops, "USE_TRITON_ON_CPU", True)  # the CUDA code path, under the interpreter
+    with pytest.raises(ValueError, match=r"unsupported head_dim 264: supported are 1 to 256"):
+        torch.ops.kvt.dualkv_attention(*args)
+    with pytest.raises(ValueError, match="unsupported head_dim 264"):
+        torch.ops.kvt.dualkv_attention_backward(q, None, q, k, v, q, torch.zeros(2, 5), layout.cu_seqlens,
+                                                layout.segment_prefix, 0.1)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fargs = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        fo, fl = torch.ops.kvt.dualkv_attention(*fargs)
+    assert fo.shape == q.shape and fl.shape == (2, 5)

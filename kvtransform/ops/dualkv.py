@@ -39,10 +39,24 @@ def _reference_fwd(q, k, v, cu_seqlens, segment_prefix, scale):
     return out.contiguous(), lse.float().contiguous()
 
 
+# The kernels pad the head dim to max(16, next power of two) with masks (tl.dot needs >= 16 on that axis), so every
+# head_dim from 1 to MAX_HEAD_DIM computes correctly; above it the padded tiles do not fit.
+SUPPORTED_HEAD_DIMS = (f"1 to {_k.MAX_HEAD_DIM} (padded to the next power of two, at least 16; 64, 80, 96, 128 and 256 "
+                       f"are the tuned ones)")
+
+
+def check_head_dim(d: int) -> None:
+    """ValueError unless the DualKV kernels support head_dim ``d`` (1..256)."""
+    if not 1 <= d <= _k.MAX_HEAD_DIM:
+        raise ValueError(f"unsupported head_dim {d}: supported are {SUPPORTED_HEAD_DIMS}; a model with a larger "
+                         f"head_dim cannot use DualKV attention")
+
+
 @torch.library.custom_op("kvt::dualkv_attention", mutates_args=())
 def _dualkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                segment_prefix: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(q):
+        check_head_dim(q.shape[-1])  # the transformed graph calls the op directly, past the wrapper's checks
         return _k.dualkv_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale)
     with torch.no_grad():
         return _reference_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale)
@@ -59,6 +73,7 @@ def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
                    segment_prefix: torch.Tensor, softmax_scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(q):
+        check_head_dim(q.shape[-1])
         return _k.dualkv_bwd(grad_out, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale, grad_lse)
     dq, dk, dv = _k.dualkv_attention_reference_backward(grad_out, grad_lse, q, k, v, cu_seqlens, segment_prefix,
                                                         softmax_scale)
@@ -103,9 +118,6 @@ def _is_tracing(*tensors) -> bool:
     return False
 
 
-SUPPORTED_HEAD_DIMS = "multiples of 8 from 16 to 256 (64, 80, 96, 128, 256 are the tuned ones)"
-
-
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                  segment_prefix: torch.Tensor, check_data: bool = True) -> None:
     """Validate DualKV inputs; raises ValueError naming the problem (see :func:`dualkv_attention`)."""
@@ -129,8 +141,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     h_kv = k.shape[1]
     if h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"query heads H={h} must be divisible by KV heads H_kv={h_kv}")
-    if not (16 <= d <= _k.MAX_HEAD_DIM and d % 8 == 0):
-        raise ValueError(f"unsupported head_dim {d}: supported are {SUPPORTED_HEAD_DIMS}")
+    check_head_dim(d)
     if cu_seqlens.dtype != torch.int32 or segment_prefix.dtype != torch.int32:
         raise ValueError(f"cu_seqlens and segment_prefix must be int32; got {cu_seqlens.dtype}, "
                          f"{segment_prefix.dtype}")
@@ -159,8 +170,8 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Raises:
         ValueError: offsets not starting at 0 or not monotone, offsets that do not sum to T, a prompt or response of
-            length 0, a response not directly after its prefix, an unsupported head_dim (not a multiple of 8 in
-            [16, 256]) or dtype, H not divisible by H_kv, q/k/v dtypes or shapes that disagree, or tensors on
+            length 0, a response not directly after its prefix, an unsupported head_dim (outside 1..256) or
+            dtype, H not divisible by H_kv, q/k/v dtypes or shapes that disagree, or tensors on
             different devices. The data checks (offset values) are skipped while tracing (export/compile).
     """
     if isinstance(layout, DualKVLayout):
@@ -179,4 +190,4 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (out, lse) if return_lse else out
 
 
-__all__ = ["dualkv_attention", "check_inputs", "DualKVLayout"]
+__all__ = ["dualkv_attention", "check_inputs", "check_head_dim", "DualKVLayout"]
