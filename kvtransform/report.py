@@ -129,8 +129,9 @@ class Report:
         v = self.verification
         if v.passed is not None:
             status = "[green]passed[/green]" if v.passed else "[red]FAILED[/red]"
-            console.print(f"verification: {status}  max_abs_error={v.max_abs_error:.3g}  "
-                          f"max_rel_error={v.max_rel_error:.3g}  tolerance={v.tolerance:.3g}  "
-                          f"({len(v.cases)} cases)")
+            rel = "≤" if v.passed else ">"
+            console.print(f"verification: {status}  max_rel_error={v.max_rel_error:.3g} {rel} tolerance "
+                          f"{v.tolerance:.3g}  (relative: max|a-b| / max|b| over real tokens; "
+                          f"max_abs_error={v.max_abs_error:.3g}; {len(v.cases)} cases)")
         elif self.passes:
             console.print("verification: [yellow]not run[/yellow]")
