@@ -9,8 +9,9 @@ Subcommands::
 ``optimize`` is a Hydra app composed from ``kvtransform.conf`` (``config.yaml`` + groups ``model/`` and
 ``transform/``) on top of structured configs registered in Hydra's ConfigStore: :class:`OptimizeConfig`,
 :class:`ModelConfig` and the transform dataclasses of :mod:`kvtransform.config`. A misspelt key is an error that names
-the valid keys; ``--cfg job`` prints the composed config; ``--help`` lists groups and keys. Hydra writes no run
-directory, ``.hydra/`` folder or log file: the artifact goes to ``out`` only.
+the valid keys, a bad value names what the key accepts; ``--cfg job`` prints the composed config, resolved;
+``--help`` lists groups and keys. Hydra writes no run directory, ``.hydra/`` folder or log file: the artifact goes to
+``out`` only.
 
 Bad input (unknown model, bad path, existing ``out``, config typo, verification failure) prints one ``error:`` line
 and exits with status 2; set ``KVT_DEBUG=1`` for the full traceback.
@@ -128,7 +129,14 @@ def _message(e: BaseException) -> str:
     if isinstance(e, KeyError) and e.args:
         return str(e.args[0])
     text = str(e).strip() or type(e).__name__
-    return text if isinstance(e, (UsageError, ValueError, OSError, NotImplementedError)) else f"{type(e).__name__}: {text}"
+    if isinstance(e, (UsageError, ValueError, OSError, NotImplementedError)):
+        return text
+    if (type(e).__module__ or "").startswith(("hydra", "omegaconf")):  # no internal class names (ConfigComposition...)
+        from hydra.errors import OverrideParseException
+
+        first = text.splitlines()[0]
+        return f"bad override syntax: {first}" if isinstance(e, OverrideParseException) else first
+    return f"{type(e).__name__}: {text}"
 
 
 def _guard(fn, *args, **kwargs):
@@ -201,10 +209,71 @@ def _leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
     return keys
 
 
+def _group_choices(group: str) -> list[str]:
+    """The options of a config group (``conf/<group>/*.yaml``), sorted."""
+    from importlib.resources import files
+
+    d = files("kvtransform.conf").joinpath(group)
+    return sorted(f.name[: -len(".yaml")] for f in d.iterdir() if f.name.endswith(".yaml")) if d.is_dir() else []
+
+
+_GROUPS = ("model", "transform")
+
+
+def _override_value(overrides: list[str], key: str) -> Optional[str]:
+    """The value given for ``key`` on the command line (last one wins), or None."""
+    val = None
+    for o in overrides:
+        k, sep, v = o.partition("=")
+        if sep and k.lstrip("+~") == key:
+            val = v
+    return val
+
+
+def _expected(node) -> str:
+    """What an OmegaConf value node accepts, in words (for an invalid-value message)."""
+    from omegaconf import ListConfig
+    from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
+
+    if isinstance(node, ListConfig):
+        items = OmegaConf.to_container(node) if not node._is_none() and not node._is_missing() else []
+        ints = bool(items) and all(isinstance(x, int) and not isinstance(x, bool) for x in items)
+        example = "[" + ",".join(str(x) for x in items) + "]" if items else "[...]"
+        return f"a list{' of integers' if ints else ''}, e.g. {example}"
+    if isinstance(node, DictConfig):
+        return "a group of keys (set its keys one by one: key.subkey=value)"
+    if isinstance(node, BooleanNode):
+        return "true or false"
+    if isinstance(node, IntegerNode):
+        return "an integer"
+    if isinstance(node, FloatNode):
+        return "a number" + (" or null" if node._is_optional() else "")
+    if isinstance(node, EnumNode):
+        return "one of " + ", ".join(m.name for m in node.enum_type)
+    if isinstance(node, StringNode):
+        return "a string"
+    return "a valid value"
+
+
+def _node(cfg: DictConfig, key: str):
+    parent, _, leaf = key.rpartition(".")
+    try:
+        container = OmegaConf.select(cfg, parent) if parent else cfg
+        return container._get_node(leaf) if isinstance(container, DictConfig) else None
+    except Exception:
+        return None
+
+
 def _check_overrides(overrides: list[str]) -> None:
-    """Compose the config once with the Compose API so that a typo becomes one message naming the valid keys."""
+    """Compose the config once with the Compose API so that a typo or a bad value becomes one message.
+
+    An unknown key names the valid keys (and the group choice when the typo is close to a group name: ``transfrom=x``
+    suggests ``transform=x``); a value of the wrong type names the key, what it accepts and what was given; an
+    unknown group option (``transform=dualk``) names the closest option and all of them.
+    """
     from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ValidationError
 
     app = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
     with initialize_config_module(config_module="kvtransform.conf", version_base="1.3"):
@@ -219,18 +288,52 @@ def _check_overrides(overrides: list[str]) -> None:
             base = compose(config_name="config", overrides=groups)
         except HydraException:
             base = compose(config_name="config")
+    if isinstance(err, OverrideParseException):
+        raise UsageError(f"bad override syntax: {str(err).splitlines()[0]} (quote lists and strings for the shell, "
+                         f"e.g. 'transform.verify.lengths=[16,64]')")
+    if isinstance(err, MissingConfigException):  # unknown group option: transform=dualk
+        m = re.search(r"Could not find '([^/']+)/([^']*)'", str(err))
+        if m:
+            group, opt = m.groups()
+            choices = _group_choices(group)
+            close = difflib.get_close_matches(opt, choices, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ";"
+            extra = (" (a model name or path goes first on the command line, or in model.name=...)"
+                     if group == "model" else "")
+            raise UsageError(f"unknown {group} {opt!r}{hint} choices: {', '.join(choices)}{extra}")
     cause = err.__cause__
     full_key = getattr(cause, "full_key", None)
     text = str(err).splitlines()[0]
+    if full_key and isinstance(cause, ValidationError):  # a real key, a value it does not accept
+        got = _override_value(app, full_key)
+        node = _node(base, full_key)
+        why = str(cause).splitlines()[0]
+        expected = _expected(node) if node is not None else None
+        detail = f"expected {expected} (got {got})" if expected and got is not None else why
+        raise UsageError(f"invalid value for {full_key!r}: {detail}")
     if full_key:
         valid = _leaf_keys(base)
         parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+        prefixes = list(dict.fromkeys(k.rsplit(".", i)[0] for k in valid for i in range(k.count(".") + 1)))
         if parent:
-            siblings = [k for k in valid if k.startswith(parent + ".") and "." not in k[len(parent) + 1 :]] or valid
+            siblings = [k for k in prefixes if k.startswith(parent + ".") and "." not in k[len(parent) + 1 :]] or valid
         else:
             siblings = list(base.keys())
-        close = difflib.get_close_matches(full_key, valid, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        # the key as typed: 'modle.name' is reported by OmegaConf as 'modle'
+        typed = next((o.partition("=")[0].lstrip("+~") for o in app
+                      if o.partition("=")[0].lstrip("+~").startswith(full_key)), full_key)
+        rest = typed[len(full_key):] if typed.startswith(full_key + ".") else ""
+        hint = ""
+        group = difflib.get_close_matches(full_key, _GROUPS, n=1) if "." not in typed else []
+        if group:  # transfrom=dualkv: a group choice, not transform.name
+            value = _override_value(app, full_key) or ""
+            choices = _group_choices(group[0])
+            best = difflib.get_close_matches(value, choices, n=1)
+            suggestion = f"{group[0]}={best[0] if best else '<choice>'}"
+            hint = f" Did you mean {suggestion!r} ({group[0]} choices: {', '.join(choices)})?"
+        else:
+            close = [k for k in difflib.get_close_matches(full_key, prefixes, n=2) if k != full_key]
+            hint = f" Did you mean {close[0] + rest!r}?" if close else ""
         raise UsageError(f"unknown config key {full_key!r}.{hint} Valid keys: {', '.join(siblings)}")
     if "Available options" in str(err):  # unknown group option: keep the options, drop the search path
         text = " ".join(str(err).split("Config search path")[0].split()).replace("In 'config': ", "")
@@ -265,6 +368,25 @@ def _reload_inputs(kvt, name: str, tok, vocab: int):
     return ids
 
 
+def _transform_config(cfg: DictConfig):
+    """The transform dataclass, its values validated, and the transform available: all before the model loads."""
+    try:
+        tcfg = config_from_dict(OmegaConf.to_container(cfg.transform, resolve=True))
+    except ValueError as e:
+        raise UsageError(f"invalid transform setting: {e}") from None
+    from . import api
+
+    if tcfg.name not in api.TRANSFORMS:
+        api._load_transform_modules()
+    if tcfg.name == "specontext" and tcfg.name not in api.TRANSFORMS:
+        # the message kvt.transform(model, "specontext") gives (kvtransform/api.py), without loading the model first
+        raise NotImplementedError(
+            "the SpeContext transform (decode-step capture, sparse_decode pass, KV-cache runtime, generate) is not "
+            "built yet; its ops are available: kvtransform.retrieval_topk and kvtransform.sparse_decode_attention. "
+            "Use transform='canonical' or 'dualkv'.")
+    return tcfg
+
+
 def run_optimize(cfg: DictConfig) -> dict:
     """The ``optimize`` job: load → transform (captures, rewrites, verifies) → report → save → reload check.
 
@@ -272,11 +394,13 @@ def run_optimize(cfg: DictConfig) -> dict:
         cfg: composed :class:`OptimizeConfig`.
 
     Returns:
-        timings in seconds: ``startup`` (process start to load), ``load``, ``transform``, ``save``, ``reload``,
-        ``total`` (process start to end).
+        timings in seconds: ``startup`` (process start to load), ``load``, ``transform``, ``demo`` (the DualKV
+        demo, 0 when it does not run), ``save``, ``reload``, ``total`` (process start to end).
 
     Raises:
         FileExistsError: ``out`` exists and is not empty and ``overwrite`` is false (checked before loading).
+        UsageError: an invalid transform config value, or a transform that is not built (``specontext``); both
+            checked before loading.
         ValueError / FileNotFoundError: from :func:`kvtransform.models.load_model` and the transform.
         RuntimeError: the reloaded artifact gives different logits.
     """
@@ -289,7 +413,7 @@ def run_optimize(cfg: DictConfig) -> dict:
     out = Path(cfg.out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.overwrite:
         raise FileExistsError(f"output directory {out} exists and is not empty; pass overwrite=true or out=<new dir>")
-    tcfg = config_from_dict(OmegaConf.to_container(cfg.transform, resolve=True))
+    tcfg = _transform_config(cfg)
 
     import transformers  # noqa: F401  (imported before the clock starts: startup is reported on its own)
 
@@ -301,11 +425,21 @@ def run_optimize(cfg: DictConfig) -> dict:
     opt = kvt.transform(model, tcfg, tokenizer=tok)
     t2 = time.perf_counter()
     opt.report.print()
+    demo_s = 0.0
     if tcfg.name == "dualkv" and tcfg.demo.enabled:  # GRPO-like batch: exactness + fwd/bwd time (issue 4)
         from .dualkv import run_demo
 
+        d = tcfg.demo
+        console.print(
+            f"[bold]DualKV demo[/bold]: sampling {d.num_responses} responses (up to {d.max_new_tokens} tokens) from "
+            f"the model, checking log-probs and gradients against the original, timing forward+backward "
+            f"({d.repeats} repeats) packed vs replicated; this can take minutes on a CPU. "
+            f"Skip it with transform.demo.enabled=false")
+        td = time.perf_counter()
         run_demo(model, tok, opt, tcfg, console)
+        demo_s = time.perf_counter() - td
 
+    t_save = time.perf_counter()
     opt.save(str(out), overwrite=cfg.overwrite)
     t3 = time.perf_counter()
     console.print(f"[bold]Saved[/bold] artifact to {out}")
@@ -319,12 +453,14 @@ def run_optimize(cfg: DictConfig) -> dict:
         raise RuntimeError(f"the artifact reloaded from {out} gives different logits (max abs error {err:.3g})")
     t4 = time.perf_counter()
     console.print(f"[bold]Reloaded[/bold] {out}: same logits on a {tuple(a.shape)} forward (max abs diff {err:.2g})")
-    times = dict(startup=t0 - _T_START, load=t1 - t0, transform=t2 - t1, save=t3 - t2, reload=t4 - t3,
-                 total=t4 - _T_START)
+    times = dict(startup=t0 - _T_START, load=t1 - t0, transform=t2 - t1, demo=demo_s, save=t3 - t_save,
+                 reload=t4 - t3, total=t4 - _T_START)
+    demo = f", dualkv demo {times['demo']:.1f} s" if demo_s else ""
     console.print(
         f"[bold green]Done[/bold green] in {times['total']:.1f} s wall "
         f"(startup/imports {times['startup']:.1f} s, load {times['load']:.1f} s, "
-        f"transform+verify {times['transform']:.1f} s, save {times['save']:.1f} s, reload check {times['reload']:.1f} s)"
+        f"transform+verify {times['transform']:.1f} s{demo}, save {times['save']:.1f} s, "
+        f"reload check {times['reload']:.1f} s)"
     )
     del torch
     return times
@@ -334,6 +470,8 @@ def _optimize(args: Sequence[str]) -> int:
     import hydra
 
     argv, overrides, multirun = _split_optimize_args(args)
+    if any(a in ("--cfg", "-c") for a in argv) and "--resolve" not in argv:
+        argv.append("--resolve")  # --cfg job shows out as the directory it will be, not ${kvt_slug:...}
     if not multirun and not any(a in ("--help", "-h", "--hydra-help", "--shell-completion", "-sc") for a in argv):
         _check_overrides(overrides)
 

@@ -181,3 +181,69 @@ def test_inspect_tiny_model(tmp_path, capsys):
     assert rc == 0, err
     report = json.loads(stdout[stdout.index("{"):])
     assert len(report["sites"]) == 2
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("transform.verify.lengths=16", "invalid value for 'transform.verify.lengths': expected a list of integers"),
+        ("transform.verify.batch_size=abc", "invalid value for 'transform.verify.batch_size': expected an integer"),
+        ("overwrite=maybe", "invalid value for 'overwrite': expected true or false (got maybe)"),
+    ],
+)
+def test_bad_value_is_not_reported_as_unknown_key(capsys, override, expected):
+    rc, _, err = _run(["optimize", override], capsys)
+    assert rc == 2 and expected in err, err
+    assert "unknown config key" not in err and "Did you mean" not in err
+
+
+def test_group_typos_suggest_the_group_choice(capsys):
+    rc, _, err = _run(["optimize", "transfrom=dualkv"], capsys)
+    assert rc == 2 and "Did you mean 'transform=dualkv'" in err and "transform.name" not in err
+    rc, _, err = _run(["optimize", "transform=dualk"], capsys)
+    assert rc == 2 and "did you mean 'dualkv'? choices: canonical, dualkv, specontext" in err
+    rc, _, err = _run(["optimize", "modle.name=x"], capsys)
+    assert rc == 2 and "Did you mean 'model.name'" in err
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["transform.verify.lengths=[0]"], "verify.lengths must be integers >= 2"),
+        (["transform=specontext"], "SpeContext transform"),
+        (["transform=specontext", "transform.budget=0"], "budget must be >= 1"),
+    ],
+)
+def test_transform_config_checked_before_loading(capsys, overrides, expected):
+    # the model path does not exist: the config error must come first
+    rc, _, err = _run(["optimize", "./no/such/dir", *overrides], capsys)
+    assert rc == 2 and expected in err and "no such file" not in err, err
+
+
+def test_cfg_job_is_resolved(capsys):
+    rc, out, _ = _run(["optimize", "transform=dualkv", "--cfg", "job"], capsys)
+    assert rc == 0 and "${" not in out
+    assert yaml.safe_load(out)["out"] == "outputs/smollm2-135m-dualkv"
+
+
+def test_bench_error_has_no_exception_class(capsys):
+    rc, _, err = _run(["bench", "dualkv-layer", "Pp=8192"], capsys)
+    assert rc == 2 and err.startswith("error: unknown key 'Pp'") and "Exception" not in err
+    rc, _, err = _run(["bench", "dualkv-layer", "P=abc"], capsys)
+    assert rc == 2 and err.startswith("error: invalid value for 'P'") and "Exception" not in err
+
+
+def test_optimize_dualkv_demo_time_is_labelled(tmp_path, capsys):
+    """The DualKV demo announces itself (and how to skip it) and its time is not counted as save."""
+    from kvtransform.models import tiny_model
+
+    model_dir = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(model_dir)
+    rc, stdout, err = _run(["optimize", str(model_dir), "transform=dualkv", f"out={tmp_path / 'a'}",
+                            "transform.verify.lengths=[5]", "transform.demo.num_responses=2",
+                            "transform.demo.max_new_tokens=2", "transform.demo.repeats=1"], capsys)
+    assert rc == 0, err
+    flat = " ".join(stdout.split())
+    assert "transform.demo.enabled=false" in flat and "dualkv demo" in flat and "demo wall time" in flat
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert report["timings"]["demo"] > 0

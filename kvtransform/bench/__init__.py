@@ -90,6 +90,9 @@ def compose_jobs(suite: str, overrides: List[str], multirun: bool = False) -> li
             return [(list(b), compose(config_name=suite, overrides=list(b))) for b in batches]
         except ConfigCompositionException as e:  # say why (bad value, valid choices), not only which override
             cause = str(e.__cause__).splitlines()[0] if e.__cause__ else ""
+            key = getattr(e.__cause__, "full_key", None)
+            if key and cause:  # "invalid value for 'P': Value 'abc' of type 'str' could not be converted to Integer"
+                raise ConfigCompositionException(f"invalid value for {key!r}: {cause}") from e
             raise ConfigCompositionException(f"{e}: {cause}" if cause else str(e)) from e
 
     if GlobalHydra.instance().is_initialized():
@@ -207,6 +210,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if os.environ.get("KVT_DEBUG") or not (isinstance(e, ValueError)
                                                or (type(e).__module__ or "").startswith(("hydra", "omegaconf"))):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        from hydra.errors import OverrideParseException
+
+        text = (str(e).strip() or type(e).__name__).splitlines()[0]
+        print(f"error: {'bad override syntax: ' if isinstance(e, OverrideParseException) else ''}{text}",
+              file=sys.stderr)
         return 2
     return 0
