@@ -226,6 +226,19 @@ def transform(model: torch.nn.Module, config="canonical", tokenizer=None, progre
         kvtransform.passes.verify.VerificationError: the rewritten model differs beyond tolerance.
     """
     cfg = resolve_config(config)
+    check_available(cfg)
+    _check_model(model)
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "kvt_tokenizer", None)
+    return TRANSFORMS[cfg.name](model, cfg, tokenizer=tokenizer, progress=progress)
+
+
+def check_available(cfg: CanonicalConfig) -> None:
+    """Raise unless a handler for ``cfg.name`` is registered (importing the optional transform modules first).
+
+    Raises:
+        NotImplementedError: ``specontext`` (only its ops exist so far).
+        ValueError: any other name without a handler.
+    """
     if cfg.name not in TRANSFORMS:
         _load_transform_modules()
     if cfg.name == "specontext" and cfg.name not in TRANSFORMS:
@@ -236,9 +249,6 @@ def transform(model: torch.nn.Module, config="canonical", tokenizer=None, progre
     if cfg.name not in TRANSFORMS:
         raise ValueError(f"transform {cfg.name!r} is not available in this installation; available: "
                          f"{sorted(TRANSFORMS)}")
-    _check_model(model)
-    tokenizer = tokenizer if tokenizer is not None else getattr(model, "kvt_tokenizer", None)
-    return TRANSFORMS[cfg.name](model, cfg, tokenizer=tokenizer, progress=progress)
 
 
 def inspect(model: torch.nn.Module, progress: bool = True) -> Report:

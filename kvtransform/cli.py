@@ -374,16 +374,9 @@ def _transform_config(cfg: DictConfig):
         tcfg = config_from_dict(OmegaConf.to_container(cfg.transform, resolve=True))
     except ValueError as e:
         raise UsageError(f"invalid transform setting: {e}") from None
-    from . import api
+    from .api import check_available
 
-    if tcfg.name not in api.TRANSFORMS:
-        api._load_transform_modules()
-    if tcfg.name == "specontext" and tcfg.name not in api.TRANSFORMS:
-        # the message kvt.transform(model, "specontext") gives (kvtransform/api.py), without loading the model first
-        raise NotImplementedError(
-            "the SpeContext transform (decode-step capture, sparse_decode pass, KV-cache runtime, generate) is not "
-            "built yet; its ops are available: kvtransform.retrieval_topk and kvtransform.sparse_decode_attention. "
-            "Use transform='canonical' or 'dualkv'.")
+    check_available(tcfg)  # the error kvt.transform gives, before the model is loaded
     return tcfg
 
 
