@@ -110,8 +110,8 @@ class Report:
         console = console or Console()
         if sites and self.sites:
             t = Table(title=f"attention sites ({len(self.sites)})", title_justify="left")
-            for col in ("#", "layer", "kind", "q heads", "kv heads", "head_dim", "mask", "status"):
-                t.add_column(col)
+            for col in ("#", "layer", "kind", "H", "H_kv", "head_dim", "mask", "status"):
+                t.add_column(col, no_wrap=col in ("head_dim", "mask", "status"))
             for s in self.sites:
                 t.add_row(str(s.index), str(s.layer), s.kind, str(s.q_heads), str(s.kv_heads), str(s.head_dim),
                           s.mask_kind, s.status)
