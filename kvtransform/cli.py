@@ -276,6 +276,10 @@ def _check_overrides(overrides: list[str]) -> None:
     from omegaconf.errors import ValidationError
 
     app = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
+    added = [o for o in app if o.startswith("+")]
+    if added:  # '+key=value' would add a key the structured config does not have, silently ignored later
+        raise UsageError(f"{added[0]!r}: adding keys with '+' is not supported; every setting already exists "
+                         f"(see `kvtransform optimize --help`), so drop the '+' and use key=value")
     with initialize_config_module(config_module="kvtransform.conf", version_base="1.3"):
         try:
             compose(config_name="config", overrides=app)

@@ -247,3 +247,8 @@ def test_optimize_dualkv_demo_time_is_labelled(tmp_path, capsys):
     assert "transform.demo.enabled=false" in flat and "dualkv demo" in flat and "demo wall time" in flat
     report = json.loads((tmp_path / "a" / "report.json").read_text())
     assert report["timings"]["demo"] > 0
+
+
+def test_adding_keys_with_plus_is_refused(capsys):
+    rc, _, err = _run(["optimize", "+foo=1"], capsys)
+    assert rc == 2 and "adding keys with '+' is not supported" in err, err
