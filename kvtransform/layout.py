@@ -24,16 +24,24 @@ from typing import Optional, Sequence, Union
 import torch
 
 
-def _as_length(x, what: str) -> int:
-    """``x`` as a python int: python ints and NumPy / torch integer scalars (``operator.index``); a float, a bool or
-    anything else raises ValueError."""
+def as_int(x, what: str, unit: str = "", keyword: Optional[str] = None) -> int:
+    """``x`` as a python int: python ints and NumPy / torch integer scalars (``operator.index``; a traced SymInt
+    passes through); a float, a bool or anything else raises ValueError instead of being truncated silently.
+
+    ``what`` names the value in the message (``unit`` follows "an integer"); with ``keyword`` the message suggests
+    ``keyword=<the value rounded down>``.
+    """
+    if isinstance(x, torch.SymInt):
+        return x
     if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
-        raise ValueError(f"{what} must be an integer; got the bool {x!r}")
+        raise ValueError(f"{what} must be an integer{unit}; got the bool {x!r}")
     try:
         return operator.index(x)
     except TypeError:
-        raise ValueError(f"{what} must be an integer; got {x!r} ({type(x).__name__}): pass whole token counts "
-                         f"(int, or a NumPy/torch integer)") from None
+        hint = (f"e.g. {keyword}={int(x) if isinstance(x, float) else 1}" if keyword
+                else "(int, or a NumPy/torch integer)")
+        raise ValueError(f"{what} must be an integer{unit}; got {x!r} ({type(x).__name__}): pass whole token "
+                         f"counts {hint}") from None
 
 
 def _lists_from_lengths(groups) -> tuple:
@@ -48,10 +56,10 @@ def _lists_from_lengths(groups) -> tuple:
         if not hasattr(grp, "__len__") or len(grp) != 2:
             raise ValueError(f"group {g} must be (prefix_len, [response_lens]); got {grp!r}")
         p, rs = grp
-        p = _as_length(p, f"group {g}: prompt (prefix) length")
+        p = as_int(p, f"group {g}: prompt (prefix) length")
         if isinstance(rs, (str, bytes)) or not hasattr(rs, "__iter__"):
             raise ValueError(f"group {g}: response lengths must be a list of integers; got {rs!r}")
-        rs = [_as_length(r, f"group {g}: response {i} length") for i, r in enumerate(rs)]
+        rs = [as_int(r, f"group {g}: response {i} length") for i, r in enumerate(rs)]
         if p <= 0:
             raise ValueError(f"group {g}: prompt (prefix) of length {p}; prompts must have at least one token")
         for i, r in enumerate(rs):

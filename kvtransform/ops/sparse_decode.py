@@ -33,13 +33,13 @@ Triton kernels there. No autograd: decode is inference.
 """
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
 
 from kvtransform.kernels.retrieval import retrieval_topk_reference, retrieval_topk_triton
 from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
+from ..layout import as_int
 
 __all__ = ["retrieval_topk", "sparse_decode_attention", "slot_decode_attention", "check_indices"]
 
@@ -180,20 +180,6 @@ def _check_qkv(q, k, v, k_new, v_new, what: str):
 # ----------------------------------------------------------------------------------------------------------------
 # public wrappers
 # ----------------------------------------------------------------------------------------------------------------
-def _as_count(x, name: str) -> int:
-    """``x`` as a python int: ints and NumPy / torch integer scalars (``operator.index``); floats, bools and anything
-    else raise ValueError (a float token count would otherwise be truncated silently)."""
-    if isinstance(x, torch.SymInt):
-        return x
-    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
-        raise ValueError(f"{name} must be an integer token count; got the bool {x!r}")
-    try:
-        return operator.index(x)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer token count; got {x!r} ({type(x).__name__}): pass an int "
-                         f"(or a NumPy/torch integer), e.g. {name}={int(x) if isinstance(x, float) else 1}") from None
-
-
 def retrieval_topk(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budget: int, *, sink: int = 0,
                    recent: int = 0, scale: Optional[float] = None,
                    validate: Optional[bool] = None) -> torch.Tensor:
@@ -223,7 +209,8 @@ def retrieval_topk(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budg
         ``sink``/``recent`` negative or ``sink + recent >
         budget``, head counts that do not divide, or (when validating) lengths outside ``[0, S_max]``.
     """
-    budget, sink, recent = (_as_count(x, name) for x, name in ((budget, "budget"), (sink, "sink"), (recent, "recent")))
+    budget, sink, recent = (as_int(x, name, " token count", keyword=name)
+                            for x, name in ((budget, "budget"), (sink, "sink"), (recent, "recent")))
     if budget < 1:
         raise ValueError(f"budget must be an int >= 1; got {budget!r}")
     if sink < 0 or recent < 0:
