@@ -1,20 +1,24 @@
 """kvtransform: compiler passes that rewrite attention in Hugging Face causal LMs into DualKV and SpeContext kernels.
 
-Public API (DESIGN.md §2)::
+Public API::
 
     import kvtransform as kvt
     model, tok = kvt.load_model("smollm2-135m")
     opt = kvt.transform(model, "canonical")      # or "dualkv", "specontext", or a config dataclass
     opt.report; opt.save("out/"); opt2 = kvt.load("out/")
+
+Architecture and where things live: ``docs/ARCHITECTURE.md``.
 """
 from __future__ import annotations
 
 import importlib
 
 from . import ops  # noqa: F401  registers torch.ops.kvt.*
-from .api import OptimizedModule, inspect, load, register_transform, transform  # noqa: F401
-from .config import CanonicalConfig, DualKVConfig, SpeContextConfig, VerifyConfig  # noqa: F401
+from .api import inspect, load, transform  # noqa: F401
+from .config import CanonicalConfig, DualKVConfig, SpeContextConfig, TransformConfig, VerifyConfig  # noqa: F401
 from .report import Report  # noqa: F401
+from .transforms import register_transform  # noqa: F401
+from .transforms.base import OptimizedModule  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -23,13 +27,14 @@ _LAZY = {
     "load_model": "kvtransform.models",
     "tiny_model": "kvtransform.models",
     "DualKVLayout": "kvtransform.layout",
-    "pack_shared_prefix": "kvtransform.dualkv",
-    "pack_shared_prefix_groups": "kvtransform.dualkv",
-    "PackedBatch": "kvtransform.dualkv",
+    "pack_shared_prefix": "kvtransform.packing",
+    "pack_shared_prefix_groups": "kvtransform.packing",
+    "PackedBatch": "kvtransform.packing",
+    "DualKVModule": "kvtransform.transforms.dualkv",
     "dualkv_attention": "kvtransform.ops.dualkv",
     "retrieval_topk": "kvtransform.ops.sparse_decode",
     "sparse_decode_attention": "kvtransform.ops.sparse_decode",
-    "VerificationError": "kvtransform.passes.verify",
+    "VerificationError": "kvtransform.verify",
 }
 
 

@@ -1,6 +1,7 @@
 """Transform configurations: dataclasses with a JSON/YAML round trip and strict keys.
 
-Every transform is described by one dataclass (``CanonicalConfig``, ``DualKVConfig``, ``SpeContextConfig``). They are
+Every transform is described by one dataclass, a subclass of :class:`TransformConfig` (``CanonicalConfig``,
+``DualKVConfig``, ``SpeContextConfig``). They are
 registered as Hydra structured configs (``kvtransform.cli``) so a misspelt key on the command line is an error, and
 :func:`config_from_dict` applies the same strictness to plain dicts / YAML / JSON.
 """
@@ -52,14 +53,32 @@ class VerifyConfig:
 
 
 @dataclass
-class CanonicalConfig:
-    """Rewrite every standard attention into ``kvt.attention`` (the canonical op) and verify."""
+class TransformConfig:
+    """Base of every transform config (torchao ``quantize_`` style: the config's *type* selects the transform).
 
-    name: str = "canonical"
+    A transform is registered for its config type (:func:`kvtransform.transforms.register_transform`); ``name`` is
+    the string used on the command line and in artifacts, ``version`` the config schema version written into
+    artifacts (a newer schema than this installation knows is refused on load).
+
+    Attributes:
+        name: the transform's name (``canonical``, ``dualkv``, ``specontext``); fixed per subclass.
+        version: config schema version.
+        verify: the verification gate (:class:`VerifyConfig`).
+    """
+
+    name: str = "abstract"
+    version: int = 1
     verify: VerifyConfig = field(default_factory=VerifyConfig)
 
     def validate(self) -> None:
         """Raises ValueError for invalid values (subclasses extend it)."""
+        if type(self) is TransformConfig:
+            raise TypeError("TransformConfig is abstract: use CanonicalConfig, DualKVConfig or SpeContextConfig")
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
+            raise ValueError(f"version must be an integer >= 1; got {self.version!r}")
+        if self.version > CONFIG_VERSION:
+            raise ValueError(f"config version {self.version} is newer than this kvtransform understands "
+                             f"({CONFIG_VERSION}): upgrade kvtransform")
         self.verify.validate()
 
     # ---- serialisation -------------------------------------------------------------------------------------------
@@ -71,6 +90,16 @@ class CanonicalConfig:
 
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+
+CONFIG_VERSION = 1
+
+
+@dataclass
+class CanonicalConfig(TransformConfig):
+    """Rewrite every standard attention into ``kvt.attention`` (the canonical op) and verify."""
+
+    name: str = "canonical"
 
 
 @dataclass
@@ -99,7 +128,7 @@ class DualKVDemoConfig:
 
 
 @dataclass
-class DualKVConfig(CanonicalConfig):
+class DualKVConfig(TransformConfig):
     """Shared-prefix packed training attention (DualKV, arXiv 2605.15422).
 
     Attributes:
@@ -128,7 +157,7 @@ class DualKVConfig(CanonicalConfig):
 
 
 @dataclass
-class SpeContextConfig(CanonicalConfig):
+class SpeContextConfig(TransformConfig):
     """Sparse retrieval decode (SpeContext, arXiv 2512.00722, §4.3).
 
     Attributes:
@@ -163,7 +192,7 @@ CONFIG_TYPES: dict[str, type] = {
 }
 
 
-def config_from_dict(d: dict[str, Any]) -> CanonicalConfig:
+def config_from_dict(d: dict[str, Any]) -> TransformConfig:
     """Build the config dataclass named by ``d["name"]`` (default ``canonical``), rejecting unknown keys.
 
     Raises:
@@ -184,24 +213,24 @@ def config_from_dict(d: dict[str, Any]) -> CanonicalConfig:
     return cfg
 
 
-def config_from_yaml(text: str) -> CanonicalConfig:
-    """Parse YAML text written by :meth:`CanonicalConfig.to_yaml`."""
+def config_from_yaml(text: str) -> TransformConfig:
+    """Parse YAML text written by :meth:`TransformConfig.to_yaml`."""
     return config_from_dict(OmegaConf.to_container(OmegaConf.create(text)))
 
 
-def config_from_json(text: str) -> CanonicalConfig:
-    """Parse JSON text written by :meth:`CanonicalConfig.to_json`."""
+def config_from_json(text: str) -> TransformConfig:
+    """Parse JSON text written by :meth:`TransformConfig.to_json`."""
     return config_from_dict(json.loads(text))
 
 
-def resolve_config(config: "str | CanonicalConfig | dict") -> CanonicalConfig:
+def resolve_config(config: "str | TransformConfig | dict") -> TransformConfig:
     """Accept a transform name, a config dataclass or a dict, return the dataclass.
 
     Raises:
         ValueError: unknown name or invalid keys.
         TypeError: anything else.
     """
-    if isinstance(config, CanonicalConfig):
+    if isinstance(config, TransformConfig):
         config.validate()
         return config
     if isinstance(config, str):

@@ -23,7 +23,7 @@ import torch
 
 from kvtransform.report import Site
 
-from .manager import PassContext
+from .manager import KVPass, PassContext
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -342,54 +342,57 @@ def _attention_mask_placeholder(gm) -> Optional[torch.fx.Node]:
     return next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "attention_mask"), None)
 
 
-def canonicalize_attention(gm: torch.fx.GraphModule, ctx: PassContext, rewrite: bool = True) -> torch.fx.GraphModule:
+class AttentionPass(KVPass):
     """Rewrite every recognised attention into ``kvt.attention`` (or, with ``rewrite=False``, only report them).
 
     Records a pass named ``attention`` and one :class:`~kvtransform.report.Site` per attention in ``ctx.report``.
+    The nodes the rewrite leaves dead (mask construction, ``repeat_kv``) are removed by the cleanup pass.
     """
-    rec = ctx.report.new_pass("attention")
-    matches = find_attention(gm)
-    rec.matched = len(matches)
-    cache: dict = {}
-    key_padding = None
-    graph = gm.graph
-    for i, m in enumerate(matches):
-        mask_kind = classify_mask(gm, m.mask, m.is_causal, ctx, cache)
-        if m.problem:
-            ctx.report.sites.append(describe(m, i, mask_kind, f"skipped: {m.problem}"))
-            rec.skip(i, m.problem)
-            continue
-        k0, rep_k = unrepeat_kv(m.k)
-        v0, rep_v = unrepeat_kv(m.v)
-        if rep_k != rep_v:
-            rec.skip(i, "K and V repeated differently")
-            ctx.report.sites.append(describe(m, i, mask_kind, "skipped: K and V repeated differently"))
-            continue
-        if not rewrite:
-            ctx.report.sites.append(describe(m, i, mask_kind, "found"))
-            continue
-        causal = mask_kind in ("causal", "causal+padding")
-        with graph.inserting_before(m.out):
-            kp = None
-            if mask_kind == "causal+padding":
-                if key_padding is None:
-                    am = _attention_mask_placeholder(gm)
-                    key_padding = graph.call_function(aten.ne.Scalar, (am, 0))
-                    key_padding.meta["val"] = None
-                kp = key_padding
-            attn_mask = m.mask if mask_kind in ("sliding_window", "custom") else None
-            scale = float(m.scale) if m.scale is not None else float(_shape(m.q)[-1]) ** -0.5
-            new = graph.call_function(KVT_ATTENTION, (m.q, k0, v0, attn_mask, kp, scale, causal))
-        new.meta.update({k: v for k, v in m.out.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
-        m.out.replace_all_uses_with(new)
-        rec.rewritten += 1
-        ctx.report.sites.append(describe(m, i, mask_kind, "canonical"))
-    if rec.rewritten:
-        from .cleanup import remove_dead_code
 
-        rec.nodes_removed = remove_dead_code(gm)
-    graph.lint()
-    gm.recompile()
-    kinds = sorted({s.mask_kind for s in ctx.report.sites})
-    rec.notes.append("mask kinds: " + ", ".join(kinds) if kinds else "no attention found")
-    return gm
+    name = "attention"
+
+    def __init__(self, ctx: PassContext, rewrite: bool = True):
+        super().__init__(ctx)
+        self.rewrite = rewrite
+
+    def run(self, gm: torch.fx.GraphModule, rec) -> bool:
+        ctx, rewrite = self.ctx, self.rewrite
+        matches = find_attention(gm)
+        rec.matched = len(matches)
+        cache: dict = {}
+        key_padding = None
+        graph = gm.graph
+        for i, m in enumerate(matches):
+            mask_kind = classify_mask(gm, m.mask, m.is_causal, ctx, cache)
+            if m.problem:
+                ctx.report.sites.append(describe(m, i, mask_kind, f"skipped: {m.problem}"))
+                rec.skip(i, m.problem)
+                continue
+            k0, rep_k = unrepeat_kv(m.k)
+            v0, rep_v = unrepeat_kv(m.v)
+            if rep_k != rep_v:
+                rec.skip(i, "K and V repeated differently")
+                ctx.report.sites.append(describe(m, i, mask_kind, "skipped: K and V repeated differently"))
+                continue
+            if not rewrite:
+                ctx.report.sites.append(describe(m, i, mask_kind, "found"))
+                continue
+            causal = mask_kind in ("causal", "causal+padding")
+            with graph.inserting_before(m.out):
+                kp = None
+                if mask_kind == "causal+padding":
+                    if key_padding is None:
+                        am = _attention_mask_placeholder(gm)
+                        key_padding = graph.call_function(aten.ne.Scalar, (am, 0))
+                        key_padding.meta["val"] = None
+                    kp = key_padding
+                attn_mask = m.mask if mask_kind in ("sliding_window", "custom") else None
+                scale = float(m.scale) if m.scale is not None else float(_shape(m.q)[-1]) ** -0.5
+                new = graph.call_function(KVT_ATTENTION, (m.q, k0, v0, attn_mask, kp, scale, causal))
+            new.meta.update({k: v for k, v in m.out.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+            m.out.replace_all_uses_with(new)
+            rec.rewritten += 1
+            ctx.report.sites.append(describe(m, i, mask_kind, "canonical"))
+        kinds = sorted({s.mask_kind for s in ctx.report.sites})
+        rec.notes.append("mask kinds: " + ", ".join(kinds) if kinds else "no attention found")
+        return rec.rewritten > 0

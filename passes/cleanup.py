@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .manager import PassContext
+from .manager import KVPass
 
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 for _name in ("_assert_scalar", "sym_constrain_range_for_size"):
@@ -45,10 +45,11 @@ def remove_dead_code(gm: torch.fx.GraphModule) -> int:
     return removed
 
 
-def cleanup(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Dead-code elimination after the rewrites; records ``nodes_removed`` in the report."""
-    rec = ctx.report.new_pass("cleanup")
-    rec.nodes_removed = remove_dead_code(gm)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+class CleanupPass(KVPass):
+    """Dead-code elimination after the rewrites (the one place it happens); records ``nodes_removed``."""
+
+    name = "cleanup"
+
+    def run(self, gm: torch.fx.GraphModule, record) -> bool:
+        record.nodes_removed = remove_dead_code(gm)
+        return record.nodes_removed > 0

@@ -25,8 +25,7 @@ from typing import Optional
 
 import torch
 
-from .cleanup import remove_dead_code
-from .manager import PassContext
+from .manager import KVPass
 
 aten = torch.ops.aten
 KVT_ATTENTION = torch.ops.kvt.attention.default
@@ -79,62 +78,59 @@ def count_square_tensors(gm: torch.fx.GraphModule) -> int:
     return n
 
 
-def dualkv_attention_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+class DualKVPass(KVPass):
     """Rewrite canonical causal attention into ``kvt.dualkv_attention`` over the graph's layout placeholders.
 
-    Records a pass named ``dualkv`` (matched = canonical attention nodes, rewritten, skipped with reasons,
-    nodes_removed = dead nodes this pass removed) and sets each rewritten site's status to ``"dualkv"``.
+    Records a pass named ``dualkv`` (matched = canonical attention nodes, rewritten, skipped with reasons) and sets
+    each rewritten site's status to ``"dualkv"``. Run the cleanup pass after it; then
+    :func:`count_square_tensors` checks that no ``(T, T)`` tensor is left.
 
     Raises:
         ValueError: the graph has no ``cu_seqlens``/``segment_prefix`` placeholders (it was not captured with
             :func:`kvtransform.capture.capture_packed`).
     """
-    rec = ctx.report.new_pass("dualkv")
-    cu = _placeholder(gm, "cu_seqlens")
-    sp = _placeholder(gm, "segment_prefix")
-    if cu is None or sp is None:
-        raise ValueError("the dualkv pass needs a graph with cu_seqlens and segment_prefix inputs; capture the model "
-                         "with kvtransform.capture.capture_packed")
-    graph = gm.graph
-    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is KVT_ATTENTION]
-    rec.matched = len(nodes)
-    canonical_sites = [s for s in ctx.report.sites if s.status == "canonical"]
-    site_of = dict(zip(nodes, canonical_sites)) if len(canonical_sites) == len(nodes) else {}
-    for s in ctx.report.sites:
-        if s.status.startswith("skipped"):
-            rec.skip(s.index, f"not canonicalised ({s.status})")
-    for i, node in enumerate(nodes):
-        site = site_of.get(node)
-        why = _refusal(node)
-        if why is not None:
-            rec.skip(site.index if site else i, why)
+
+    name = "dualkv"
+
+    def run(self, gm: torch.fx.GraphModule, rec) -> bool:
+        ctx = self.ctx
+        cu = _placeholder(gm, "cu_seqlens")
+        sp = _placeholder(gm, "segment_prefix")
+        if cu is None or sp is None:
+            raise ValueError("the dualkv pass needs a graph with cu_seqlens and segment_prefix inputs; capture the model "
+                             "with kvtransform.capture.capture_packed")
+        graph = gm.graph
+        nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is KVT_ATTENTION]
+        rec.matched = len(nodes)
+        canonical_sites = [s for s in ctx.report.sites if s.status == "canonical"]
+        site_of = dict(zip(nodes, canonical_sites)) if len(canonical_sites) == len(nodes) else {}
+        for s in ctx.report.sites:
+            if s.status.startswith("skipped"):
+                rec.skip(s.index, f"not canonicalised ({s.status})")
+        for i, node in enumerate(nodes):
+            site = site_of.get(node)
+            why = _refusal(node)
+            if why is not None:
+                rec.skip(site.index if site else i, why)
+                if site is not None:
+                    site.status = f"skipped: {why}"
+                continue
+            q, k, v = node.args[:3]
+            scale = float(node.args[5])
+            with graph.inserting_before(node):
+                packed = []
+                for x in (q, k, v):
+                    tr = graph.call_function(aten.transpose.int, (x, 1, 2))
+                    packed.append(graph.call_function(aten.squeeze.dim, (tr, 0)))
+                call = graph.call_function(KVT_DUALKV, (*packed, cu, sp, scale))
+                out = graph.call_function(operator.getitem, (call, 0))
+                uns = graph.call_function(aten.unsqueeze.default, (out, 0))
+                new = graph.call_function(aten.transpose.int, (uns, 1, 2))
+            new.meta.update({key: val for key, val in node.meta.items() if key in ("val", "nn_module_stack",
+                                                                                   "stack_trace")})
+            call.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            node.replace_all_uses_with(new)
+            rec.rewritten += 1
             if site is not None:
-                site.status = f"skipped: {why}"
-            continue
-        q, k, v = node.args[:3]
-        scale = float(node.args[5])
-        with graph.inserting_before(node):
-            packed = []
-            for x in (q, k, v):
-                tr = graph.call_function(aten.transpose.int, (x, 1, 2))
-                packed.append(graph.call_function(aten.squeeze.dim, (tr, 0)))
-            call = graph.call_function(KVT_DUALKV, (*packed, cu, sp, scale))
-            out = graph.call_function(operator.getitem, (call, 0))
-            uns = graph.call_function(aten.unsqueeze.default, (out, 0))
-            new = graph.call_function(aten.transpose.int, (uns, 1, 2))
-        new.meta.update({key: val for key, val in node.meta.items() if key in ("val", "nn_module_stack",
-                                                                               "stack_trace")})
-        call.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        node.replace_all_uses_with(new)
-        rec.rewritten += 1
-        if site is not None:
-            site.status = "dualkv"
-    rec.nodes_removed = remove_dead_code(gm)
-    graph.lint()
-    gm.recompile()
-    removed_by_canonical = sum(p.nodes_removed for p in ctx.report.passes if p.name in ("attention", "cleanup"))
-    left = count_square_tensors(gm)
-    rec.notes.append(f"mask construction gone ({removed_by_canonical} nodes removed by attention/cleanup); "
-                     f"{left} (T,T) tensors left")
-    ctx.extra["dualkv_square_tensors_left"] = left
-    return gm
+                site.status = "dualkv"
+        return rec.rewritten > 0

@@ -1,13 +1,23 @@
-"""Pass manager: runs ``GraphModule -> GraphModule`` passes in order and records what each did in the report."""
+"""Pass infrastructure: torch.fx's own ``PassBase``/``PassManager``, plus the context and report every pass shares.
+
+A kvtransform pass is a :class:`KVPass` (a ``torch.fx.passes.infra.pass_base.PassBase``) built with the
+transform's :class:`PassContext`; :func:`run_passes` runs a list of them under torch.fx's ``PassManager``, which
+recompiles the graph after each pass and lints it (the one place where that happens). Each pass records what it did
+(matched, rewritten, skipped with reasons, nodes removed) in ``ctx.report`` and its wall time in
+``report.timings["pass:<name>"]``. Dead-code removal is the cleanup pass's job (``passes/cleanup.py``). How a new
+pass fits in: ``docs/ARCHITECTURE.md``.
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_manager import PassManager
 
-from kvtransform.report import Report
+from kvtransform.report import PassRecord, Report
 
 
 @dataclass
@@ -27,28 +37,50 @@ class PassContext:
     extra: dict = field(default_factory=dict)
 
 
-Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
+class KVPass(PassBase):
+    """Base of kvtransform's passes: ``call(gm)`` opens the pass's report record, runs :meth:`run` and times it.
 
-
-class PassManager:
-    """Run named passes in order; each gets the graph and the shared :class:`PassContext`.
-
-    Example::
-
-        pm = PassManager([("attention", canonicalize_attention), ("cleanup", cleanup)])
-        gm = pm.run(gm, ctx)
+    Subclasses set ``name`` (the report record's name) and implement ``run(gm, record) -> bool`` (whether the graph
+    changed). They mutate ``gm.graph`` in place and leave recompiling and linting to :func:`run_passes`.
     """
 
-    def __init__(self, passes: list[tuple[str, Pass]]):
-        self.passes = list(passes)
+    name = "pass"
 
-    def run(self, gm: torch.fx.GraphModule, ctx: PassContext, progress: Optional[Callable[[str], None]] = None):
-        for name, fn in self.passes:
+    def __init__(self, ctx: PassContext):
+        self.ctx = ctx
+
+    def run(self, gm: torch.fx.GraphModule, record: PassRecord) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        record = self.ctx.report.new_pass(self.name)
+        t0 = time.perf_counter()
+        modified = bool(self.run(gm, record))
+        self.ctx.report.timings[f"pass:{self.name}"] = round(time.perf_counter() - t0, 4)
+        return PassResult(gm, modified)
+
+
+def run_passes(gm: torch.fx.GraphModule, passes: Sequence[KVPass],
+               progress: Optional[Callable[[str], None]] = None) -> torch.fx.GraphModule:
+    """Run ``passes`` in order under ``torch.fx.passes.infra.pass_manager.PassManager`` (recompile + lint after
+    each). ``progress(name)`` is called before each pass.
+
+    Raises:
+        whatever a pass raises (``ValueError`` for a refusal), unwrapped from the manager's generic exception.
+    """
+    def announce(p: KVPass):
+        def step(m):
             if progress:
-                progress(name)
-            t0 = time.perf_counter()
-            gm = fn(gm, ctx)
-            gm.graph.lint()
-            gm.recompile()
-            ctx.report.timings[f"pass:{name}"] = round(time.perf_counter() - t0, 4)
-        return gm
+                progress(p.name)
+            return p(m)
+        step.__name__ = p.name
+        return step
+
+    manager = PassManager([announce(p) for p in passes], run_checks_after_each_pass=True)
+    manager.check = lambda module: module.graph.lint()  # the invariant checked after every pass
+    try:
+        return manager(gm).graph_module
+    except Exception as e:  # PassManager wraps the pass's own exception; give the caller that one
+        if e.__cause__ is not None and type(e) is Exception:
+            raise e.__cause__ from None
+        raise

@@ -11,7 +11,9 @@ import torch
 
 import kvtransform as kvt
 from kvtransform.config import DualKVConfig, VerifyConfig
-from kvtransform.dualkv import DualKVModule, PackedBatch, check_exactness, replicated_logprobs
+from kvtransform.packing import PackedBatch
+from kvtransform.transforms.dualkv import DualKVModule
+from kvtransform.verify import check_exactness, replicated_logprobs
 from kvtransform.models import TINY_FAMILIES, tiny_model
 
 FAST = DualKVConfig(verify=VerifyConfig(enabled=False))
@@ -133,8 +135,7 @@ def test_pass_report_and_parameters(llama):
     rec = rep.pass_record("dualkv")
     n_layers = model.config.num_hidden_layers
     assert rec.matched == rec.rewritten == n_layers and not rec.skipped
-    assert rec.nodes_removed >= n_layers
-    assert rep.pass_record("attention").nodes_removed > 0       # the causal-mask construction is gone
+    assert rep.pass_record("cleanup").nodes_removed > n_layers  # the causal-mask construction is gone
     assert "0 (T,T) tensors left" in rec.notes[-1]
     assert [s.status for s in rep.sites] == ["dualkv"] * n_layers
     assert {s.mask_kind for s in rep.sites} == {"causal"}
@@ -224,8 +225,7 @@ def test_save_load_roundtrip(llama, tmp_path):
 
 def test_gate_rejects_wrong_module(llama, monkeypatch):
     """The gate compares against the replicated batch: a packed module that lets responses see each other fails."""
-    from kvtransform.dualkv import run_gate
-    from kvtransform.passes.verify import VerificationError
+    from kvtransform.verify import VerificationError, verify_packed
     from kvtransform.report import Report
 
     model, opt = llama
@@ -237,7 +237,7 @@ def test_gate_rejects_wrong_module(llama, monkeypatch):
 
     bad = DualKVModule(Leaky(), DualKVConfig(), Report())
     with pytest.raises(VerificationError):
-        run_gate(model, bad, DualKVConfig(), None, Report(), progress=False)
+        verify_packed(model, bad, DualKVConfig(), None, Report(), progress=False)
 
 
 # ------------------------------------------------------------------------------------------------ real SmolLM2
@@ -252,7 +252,7 @@ def smollm2():
 
 
 def _real_batch(tok, vocab, spec, gen):
-    from kvtransform.passes.verify import text_token_ids
+    from kvtransform.verify import text_token_ids
 
     ids = text_token_ids(tok, vocab, 600)
 

@@ -31,7 +31,8 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from .config import CONFIG_TYPES, config_from_dict
+from ..api import check_available
+from ..config import CONFIG_TYPES, config_from_dict
 
 __all__ = ["main", "ModelConfig", "OptimizeConfig", "UsageError"]
 
@@ -378,8 +379,6 @@ def _transform_config(cfg: DictConfig):
         tcfg = config_from_dict(OmegaConf.to_container(cfg.transform, resolve=True))
     except ValueError as e:
         raise UsageError(f"invalid transform setting: {e}") from None
-    from .api import check_available
-
     check_available(tcfg)  # the error kvt.transform gives, before the model is loaded
     return tcfg
 
@@ -404,7 +403,7 @@ def run_optimize(cfg: DictConfig) -> dict:
     import torch
 
     import kvtransform as kvt
-    from .models import load_model
+    from ..models import load_model
 
     console = _console()
     out = Path(cfg.out).expanduser()
@@ -423,19 +422,11 @@ def run_optimize(cfg: DictConfig) -> dict:
     t2 = time.perf_counter()
     opt.report.print()
     demo_s = 0.0
-    if tcfg.name == "dualkv" and tcfg.demo.enabled:  # GRPO-like batch: exactness + fwd/bwd time (issue 4)
-        from .dualkv import run_demo
-
-        d = tcfg.demo
-        console.print(
-            f"[bold]DualKV demo[/bold]: sampling {d.num_responses} responses (up to {d.max_new_tokens} tokens) from "
-            f"the model, checking log-probs and gradients against the original, timing forward+backward "
-            f"({d.repeats} repeats) packed vs replicated; this can take minutes on a CPU. "
-            f"Skip it with transform.demo.enabled=false")
+    step = check_available(tcfg).cli_step  # a transform-specific step (the DualKV demo), before saving
+    if step is not None:
         td = time.perf_counter()
-        run_demo(model, tok, opt, tcfg, console)
-        demo_s = time.perf_counter() - td
-
+        if step(model, tok, opt, tcfg, console):
+            demo_s = time.perf_counter() - td
     t_save = time.perf_counter()
     opt.save(str(out), overwrite=cfg.overwrite)
     t3 = time.perf_counter()
@@ -504,7 +495,7 @@ def _inspect(args: Sequence[str]) -> int:
         import json
 
         import kvtransform as kvt
-        from .models import load_model
+        from ..models import load_model
 
         model, _ = load_model(ns.model, dtype=ns.dtype, attn_implementation=ns.attn_implementation)
         report = kvt.inspect(model, progress=not ns.json)
@@ -528,7 +519,7 @@ command that reproduces it. `kvtransform bench SUITE --help` shows the suite's o
 def _bench(args: Sequence[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         try:
-            from .bench import SUITES
+            from ..bench import SUITES
 
             suites = f"\n\nsuites: {', '.join(SUITES)}"
         except ImportError:
@@ -536,7 +527,7 @@ def _bench(args: Sequence[str]) -> int:
         print(_BENCH_HELP + suites)
         return 0
     try:
-        from .bench import run
+        from ..bench import run
     except ImportError:
         _fail("kvtransform bench is not available in this version (kvtransform.bench.run is missing)")
     rc = _guard(run, args[0], list(args[1:]))
@@ -569,14 +560,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
         exit status: 0 on success. User errors raise ``SystemExit(2)`` after printing one ``error:`` line.
     """
-    from .models import REGISTRY
+    from ..models import REGISTRY
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(_HELP.format(names=", ".join(sorted(REGISTRY))))
         return 0 if args else USER_ERROR_EXIT
     if args[0] in ("-V", "--version"):
-        from . import __version__
+        from .. import __version__
 
         print(f"kvtransform {__version__}")
         return 0

@@ -1,0 +1,219 @@
+"""What every transform shares: the :class:`OptimizedModule` it returns (call, save, load), and the front half
+``capture → passes`` (:func:`capture_and_rewrite`).
+
+A transform is one file in this package (``canonical.py`` is the smallest to copy): a handler
+``fn(model, config, tokenizer=None, progress=True) -> OptimizedModule`` registered for its config type with
+:func:`kvtransform.transforms.register_transform`. See ``docs/ARCHITECTURE.md``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.export import Dim
+
+from kvtransform.capture import Captured, export_dynamic
+from kvtransform.config import TransformConfig
+from kvtransform.passes.manager import KVPass, PassContext, run_passes
+from kvtransform.report import Report
+from kvtransform.utils import device_of, model_name, stage, timed
+
+
+class OptimizedModule(torch.nn.Module):
+    """A transformed model: an ``nn.Module`` holding the rewritten graph, its config and its report.
+
+    This base class is the canonical transform's module. Call it as ``opt(input_ids, attention_mask=None) ->
+    logits`` with ``input_ids`` int64 ``(B, S)`` and ``attention_mask`` int/bool ``(B, S)`` (1 = real token; left
+    padding supported); logits are ``(B, S, vocab)`` in the model's dtype. Other transforms subclass it (their own
+    ``forward``, and :meth:`export_example` / :meth:`write_artifact` / :meth:`from_artifact` when their artifact
+    differs).
+
+    Attributes:
+        core: the module that computes the logits (the rewritten FX graph, or the reloaded ``.pt2`` module).
+        config: the resolved transform config (dataclass).
+        report: :class:`~kvtransform.report.Report`.
+        max_seq_len: the longest input the captured program accepts (tokens).
+    """
+
+    def __init__(self, core: torch.nn.Module, config: TransformConfig, report: Report, max_seq_len: int = 4096):
+        super().__init__()
+        self.core = core
+        self.config = config
+        self.report = report
+        self.max_seq_len = int(max_seq_len)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``(B, S, vocab)``.
+
+        Raises:
+            ValueError: ``input_ids`` not an integer ``(B, S)`` tensor with ``B >= 1`` and ``1 <= S <= max_seq_len``,
+                token ids outside the vocabulary, or an ``attention_mask`` that is not 0/1 of the same shape.
+        """
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(f"{type(self).__name__} takes input_ids as an integer tensor (batch, seq); got "
+                             f"{type(input_ids).__name__}" + (" — a PackedBatch needs kvt.transform(model, "
+                                                              "'dualkv')" if type(input_ids).__name__ ==
+                                                              "PackedBatch" else ""))
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor of shape (batch, seq); got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        if b < 1 or not 1 <= s <= self.max_seq_len:
+            raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: need batch >= 1 and 1 <= seq <= "
+                             f"{self.max_seq_len} (the model's maximum positions, captured as the dynamic bound)")
+        vocab = self.vocab_size
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or (vocab is not None and hi >= vocab):
+            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        elif tuple(attention_mask.shape) != (b, s) or attention_mask.dtype.is_floating_point or \
+                not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError(f"attention_mask must be 0/1 (int or bool) of shape {(b, s)} like input_ids; got "
+                             f"{attention_mask.dtype} {tuple(attention_mask.shape)}")
+        return self.core(input_ids, attention_mask.to(torch.long))
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """Rows of the input embedding (token ids must be below it), or None if not found."""
+        if not hasattr(self, "_vocab_size"):
+            self._vocab_size = next((int(p.shape[0]) for n, p in self.core.named_parameters(remove_duplicate=False)
+                                     if n.endswith(("embed_tokens.weight", "wte.weight")) and p.dim() == 2), None)
+        return self._vocab_size
+
+    @property
+    def code(self) -> str:
+        """Readable Python of the rewritten graph."""
+        gm = getattr(self.core, "gm", self.core)
+        return getattr(gm, "code", repr(gm))
+
+    # ---- emission --------------------------------------------------------------------------------------------------
+    def export_example(self):
+        """``(args, dynamic_shapes)`` for exporting ``core`` as ``.pt2``: example positional inputs of ``core`` and
+        their dynamic dimensions (a tuple matching ``args``). Subclasses with another ``core`` signature override
+        this."""
+        ids = torch.ones(2, 8, dtype=torch.long, device=device_of(self))
+        am = torch.ones_like(ids)
+        seq = Dim("seq", min=2, max=self.max_seq_len)
+        batch = Dim("batch", min=1, max=1024)
+        return (ids, am), ({0: batch, 1: seq}, {0: batch, 1: seq})
+
+    def write_artifact(self, directory: Path) -> dict:
+        """Write the transform-specific files into the (temporary) artifact ``directory``: here ``model.pt2`` (the
+        exported ``core``) and ``graph.py``. Returns extra entries for ``meta.json``. Subclasses whose artifact
+        holds more (several programs, a retrieval head) override this and :meth:`from_artifact`."""
+        args, dyn = self.export_example()
+        ep = export_dynamic(_ExportWrapper(self.core), tuple(args), None, {"args": tuple(dyn)},
+                            "the transformed module")
+        torch.export.save(ep, directory / "model.pt2")
+        (directory / "graph.py").write_text(self.code)
+        return {}
+
+    @classmethod
+    def from_artifact(cls, path: Path, config: TransformConfig, report: Report, meta: dict) -> "OptimizedModule":
+        """Rebuild the module from an artifact directory written by :meth:`save` (``kvt.load`` calls this on the
+        class registered for the config's type)."""
+        if not (path / "model.pt2").is_file():
+            raise FileNotFoundError(f"{str(path)!r} has no model.pt2: not a complete {config.name} artifact")
+        ep = torch.export.load(path / "model.pt2")
+        return cls(ep.module(), config, report, max_seq_len=meta.get("max_seq_len", 4096))
+
+    def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
+        """Write the artifact into directory ``path``, atomically (a temporary sibling directory renamed into
+        place): :meth:`write_artifact`'s files, ``config.yaml`` (resolved config), ``report.json`` and ``meta.json``
+        (transform name, maximum sequence length, torch version).
+
+        Raises:
+            FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is false.
+        """
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+            raise FileExistsError(f"output directory {str(path)!r} exists and is not empty; choose another "
+                                  f"directory or pass overwrite=true")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            extra = self.write_artifact(tmp)
+            (tmp / "config.yaml").write_text(self.config.to_yaml())
+            (tmp / "report.json").write_text(self.report.to_json())
+            meta = {"transform": self.config.name, "max_seq_len": self.max_seq_len, "torch": torch.__version__,
+                    **extra}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+            if path.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+                os.replace(path, old / "x")
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
+
+
+class _ExportWrapper(torch.nn.Module):
+    """What ``.pt2`` holds: ``core`` with its positional signature (``kvt.load`` wraps the module back)."""
+
+    def __init__(self, core: torch.nn.Module):
+        super().__init__()
+        self.core = core
+
+    def forward(self, *args):
+        return self.core(*args)
+
+
+class Logits(torch.nn.Module):
+    """Adapter: ``(input_ids, attention_mask) -> logits`` around a graph captured by
+    :func:`kvtransform.capture.capture` (which returns the model's output pytree)."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, input_ids, attention_mask):
+        out = self.gm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+
+def capture_and_rewrite(model: torch.nn.Module, capture_fn: Callable[[torch.nn.Module], Captured],
+                        passes: Sequence[Callable[[PassContext], KVPass]], report: Report, progress: bool,
+                        what: str = "capturing the model with torch.export"):
+    """The front half of every transform: model check, capture, passes.
+
+    Args:
+        model: a transformers causal LM.
+        capture_fn: ``model -> Captured`` (:func:`kvtransform.capture.capture`, ``capture_packed``, ...).
+        passes: pass factories ``ctx -> KVPass`` (usually the pass classes themselves), run in order under
+            torch.fx's ``PassManager``.
+        report: the transform's report (timings and pass records are appended).
+        progress: show progress.
+        what: the capture stage's progress text.
+
+    Returns:
+        ``(graph_module, ctx, captured)``.
+
+    Raises:
+        ValueError: ``model`` is not a decoder-only causal LM, or a pass refused the graph.
+        RuntimeError: torch.export could not capture the model.
+    """
+    from kvtransform.models import check_causal_lm
+
+    check_causal_lm(model)
+    with stage(progress, what), timed(report.timings, "capture"):
+        cap = capture_fn(model)
+    ctx = PassContext(report, model.config, cap.max_seq_len)
+    with stage(progress, "running passes") as st:
+        gm = run_passes(cap.graph_module, [make(ctx) for make in passes],
+                        progress=(lambda n: st.update(f"running pass {n}")) if st else None)
+    return gm, ctx, cap
+
+
+def new_report(model, config: TransformConfig) -> Report:
+    """An empty report for transforming ``model`` with ``config``."""
+    return Report(model=model_name(model), transform=config.name)

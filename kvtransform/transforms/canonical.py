@@ -1,0 +1,32 @@
+"""The canonical transform: every standard attention becomes ``kvt.attention(q, k, v, ..., softmax_scale, causal)``
+on the un-repeated K/V; verified against the original model on real text.
+
+The smallest transform, and the one to copy for a new one: a config type (``CanonicalConfig``), a capture function, a
+list of passes, a module class, a verification gate (``docs/ARCHITECTURE.md``).
+"""
+from __future__ import annotations
+
+from kvtransform.capture import capture
+from kvtransform.config import CanonicalConfig
+from kvtransform.passes.attention import AttentionPass
+from kvtransform.passes.cleanup import CleanupPass
+from kvtransform.verify import verify_logits
+
+from . import register_transform
+from .base import Logits, OptimizedModule, capture_and_rewrite, new_report
+
+
+@register_transform(CanonicalConfig, module_type=OptimizedModule)
+def canonical_transform(model, cfg: CanonicalConfig, tokenizer=None, progress: bool = True) -> OptimizedModule:
+    """Capture ``model`` (:func:`kvtransform.capture.capture`), rewrite every attention into ``kvt.attention``,
+    remove the dead mask construction, and verify the logits against the original model.
+
+    Raises:
+        ValueError: not a decoder-only causal LM.
+        kvtransform.verify.VerificationError: the rewritten module differs beyond tolerance.
+    """
+    report = new_report(model, cfg)
+    gm, ctx, cap = capture_and_rewrite(model, capture, [AttentionPass, CleanupPass], report, progress)
+    opt = OptimizedModule(Logits(gm), cfg, report, max_seq_len=cap.max_seq_len)
+    verify_logits(model, opt, cfg, tokenizer, report, progress)
+    return opt

@@ -1,0 +1,173 @@
+"""The DualKV transform: shared-prefix packed training for GRPO/DAPO-style RL (DualKV, arXiv 2605.15422, §2–3).
+
+N responses that share one prompt are packed as ``[P][R_1]...[R_N]`` (:mod:`kvtransform.packing`): every per-token op
+(embeddings, projections, MLP, norms, LM head) runs once on the prompt, and every attention becomes
+``kvt.dualkv_attention``, in which a response token sees its group's prompt and its own response so far, never
+another response. Log-probabilities and gradients equal those of the N separate sequences (the gate in
+:func:`kvtransform.verify.verify_packed` checks both before the module is returned)::
+
+    opt = kvt.transform(model, "dualkv")                        # or kvt.DualKVConfig(...)
+    batch = kvt.pack_shared_prefix(prompt_ids, [r1, r2, r3])
+    logprobs = batch.response_logprobs(opt(batch))              # [ (R_i,) ... ]
+    loss = -sum(a * lp.sum() for a, lp in zip(advantages, logprobs)); loss.backward()   # grads on model's params
+
+The transformed module's parameters are the original model's ``Parameter`` objects, so an optimiser built on
+``model.parameters()`` trains it.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch.export import Dim
+
+from kvtransform.capture import capture_packed
+from kvtransform.config import DualKVConfig
+from kvtransform.layout import DualKVLayout
+from kvtransform.packing import PackedBatch, check_packed, pack_shared_prefix
+from kvtransform.passes.attention import AttentionPass
+from kvtransform.passes.cleanup import CleanupPass
+from kvtransform.passes.dualkv import DualKVPass, count_square_tensors
+from kvtransform.report import Report
+from kvtransform.utils import device_of
+from kvtransform.verify import verify_packed
+
+from . import register_transform
+from .base import OptimizedModule, capture_and_rewrite, new_report
+
+__all__ = ["DualKVModule", "dualkv_transform"]
+
+
+class _PackedLogits(torch.nn.Module):
+    """Adapter: ``(input_ids (1, T), position_ids (1, T), cu_seqlens, segment_prefix) -> logits (1, T, V)``
+    around the rewritten packed graph; a reloaded ``.pt2`` has the same signature."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, input_ids, position_ids, cu_seqlens, segment_prefix):
+        return self.gm(input_ids, position_ids, cu_seqlens, segment_prefix)
+
+
+class DualKVModule(OptimizedModule):
+    """A model transformed for packed shared-prefix batches (trainable; parameters are the original model's).
+
+    Call it as ``opt(batch) -> logits (1, T, vocab)`` with a :class:`PackedBatch`, or
+    ``opt(input_ids (1, T), cu_seqlens=..., segment_prefix=..., position_ids=None)`` with the layout tensors
+    (int32; ``position_ids`` derived from the layout when omitted), or ``opt(input_ids, layout)`` with a
+    :class:`~kvtransform.layout.DualKVLayout`. Use :meth:`PackedBatch.response_logprobs` on the logits.
+
+    Raises (forward):
+        ValueError: a plain ``(B, S)`` batch without a layout, a layout whose offsets do not sum to ``T`` or are
+            malformed, ``position_ids`` that disagree with the layout, or token ids outside the vocabulary.
+    """
+
+    def __init__(self, core: torch.nn.Module, config: DualKVConfig, report: Report, max_seq_len: int = 1 << 20):
+        super().__init__(core, config, report, max_seq_len=max_seq_len)
+
+    def forward(self, batch: Union[PackedBatch, torch.Tensor, None] = None, layout: Optional[DualKVLayout] = None,
+                *, input_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None, segment_prefix: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        input_ids, position_ids, lay = self._normalise(batch, layout, input_ids, position_ids, cu_seqlens,
+                                                       segment_prefix)
+        check_packed(input_ids, position_ids, lay, self.vocab_size)
+        return self.core(input_ids, position_ids, lay.cu_seqlens, lay.segment_prefix)
+
+    def _normalise(self, batch, layout, input_ids, position_ids, cu_seqlens, segment_prefix):
+        dev = device_of(self)
+        if isinstance(batch, PackedBatch):
+            if any(x is not None for x in (layout, input_ids, position_ids, cu_seqlens, segment_prefix)):
+                raise ValueError("pass either a PackedBatch or input_ids with layout tensors, not both")
+            b = batch.to(dev) if batch.device != dev else batch
+            return b.input_ids, b.position_ids, b.layout
+        if batch is not None:
+            if input_ids is not None:
+                raise ValueError("input_ids given twice (positionally and as a keyword)")
+            input_ids = batch
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError("DualKVModule takes a PackedBatch (kvt.pack_shared_prefix / pack_shared_prefix_groups) "
+                             f"or input_ids (1, T) with cu_seqlens and segment_prefix; got {type(batch).__name__}")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if layout is None:
+            if cu_seqlens is None or segment_prefix is None:
+                raise ValueError(
+                    f"this module expects a packed shared-prefix batch but got input_ids of shape "
+                    f"{tuple(input_ids.shape)} without a layout: build one with kvt.pack_shared_prefix(prompt, "
+                    f"responses), or pass cu_seqlens= and segment_prefix= (int32)")
+            for name, t in (("cu_seqlens", cu_seqlens), ("segment_prefix", segment_prefix)):
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+                    raise ValueError(f"{name} must be a 1-D int32 tensor")
+            try:
+                layout = DualKVLayout.from_tensors(cu_seqlens, segment_prefix)
+            except ValueError as e:
+                raise ValueError(f"invalid packed layout: {e}") from None
+        elif not isinstance(layout, DualKVLayout):
+            raise ValueError(f"layout must be a DualKVLayout; got {type(layout).__name__}")
+        layout = layout.to(dev) if layout.device != dev else layout
+        input_ids = input_ids.to(dev)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"packed input_ids must be (1, T); got shape {tuple(input_ids.shape)}")
+        if layout.total_tokens != input_ids.shape[1]:
+            raise ValueError(f"layout mismatch: the layout describes {layout.total_tokens} tokens but input_ids has "
+                             f"{input_ids.shape[1]}")
+        position_ids = layout.position_ids()[None] if position_ids is None else position_ids.to(dev)
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        return input_ids, position_ids.long(), layout
+
+    def export_example(self):
+        dev = device_of(self)
+        b = pack_shared_prefix([1, 2, 3, 4, 5], [[6, 7, 8], [9, 10, 11, 12]], device=dev)
+        tok = Dim("tokens", min=2, max=self.max_seq_len)
+        seg = Dim("segments", min=2, max=self.max_seq_len)
+        seg1 = Dim("segments_plus_1", min=3, max=self.max_seq_len + 1)
+        args = (b.input_ids, b.position_ids, b.cu_seqlens, b.segment_prefix)
+        return args, ({1: tok}, {1: tok}, {0: seg1}, {0: seg})
+
+
+def _demo_step(model, tokenizer, opt, cfg, console) -> dict:
+    """``kvtransform optimize transform=dualkv``: the GRPO-like demo (``transform.demo.*``) before saving."""
+    if not cfg.demo.enabled:
+        return {}
+    from kvtransform.cli.dualkv_demo import run_demo
+
+    d = cfg.demo
+    console.print(
+        f"[bold]DualKV demo[/bold]: sampling {d.num_responses} responses (up to {d.max_new_tokens} tokens) from "
+        f"the model, checking log-probs and gradients against the original, timing forward+backward "
+        f"({d.repeats} repeats) packed vs replicated; this can take minutes on a CPU. "
+        f"Skip it with transform.demo.enabled=false")
+    return run_demo(model, tokenizer, opt, cfg, console=console)
+
+
+@register_transform(DualKVConfig, module_type=DualKVModule, cli_step=_demo_step)
+def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = True) -> DualKVModule:
+    """DualKV transform: packed capture → canonical attention (mask proven causal) → ``kvt.dualkv_attention`` →
+    cleanup → exactness gate on the replicated batch.
+
+    Raises:
+        ValueError: not a causal LM, or an attention the packed layout cannot express (sliding window, custom mask):
+            the message lists the refused sites.
+        kvtransform.verify.VerificationError: the packed module differs from the original beyond tolerance.
+    """
+    report = new_report(model, cfg)
+    gm, ctx, cap = capture_and_rewrite(model, capture_packed, [AttentionPass, DualKVPass, CleanupPass], report,
+                                       progress, what="capturing the model (packed, torch.export)")
+    rec = report.pass_record("dualkv")
+    if rec.skipped or rec.rewritten == 0:
+        reasons = "; ".join(sorted({f"site {s['site']}: {s['reason']}" for s in rec.skipped})) or \
+            "no attention found"
+        raise ValueError(f"the dualkv transform cannot rewrite this model: {reasons}. Packed shared-prefix "
+                         f"attention supports causal attention only (no sliding window or custom masks)")
+    remaining = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in
+                    (torch.ops.kvt.attention.default, torch.ops.aten.scaled_dot_product_attention.default))
+    if remaining:
+        raise ValueError(f"{remaining} attention nodes were left unrewritten; refusing to build a packed module")
+    rec.notes.append(f"mask construction gone ({report.pass_record('cleanup').nodes_removed} dead nodes removed); "
+                     f"{count_square_tensors(gm)} (T,T) tensors left")
+    opt = DualKVModule(_PackedLogits(gm), cfg, report, max_seq_len=cap.max_seq_len)
+    verify_packed(model, opt, cfg, tokenizer, report, progress)
+    return opt
