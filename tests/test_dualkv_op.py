@@ -1,7 +1,7 @@
-"""kvt::dualkv_attention (issue 3): Triton kernels under TRITON_INTERPRET=1 against an fp64 reference computed on the
+"""kvt::dualkv_attention (DualKV, arXiv 2605.15422): Triton kernels under TRITON_INTERPRET=1 against an fp64 reference computed on the
 *replicated* layout (each response as its own sequence prompt+response; prefix K/V gradients summed over the copies).
 
-Numerics rule (DESIGN.md §3): max error of out, LSE, dQ, dK, dV ≤ 2 × PyTorch's own error in the same dtype
+Numerics rule (flash-attention's, ``docs/ARCHITECTURE.md``): max error of out, LSE, dQ, dK, dV ≤ 2 × PyTorch's own error in the same dtype
 (``dualkv_attention_reference(upcast=False)``) + a small absolute floor.
 """
 import pytest

@@ -1,4 +1,4 @@
-"""DualKV transform (issue 4): pass, packing API, exact log-probs and gradients vs the replicated batch.
+"""DualKV transform (arXiv 2605.15422): pass, packing API, exact log-probs and gradients vs the replicated batch.
 
 Exactness: per-response log-probs and the gradient of every parameter of ``Σ_i advantage_i · Σ_j logprob_ij`` from
 the transformed module on the packed batch equal those of the *original* model run on the N separate sequences
