@@ -35,6 +35,12 @@ def test_pack_shared_prefix_layout_and_positions():
     assert b.segment_prefix.tolist() == [-1, 0, 0, 0]
     assert b.num_responses == 3 and b.response_lengths == [2, 1, 3]
     assert b.token_ratio == pytest.approx((5 + 4 + 6) / 9)
+    b.validate(vocab_size=14)
+    with pytest.raises(ValueError, match="token id 13 .* outside the vocabulary"):
+        b.validate(vocab_size=13)
+    b.position_ids[0, 4] = 7
+    with pytest.raises(ValueError, match="position_ids do not match the layout"):
+        b.validate()
 
 
 def test_pack_groups_heterogeneous():
