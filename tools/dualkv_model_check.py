@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     import kvtransform as kvt
     from kvtransform.config import DualKVConfig, VerifyConfig
-    from kvtransform.dualkv import _params, replicated_logprobs
+    from kvtransform.verify import replicated_logprobs, trainable_parameters as _params
     from kvtransform.bench import git_commit
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
