@@ -221,3 +221,23 @@ def test_real_model_exact_5_200_1500():
         out = sp.generate(ids, am, max_new_tokens=64, eos_token_id=None)
         for b, r in enumerate(rows):
             assert torch.equal(out[b, ids.shape[1]:], _hf_greedy(model, r, 64)), (head, b)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,match", [
+    (["./no/such/dir", "prompt=hi", "transform.budget=0"], "budget must be >= 1"),
+    (["./no/such/dir", "prompt=hi", "transform.head=nope"], "unknown retrieval head 'nope'"),
+    (["./no/such/dir", "prompt=hi", "max_new_tokens=0"], "max_new_tokens must be an integer >= 1"),
+    (["./no/such/dir", "prompt=hi", "transform=dualkv"], "transform=specontext only"),
+    (["./no/such/dir", "prompt=hi", "max_new_token=3"], "did you mean 'max_new_tokens'"),
+    (["./no/such/dir"], "give the prompt"),
+])
+def test_cli_generate_bad_input(capsys, tmp_path, monkeypatch, args, match):
+    from kvtransform.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error:") and match in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
