@@ -139,6 +139,11 @@ class RecentHead(RetrievalHead):
         return idx[:, None, :].expand(b, h_kv, width).contiguous()
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """±inf (the min/max of an empty page) → 0; such pages are masked when scored."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, lens: torch.Tensor, scale: float, sink: int, recent: int):
     """Group-max retrieval log-probabilities ``(batch, H_kv, S_max)`` fp32 (Triton on CUDA, reference on CPU)."""
     if q.is_cuda:
@@ -180,8 +185,8 @@ class QuestHead(RetrievalHead):
         pos = torch.arange(pages * ps, device=cache.k.device)
         valid = (pos[None, :] < cache.cache_seqlens[:, None].long())[None, :, None, :, None]  # (1,b,1,S',1)
         k = torch.nn.functional.pad(cache.k, (0, 0, 0, pad))
-        self.kmax = k.masked_fill(~valid, float("-inf")).view(L, b, h_kv, pages, ps, d).amax(dim=4)
-        self.kmin = k.masked_fill(~valid, float("inf")).view(L, b, h_kv, pages, ps, d).amin(dim=4)
+        self.kmax = _finite(k.masked_fill(~valid, float("-inf")).view(L, b, h_kv, pages, ps, d).amax(dim=4))
+        self.kmin = _finite(k.masked_fill(~valid, float("inf")).view(L, b, h_kv, pages, ps, d).amin(dim=4))
 
     def _refresh_last_page(self, cache):
         """Recompute the page holding each row's newest token (appended since the last step)."""
@@ -194,8 +199,8 @@ class QuestHead(RetrievalHead):
         gidx = pos.clamp(max=s_max - 1)[None, :, None, :, None].expand(L, b, h_kv, ps, d)
         keys = cache.k.gather(3, gidx)
         vmask = valid[None, :, None, :, None]
-        kmax = keys.masked_fill(~vmask, float("-inf")).amax(dim=3)            # (L, b, h_kv, d)
-        kmin = keys.masked_fill(~vmask, float("inf")).amin(dim=3)
+        kmax = _finite(keys.masked_fill(~vmask, float("-inf")).amax(dim=3))    # (L, b, h_kv, d)
+        kmin = _finite(keys.masked_fill(~vmask, float("inf")).amin(dim=3))
         rows = torch.arange(b, device=lens.device)
         self.kmax[:, rows, :, page] = kmax.transpose(0, 1)
         self.kmin[:, rows, :, page] = kmin.transpose(0, 1)
@@ -205,9 +210,10 @@ class QuestHead(RetrievalHead):
         L, b, h_kv, s_max, d = cache.k.shape
         ps, pages = self.page_size, self.kmax.shape[3]
         h = queries.shape[2]
-        q = queries.float().view(L, b, h_kv, h // h_kv, 1, d)
-        kmax, kmin = self.kmax.float()[:, :, :, None], self.kmin.float()[:, :, :, None]  # (L,b,h_kv,1,P,d)
-        s = torch.maximum(q * kmax, q * kmin).nan_to_num(neginf=0.0, posinf=0.0).sum(-1)  # (L,b,h_kv,G,P)
+        # Σ_d max(q_d·kmax_d, q_d·kmin_d) = relu(q)·kmax + min(q, 0)·kmin: two matmuls, no (…, P, D) temporary
+        q = queries.to(self.kmax.dtype).view(L, b, h_kv, h // h_kv, d)
+        s = (torch.matmul(q.clamp(min=0), self.kmax.transpose(-1, -2)).float()
+             + torch.matmul(q.clamp(max=0), self.kmin.transpose(-1, -2)).float())  # (L, b, h_kv, G, P)
         lens = cache.cache_seqlens.long()
         p = torch.arange(pages, device=lens.device)
         start = p[None, :] * ps
