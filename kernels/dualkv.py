@@ -24,8 +24,6 @@ next power of two with masks. fp16/bf16 use the tensor cores with fp32 accumulat
 """
 from __future__ import annotations
 
-import math
-import os
 from typing import Optional
 
 import torch
@@ -39,8 +37,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ._common import dot_precision, next_pow2
+from ._common import interpreting as _interpreting  # kvtransform.ops.dualkv reads it from here
 
 
 # ====================================================================================================== reference
@@ -518,23 +516,26 @@ def _default_bwd_cfg(d_pad: int, dtype: torch.dtype):
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
-# Launch configurations can be overridden (the benchmark's tuning sweep does this): {"fwd": {...}, "dq": {...},
-# "dkdv": {...}} with keys BLOCK_M, BLOCK_N, num_warps, num_stages.
-CONFIG_OVERRIDES: dict = {}
+KERNELS = ("fwd", "dq", "dkdv")
 
 
-def _cfg(kind: str, d_pad: int, dtype: torch.dtype):
-    base = {"fwd": _default_fwd_cfg, "dq": _default_dq_cfg, "dkdv": _default_bwd_cfg}[kind](d_pad, dtype)
-    base = dict(base)
-    base.update(CONFIG_OVERRIDES.get(kind, {}))
+def _cfg(kind: str, d_pad: int, dtype: torch.dtype, config: Optional[dict] = None) -> dict:
+    """Launch config of one kernel (``kind`` in :data:`KERNELS`): the default for ``(d_pad, dtype)``, updated with
+    ``config[kind]`` (keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) when given."""
+    base = dict({"fwd": _default_fwd_cfg, "dq": _default_dq_cfg, "dkdv": _default_bwd_cfg}[kind](d_pad, dtype))
+    if config:
+        unknown = set(config) - set(KERNELS)
+        if unknown:
+            raise ValueError(f"launch config: unknown kernel(s) {sorted(unknown)}; expected keys among {KERNELS}")
+        base.update(config.get(kind) or {})
     return base
 
 
 def _prep(q, k, v):
     t, h, d = q.shape
     h_kv = k.shape[1]
-    d_pad = max(16, triton.next_power_of_2(d))
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    d_pad = next_pow2(d, 16)
+    prec = dot_precision(q.dtype)
     return t, h, d, h_kv, d_pad, prec
 
 
@@ -543,13 +544,15 @@ def _lastdim_contig(x: torch.Tensor) -> torch.Tensor:
 
 
 def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-               segment_prefix: torch.Tensor, scale: float):
+               segment_prefix: torch.Tensor, scale: float, *, config: Optional[dict] = None):
     """Triton DualKV forward (one launch for every group and segment).
 
     Args:
         q: ``(T, H, D)`` fp16/bf16/fp32, last dim contiguous (copied if not); k, v: ``(T, H_kv, D)``, same dtype.
         cu_seqlens: int32 ``(S+1,)``; segment_prefix: int32 ``(S,)``; both on q's device (already validated).
         scale: softmax scale.
+        config: optional launch config ``{"fwd": {"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..}}``
+            (any subset of the keys; ``BLOCK_M % BLOCK_N == 0``); the defaults otherwise (tuned on an H200).
 
     Returns:
         ``(out, lse)``: out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log.
@@ -560,7 +563,7 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
     if t == 0:
         return out, lse
-    cfg = _cfg("fwd", d_pad, q.dtype)
+    cfg = _cfg("fwd", d_pad, q.dtype, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     assert bm % bn == 0
     kctx_lo, kctx_hi, _, _ = _segment_tables(cu_seqlens, segment_prefix)
@@ -576,13 +579,15 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
 
 def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, scale: float,
-               dlse: Optional[torch.Tensor] = None, _kernels: tuple = ("dq", "dkdv")):
+               dlse: Optional[torch.Tensor] = None, *, config: Optional[dict] = None):
     """Triton DualKV backward, bitwise deterministic (no atomics; every gradient element has one owner program).
 
     Args:
         do: ``(T, H, D)`` gradient of ``out``; q, k, v, out as in :func:`dualkv_fwd`; lse: fp32 ``(H, T)`` from the
             forward; cu_seqlens, segment_prefix, scale as in :func:`dualkv_fwd`.
         dlse: optional fp32 ``(H, T)`` gradient of ``lse`` (enters as ``Delta = rowsum(dO∘O) - dLSE``).
+        config: optional launch configs ``{"dq": {...}, "dkdv": {...}}`` as :func:`dualkv_fwd`'s (dq:
+            ``BLOCK_M % BLOCK_N == 0``; dkdv: ``BLOCK_N`` keys per program, ``BLOCK_N % BLOCK_M == 0``).
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v; the shared prefix's dK/dV include the contributions of
@@ -603,15 +608,14 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
     kctx_lo, kctx_hi, qctx_lo, qctx_hi = _segment_tables(cu_seqlens, segment_prefix)
-    if "dq" in _kernels:
-        _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale)
-    if "dkdv" in _kernels:
-        _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale)
+    _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale,
+               _cfg("dq", d_pad, q.dtype, config))
+    _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale,
+                 _cfg("dkdv", d_pad, q.dtype, config))
     return dq, dk, dv
 
 
-def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale):
-    cfg = _cfg("dq", d_pad, q.dtype)
+def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale, cfg):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     assert bm % bn == 0
     wseg, wblk, w = _work_table(cu_seqlens, bm, t, kctx_hi - kctx_lo, +1)
@@ -623,8 +627,8 @@ def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, 
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale):
-    cfg = _cfg("dkdv", d_pad, q.dtype)
+def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale,
+                 cfg):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     assert bn % bm == 0
     wseg, wblk, w = _work_table(cu_seqlens, bn, t, qctx_hi - qctx_lo, -1)
@@ -636,13 +640,5 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def dualkv_flops(layout_or_pairs, num_heads: int, head_dim: int, backward: bool = False) -> float:
-    """Useful FLOPs: visible (query, key) pairs × 4·D·H (×2.5 for the backward)."""
-    pairs = layout_or_pairs if isinstance(layout_or_pairs, int) else layout_or_pairs.visible_pairs()
-    f = 4.0 * head_dim * num_heads * pairs
-    return f * 2.5 if backward else f
-
-
 __all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",
-           "dualkv_flops", "CONFIG_OVERRIDES",
-           "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
+           "KERNELS", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import dot_precision, next_pow2
+
 _NEG_INF = float("-inf")
 
 
@@ -108,14 +110,6 @@ def _group_max_kernel(
     tl.store(OUT + pid_bh.to(tl.int64) * S_MAX + offs_s, g, mask=offs_s < S_MAX)
 
 
-def _next_pow2(x: int, minimum: int = 1) -> int:
-    return max(minimum, triton.next_power_of_2(int(x)))
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float,
                             sink: int = 0, recent: int = 0, block_s: int = 64,
                             num_warps: int = 4, blocks_per_prog: int = 4, num_stages: int = 3) -> torch.Tensor:
@@ -141,8 +135,8 @@ def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Ten
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         h_r, h_kv, s_max, nb, float(scale),
-        G=g, G_PAD=_next_pow2(g, 16), D=d, D_PAD=_next_pow2(d, 16), BLOCK_S=block_s, BLOCKS_PER_PROG=bpp,
-        DOT_PREC=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        G=g, G_PAD=next_pow2(g, 16), D=d, D_PAD=next_pow2(d, 16), BLOCK_S=block_s, BLOCKS_PER_PROG=bpp,
+        DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     # LSE per query head from the block partials (tiny: batch * H_r * S_max / block_s floats).
     m_all = part_m.amax(dim=-1, keepdim=True)
@@ -153,7 +147,7 @@ def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Ten
     _group_max_kernel[(nb, b * h_kv)](
         scores, lse.contiguous(), lengths, out,
         h_r, h_kv, s_max, int(sink), int(recent),
-        G=g, G_PAD=_next_pow2(g, 2), BLOCK_S=block_s, num_warps=num_warps,
+        G=g, G_PAD=next_pow2(g, 2), BLOCK_S=block_s, num_warps=num_warps,
     )
     return out
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import dot_precision, next_pow2, num_sms
+
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -141,16 +143,6 @@ def _sparse_decode_merge_kernel(
     tl.store(OUT + b64 * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
-def _next_pow2(x: int, minimum: int = 1) -> int:
-    return max(minimum, triton.next_power_of_2(int(x)))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
 def default_config(n_sel: int, programs: int, device: torch.device) -> dict:
     """Launch config: BLOCK_N, warps, stages and the number of splits (about 2 programs per SM).
 
@@ -159,7 +151,7 @@ def default_config(n_sel: int, programs: int, device: torch.device) -> dict:
     block_n = 64
     n_blocks = max(1, triton.cdiv(n_sel, block_n))
     if device.type == "cuda":
-        splits = max(1, min(n_blocks, triton.cdiv(2 * _num_sms(device), max(programs, 1))))
+        splits = max(1, min(n_blocks, triton.cdiv(2 * num_sms(device), max(programs, 1))))
     else:
         splits = 1
     return dict(block_n=block_n, num_splits=splits, num_warps=4, num_stages=2)
@@ -207,7 +199,6 @@ def sparse_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
     lengths = lengths.to(device=q.device, dtype=torch.int32)
     idx = indices if gather else lengths  # dummy pointer in slot mode (never read)
     qk_scale = scale * _LOG2E
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _sparse_decode_split_kernel[(bsz * h_kv, splits)](
         q, k, v, idx, lengths, o_part, lse_part,
         q.stride(0), q.stride(1),
@@ -215,8 +206,8 @@ def sparse_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
         v.stride(0), v.stride(1), v.stride(2),
         idx.stride(0) if gather else 0, idx.stride(1) if gather else 0,
         h, h_kv, s_max, n_sel, tok_per_split, splits, qk_scale,
-        G=g, G_PAD=_next_pow2(g, 16), D=d, D_PAD=_next_pow2(d, 16), BLOCK_N=block_n,
-        GATHER=gather, DOT_PREC=dot_prec, num_warps=num_warps, num_stages=num_stages,
+        G=g, G_PAD=next_pow2(g, 16), D=d, D_PAD=next_pow2(d, 16), BLOCK_N=block_n,
+        GATHER=gather, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty((bsz, h, d), device=q.device, dtype=q.dtype)
     has_new = k_new is not None
@@ -227,7 +218,7 @@ def sparse_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
         q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         out.stride(0), out.stride(1),
         h, splits, qk_scale,
-        G=g, D=d, D_PAD=_next_pow2(d, 16), NS_PAD=_next_pow2(splits, 2), HAS_NEW=has_new, num_warps=4,
+        G=g, D=d, D_PAD=next_pow2(d, 16), NS_PAD=next_pow2(splits, 2), HAS_NEW=has_new, num_warps=4,
     )
     return out
 

@@ -1,7 +1,7 @@
 """Capture a Hugging Face causal LM as an FX graph with ``torch.export`` (non-strict, dynamic batch and sequence).
 
 ``torch.fx.symbolic_trace`` no longer works on transformers v5 models; ``torch.export.export(..., strict=False)`` is
-the tracer (DESIGN.md §1, §5). The captured forward takes ``input_ids`` and ``attention_mask`` (both ``(B, S)``
+the tracer (``docs/ARCHITECTURE.md``). The captured forward takes ``input_ids`` and ``attention_mask`` (both ``(B, S)``
 int64) with ``use_cache=False`` and returns the pytree of the model's output; :func:`capture` returns the unlifted
 ``GraphModule`` (parameters as attributes, the same ``Parameter`` objects as the model's) that passes rewrite.
 """
@@ -151,7 +151,7 @@ def _quiet():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# packed (DualKV) capture — added for the dualkv transform (issue 4)
+# packed (DualKV) capture: one token axis [P][R_1]...[R_N] (DualKV, arXiv 2605.15422)
 # ---------------------------------------------------------------------------------------------------------------------
 PACKED_INPUTS = ("input_ids", "position_ids", "cu_seqlens", "segment_prefix")
 

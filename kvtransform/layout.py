@@ -17,31 +17,12 @@ The layout is described, flash-attention style, by two int32 device tensors:
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
 
-
-def as_int(x, what: str, unit: str = "", keyword: Optional[str] = None) -> int:
-    """``x`` as a python int: python ints and NumPy / torch integer scalars (``operator.index``; a traced SymInt
-    passes through); a float, a bool or anything else raises ValueError instead of being truncated silently.
-
-    ``what`` names the value in the message (``unit`` follows "an integer"); with ``keyword`` the message suggests
-    ``keyword=<the value rounded down>``.
-    """
-    if isinstance(x, torch.SymInt):
-        return x
-    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
-        raise ValueError(f"{what} must be an integer{unit}; got the bool {x!r}")
-    try:
-        return operator.index(x)
-    except TypeError:
-        hint = (f"e.g. {keyword}={int(x) if isinstance(x, float) else 1}" if keyword
-                else "(int, or a NumPy/torch integer)")
-        raise ValueError(f"{what} must be an integer{unit}; got {x!r} ({type(x).__name__}): pass whole token "
-                         f"counts {hint}") from None
+from kvtransform.ops._common import as_int
 
 
 def _lists_from_lengths(groups) -> tuple:

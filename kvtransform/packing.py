@@ -196,7 +196,7 @@ class PackedBatch:
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
         """Check ids, positions and layout against each other. Raises ValueError naming the mismatch."""
-        _check_packed(self.input_ids, self.position_ids, self.layout, vocab_size)
+        check_packed(self.input_ids, self.position_ids, self.layout, vocab_size)
 
 
 def pack_shared_prefix_groups(groups: Sequence[tuple], vocab_size: Optional[int] = None,

@@ -1,6 +1,6 @@
 """What the passes did: per-pass records, per-attention-site records, and the verification result.
 
-``Report.to_dict()`` is the JSON written as ``report.json`` next to a saved artifact (issue 2, item 6)::
+``Report.to_dict()`` is the JSON written as ``report.json`` next to a saved artifact::
 
     {"model": ..., "transform": ...,
      "passes": [{"name", "matched", "rewritten", "skipped": [{"site", "reason"}], "nodes_removed", "notes"}],

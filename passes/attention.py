@@ -1,6 +1,6 @@
 """Canonical attention pass: every standard attention in a captured causal LM becomes one ``kvt.attention`` node.
 
-Recognised sites (DESIGN.md §1):
+Recognised sites (``docs/ARCHITECTURE.md``):
 
 * ``aten.scaled_dot_product_attention`` (transformers' ``sdpa`` implementation);
 * the eager chain ``matmul(q, kᵀ) → ·scale → + mask → softmax(fp32) → to(dtype) → dropout(p=0) → matmul(·, v)``.

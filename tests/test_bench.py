@@ -1,4 +1,4 @@
-"""Plumbing of ``kvtransform bench`` (issue 5) on CPU at tiny shapes: config strictness, sweep expansion, the
+"""Plumbing of ``kvtransform bench`` on CPU at tiny shapes: config strictness, sweep expansion, the
 layout helpers and FLOP floor, each method's output against the dense reference, and the CSV / markdown / PNG
 outputs. Timings here mean nothing; the numbers come from the H200 (BENCHMARKS.md)."""
 from __future__ import annotations
@@ -9,9 +9,8 @@ import os
 import pytest
 import torch
 
-from kvtransform.bench import compose_jobs, repro_command, run
-from kvtransform.bench import dualkv_layer as dl
-from kvtransform.bench import report, seed
+from kvtransform.bench import compose_jobs, flops, masks, methods, repro_command, report, run, runner, seed, timing
+from kvtransform.layout import DualKVLayout
 
 TINY = ["r_min=3", "r_max=9", "hidden=64", "heads=4", "kv_heads=2", "head_dim=16", "mlp=96", "dtype=float32",
         "warmup=0", "iters=1", "device=cpu"]
@@ -46,23 +45,44 @@ def test_sweep_expands_cartesian_product():
 
 
 def test_response_lengths_and_floor_match_the_calibration_table():
-    assert dl.response_lengths(4) == [1483, 1106, 1185, 1193]  # seed 42, U[131, 2048]
+    assert runner.response_lengths(4) == [1483, 1106, 1185, 1193]  # seed 42, U[131, 2048]
     for (P, mb), row in seed.table("h200_layer").items():
         (_, cfg), = compose_jobs("dualkv-layer", [f"P={P}", f"mb={mb}"])
-        s = dl.Shape.of(cfg)
+        s = runner.Shape.of(cfg)
         assert (s.T, s.T_rep) == (row["T_packed"], row["T_replicated"])
         assert s.floor_ms == pytest.approx(row["floor_ms"], abs=0.06)
 
 
 def test_layout_indices():
     P, R = 5, [3, 2]
-    seg = dl._segments(P, R, "cpu")
-    assert seg.tolist() == [0] * 5 + [1] * 3 + [2] * 2
-    rep = dl._replicated_index(P, R, "cpu")
+    lay = DualKVLayout.from_lengths([(P, R)])
+    assert masks.segment_ids(lay).tolist() == [0] * 5 + [1] * 3 + [2] * 2
+    rep = lay.replicated_index()
     assert rep.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 8, 9]
-    back = dl._packed_from_replicated(P, R, "cpu")
+    back = runner.packed_from_replicated(lay)
     assert torch.equal(rep[back], torch.arange(P + sum(R)))
-    assert dl.visible_pairs(P, R) == 15 + (3 * 5 + 6) + (2 * 5 + 3)
+    assert back[:P].tolist() == list(range(P))  # the prompt from the first copy
+    pairs = 15 + (3 * 5 + 6) + (2 * 5 + 3)
+    assert lay.visible_pairs() == pairs
+    assert flops.attention_flops(lay, 4, 16) == 4 * 16 * 4 * pairs
+    assert flops.attention_flops(pairs, 4, 16, backward=True) == 2.5 * 4 * 16 * 4 * pairs
+
+
+def test_masks_agree_on_multi_group_layouts():
+    """The dense mask, the mask_mod and the block masks describe the same pairs (two groups, GQA-free)."""
+    lay = DualKVLayout.from_lengths([(5, [3, 2]), (4, [1]), (3, [])])
+    dense = masks.shared_prefix_dense_mask(lay)
+    T = lay.total_tokens
+    i = torch.arange(T)
+    mm = masks.shared_prefix_mask_mod(lay)(0, 0, i[:, None], i[None, :])
+    assert torch.equal(dense, mm)
+    assert int(dense.sum()) == lay.visible_pairs()
+    partial, full = masks.shared_prefix_block_masks(lay, block=4)
+    nb = (T + 3) // 4
+    pad = torch.zeros(nb * 4, nb * 4, dtype=torch.bool)
+    pad[:T, :T] = dense
+    blocks = pad.view(nb, 4, nb, 4).permute(0, 2, 1, 3).reshape(nb, nb, 16)
+    assert torch.equal(full, blocks.all(-1)) and torch.equal(partial, blocks.any(-1) & ~blocks.all(-1))
 
 
 @pytest.mark.parametrize("name", ["fa2", "pg", "dualkv"])
@@ -70,23 +90,24 @@ def test_methods_match_reference(name):
     """Each method's attention output and its input gradients equal the dense-mask reference (fp32, GQA 2)."""
     (_, cfg), = compose_jobs("dualkv-layer", ["P=13", "mb=3"] + TINY)
     dev = torch.device("cpu")
-    P, R = 13, dl.response_lengths(3, 3, 9, 42)
+    P, R = 13, runner.response_lengths(3, 3, 9, 42)
+    lay = DualKVLayout.from_lengths([(P, R)])
     T = P + sum(R)
     q = torch.randn(T, 4, 16, dtype=torch.float64)
     k, v = torch.randn(T, 2, 16, dtype=torch.float64), torch.randn(T, 2, 16, dtype=torch.float64)
     do = torch.randn(T, 4, 16, dtype=torch.float64)
-    ref = dl.Reference()
-    ref.setup(P, R, cfg, dev)
-    m = dl.METHODS[name]()
-    m.setup(P, R, cfg, dev)
+    ref = methods.Reference()
+    ref.setup(lay, cfg, dev)
+    m = methods.METHODS[name]()
+    m.setup(lay, cfg, dev)
     if name == "dualkv":
         q, k, v, do = (t.float() for t in (q, k, v, do))
 
     def grads(meth, replicated):
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         if replicated:
-            idx = dl._replicated_index(P, R, dev)
-            back = dl._packed_from_replicated(P, R, dev)
+            idx = lay.replicated_index()
+            back = runner.packed_from_replicated(lay)
             o = meth(qq[idx], kk[idx], vv[idx])[back]
         else:
             o = meth(qq, kk, vv)
@@ -103,6 +124,7 @@ def test_run_writes_csv_markdown_plot(tmp_path, capsys):
     rows = run("dualkv-layer", ["-m", "P=11,17", "mb=2", f"out_dir={out}"] + TINY)
     names = {r["method"] for r in rows}
     assert {"reference", "fa2", "pg", "flex", "flex_rebuild", "dualkv"} <= names
+    assert "dualkv_kernel" not in names  # attn mode only
     ok = [r for r in rows if r["status"] == "ok"]
     assert {r["method"] for r in ok} >= {"reference", "fa2", "pg", "dualkv"}
     for r in ok:  # same layer, same inputs: every method's attention agrees with the first one run
@@ -165,9 +187,9 @@ def test_report_cli(tmp_path, capsys):
 def test_repro_command_and_percentile():
     assert repro_command("dualkv-layer", ["P=5059", "out_dir=x", "method=all"], "fa2") == \
         "kvtransform bench dualkv-layer P=5059 method=fa2"
-    assert dl.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert dl.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 20) == pytest.approx(1.8)
-    assert math.isclose(dl.percentile([5.0], 80), 5.0)
+    assert timing.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert timing.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 20) == pytest.approx(1.8)
+    assert math.isclose(timing.percentile([5.0], 80), 5.0)
 
 
 def test_cli_forwards_to_bench(tmp_path):
@@ -182,14 +204,10 @@ def test_layout_block_mask_equals_create_block_mask(P, R, block):
     """The FlexAttention block mask built from the layout is exactly create_block_mask's (all index tensors)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    seg = dl._segments(P, R, "cpu")
-    T = seg.numel()
-
-    def mm(b, h, q, kv):
-        return (kv <= q) & ((seg[kv] == seg[q]) | (seg[kv] == 0))
-
-    a = create_block_mask(mm, None, None, T, T, device="cpu", BLOCK_SIZE=block)
-    b = dl.shared_prefix_block_mask(P, R, "cpu", mm, block=block)
+    lay = DualKVLayout.from_lengths([(P, R)])
+    T = lay.total_tokens
+    a = create_block_mask(masks.shared_prefix_mask_mod(lay), None, None, T, T, device="cpu", BLOCK_SIZE=block)
+    b = masks.shared_prefix_block_mask(lay, block=block)
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
                  "full_q_num_blocks", "full_q_indices"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
@@ -246,3 +264,97 @@ def test_cli_bad_value_is_one_error_line(tmp_path, capsys):
 
     assert main(["dualkv-layer", "P=-3", f"out_dir={tmp_path}"]) == 2
     assert capsys.readouterr().err.startswith("error: bad benchmark setting: P=-3")
+
+
+# ------------------------------------------------------------------------------------------------------ decode-ops
+DECODE_TINY = ["batch=2", "heads=4", "kv_heads=2", "head_dim=16", "budget=16", "warmup=0", "iters=2",
+               "bandwidth_mib=1", "device=cpu"]
+
+
+def test_decode_ops_config():
+    (_, c), = compose_jobs("decode-ops", [])
+    assert (c.S, c.batch, c.heads, c.kv_heads, c.head_dim, c.budget) == (32768, 32, 32, 8, 128, 2048)
+    assert c.cuda_graph and c.tune.value == "none" and not c.kernel_check
+    jobs = compose_jobs("decode-ops", ["S=4096,16384,32768", "tune=small"], multirun=True)
+    assert [j.S for _, j in jobs] == [4096, 16384, 32768] and all(j.tune.value == "small" for _, j in jobs)
+
+
+@pytest.mark.parametrize("overrides, msg", [
+    (["S=0"], r"S=0: .*must be >= 1"),
+    (["budget=4096", "S=1024"], r"budget=4096 > S=1024"),
+    (["heads=6", "kv_heads=4"], r"not divisible by kv_heads=4"),
+    (["head_dim=512"], r"head_dim=512"),
+    (["warmup=-1"], r"warmup=-1"),
+    (["sample_ms=0"], r"sample_ms=0"),
+    (["device=tpu9"], r"device must be auto"),
+])
+def test_decode_ops_bad_values(overrides, msg):
+    with pytest.raises(ValueError, match=msg):
+        compose_jobs("decode-ops", overrides)
+
+
+def test_misspelt_keys_error_in_every_suite():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match=r"unknown key 'seqlen'.*decode-ops"):
+        compose_jobs("decode-ops", ["seqlen=4096"])
+    with pytest.raises(ConfigCompositionException, match=r"did you mean 'budget'"):
+        compose_jobs("decode-ops", ["budgett=64"])
+    with pytest.raises(ConfigCompositionException):
+        compose_jobs("decode-ops", ["tune=huge"])  # enum: small, full or none
+    with pytest.raises(ConfigCompositionException, match=r"did you mean 'tune'"):
+        compose_jobs("dualkv-attn", ["tunee=true"])
+
+
+def test_decode_ops_smoke(tmp_path, capsys):
+    """Every op on CPU at tiny shapes (the ops' CPU path, the Triton scoring kernel under the interpreter), one CSV
+    with the bandwidth rows, the floor per row, the markdown table and the plot."""
+    rows = run("decode-ops", ["S=64", f"out_dir={tmp_path}"] + DECODE_TINY)
+    by = {r["method"]: r for r in rows}
+    assert {"copy", "read", "sparse_decode", "gather_sdpa", "sdpa", "retrieval_topk", "topk"} <= set(by)
+    for name in ("sparse_decode", "sparse_decode_slots", "gather_sdpa", "sdpa", "retrieval_topk",
+                 "retrieval_scoring", "topk"):
+        r = by[name]
+        assert r["status"] == "ok", (name, r["status"])
+        assert r["ms_p20"] <= r["ms_p50"] <= r["ms_p80"]
+        assert r["cmd"].startswith("kvtransform bench decode-ops S=64 ") and f"method={name}" in r["cmd"]
+    assert by["sdpa"]["bytes_gb"] == pytest.approx((2 * 2 * 2 * 64 * 16 * 2 + (2 * 2 * 4 * 16 + 2 * 2 * 2 * 16) * 2)
+                                                   / 1e9)
+    assert by["sparse_decode"]["floor_ms"] == pytest.approx(by["sparse_decode"]["bytes_gb"] / by["copy"]["gbps"] * 1e3)
+    df = report.read_csv(str(tmp_path / "results.csv"))
+    assert len(df) == len(rows) and set(report.COLUMNS) <= set(df.columns)
+    md = (tmp_path / "results.md").read_text()
+    assert "| 64 | sparse_decode | sparse_decode | gather |" in md and "copy" in md
+    assert (tmp_path / "results.png").stat().st_size > 0
+    # append: one op rerun replaces its row
+    run("decode-ops", ["S=64", "method=sdpa", "append=true", "plot=false", f"out_dir={tmp_path}"] + DECODE_TINY)
+    df2 = report.read_csv(str(tmp_path / "results.csv"))
+    assert len(df2) == len(df)  # the rerun's copy/read/sdpa rows replace theirs
+    assert (df2["method"] == "sdpa").sum() == 1
+
+
+def test_dualkv_attn_tune_smoke(tmp_path, monkeypatch):
+    """tune=true on CPU (Triton interpreter): every candidate a row, dualkv_kernel timed with the best."""
+    from kvtransform.bench import tune
+
+    monkeypatch.setattr(tune, "FWD_CANDS", [(32, 32, 4, 1), (32, 16, 4, 1)])
+    monkeypatch.setattr(tune, "DQ_CANDS", [(32, 32, 4, 1)])
+    monkeypatch.setattr(tune, "DKDV_CANDS", [(32, 32, 4, 1), (16, 32, 4, 1)])
+    rows = run("dualkv-attn", ["P=9", "mb=2", "method=dualkv_kernel", "tune=true", f"out_dir={tmp_path}",
+                               "plot=false"] + TINY)
+    tuned = [r for r in rows if r["method"] == "dualkv_kernel_tune"]
+    assert len(tuned) == 5 and all(r["status"] == "ok" and r["pass"] == "tune" for r in tuned)
+    assert {r["params"].split(" ", 2)[2].split("=")[0] for r in tuned} == {"fwd", "dq", "dkdv"}
+    kern = [r for r in rows if r["method"] == "dualkv_kernel"]
+    assert [r["pass"] for r in kern] == ["fwd", "bwd", "fwdbwd"] and all(r["status"] == "ok" for r in kern)
+    assert "fwd:32/" in kern[0]["impl"]
+    df = report.read_csv(str(tmp_path / "results.csv"))
+    assert len(df) == len(rows)  # tune rows differ in params: none replaced
+
+
+def test_time_steps_marks_on_cpu():
+    calls = []
+    out = timing.time_steps(lambda mark: (calls.append(1), mark()), "cpu", warmup=2, iters=3)
+    assert len(calls) == 5 and len(out) == 3 and all(len(t) == 2 for t in out)
+    q = timing.quantiles([1.0, 2.0, 3.0])
+    assert (q["ms_p50"], q["ms_mean"]) == (2.0, 2.0)

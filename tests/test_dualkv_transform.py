@@ -1,4 +1,4 @@
-"""DualKV transform (issue 4): pass, packing API, exact log-probs and gradients vs the replicated batch.
+"""DualKV transform (arXiv 2605.15422): pass, packing API, exact log-probs and gradients vs the replicated batch.
 
 Exactness: per-response log-probs and the gradient of every parameter of ``Σ_i advantage_i · Σ_j logprob_ij`` from
 the transformed module on the packed batch equal those of the *original* model run on the N separate sequences
@@ -35,6 +35,12 @@ def test_pack_shared_prefix_layout_and_positions():
     assert b.segment_prefix.tolist() == [-1, 0, 0, 0]
     assert b.num_responses == 3 and b.response_lengths == [2, 1, 3]
     assert b.token_ratio == pytest.approx((5 + 4 + 6) / 9)
+    b.validate(vocab_size=14)
+    with pytest.raises(ValueError, match="token id 13 .* outside the vocabulary"):
+        b.validate(vocab_size=13)
+    b.position_ids[0, 4] = 7
+    with pytest.raises(ValueError, match="position_ids do not match the layout"):
+        b.validate()
 
 
 def test_pack_groups_heterogeneous():

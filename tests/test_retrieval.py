@@ -1,4 +1,4 @@
-"""kvt::retrieval_topk (issue 6): Triton scoring (under TRITON_INTERPRET=1) and CPU op vs fp64 references."""
+"""kvt::retrieval_topk (SpeContext, arXiv 2512.00722 §4.3): Triton scoring (under TRITON_INTERPRET=1) and CPU op vs fp64 references."""
 import pytest
 import torch
 
@@ -136,8 +136,8 @@ def test_integer_like_counts():
     """NumPy / torch integer scalars are accepted for budget, sink and recent, and give the int result."""
     np = pytest.importorskip("numpy")
     q, k, lengths = _inputs(2, 2, 4, 17, 32, torch.float32, lengths=[17, 3])
-    want = retrieval_topk(q, k, lengths, 5, sink=1, recent=2)
-    got = retrieval_topk(q, k, lengths, np.int64(5), sink=np.int32(1), recent=torch.tensor(2))
+    want = retrieval_topk(q, k, lengths, 5, num_sink=1, num_recent=2)
+    got = retrieval_topk(q, k, lengths, np.int64(5), num_sink=np.int32(1), num_recent=torch.tensor(2))
     assert torch.equal(got, want)
 
 
@@ -145,23 +145,23 @@ def test_bad_input_errors():
     q, k, lengths = _inputs(2, 2, 4, 17, 32, torch.float32, lengths=[17, 3])
     with pytest.raises(ValueError, match="budget"):
         retrieval_topk(q, k, lengths, 0)
-    with pytest.raises(ValueError, match="sink and recent"):
-        retrieval_topk(q, k, lengths, 4, sink=-1)
+    with pytest.raises(ValueError, match="num_sink and num_recent"):
+        retrieval_topk(q, k, lengths, 4, num_sink=-1)
     with pytest.raises(ValueError, match="exceeds the budget"):
-        retrieval_topk(q, k, lengths, 4, sink=3, recent=2)
-    with pytest.raises(ValueError, match=r"sink must be an integer token count; got 1.5.*sink=1"):
-        retrieval_topk(q, k, lengths, 4, sink=1.5)
+        retrieval_topk(q, k, lengths, 4, num_sink=3, num_recent=2)
+    with pytest.raises(ValueError, match=r"num_sink must be an integer token count; got 1.5.*num_sink=1"):
+        retrieval_topk(q, k, lengths, 4, num_sink=1.5)
     with pytest.raises(ValueError, match="recent must be an integer token count; got 2.0"):
-        retrieval_topk(q, k, lengths, 4, recent=2.0)
+        retrieval_topk(q, k, lengths, 4, num_recent=2.0)
     with pytest.raises(ValueError, match="budget must be an integer token count; got 4.0"):
         retrieval_topk(q, k, lengths, 4.0)
     with pytest.raises(ValueError, match="budget must be an integer token count; got the bool"):
         retrieval_topk(q, k, lengths, True)
     with pytest.raises(ValueError, match="sink must be an integer"):
-        retrieval_topk(q, k, lengths, 4, sink=torch.tensor(1.0))
+        retrieval_topk(q, k, lengths, 4, num_sink=torch.tensor(1.0))
     with pytest.raises(ValueError, match="multiple of its KV heads"):
         retrieval_topk(q[:, :7], k, lengths, 4)
-    with pytest.raises(ValueError, match="lengths must be <="):
+    with pytest.raises(ValueError, match="cache_seqlens must be <="):
         retrieval_topk(q, k, torch.tensor([18, 3], dtype=torch.int32), 4)
     with pytest.raises(ValueError, match=r"shape \(batch,\)"):
         retrieval_topk(q, k, lengths[:1], 4)
@@ -169,3 +169,16 @@ def test_bad_input_errors():
         retrieval_topk(q.half(), k, lengths, 4)
     with pytest.raises(ValueError, match="head_dim"):
         retrieval_topk(q[..., :16], k, lengths, 4)
+
+
+def test_deprecated_keyword_names_still_work():
+    """The pre-rename keywords (lengths=, sink=, recent=, scale=) are accepted for one release, with a warning."""
+    q, k, lengths = _inputs(2, 2, 4, 17, 32, torch.float32, lengths=[17, 3])
+    want = retrieval_topk(q, k, lengths, 5, num_sink=1, num_recent=2, softmax_scale=0.3)
+    with pytest.warns(DeprecationWarning) as record:
+        got = retrieval_topk(q, k, budget=5, lengths=lengths, sink=1, recent=2, scale=0.3)
+    assert sorted(str(w.message).rsplit(" ", 1)[-1] for w in record) == [
+        "cache_seqlens=", "num_recent=", "num_sink=", "softmax_scale="]
+    assert torch.equal(want, got)
+    with pytest.raises(TypeError, match="both sink= .deprecated. and num_sink="):
+        retrieval_topk(q, k, lengths, 5, sink=1, num_sink=1)

@@ -1,4 +1,4 @@
-"""kvt::sparse_decode_attention (issue 6): Triton kernel (under TRITON_INTERPRET=1) and CPU op vs fp64 references."""
+"""kvt::sparse_decode_attention (SpeContext, arXiv 2512.00722 §4.3): Triton kernel (under TRITON_INTERPRET=1) and CPU op vs fp64 references."""
 import pytest
 import torch
 
@@ -218,9 +218,9 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="out of range"):
         check_indices(torch.full((2, 2, 4), -2, dtype=torch.int32), lengths)
     sparse_decode_attention(q, k, v, bad, lengths, validate=False)  # masked/unchecked path runs
-    with pytest.raises(ValueError, match="lengths must be <="):
+    with pytest.raises(ValueError, match="cache_seqlens must be <="):
         sparse_decode_attention(q, k, v, idx, torch.tensor([18, 5], dtype=torch.int32))
-    with pytest.raises(ValueError, match="lengths must be >= 0"):
+    with pytest.raises(ValueError, match="cache_seqlens must be >= 0"):
         sparse_decode_attention(q, k, v, idx, torch.tensor([-1, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match="B >= 1"):
         sparse_decode_attention(q, k, v, idx[..., :0], lengths)
@@ -245,3 +245,14 @@ def test_bad_input_errors():
         sparse_decode_attention(q, k, v, idx[:, :1], lengths)
     with pytest.raises(ValueError, match="slot count"):
         slot_decode_attention(q, k[:, :, :4], v[:, :, :4], lengths)
+
+
+def test_deprecated_keyword_names_still_work():
+    """lengths= / scale= (pre-rename names) still work for one release, with a DeprecationWarning."""
+    q, kc, vc, kn, vn, lens = _inputs(2, 4, 2, 33, 16, torch.float32, lengths=[33, 7])
+    idx = torch.arange(6, dtype=torch.int32).expand(2, 2, 6).contiguous()
+    want = sparse_decode_attention(q, kc, vc, idx, lens, kn, vn, softmax_scale=0.2)
+    with pytest.warns(DeprecationWarning) as record:
+        got = sparse_decode_attention(q, kc, vc, idx, k_new=kn, v_new=vn, lengths=lens, scale=0.2)
+    assert sorted(str(w.message).rsplit(" ", 1)[-1] for w in record) == ["cache_seqlens=", "softmax_scale="]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,16 +1,16 @@
-"""DualKV transform on a Qwen3-shaped random model (issue 4, H200 acceptance): gradients and time vs the original.
+"""DualKV transform on a Qwen3-shaped random model (DualKV, arXiv 2605.15422): gradients and time vs the original.
 
 Builds a randomly initialised Qwen3 causal LM with Qwen3-8B layer shapes (hidden 4096, 32 query / 8 KV heads,
 head_dim 128, MLP 12288, vocab 151936) and ``--layers`` layers in bf16, transforms it with ``kvt.transform(model,
 "dualkv")`` and runs one GRPO-like batch: one prompt of ``--prompt`` tokens, ``--responses`` responses with lengths
 ``R_i ~ U(--rmin, --rmax)`` (seed 42), random tokens, random advantages, loss ``Σ_i adv_i · Σ_j logprob_ij``.
 
-Checks (numerics rule of DESIGN.md §3): against an fp32 reference (the same weights in fp32, the original model on
+Checks (the numerics rule of the kernel tests): against an fp32 reference (the same weights in fp32, the original model on
 the N separate sequences), the packed bf16 module's max error on the per-response log-probs and on *every* parameter
 gradient is at most 2× the original bf16 model's own error (N separate sequences, the flash path) plus an absolute
 floor of ``1e-3 · max|ref|`` (bf16 has 8 mantissa bits: 2^-8 ≈ 3.9e-3).
 
-Times forward+backward (CUDA events, warm-up, median) of: the packed module; the original on the N separate
+Times forward+backward (``kvtransform.bench.timing.time_steps``: CUDA events, warm-up, median) of: the packed module; the original on the N separate
 sequences (one call per response); the original on one right-padded ``(N, P + max R)`` batch with an attention mask.
 
 Usage (H200, from the repository root)::
@@ -49,24 +49,11 @@ def build_model(layers: int, small: bool, dtype, device):
 
 
 def cuda_time(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(1e3 * (time.perf_counter() - t0))
-    return sorted(ts)[len(ts) // 2]
+    """Median milliseconds of ``fn`` (the benchmarks' one timing loop: CUDA events on GPU, perf_counter on CPU)."""
+    from kvtransform.bench.timing import percentile, time_steps
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return percentile([sum(t) for t in time_steps(lambda mark: fn(), dev, warmup, reps)], 50)
 
 
 def main(argv=None) -> int:
@@ -85,7 +72,7 @@ def main(argv=None) -> int:
 
     import kvtransform as kvt
     from kvtransform.config import DualKVConfig, VerifyConfig
-    from kvtransform.dualkv import _params, replicated_logprobs
+    from kvtransform.verify import replicated_logprobs, trainable_parameters as _params
     from kvtransform.bench import git_commit
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -7,11 +7,17 @@ by Hydra's own override parser and basic sweeper into the cartesian product of j
 (baselines measured in the same run) and land in one long-format CSV plus a markdown table and a PNG plot in
 ``out_dir``. Each CSV row carries the command that reproduces it.
 
+Suites: ``dualkv-layer`` and ``dualkv-attn`` (DualKV, arXiv 2605.15422; runner :mod:`.runner`, methods
+:mod:`.methods`, masks :mod:`.masks`, test layer :mod:`.layer`) and ``decode-ops`` (SpeContext, arXiv 2512.00722;
+runner :mod:`.decode_ops`). One timing loop (:mod:`.timing`), one CSV format (:mod:`.report`). Where a benchmark goes
+in the package: ``docs/ARCHITECTURE.md``.
+
 Example (on a GPU)::
 
     kvtransform bench dualkv-layer -m P=5059,8192,16384,32768 mb=4,8,16 out_dir=benchmarks/dualkv_layer
     kvtransform bench dualkv-layer P=8192 mb=8 method=dualkv
-    python -m kvtransform.bench dualkv-attn -m P=4096,8192 mb=8,16
+    kvtransform bench dualkv-attn -m P=4096,8192 mb=8,16 kernel_check=true tune=true
+    kvtransform bench decode-ops -m S=4096,16384,32768 kernel_check=true tune=small retrieval_tune=true
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from typing import List, Optional
 
 __all__ = ["run", "compose_jobs", "SUITES"]
 
-SUITES = ("dualkv-layer", "dualkv-attn")
+SUITES = ("dualkv-layer", "dualkv-attn", "decode-ops")
 
 _FLAGS_MULTIRUN = ("-m", "--multirun")
 
@@ -122,18 +128,26 @@ def run(suite: str, argv: List[str]) -> list:
     """Entry point of ``kvtransform bench SUITE [overrides...] [-m]``.
 
     Args:
-        suite: ``dualkv-layer`` or ``dualkv-attn``.
+        suite: one of :data:`SUITES`.
         argv: Hydra overrides, plus ``-m``/``--multirun`` to sweep, ``--cfg`` to print the composed config(s) and
             stop, ``-h``/``--help``.
 
     Returns:
         the CSV rows written (list of dicts); also writes ``results.csv``, ``results.md`` and ``results.png`` under
         each job's ``out_dir`` (the last job's ``out_dir`` when jobs differ), and prints the markdown table last.
+
+    Raises:
+        RuntimeError: after writing everything, when a ``kernel_check`` row failed.
     """
     from omegaconf import OmegaConf
 
     from . import report
-    from .dualkv_layer import run_job
+    from .runner import resolve_device
+
+    if suite == "decode-ops":
+        from .decode_ops import run_job
+    else:
+        from .runner import run_job
 
     argv = list(argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -165,8 +179,6 @@ def run(suite: str, argv: List[str]) -> list:
     all_rows, by_dir = [], {}
     print(f"kvtransform bench {suite}: {len(jobs)} job(s), commit {commit}, torch {torch.__version__}", flush=True)
     for i, (ov, cfg) in enumerate(jobs):
-        from .dualkv_layer import resolve_device
-
         dev = resolve_device(cfg)
         dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         print(f"[job {i + 1}/{len(jobs)}] {' '.join(ov) or '(defaults)'}", flush=True)
@@ -194,6 +206,9 @@ def run(suite: str, argv: List[str]) -> list:
             d["paths"] = report.write_all(d["prior"] + d["rows"], out_dir, append=False, plot=True)
         print("wrote " + ", ".join(d["paths"]), flush=True)
         print(report.markdown(report.read_csv(d["paths"][0])), flush=True)
+    failed = [r for r in all_rows if str(r.get("pass", "")).startswith("check") and r.get("status") != "ok"]
+    if failed:
+        raise RuntimeError(f"kernel checks failed: {', '.join(r['method'] + ' ' + r['impl'] for r in failed)}")
     return all_rows
 
 

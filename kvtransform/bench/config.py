@@ -8,7 +8,11 @@ Suites (``kvtransform bench SUITE [overrides...] [-m]``):
   ``torch.randint(r_min, r_max + 1, (mb,), generator=Generator().manual_seed(seed))`` sharing one prompt of ``P``
   tokens. Source: DualKV (arXiv 2605.15422) App. F.4; the paper's numbers are in :mod:`kvtransform.bench.seed`.
 * ``dualkv-attn``: the same layout, attention op alone (the paper's Table 1 kernel shapes), forward and backward
-  timed separately, with useful TFLOP/s.
+  timed separately, with useful TFLOP/s; ``kernel_check=true`` runs the bf16 checks of the Triton kernels first,
+  ``tune=true`` sweeps their launch configs at the job's shape (then ``dualkv_kernel`` runs with the best).
+* ``decode-ops``: SpeContext's decode ops (arXiv 2512.00722, §4.3) at one cache length ``S``: retrieval top-k and
+  sparse gather decode against dense SDPA decode over the whole cache and a naive ``torch.gather`` + SDPA, with the
+  device's copy bandwidth measured in the same job and the HBM floor (bytes moved / copy bandwidth) per row.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class Method(Enum):
     flex = "flex"  # FlexAttention on the packed tokens, shared-prefix block mask built once
     flex_rebuild = "flex_rebuild"  # the same, block mask rebuilt inside every step (layout changes per micro-batch)
     dualkv = "dualkv"  # ours: kvt.dualkv_attention on the packed tokens
+    dualkv_kernel = "dualkv_kernel"  # ours: the Triton kernels called directly (attn mode; tune=true's best config)
 
 
 class Mode(Enum):
@@ -65,6 +70,10 @@ class DualKVBenchConfig:
         min_iters: floor of timed steps under ``time_budget_s``.
         check: compare each method's attention output with the first method run on the same shape (relative
             Frobenius error, recorded in the CSV).
+        kernel_check: first run the bf16 checks of the DualKV Triton kernels against fp64 references (a row with
+            ``pass=check``; the run fails after writing its CSV when a check fails). CUDA (or TRITON_INTERPRET=1).
+        tune: sweep the kernels' launch configs at the job's shape (rows ``dualkv_kernel_tune``) and time
+            ``dualkv_kernel`` with the best (attn mode).
         matmul_tflops: bf16 matmul rate used for the FLOP floor (790 = measured on the H200).
         fa2_impl: ``auto`` (varlen_attn with GQA if torch has it, else per-sequence flash SDPA), ``varlen``, ``sdpa``.
         flex_compile: ``auto`` (torch.compile on CUDA, eager on CPU), ``true`` or ``false``.
@@ -102,6 +111,8 @@ class DualKVBenchConfig:
     time_budget_s: float = 0.0
     min_iters: int = 3
     check: bool = True
+    kernel_check: bool = False
+    tune: bool = False
     matmul_tflops: float = 790.0
     fa2_impl: str = "auto"
     flex_compile: str = "auto"
@@ -127,9 +138,82 @@ class DualKVAttnBenchConfig(DualKVBenchConfig):
     out_dir: str = "out/bench/dualkv-attn"
 
 
+class DecodeMethod(Enum):
+    """Ops timed by ``decode-ops`` (``all`` = every one, in one process). Bytes = what the op must move."""
+
+    all = "all"
+    sparse_decode = "sparse_decode"  # kvt.sparse_decode_attention, gather mode (B selected rows per KV head)
+    sparse_decode_sorted = "sparse_decode_sorted"  # the same with sorted indices
+    sparse_decode_slots = "sparse_decode_slots"  # slot mode: dense (batch, H_kv, B, D) buffers
+    gather_sdpa = "gather_sdpa"  # naive: torch.gather of the selected rows, then SDPA
+    sdpa_flash = "sdpa_flash"  # dense decode over the whole cache, SDPA flash backend
+    sdpa = "sdpa"  # dense decode over the whole cache, SDPA's own backend choice
+    sparse_decode_dense = "sparse_decode_dense"  # our kernel in slot mode over the whole cache
+    retrieval_topk = "retrieval_topk"  # kvt.retrieval_topk: scoring + top-k
+    retrieval_scoring = "retrieval_scoring"  # the Triton scoring kernels alone
+    topk = "topk"  # torch.topk (sorted, as the op) of the scores
+    topk_unsorted = "topk_unsorted"  # torch.topk(sorted=False)
+
+
+class GatherTune(Enum):
+    none = "none"
+    small = "small"
+    full = "full"
+
+
+@dataclass
+class DecodeOpsConfig:
+    """One ``decode-ops`` job: one cache length ``S`` (``-m S=4096,16384,32768`` sweeps), every op or one.
+
+    Attributes:
+        suite: suite name, recorded in the CSV and the reproduce command.
+        method: one of :class:`DecodeMethod`; ``all`` runs every op.
+        S: cache length in tokens (every row full: ``cache_seqlens = S``).
+        batch: decode rows (sequences), one new token each.
+        heads, kv_heads, head_dim: attention shape (GQA ``heads / kv_heads``); the retrieval head has the same.
+        budget: selected tokens per KV head (SpeContext's ``B``).
+        dtype: dtype of q and the caches.
+        device: ``auto`` (cuda if available, else cpu), ``cuda`` or ``cpu``.
+        warmup: untimed calls before timing.
+        iters: timed samples; p20/p50/p80 are over these.
+        cuda_graph: time CUDA-graph replays (decode runs under graphs; launch overhead would dominate otherwise).
+        sample_ms: with ``cuda_graph``, about this many ms of calls are captured in one graph per sample.
+        bandwidth_mib: size of the buffer of the copy / read bandwidth rows (measured first in every job).
+        kernel_check: first run the bf16 checks of the retrieval and sparse decode kernels (row ``pass=check``).
+        tune: sweep the gather kernel's launch config (``small``: 8 configs, ``full``: 51); adds
+            ``sparse_decode_tuned`` rows.
+        retrieval_tune: sweep the retrieval scoring kernel's launch config; adds ``retrieval_*_tuned`` rows.
+        out_dir, append, plot: as in the DualKV suites.
+    """
+
+    suite: str = "decode-ops"
+    method: DecodeMethod = DecodeMethod.all
+    S: int = 32768
+    batch: int = 32
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    budget: int = 2048
+    seed: int = 0
+    dtype: DType = DType.bfloat16
+    device: str = "auto"
+    warmup: int = 3
+    iters: int = 20
+    cuda_graph: bool = True
+    sample_ms: float = 20.0
+    bandwidth_mib: int = 1024
+    kernel_check: bool = False
+    tune: GatherTune = GatherTune.none
+    retrieval_tune: bool = False
+    out_dir: str = "out/bench/decode-ops"
+    append: bool = False
+    plot: bool = True
+
+
 SUITES = {
     "dualkv-layer": DualKVBenchConfig,
     "dualkv-attn": DualKVAttnBenchConfig,
+    "decode-ops": DecodeOpsConfig,
 }
 
 
@@ -140,8 +224,56 @@ _CHOICES = {
 }
 
 
+def _at_least(cfg, what: dict, minimum: int) -> None:
+    for key, desc in what.items():
+        val = getattr(cfg, key)
+        if val < minimum:
+            raise ValueError(f"{key}={val}: {key} is {desc} and must be >= {minimum}; set {key}={minimum} or more")
+
+
+def _check_device(cfg) -> None:
+    if str(cfg.device) != "auto":
+        import torch
+
+        try:
+            torch.device(str(cfg.device))
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"device={cfg.device}: device must be auto, cpu, cuda or cuda:N") from None
+
+
+def _check_gqa(cfg) -> None:
+    if cfg.heads % cfg.kv_heads != 0:
+        raise ValueError(f"heads={cfg.heads} is not divisible by kv_heads={cfg.kv_heads} (GQA); pick kv_heads "
+                         f"dividing heads")
+
+
+def validate_decode(cfg) -> None:
+    """Check one composed ``decode-ops`` job before anything runs.
+
+    Raises:
+        ValueError: one line naming the setting, its value and the fix: ``S``, ``batch``, the heads, ``head_dim``,
+            ``budget``, ``iters``, ``bandwidth_mib`` below 1, ``budget > S``, ``heads`` not divisible by
+            ``kv_heads``, ``head_dim > 256``, a negative ``warmup``, ``sample_ms <= 0`` or an unparsable ``device``.
+    """
+    _at_least(cfg, {"S": "the cache length in tokens", "batch": "the number of decode rows",
+                    "heads": "the number of query heads", "kv_heads": "the number of KV heads",
+                    "head_dim": "the head dimension", "budget": "the selected tokens per KV head",
+                    "iters": "the number of timed samples", "bandwidth_mib": "the bandwidth buffer in MiB"}, 1)
+    _at_least(cfg, {"warmup": "the number of untimed calls"}, 0)
+    if cfg.budget > cfg.S:
+        raise ValueError(f"budget={cfg.budget} > S={cfg.S}: retrieval selects budget of the S cached tokens; "
+                         f"set budget <= S")
+    _check_gqa(cfg)
+    if cfg.head_dim > 256:
+        raise ValueError(f"head_dim={cfg.head_dim}: the decode kernels take head_dim up to 256")
+    if not cfg.sample_ms > 0:
+        raise ValueError(f"sample_ms={cfg.sample_ms}: the length of one timed CUDA-graph sample must be > 0")
+    _check_device(cfg)
+
+
 def validate(cfg) -> None:
-    """Check the values of one composed job (types are Hydra's job) before anything runs.
+    """Check the values of one composed job (types are Hydra's job) before anything runs; ``decode-ops`` jobs go to
+    :func:`validate_decode`.
 
     Raises:
         ValueError: one line naming the setting, its value and the fix: ``P``, ``mb``, ``r_min``, ``iters``,
@@ -149,7 +281,11 @@ def validate(cfg) -> None:
             a negative ``warmup``/``time_budget_s``/``max_mem_gb``, ``matmul_tflops <= 0``, an unknown
             ``fa2_impl``/``flex_compile``/``flex_mask`` or an unparsable ``device``.
     """
-    at_least_1 = {
+    from omegaconf import OmegaConf
+
+    if OmegaConf.get_type(cfg) is DecodeOpsConfig:
+        return validate_decode(cfg)
+    _at_least(cfg, {
         "P": "the prompt (shared prefix) length in tokens",
         "mb": "the number of responses sharing the prompt",
         "r_min": "the shortest response length in tokens",
@@ -161,17 +297,11 @@ def validate(cfg) -> None:
         "kv_heads": "the number of KV heads",
         "head_dim": "the head dimension",
         "mlp": "the MLP width",
-    }
-    for key, what in at_least_1.items():
-        val = getattr(cfg, key)
-        if val < 1:
-            raise ValueError(f"{key}={val}: {key} is {what} and must be >= 1; set {key}=1 or more")
+    }, 1)
     if cfg.r_min > cfg.r_max:
         raise ValueError(f"r_min={cfg.r_min} > r_max={cfg.r_max}: response lengths are drawn uniformly from "
                          f"[r_min, r_max]; set r_min <= r_max")
-    if cfg.heads % cfg.kv_heads != 0:
-        raise ValueError(f"heads={cfg.heads} is not divisible by kv_heads={cfg.kv_heads} (GQA); pick kv_heads "
-                         f"dividing heads")
+    _check_gqa(cfg)
     for key, what in (("warmup", "untimed steps"), ("time_budget_s", "seconds (0 = no budget)"),
                       ("max_mem_gb", "GiB (0 = the device's memory)")):
         val = getattr(cfg, key)
@@ -183,13 +313,7 @@ def validate(cfg) -> None:
         val = str(getattr(cfg, key))
         if (val.lower() if key == "flex_compile" else val) not in allowed:
             raise ValueError(f"{key}={getattr(cfg, key)}: {key} must be one of {', '.join(allowed)}")
-    if str(cfg.device) != "auto":
-        import torch
-
-        try:
-            torch.device(str(cfg.device))
-        except (RuntimeError, ValueError, TypeError):
-            raise ValueError(f"device={cfg.device}: device must be auto, cpu, cuda or cuda:N") from None
+    _check_device(cfg)
 
 
 def register() -> None:

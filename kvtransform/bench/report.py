@@ -1,5 +1,8 @@
-"""Benchmark output: long-format CSV, markdown tables (ours next to the paper's and the H200 calibration, with
-ratios and the FLOP floor), a PNG plot, and the reproduce command of each row.
+"""Benchmark output of every suite: one long-format CSV (one row per method, op, mode/pass and shape: ``method``,
+``op``, ``mode``, ``pass``, ``params``, ``ms_p20``/``ms_p50``/``ms_p80``, memory, ``device``, ``commit``, ``cmd``, plus
+the suite's own columns), markdown tables (DualKV: ours next to the paper's and the H200 calibration, with ratios
+and the FLOP floor; decode-ops: GB/s against the copy bandwidth and the HBM floor), a PNG plot, and the reproduce
+command of each row.
 
 ``python -m kvtransform.bench.report results.csv [--md] [--plot out.png] [--repro]`` re-renders a committed CSV.
 """
@@ -12,11 +15,14 @@ from typing import Iterable, List, Optional
 
 from . import seed
 
-COLUMNS = ["suite", "mode", "method", "impl", "pass", "P", "mb", "T", "T_packed", "T_replicated", "ms_p20", "ms_p50",
-           "ms_p80", "ms_mean", "iters", "gb", "tflops", "floor_ms", "check_rel_err", "check_vs", "status", "device",
-           "commit", "torch", "dtype", "timestamp", "cmd"]
-KEY = ["suite", "mode", "method", "pass", "P", "mb"]
-LAYER_METHODS = ["dualkv", "flex", "flex_rebuild", "fa2", "pg", "reference"]
+COLUMNS = ["suite", "mode", "method", "op", "impl", "pass", "params", "P", "mb", "T", "T_packed", "T_replicated", "S",
+           "batch", "budget", "ms_p20", "ms_p50", "ms_p80", "ms_mean", "iters", "gb", "bytes_gb", "gbps", "pct_copy",
+           "pct_read", "tflops", "floor_ms", "check_rel_err", "check_vs", "status", "device", "commit", "torch",
+           "dtype", "timestamp", "cmd"]
+KEY = ["suite", "mode", "method", "pass", "params"]
+_TEXT = ["suite", "mode", "method", "op", "impl", "pass", "params", "status", "device", "commit", "torch", "dtype",
+         "timestamp", "cmd", "check_vs"]
+LAYER_METHODS = ["dualkv", "flex", "flex_rebuild", "fa2", "pg", "reference", "dualkv_kernel"]
 TARGETS = {"floor": 1.25, "flex": 1.2, "fa2": 3.5}  # issue 5: dualkv <= 1.25x floor, >= 1.2x flex, >= 3.5x fa2
 
 
@@ -40,6 +46,11 @@ def _ratio(a, b, nd=2) -> str:
 
 def row_line(r: dict) -> str:
     """One console line for a row: method, pass, shape, times, memory, status, and the reproduce command."""
+    if r.get("P") is None or r.get("pass") in ("check", "check_tuned", "tune"):
+        times = (f"p50 {r['ms_p50']:.4f} ms [{r['ms_p20']:.4f}, {r['ms_p80']:.4f}]" if _num(r.get("ms_p50")) is not None
+                 else f"{_fmt(r.get('check_rel_err'), 2)} of bound" if r.get("pass", "").startswith("check") else "")
+        return (f"{r['method']:<22} {r.get('op', '')} {r.get('mode', '')} {r.get('params', '')}  {times}  "
+                f"{_fmt(r.get('gbps'), 0)} GB/s  {r.get('status', 'ok')}   # {r.get('cmd', '')}")
     if r.get("status", "ok") != "ok":
         return f"{r['method']:<13} {r.get('pass', ''):<6} P={r['P']} mb={r['mb']}  {r['status']}   # {r.get('cmd', '')}"
     return (f"{r['method']:<13} {r.get('pass', ''):<6} P={r['P']} mb={r['mb']} T={r['T']}  "
@@ -52,11 +63,20 @@ def row_line(r: dict) -> str:
 
 
 def read_csv(path: str):
+    """The long CSV as a DataFrame (text columns as str). Rows of an older DualKV CSV without ``op``/``params`` get
+    them (``params = "P=.. mb=.."``), so a rerun row replaces its old twin."""
     import pandas as pd
 
-    text = ["suite", "mode", "method", "impl", "pass", "status", "device", "commit", "torch", "dtype", "timestamp",
-            "cmd", "check_vs"]
-    return pd.read_csv(path, dtype={c: str for c in text}, keep_default_na=False, na_values=[""])
+    df = pd.read_csv(path, dtype={c: str for c in _TEXT}, keep_default_na=False, na_values=[""])
+    if "P" in df.columns:
+        for col, fill in (("params", lambda r: f"P={int(r['P'])} mb={int(r['mb'])}"),
+                          ("op", lambda r: {"layer": "decoder_layer", "attn": "dualkv_attention"}.get(r["mode"]))):
+            if col not in df.columns:
+                df[col] = None
+            old = df[col].isna() & df["P"].notna()
+            if old.any():
+                df.loc[old, col] = df[old].apply(fill, axis=1)
+    return df
 
 
 def write_csv(rows: List[dict], path: str, append: bool = False):
@@ -217,23 +237,92 @@ def markdown_attn(df) -> str:
     return "\n".join(out)
 
 
+def markdown_decode(df) -> str:
+    """The ``decode-ops`` table: per S, every op's p50, GB/s, % of the copy / read bandwidth and the HBM floor."""
+    df = df[df["suite"] == "decode-ops"]
+    if df.empty:
+        return ""
+    first = df.iloc[0]
+    bw = df[df["op"] == "memcpy"]
+    bws = ", ".join(f"{m} {_fmt(g, 0)} GB/s (S={s})" for m, g, s in zip(bw["method"], bw["gbps"], bw["S"]))
+    out = [f"Device: {first['device']} · commit {first['commit']} · torch {first['torch']} · {first['dtype']} · "
+           f"p50 (CUDA-graph replays on CUDA); bandwidth measured in the same run: {bws or '–'}; floor = bytes / copy "
+           "bandwidth.", "",
+           "| S | method | op | mode | p50 ms | p20–p80 ms | GB/s | % copy | % read | floor ms | p50/floor | status |",
+           "|" + "---|" * 12]
+    rows = df[~df["pass"].isin(["tune", "check", "check_tuned"]) & (df["op"] != "memcpy")]
+    for _, r in rows.sort_values("S", kind="stable").iterrows():
+        ok = str(r["status"]) == "ok"
+        out.append(f"| {int(r['S'])} | {r['method']} | {r['op']} | {r['mode']} | {_fmt(r['ms_p50'], 4) if ok else '–'} | "
+                   f"{_fmt(r['ms_p20'], 4)}–{_fmt(r['ms_p80'], 4)} | {_fmt(r.get('gbps'), 0)} | "
+                   f"{_fmt(r.get('pct_copy'), 1)} | {_fmt(r.get('pct_read'), 1)} | {_fmt(r.get('floor_ms'), 4)} | "
+                   f"{_ratio(r['ms_p50'], r.get('floor_ms'))} | {r['status']} |")
+    checks = df[df["pass"].isin(["check", "check_tuned"])]
+    if not checks.empty:
+        out += ["", "Kernel checks: " + "; ".join(f"{m} {i}: {st} (worst {_fmt(e, 2)} of bound)" for m, i, st, e in
+                                                   zip(checks["method"], checks["impl"], checks["status"],
+                                                       checks["check_rel_err"]))]
+    return "\n".join(out)
+
+
 def markdown(df) -> str:
-    """All tables for the modes present in ``df`` (a DataFrame of the long CSV)."""
-    parts = [p for p in (markdown_layer(df), markdown_attn(df)) if p]
+    """All tables for the suites and modes present in ``df`` (a DataFrame of the long CSV)."""
+    dk = df[df["suite"] != "decode-ops"] if "suite" in df.columns else df
+    dk = dk[~dk["pass"].isin(["tune", "check", "check_tuned"])]
+    parts = [p for p in (markdown_layer(dk), markdown_attn(dk), markdown_decode(df)) if p]
     return "\n\n".join(parts)
 
 
 # --------------------------------------------------------------------------------------------------------------- plot
 
 
-def plot_png(df, path: str) -> bool:
-    """Grouped bars of p50 ms per method for each (P, mb), log scale, with the FLOP floor (black tick) and the
-    paper's DualKV time (red tick). Returns False when nothing was measured."""
+def _plot_decode(df, path: str) -> bool:
+    """Grouped bars of p50 ms per op for each S (log scale), the HBM floor of each as a black tick."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    df = df[(df["status"] == "ok") & ~df["pass"].isin(["tune", "check", "check_tuned"]) & (df["op"] != "memcpy")]
+    if df.empty:
+        return False
+    seqs = sorted({int(s) for s in df["S"]})
+    methods = list(dict.fromkeys(df["method"]))
+    fig, ax = plt.subplots(figsize=(min(18, max(6, 0.3 * len(seqs) * len(methods) + 2)), 5))
+    w = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        for i, s_ in enumerate(seqs):
+            sel = df[(df["method"] == m) & (df["S"] == s_)]
+            if sel.empty:
+                continue
+            x = i - 0.4 + w * (j + 0.5)
+            ax.bar(x, float(sel.iloc[-1]["ms_p50"]), w, color=f"C{j % 10}", label=m if i == 0 else None)
+            fl = _num(sel.iloc[-1].get("floor_ms"))
+            if fl:
+                ax.hlines(fl, x - w / 2, x + w / 2, colors="black", linewidth=1.5)
+    ax.set_xticks(range(len(seqs)))
+    ax.set_xticklabels([f"S={s_}" for s_ in seqs])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms, p50 (log); black = bytes / copy bandwidth")
+    ax.set_title(f"decode-ops on {df.iloc[0]['device']}")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_png(df, path: str) -> bool:
+    """Grouped bars of p50 ms per method for each (P, mb), log scale, with the FLOP floor (black tick) and the
+    paper's DualKV time (red tick); for ``decode-ops`` rows, per S with the HBM floor. Returns False when nothing
+    was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if (df["suite"] == "decode-ops").any():
+        return _plot_decode(df[df["suite"] == "decode-ops"], path)
     df = df[(df["pass"] == "fwdbwd") & (df["status"] == "ok")]
     if df.empty:
         return False
@@ -275,7 +364,7 @@ def plot_png(df, path: str) -> bool:
 
 def repro_lines(df) -> Iterable[str]:
     for _, r in df.iterrows():
-        yield f"{r['method']:<13} P={r['P']} mb={r['mb']} {r['pass']}: {r['cmd']}"
+        yield f"{r['method']:<13} {r['params']} {r['pass']}: {r['cmd']}"
 
 
 def main(argv=None) -> int:

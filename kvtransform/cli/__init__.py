@@ -20,331 +20,25 @@ and exits with status 2; set ``KVT_DEBUG=1`` for the full traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
-import os
-import re
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from ..api import check_available
-from ..config import CONFIG_TYPES, config_from_dict
-
-__all__ = ["main", "ModelConfig", "OptimizeConfig", "UsageError"]
-
-USER_ERROR_EXIT = 2
-_T_START = time.perf_counter()  # process start, near enough: the wall time printed by optimize counts from here
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
-
-
-# ---- structured configs -------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    """Which model ``optimize`` loads (arguments of :func:`kvtransform.models.load_model`).
-
-    Attributes:
-        name: registry name (``smollm2-135m``), local HF directory, ``.gguf`` file or a cached hub id.
-        dtype: ``float32`` | ``bfloat16`` | ``float16`` | ``auto``.
-        attn_implementation: ``sdpa`` | ``eager``.
-    """
-
-    name: str = "smollm2-135m"
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"
-
-
-@dataclass
-class OptimizeConfig:
-    """Top-level config of ``kvtransform optimize``.
-
-    Attributes:
-        model: the model to load.
-        transform: one of the transform configs (group ``transform``: canonical, dualkv, specontext).
-        out: output directory of the artifact.
-        overwrite: replace ``out`` when it exists and is not empty.
-    """
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    transform: Any = MISSING
-    out: str = "outputs/${kvt_slug:${model.name}}-${transform.name}"
-    overwrite: bool = False
-
-
-def _slug(name: str) -> str:
-    """``outputs/<slug>-<transform>``: a registry name as is, a path by its last component without ``.gguf``."""
-    base = Path(str(name).rstrip("/")).name or "model"
-    if base.lower().endswith(".gguf"):
-        base = base[: -len(".gguf")]
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", base)
-
-
-def register_configs() -> None:
-    """Register the structured configs in Hydra's ConfigStore and the ``kvt_slug`` resolver (idempotent)."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="kvt_optimize_schema", node=OptimizeConfig)
-    cs.store(name="kvt_model_schema", node=ModelConfig)
-    for name, cls in CONFIG_TYPES.items():
-        cs.store(name=f"kvt_transform_{name}", node=cls)
-    if not OmegaConf.has_resolver("kvt_slug"):
-        OmegaConf.register_new_resolver("kvt_slug", _slug)
-
+from ..config import config_from_dict
+from .errors import USER_ERROR_EXIT, UsageError, console as _console, fail as _fail, guard as _guard
+from .overrides import check_overrides, split_args
+from .schema import ModelConfig, OptimizeConfig, register_configs
 
 register_configs()
 
-# ---- output helpers -----------------------------------------------------------------------------------------------
+__all__ = ["main", "ModelConfig", "OptimizeConfig", "UsageError"]
 
-
-def _console(stderr: bool = False):
-    from rich.console import Console
-
-    return Console(stderr=stderr, highlight=False)
-
-
-def _fail(message: str) -> "NoReturn":  # noqa: F821
-    from rich.markup import escape
-
-    _console(stderr=True).print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
-    raise SystemExit(USER_ERROR_EXIT)
-
-
-def _is_user_error(e: BaseException) -> bool:
-    """Errors caused by input (printed as one line) vs. bugs (traceback)."""
-    if isinstance(e, (UsageError, ValueError, OSError, KeyError, NotImplementedError)):
-        return True
-    mod = type(e).__module__ or ""
-    return mod.startswith(("kvtransform", "hydra", "omegaconf")) or "Verification" in type(e).__name__
-
-
-def _message(e: BaseException) -> str:
-    if isinstance(e, KeyError) and e.args:
-        return str(e.args[0])
-    text = str(e).strip() or type(e).__name__
-    if isinstance(e, (UsageError, ValueError, OSError, NotImplementedError)):
-        return text
-    if (type(e).__module__ or "").startswith(("hydra", "omegaconf")):  # no internal class names (ConfigComposition...)
-        from hydra.errors import OverrideParseException
-
-        first = text.splitlines()[0]
-        return f"bad override syntax: {first}" if isinstance(e, OverrideParseException) else first
-    return f"{type(e).__name__}: {text}"
-
-
-def _guard(fn, *args, **kwargs):
-    """Run ``fn``; a user error becomes one ``error:`` line and exit status 2 (``KVT_DEBUG=1``: re-raise)."""
-    try:
-        return fn(*args, **kwargs)
-    except SystemExit:
-        raise
-    except Exception as e:
-        if os.environ.get("KVT_DEBUG") or not _is_user_error(e):
-            raise
-        _fail(_message(e))
-
-
-# ---- optimize -----------------------------------------------------------------------------------------------------
-
-_HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-                      "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
-_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
-
-
-def _split_optimize_args(args: Sequence[str]) -> tuple[list[str], list[str], bool]:
-    """Turn ``[MODEL] [key=value ...] [hydra flags]`` into Hydra's argv; return (argv, overrides, multirun)."""
-    out: list[str] = []
-    overrides: list[str] = []
-    model: Optional[str] = None
-    multirun = False
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a.startswith("-"):
-            out.append(a)
-            if a in ("-m", "--multirun"):
-                multirun = True
-            if a in _HYDRA_VALUE_FLAGS and i + 1 < len(args):
-                out.append(args[i + 1])
-                i += 1
-            elif a == "--info" and i + 1 < len(args) and args[i + 1] in _INFO_CHOICES:
-                out.append(args[i + 1])
-                i += 1
-        elif "=" in a or a.startswith("~"):
-            out.append(a)
-            overrides.append(a)
-        elif model is None:
-            model = a
-        else:
-            raise UsageError(f"unexpected argument {a!r}: give one MODEL, then overrides as key=value")
-        i += 1
-    if model is not None:
-        from importlib.resources import files
-
-        if files("kvtransform.conf").joinpath("model", f"{model}.yaml").is_file():
-            ov = f"model={model}"
-        else:
-            ov = "model.name='" + model.replace("\\", "\\\\").replace("'", "\\'") + "'"
-        out.insert(0, ov)
-        overrides.insert(0, ov)
-    return out, overrides, multirun
-
-
-def _leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
-    keys = []
-    for k in cfg.keys():
-        node = cfg._get_node(k)
-        path = f"{prefix}{k}"
-        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
-            keys.extend(_leaf_keys(node, path + "."))
-        else:
-            keys.append(path)
-    return keys
-
-
-def _group_choices(group: str) -> list[str]:
-    """The options of a config group (``conf/<group>/*.yaml``), sorted."""
-    from importlib.resources import files
-
-    d = files("kvtransform.conf").joinpath(group)
-    return sorted(f.name[: -len(".yaml")] for f in d.iterdir() if f.name.endswith(".yaml")) if d.is_dir() else []
-
-
-_GROUPS = ("model", "transform")
-
-
-def _override_value(overrides: list[str], key: str) -> Optional[str]:
-    """The value given for ``key`` on the command line (last one wins), or None."""
-    val = None
-    for o in overrides:
-        k, sep, v = o.partition("=")
-        if sep and k.lstrip("+~") == key:
-            val = v
-    return val
-
-
-def _expected(node) -> str:
-    """What an OmegaConf value node accepts, in words (for an invalid-value message)."""
-    from omegaconf import ListConfig
-    from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
-
-    if isinstance(node, ListConfig):
-        items = OmegaConf.to_container(node) if not node._is_none() and not node._is_missing() else []
-        ints = bool(items) and all(isinstance(x, int) and not isinstance(x, bool) for x in items)
-        example = "[" + ",".join(str(x) for x in items) + "]" if items else "[...]"
-        return f"a list{' of integers' if ints else ''}, e.g. {example}"
-    if isinstance(node, DictConfig):
-        return "a group of keys (set its keys one by one: key.subkey=value)"
-    if isinstance(node, BooleanNode):
-        return "true or false"
-    if isinstance(node, IntegerNode):
-        return "an integer"
-    if isinstance(node, FloatNode):
-        return "a number" + (" or null" if node._is_optional() else "")
-    if isinstance(node, EnumNode):
-        return "one of " + ", ".join(m.name for m in node.enum_type)
-    if isinstance(node, StringNode):
-        return "a string"
-    return "a valid value"
-
-
-def _node(cfg: DictConfig, key: str):
-    parent, _, leaf = key.rpartition(".")
-    try:
-        container = OmegaConf.select(cfg, parent) if parent else cfg
-        return container._get_node(leaf) if isinstance(container, DictConfig) else None
-    except Exception:
-        return None
-
-
-def _check_overrides(overrides: list[str]) -> None:
-    """Compose the config once with the Compose API so that a typo or a bad value becomes one message.
-
-    An unknown key names the valid keys (and the group choice when the typo is close to a group name: ``transfrom=x``
-    suggests ``transform=x``); a value of the wrong type names the key, what it accepts and what was given; an
-    unknown group option (``transform=dualk``) names the closest option and all of them.
-    """
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-    from omegaconf.errors import ValidationError
-
-    app = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
-    added = [o for o in app if o.startswith("+")]
-    if added:  # '+key=value' would add a key the structured config does not have, silently ignored later
-        raise UsageError(f"{added[0]!r}: adding keys with '+' is not supported; every setting already exists "
-                         f"(see `kvtransform optimize --help`), so drop the '+' and use key=value")
-    with initialize_config_module(config_module="kvtransform.conf", version_base="1.3"):
-        try:
-            compose(config_name="config", overrides=app)
-            return
-        except HydraException as e:
-            err = e
-        # Valid keys: the config composed from the group choices only (no key overrides).
-        groups = [o for o in app if "=" in o and "." not in o.split("=", 1)[0].lstrip("+~")]
-        try:
-            base = compose(config_name="config", overrides=groups)
-        except HydraException:
-            base = compose(config_name="config")
-    if isinstance(err, OverrideParseException):
-        raise UsageError(f"bad override syntax: {str(err).splitlines()[0]} (quote lists and strings for the shell, "
-                         f"e.g. 'transform.verify.lengths=[16,64]')")
-    if isinstance(err, MissingConfigException):  # unknown group option: transform=dualk
-        m = re.search(r"Could not find '([^/']+)/([^']*)'", str(err))
-        if m:
-            group, opt = m.groups()
-            choices = _group_choices(group)
-            close = difflib.get_close_matches(opt, choices, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ";"
-            extra = (" (a model name or path goes first on the command line, or in model.name=...)"
-                     if group == "model" else "")
-            raise UsageError(f"unknown {group} {opt!r}{hint} choices: {', '.join(choices)}{extra}")
-    cause = err.__cause__
-    full_key = getattr(cause, "full_key", None)
-    text = str(err).splitlines()[0]
-    if full_key and isinstance(cause, ValidationError):  # a real key, a value it does not accept
-        got = _override_value(app, full_key)
-        node = _node(base, full_key)
-        why = str(cause).splitlines()[0]
-        expected = _expected(node) if node is not None else None
-        detail = f"expected {expected} (got {got})" if expected and got is not None else why
-        raise UsageError(f"invalid value for {full_key!r}: {detail}")
-    if full_key:
-        valid = _leaf_keys(base)
-        parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
-        prefixes = list(dict.fromkeys(k.rsplit(".", i)[0] for k in valid for i in range(k.count(".") + 1)))
-        if parent:
-            siblings = [k for k in prefixes if k.startswith(parent + ".") and "." not in k[len(parent) + 1 :]] or valid
-        else:
-            siblings = list(base.keys())
-        # the key as typed: 'modle.name' is reported by OmegaConf as 'modle'
-        typed = next((o.partition("=")[0].lstrip("+~") for o in app
-                      if o.partition("=")[0].lstrip("+~").startswith(full_key)), full_key)
-        rest = typed[len(full_key):] if typed.startswith(full_key + ".") else ""
-        hint = ""
-        group = difflib.get_close_matches(full_key, _GROUPS, n=1) if "." not in typed else []
-        if group:  # transfrom=dualkv: a group choice, not transform.name
-            value = _override_value(app, full_key) or ""
-            choices = _group_choices(group[0])
-            best = difflib.get_close_matches(value, choices, n=1)
-            suggestion = f"{group[0]}={best[0] if best else '<choice>'}"
-            hint = f" Did you mean {suggestion!r} ({group[0]} choices: {', '.join(choices)})?"
-        else:
-            close = [k for k in difflib.get_close_matches(full_key, prefixes, n=2) if k != full_key]
-            hint = f" Did you mean {close[0] + rest!r}?" if close else ""
-        raise UsageError(f"unknown config key {full_key!r}.{hint} Valid keys: {', '.join(siblings)}")
-    if "Available options" in str(err):  # unknown group option: keep the options, drop the search path
-        text = " ".join(str(err).split("Config search path")[0].split()).replace("In 'config': ", "")
-    raise UsageError(text)
-
+_T_START = time.perf_counter()  # process start, near enough: the wall time printed by optimize counts from here
 
 def _logits(module, inputs) -> "torch.Tensor":  # noqa: F821
     import torch
@@ -458,11 +152,11 @@ def run_optimize(cfg: DictConfig) -> dict:
 def _optimize(args: Sequence[str]) -> int:
     import hydra
 
-    argv, overrides, multirun = _split_optimize_args(args)
+    argv, overrides, multirun = split_args(args)
     if any(a in ("--cfg", "-c") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # --cfg job shows out as the directory it will be, not ${kvt_slug:...}
     if not multirun and not any(a in ("--help", "-h", "--hydra-help", "--shell-completion", "-sc") for a in argv):
-        _check_overrides(overrides)
+        check_overrides(overrides)
 
     @hydra.main(version_base="1.3", config_path="pkg://kvtransform.conf", config_name="config")
     def _task(cfg: DictConfig) -> None:

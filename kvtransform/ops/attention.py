@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ._common import renamed_kwargs
+
 
 def _combined_mask(q: torch.Tensor, k: torch.Tensor, attn_mask, key_padding, causal: bool):
     """Bool keep-mask (or additive float mask) broadcastable to (B, H, S_q, S_k), or None."""
@@ -78,31 +80,31 @@ def _check(q, k, v, attn_mask, key_padding):
 
 @torch.library.custom_op("kvt::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                  key_padding: Optional[torch.Tensor], scale: float, causal: bool) -> torch.Tensor:
+                  key_padding: Optional[torch.Tensor], softmax_scale: float, causal: bool) -> torch.Tensor:
     s_q, s_k = q.shape[-2], k.shape[-2]
     if q.is_cuda and attn_mask is None and key_padding is None and (not causal or s_q == s_k):
         # PyTorch's fused (flash / memory-efficient) kernels; GQA without copying K/V.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                               enable_gqa=q.shape[1] != k.shape[1]).contiguous()
-    return attention_reference(q, k, v, attn_mask, key_padding, scale, causal).contiguous()
+    return attention_reference(q, k, v, attn_mask, key_padding, softmax_scale, causal).contiguous()
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, key_padding, scale, causal):
+def _(q, k, v, attn_mask, key_padding, softmax_scale, causal):
     return torch.empty_like(q)
 
 
 def _setup_ctx(ctx, inputs, output):
-    q, k, v, attn_mask, key_padding, scale, causal = inputs
+    q, k, v, attn_mask, key_padding, softmax_scale, causal = inputs
     ctx.save_for_backward(q, k, v, attn_mask, key_padding)
-    ctx.scale, ctx.causal = scale, causal
+    ctx.softmax_scale, ctx.causal = softmax_scale, causal
 
 
 def _backward(ctx, grad_out):
     q, k, v, attn_mask, key_padding = ctx.saved_tensors
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-        out = attention_reference(qq, kk, vv, attn_mask, key_padding, ctx.scale, ctx.causal)
+        out = attention_reference(qq, kk, vv, attn_mask, key_padding, ctx.softmax_scale, ctx.causal)
         dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad_out)
     return dq, dk, dv, None, None, None, None
 
@@ -110,17 +112,18 @@ def _backward(ctx, grad_out):
 _attention_op.register_autograd(_backward, setup_context=_setup_ctx)
 
 
+@renamed_kwargs(scale="softmax_scale")
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-              key_padding: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+              key_padding: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
               causal: bool = False) -> torch.Tensor:
-    """Canonical attention ``softmax(q kᵀ · scale + mask) v`` with GQA by index mapping.
+    """Canonical attention ``softmax(q kᵀ · softmax_scale + mask) v`` with GQA by index mapping.
 
     Args:
         q: ``(B, H, S_q, D)`` fp32/fp16/bf16.
         k, v: ``(B, H_kv, S_k, D)``, same dtype and device as ``q``; ``H % H_kv == 0``.
         attn_mask: optional bool (True = keep) or additive float mask broadcastable to ``(B, H, S_q, S_k)``.
         key_padding: optional bool ``(B, S_k)``, True for real tokens.
-        scale: softmax scale; default ``D ** -0.5``.
+        softmax_scale: default ``D ** -0.5`` (``scale=`` is the deprecated name).
         causal: bottom-right aligned causal mask.
 
     Returns:
@@ -130,5 +133,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opti
         ValueError: rank or head-count mismatch, or a ``key_padding`` of the wrong shape.
     """
     _check(q, k, v, attn_mask, key_padding)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return torch.ops.kvt.attention(q, k, v, attn_mask, key_padding, scale, bool(causal))
+    softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return torch.ops.kvt.attention(q, k, v, attn_mask, key_padding, softmax_scale, bool(causal))

@@ -25,6 +25,7 @@ import torch
 
 from ..kernels import dualkv as _k
 from ..layout import DualKVLayout, _check_structure
+from ._common import is_tracing
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 USE_TRITON_ON_CPU = False
@@ -105,19 +106,6 @@ _dualkv_op.register_autograd(_backward, setup_context=_setup_ctx)
 
 
 # ====================================================================================================== wrapper
-def _is_tracing(*tensors) -> bool:
-    try:
-        if torch.compiler.is_compiling():
-            return True
-    except Exception:  # pragma: no cover
-        pass
-    from torch._subclasses.fake_tensor import FakeTensor
-    for t in tensors:
-        if isinstance(t, FakeTensor) or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-            return True
-    return False
-
-
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                  segment_prefix: torch.Tensor, check_data: bool = True) -> None:
     """Validate DualKV inputs; raises ValueError naming the problem (see :func:`dualkv_attention`)."""
@@ -184,7 +172,7 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu_seqlens = layout
         if segment_prefix is None:
             raise ValueError("segment_prefix is required when layout is a cu_seqlens tensor")
-    check_inputs(q, k, v, cu_seqlens, segment_prefix, check_data=not _is_tracing(q, cu_seqlens))
+    check_inputs(q, k, v, cu_seqlens, segment_prefix, check_data=not is_tracing(q, cu_seqlens))
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, scale)
     return (out, lse) if return_lse else out

@@ -9,15 +9,15 @@ the whole cache.
 
 Contract (shared by the runtime that calls these):
 
-* **Cache layout** ``(batch, H_kv, S_max, D)`` for K and V, last dim contiguous; ``lengths`` ``(batch,)`` int32
-  (int64 is converted) = number of valid cached tokens of each row, positions ``[0, lengths[b])``.
+* **Cache layout** ``(batch, H_kv, S_max, D)`` for K and V, last dim contiguous; ``cache_seqlens`` ``(batch,)``
+  int32 (int64 is converted) = number of valid cached tokens of each row, positions ``[0, cache_seqlens[b])``.
 * **Indices** are **int32** ``(batch, H_kv, B)``: token positions into the cache, shared by every layer of the
   step. :func:`retrieval_topk` returns them in descending score order, valid entries first, then ``-1`` padding
-  when a row has fewer than ``B`` valid tokens (a row with ``lengths[b] <= B`` gets all of its tokens). It never
+  when a row has fewer than ``B`` valid tokens (a row with ``cache_seqlens[b] <= B`` gets all of its tokens). It never
   repeats a position.
-* **Masking / bad indices.** In the attention, an entry is used iff ``0 <= idx < lengths[b]`` (and ``< S_max``);
+* **Masking / bad indices.** In the attention, an entry is used iff ``0 <= idx < cache_seqlens[b]`` (and ``< S_max``);
   ``-1`` is the padding value. With validation on (the default for CPU tensors outside tracing; opt-in on CUDA
-  because it synchronises), any entry ``< -1`` or ``>= lengths[b]`` and any position listed twice for one
+  because it synchronises), any entry ``< -1`` or ``>= cache_seqlens[b]`` and any position listed twice for one
   (row, KV head) raise ``ValueError``. With validation off the kernel still never reads out of range (such entries
   are masked) but a duplicate is counted twice.
 * **The new token.** ``k_new``/``v_new`` ``(batch, H_kv, D)`` are the new token's own key/value; when given they are
@@ -26,7 +26,7 @@ Contract (shared by the runtime that calls these):
   list its position in ``indices``, or list its position and pass ``k_new=v_new=None`` -- not both (it would count
   twice).
 * **GQA**: query head ``h`` uses KV head ``h // (H // H_kv)``; indices are per KV head.
-* ``B >= lengths[b]`` with indices ``0..lengths[b]-1`` equals full attention over the row's cache (tested).
+* ``B >= cache_seqlens[b]`` with indices ``0..cache_seqlens[b]-1`` equals full attention over the row's cache (tested).
 
 CPU tensors run the PyTorch references in ``kvtransform.kernels.{retrieval,sparse_decode}``; CUDA tensors run the
 Triton kernels there. No autograd: decode is inference.
@@ -39,7 +39,7 @@ import torch
 
 from kvtransform.kernels.retrieval import retrieval_topk_reference, retrieval_topk_triton
 from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
-from ..layout import as_int
+from ._common import as_int, is_tracing, renamed_kwargs
 
 __all__ = ["retrieval_topk", "sparse_decode_attention", "slot_decode_attention", "check_indices"]
 
@@ -50,61 +50,52 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 # custom ops
 # ----------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("kvt::retrieval_topk", mutates_args=())
-def _retrieval_topk_op(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budget: int, sink: int,
-                       recent: int, scale: float) -> torch.Tensor:
+def _retrieval_topk_op(q: torch.Tensor, k: torch.Tensor, cache_seqlens: torch.Tensor, budget: int, num_sink: int,
+                       num_recent: int, softmax_scale: float) -> torch.Tensor:
     if q.is_cuda:
-        return retrieval_topk_triton(q, k, lengths, budget, sink, recent, scale)
-    return retrieval_topk_reference(q, k, lengths, budget, sink, recent, scale)
+        return retrieval_topk_triton(q, k, cache_seqlens, budget, num_sink, num_recent, softmax_scale)
+    return retrieval_topk_reference(q, k, cache_seqlens, budget, num_sink, num_recent, softmax_scale)
 
 
 @_retrieval_topk_op.register_fake
-def _(q, k, lengths, budget, sink, recent, scale):
+def _(q, k, cache_seqlens, budget, num_sink, num_recent, softmax_scale):
     return q.new_empty((q.shape[0], k.shape[1], budget), dtype=torch.int32)
 
 
 @torch.library.custom_op("kvt::sparse_decode_attention", mutates_args=())
 def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      indices: Optional[torch.Tensor], lengths: torch.Tensor, k_new: Optional[torch.Tensor],
-                      v_new: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+                      indices: Optional[torch.Tensor], cache_seqlens: torch.Tensor, k_new: Optional[torch.Tensor],
+                      v_new: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
     if q.is_cuda:
-        return sparse_decode_triton(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale)
-    return sparse_decode_reference(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale).contiguous()
+        return sparse_decode_triton(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new, softmax_scale)
+    return sparse_decode_reference(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new,
+                                   softmax_scale).contiguous()
 
 
 @_sparse_decode_op.register_fake
-def _(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale):
+def _(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new, softmax_scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # validation helpers
 # ----------------------------------------------------------------------------------------------------------------
-def _is_concrete(*tensors) -> bool:
-    """False while tracing (dynamo / export / fake tensors), where data-dependent checks are impossible."""
-    try:
-        if torch.compiler.is_compiling():
-            return False
-    except Exception:  # pragma: no cover - very old torch
-        pass
-    from torch._subclasses.fake_tensor import is_fake
-    return not any(t is not None and is_fake(t) for t in tensors)
-
-
 def _want_validate(validate: Optional[bool], *tensors) -> bool:
-    if not _is_concrete(*tensors):
+    if is_tracing(*tensors):
         return False
     if validate is None:
         return all(t is None or t.device.type == "cpu" for t in tensors)
     return bool(validate)
 
 
-def _check_lengths(lengths: torch.Tensor, batch: int, device: torch.device, name: str = "lengths") -> torch.Tensor:
+def _check_lengths(lengths: torch.Tensor, batch: int, device: torch.device, name: str = "cache_seqlens"
+                   ) -> torch.Tensor:
     if not isinstance(lengths, torch.Tensor):
         raise ValueError(f"{name} must be a tensor of shape (batch,) = ({batch},), int32; got {type(lengths)}")
     if lengths.dim() != 1 or lengths.shape[0] != batch:
         raise ValueError(f"{name} must have shape (batch,) = ({batch},); got {tuple(lengths.shape)}")
     if lengths.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 (or int64); got {lengths.dtype}: pass lengths.to(torch.int32)")
+        raise ValueError(f"{name} must be int32 (or int64); got {lengths.dtype}: pass cache_seqlens.to(torch.int32)")
     if lengths.device != device:
         raise ValueError(f"{name} is on {lengths.device} but the tensors are on {device}: move it with .to()")
     return lengths.to(torch.int32).contiguous()
@@ -115,9 +106,10 @@ def _check_length_values(lengths: torch.Tensor, limit: int, what: str) -> None:
         return
     lo, hi = int(lengths.min()), int(lengths.max())
     if lo < 0:
-        raise ValueError(f"lengths must be >= 0; got min {lo}")
+        raise ValueError(f"cache_seqlens must be >= 0; got min {lo}")
     if hi > limit:
-        raise ValueError(f"lengths must be <= {what} = {limit}; got max {hi}: grow the cache or clamp lengths")
+        raise ValueError(f"cache_seqlens must be <= {what} = {limit}; got max {hi}: grow the cache or clamp "
+                         f"cache_seqlens")
 
 
 def check_indices(indices: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -128,8 +120,8 @@ def check_indices(indices: torch.Tensor, lengths: torch.Tensor) -> None:
     bad = (idx < -1) | (idx >= lens)
     if bool(bad.any()):
         b, h, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"indices[{b}, {h}, {j}] = {int(idx[b, h, j])} is out of range for lengths[{b}] = "
-                         f"{int(lens[b, 0, 0])}: entries must be in [0, lengths[b]) or -1 for padding")
+        raise ValueError(f"indices[{b}, {h}, {j}] = {int(idx[b, h, j])} is out of range for cache_seqlens[{b}] = "
+                         f"{int(lens[b, 0, 0])}: entries must be in [0, cache_seqlens[b]) or -1 for padding")
     if idx.shape[-1] > 1:
         srt = idx.sort(dim=-1).values
         dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
@@ -180,43 +172,47 @@ def _check_qkv(q, k, v, k_new, v_new, what: str):
 # ----------------------------------------------------------------------------------------------------------------
 # public wrappers
 # ----------------------------------------------------------------------------------------------------------------
-def retrieval_topk(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budget: int, *, sink: int = 0,
-                   recent: int = 0, scale: Optional[float] = None,
+@renamed_kwargs(lengths="cache_seqlens", sink="num_sink", recent="num_recent", scale="softmax_scale")
+def retrieval_topk(q: torch.Tensor, k: torch.Tensor, cache_seqlens: torch.Tensor, budget: int, *, num_sink: int = 0,
+                   num_recent: int = 0, softmax_scale: Optional[float] = None,
                    validate: Optional[bool] = None) -> torch.Tensor:
     """Select ``budget`` cached tokens per KV head with the SpeContext retrieval head (§4.3).
 
-    Score of token ``j`` for KV head ``k``: ``max_{h in group k} softmax_j(q[b, h] · K[b, k, j] · scale)`` (softmax
+    Score of token ``j`` for KV head ``k``: ``max_{h in group k} softmax_j(q[b, h] · K[b, k, j] · softmax_scale)`` (softmax
     per query head over the row's valid tokens, element-wise max over the GQA group); the ``budget`` best are kept.
 
     Args:
         q: ``(batch, H_r, D_r)`` retrieval-head queries of the new token, fp16/bf16/fp32.
         k: ``(batch, H_r_kv, S_max, D_r)`` retrieval-head key cache, same dtype/device, last dim contiguous.
             ``H_r % H_r_kv == 0``; ``H_r_kv`` is the KV-head count of the returned indices (the model's ``H_kv``).
-        lengths: ``(batch,)`` int32, valid tokens per row (include the new token's key if it may be selected).
-        budget: ``B >= 1``, tokens kept per (row, KV head). ``budget``, ``sink`` and ``recent`` are ints or NumPy /
-            torch integer scalars; a float or a bool is a ValueError.
-        sink: always keep the first ``sink`` tokens (default 0, as the paper).
-        recent: always keep the last ``recent`` tokens (default 0). ``sink + recent <= budget``.
-        scale: softmax scale, default ``D_r ** -0.5``.
-        validate: check ``lengths`` values (default: on for CPU tensors, off on CUDA to avoid a sync).
+        cache_seqlens: ``(batch,)`` int32, valid tokens per row (include the new token's key if it may be selected).
+        budget: ``B >= 1``, tokens kept per (row, KV head). ``budget``, ``num_sink`` and ``num_recent`` are ints or
+            NumPy / torch integer scalars; a float or a bool is a ValueError.
+        num_sink: always keep the first ``num_sink`` tokens (default 0, as the paper).
+        num_recent: always keep the last ``num_recent`` tokens (default 0). ``num_sink + num_recent <= budget``.
+        softmax_scale: default ``D_r ** -0.5``.
+        validate: check ``cache_seqlens`` values (default: on for CPU tensors, off on CUDA to avoid a sync).
+
+    Deprecated keyword names (one release): ``lengths``, ``sink``, ``recent``, ``scale``.
 
     Returns:
         int32 ``(batch, H_r_kv, budget)``: positions, descending score; ``-1`` padding after the valid ones when a
         row has fewer than ``budget`` tokens (then all its tokens are returned). No position repeats.
 
     Raises:
-        ValueError: bad ranks/shapes/dtypes, a non-integer ``budget``/``sink``/``recent``, ``budget < 1``,
-        ``sink``/``recent`` negative or ``sink + recent >
-        budget``, head counts that do not divide, or (when validating) lengths outside ``[0, S_max]``.
+        ValueError: bad ranks/shapes/dtypes, a non-integer ``budget``/``num_sink``/``num_recent``, ``budget < 1``,
+            ``num_sink``/``num_recent`` negative or ``num_sink + num_recent > budget``, head counts that do not
+            divide, or (when validating) ``cache_seqlens`` outside ``[0, S_max]``.
     """
     budget, sink, recent = (as_int(x, name, " token count", keyword=name)
-                            for x, name in ((budget, "budget"), (sink, "sink"), (recent, "recent")))
+                            for x, name in ((budget, "budget"), (num_sink, "num_sink"), (num_recent, "num_recent")))
     if budget < 1:
         raise ValueError(f"budget must be an int >= 1; got {budget!r}")
     if sink < 0 or recent < 0:
-        raise ValueError(f"sink and recent must be >= 0; got sink={sink}, recent={recent}")
+        raise ValueError(f"num_sink and num_recent must be >= 0; got num_sink={sink}, num_recent={recent}")
     if sink + recent > budget:
-        raise ValueError(f"sink + recent ({sink} + {recent}) exceeds the budget {budget}: lower them or raise B")
+        raise ValueError(f"num_sink + num_recent ({sink} + {recent}) exceeds the budget {budget}: lower them or "
+                         f"raise the budget")
     if q.dim() != 3:
         raise ValueError(f"q must be (batch, H_r, D_r); got {tuple(q.shape)}")
     if k.dim() != 4:
@@ -232,20 +228,21 @@ def retrieval_topk(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, budg
         raise ValueError(f"k is on {k.device}, q on {q.device}")
     if k.stride(-1) != 1:
         raise ValueError(f"k must have a contiguous last dim; got strides {k.stride()}")
-    lengths = _check_lengths(lengths, bsz, q.device)
+    lengths = _check_lengths(cache_seqlens, bsz, q.device)
     if _want_validate(validate, q, k, lengths):
         _check_length_values(lengths, k.shape[2], "S_max")
-    scale = d ** -0.5 if scale is None else float(scale)
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     return torch.ops.kvt.retrieval_topk(q.contiguous(), k, lengths, int(budget), int(sink), int(recent), scale)
 
 
+@renamed_kwargs(lengths="cache_seqlens", scale="softmax_scale")
 def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            indices: Optional[torch.Tensor], lengths: torch.Tensor,
+                            indices: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
                             k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None, *,
-                            scale: Optional[float] = None, validate: Optional[bool] = None) -> torch.Tensor:
+                            softmax_scale: Optional[float] = None, validate: Optional[bool] = None) -> torch.Tensor:
     """One decode step of attention over the selected cache tokens (gather mode), SpeContext §4.3.
 
-    ``out[b, h] = softmax(q[b,h] · K[b,k,sel] · scale ∪ q·k_new) · (V[b,k,sel] ∪ v_new)``, ``k = h // (H/H_kv)``.
+    ``out[b, h] = softmax(q[b,h] · K[b,k,sel] · softmax_scale ∪ q·k_new) · (V[b,k,sel] ∪ v_new)``, ``k = h // (H/H_kv)``.
     With ``indices=None`` this is :func:`slot_decode_attention` (``k_cache``/``v_cache`` are slot buffers).
 
     Args:
@@ -253,11 +250,13 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache, v_cache: ``(batch, H_kv, S_max, D)``, same dtype/device, last dim contiguous; ``H % H_kv == 0``.
         indices: ``(batch, H_kv, B)`` int32 (int64 accepted) positions into the cache, ``-1`` = padding (see the
             module docstring for masking, duplicates and validation); ``B >= 1``.
-        lengths: ``(batch,)`` int32, valid cached tokens per row (``<= S_max``), not counting ``k_new``.
+        cache_seqlens: ``(batch,)`` int32, valid cached tokens per row (``<= S_max``), not counting ``k_new``.
         k_new, v_new: optional ``(batch, H_kv, D)``, the new token's own K/V, always attended.
-        scale: softmax scale, default ``D ** -0.5``.
-        validate: check lengths and index values (out of range, duplicates); default on for CPU tensors outside
-            tracing, off on CUDA (it would synchronise).
+        softmax_scale: default ``D ** -0.5``.
+        validate: check ``cache_seqlens`` and index values (out of range, duplicates); default on for CPU tensors
+            outside tracing, off on CUDA (it would synchronise).
+
+    Deprecated keyword names (one release): ``lengths``, ``scale``.
 
     Returns:
         ``(batch, H, D)`` in ``q.dtype``; a row with no valid index and no ``k_new`` gives zeros.
@@ -267,7 +266,8 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             and (when validating) lengths outside ``[0, S_max]``, indices out of range or duplicated.
     """
     if indices is None:
-        return slot_decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, scale=scale, validate=validate)
+        return slot_decode_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale=softmax_scale,
+                                     validate=validate)
     q, k_new, v_new = _check_qkv(q, k_cache, v_cache, k_new, v_new, "cache")
     bsz, h_kv = q.shape[0], k_cache.shape[1]
     if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or indices.shape[:2] != (bsz, h_kv):
@@ -279,27 +279,29 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"indices must be int32 (or int64); got {indices.dtype}")
     if indices.device != q.device:
         raise ValueError(f"indices are on {indices.device}, q on {q.device}")
-    lengths = _check_lengths(lengths, bsz, q.device)
+    lengths = _check_lengths(cache_seqlens, bsz, q.device)
     if _want_validate(validate, q, k_cache, indices, lengths):
         _check_length_values(lengths, k_cache.shape[2], "S_max")
         check_indices(indices, lengths)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return torch.ops.kvt.sparse_decode_attention(q, k_cache, v_cache, indices.contiguous(), lengths, k_new, v_new,
                                                  scale)
 
 
-def slot_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, lengths: torch.Tensor,
-                          k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None, *,
-                          scale: Optional[float] = None, validate: Optional[bool] = None) -> torch.Tensor:
+@renamed_kwargs(lengths="cache_seqlens", scale="softmax_scale")
+def slot_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                          cache_seqlens: torch.Tensor, k_new: Optional[torch.Tensor] = None,
+                          v_new: Optional[torch.Tensor] = None, *, softmax_scale: Optional[float] = None,
+                          validate: Optional[bool] = None) -> torch.Tensor:
     """Decode attention over a dense budget-sized slot buffer (no gather), SpeContext §4.3 for layers whose full
     KV lives on CPU and whose selected tokens were copied into GPU slots.
 
     Args:
         q: ``(batch, H, D)``.
         k_slots, v_slots: ``(batch, H_kv, B, D)``, last dim contiguous; slots ``[0, lengths[b])`` are valid.
-        lengths: ``(batch,)`` int32, valid slots per row, ``<= B`` (``min(len_b, B)`` for a row of ``len_b``
+        cache_seqlens: ``(batch,)`` int32, valid slots per row, ``<= B`` (``min(len_b, B)`` for a row of ``len_b``
             tokens when the slots were filled from :func:`retrieval_topk`'s indices, whose valid entries come first).
-        k_new, v_new, scale, validate: as :func:`sparse_decode_attention`.
+        k_new, v_new, softmax_scale, validate: as :func:`sparse_decode_attention`.
 
     Returns:
         ``(batch, H, D)`` in ``q.dtype``.
@@ -307,8 +309,8 @@ def slot_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch
     q, k_new, v_new = _check_qkv(q, k_slots, v_slots, k_new, v_new, "slots")
     if k_slots.shape[2] < 1:
         raise ValueError("the slot buffer must have B >= 1 slots")
-    lengths = _check_lengths(lengths, q.shape[0], q.device)
+    lengths = _check_lengths(cache_seqlens, q.shape[0], q.device)
     if _want_validate(validate, q, k_slots, lengths):
         _check_length_values(lengths, k_slots.shape[2], "the slot count B")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return torch.ops.kvt.sparse_decode_attention(q, k_slots, v_slots, None, lengths, k_new, v_new, scale)

@@ -1,0 +1,59 @@
+"""How the CLI reports bad input: one ``error:`` line naming the fix, exit status 2 (``KVT_DEBUG=1``: traceback)."""
+from __future__ import annotations
+
+import os
+
+__all__ = ["USER_ERROR_EXIT", "UsageError", "console", "fail", "guard"]
+
+USER_ERROR_EXIT = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def fail(message: str) -> "NoReturn":  # noqa: F821
+    from rich.markup import escape
+
+    console(stderr=True).print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
+    raise SystemExit(USER_ERROR_EXIT)
+
+
+def _is_user_error(e: BaseException) -> bool:
+    """Errors caused by input (printed as one line) vs. bugs (traceback)."""
+    if isinstance(e, (UsageError, ValueError, OSError, KeyError, NotImplementedError)):
+        return True
+    mod = type(e).__module__ or ""
+    return mod.startswith(("kvtransform", "hydra", "omegaconf")) or "Verification" in type(e).__name__
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0])
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, (UsageError, ValueError, OSError, NotImplementedError)):
+        return text
+    if (type(e).__module__ or "").startswith(("hydra", "omegaconf")):  # no internal class names (ConfigComposition...)
+        from hydra.errors import OverrideParseException
+
+        first = text.splitlines()[0]
+        return f"bad override syntax: {first}" if isinstance(e, OverrideParseException) else first
+    return f"{type(e).__name__}: {text}"
+
+
+def guard(fn, *args, **kwargs):
+    """Run ``fn``; a user error becomes one ``error:`` line and exit status 2 (``KVT_DEBUG=1``: re-raise)."""
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit:
+        raise
+    except Exception as e:
+        if os.environ.get("KVT_DEBUG") or not _is_user_error(e):
+            raise
+        fail(_message(e))

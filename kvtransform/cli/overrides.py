@@ -1,0 +1,209 @@
+"""Override diagnosis shared by the Hydra commands: turn a typo or a bad value into one message naming the fix.
+
+:func:`check_overrides` composes the config once with Hydra's Compose API; an unknown key names the valid keys (and
+the group choice when the typo is close to a group name: ``transfrom=x`` suggests ``transform=x``), a value of the
+wrong type names the key, what it accepts and what was given, and an unknown group option (``transform=dualk``)
+names the closest option and all of them.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from .errors import UsageError
+
+__all__ = ["check_overrides", "split_args", "group_choices"]
+
+
+_HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                      "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
+_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def split_args(args: Sequence[str]) -> tuple[list[str], list[str], bool]:
+    """Turn ``[MODEL] [key=value ...] [hydra flags]`` into Hydra's argv; return (argv, overrides, multirun)."""
+    out: list[str] = []
+    overrides: list[str] = []
+    model: Optional[str] = None
+    multirun = False
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("-"):
+            out.append(a)
+            if a in ("-m", "--multirun"):
+                multirun = True
+            if a in _HYDRA_VALUE_FLAGS and i + 1 < len(args):
+                out.append(args[i + 1])
+                i += 1
+            elif a == "--info" and i + 1 < len(args) and args[i + 1] in _INFO_CHOICES:
+                out.append(args[i + 1])
+                i += 1
+        elif "=" in a or a.startswith("~"):
+            out.append(a)
+            overrides.append(a)
+        elif model is None:
+            model = a
+        else:
+            raise UsageError(f"unexpected argument {a!r}: give one MODEL, then overrides as key=value")
+        i += 1
+    if model is not None:
+        from importlib.resources import files
+
+        if files("kvtransform.conf").joinpath("model", f"{model}.yaml").is_file():
+            ov = f"model={model}"
+        else:
+            ov = "model.name='" + model.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        out.insert(0, ov)
+        overrides.insert(0, ov)
+    return out, overrides, multirun
+
+
+def _leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for k in cfg.keys():
+        node = cfg._get_node(k)
+        path = f"{prefix}{k}"
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+            keys.extend(_leaf_keys(node, path + "."))
+        else:
+            keys.append(path)
+    return keys
+
+
+def group_choices(group: str) -> list[str]:
+    """The options of a config group (``conf/<group>/*.yaml``), sorted."""
+    from importlib.resources import files
+
+    d = files("kvtransform.conf").joinpath(group)
+    return sorted(f.name[: -len(".yaml")] for f in d.iterdir() if f.name.endswith(".yaml")) if d.is_dir() else []
+
+
+_GROUPS = ("model", "transform")
+
+
+def _override_value(overrides: list[str], key: str) -> Optional[str]:
+    """The value given for ``key`` on the command line (last one wins), or None."""
+    val = None
+    for o in overrides:
+        k, sep, v = o.partition("=")
+        if sep and k.lstrip("+~") == key:
+            val = v
+    return val
+
+
+def _expected(node) -> str:
+    """What an OmegaConf value node accepts, in words (for an invalid-value message)."""
+    from omegaconf import ListConfig
+    from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
+
+    if isinstance(node, ListConfig):
+        items = OmegaConf.to_container(node) if not node._is_none() and not node._is_missing() else []
+        ints = bool(items) and all(isinstance(x, int) and not isinstance(x, bool) for x in items)
+        example = "[" + ",".join(str(x) for x in items) + "]" if items else "[...]"
+        return f"a list{' of integers' if ints else ''}, e.g. {example}"
+    if isinstance(node, DictConfig):
+        return "a group of keys (set its keys one by one: key.subkey=value)"
+    if isinstance(node, BooleanNode):
+        return "true or false"
+    if isinstance(node, IntegerNode):
+        return "an integer"
+    if isinstance(node, FloatNode):
+        return "a number" + (" or null" if node._is_optional() else "")
+    if isinstance(node, EnumNode):
+        return "one of " + ", ".join(m.name for m in node.enum_type)
+    if isinstance(node, StringNode):
+        return "a string"
+    return "a valid value"
+
+
+def _node(cfg: DictConfig, key: str):
+    parent, _, leaf = key.rpartition(".")
+    try:
+        container = OmegaConf.select(cfg, parent) if parent else cfg
+        return container._get_node(leaf) if isinstance(container, DictConfig) else None
+    except Exception:
+        return None
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Compose the config once with the Compose API so that a typo or a bad value becomes one message.
+
+    An unknown key names the valid keys (and the group choice when the typo is close to a group name: ``transfrom=x``
+    suggests ``transform=x``); a value of the wrong type names the key, what it accepts and what was given; an
+    unknown group option (``transform=dualk``) names the closest option and all of them.
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ValidationError
+
+    app = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
+    added = [o for o in app if o.startswith("+")]
+    if added:  # '+key=value' would add a key the structured config does not have, silently ignored later
+        raise UsageError(f"{added[0]!r}: adding keys with '+' is not supported; every setting already exists "
+                         f"(see `kvtransform optimize --help`), so drop the '+' and use key=value")
+    with initialize_config_module(config_module="kvtransform.conf", version_base="1.3"):
+        try:
+            compose(config_name="config", overrides=app)
+            return
+        except HydraException as e:
+            err = e
+        # Valid keys: the config composed from the group choices only (no key overrides).
+        groups = [o for o in app if "=" in o and "." not in o.split("=", 1)[0].lstrip("+~")]
+        try:
+            base = compose(config_name="config", overrides=groups)
+        except HydraException:
+            base = compose(config_name="config")
+    if isinstance(err, OverrideParseException):
+        raise UsageError(f"bad override syntax: {str(err).splitlines()[0]} (quote lists and strings for the shell, "
+                         f"e.g. 'transform.verify.lengths=[16,64]')")
+    if isinstance(err, MissingConfigException):  # unknown group option: transform=dualk
+        m = re.search(r"Could not find '([^/']+)/([^']*)'", str(err))
+        if m:
+            group, opt = m.groups()
+            choices = group_choices(group)
+            close = difflib.get_close_matches(opt, choices, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ";"
+            extra = (" (a model name or path goes first on the command line, or in model.name=...)"
+                     if group == "model" else "")
+            raise UsageError(f"unknown {group} {opt!r}{hint} choices: {', '.join(choices)}{extra}")
+    cause = err.__cause__
+    full_key = getattr(cause, "full_key", None)
+    text = str(err).splitlines()[0]
+    if full_key and isinstance(cause, ValidationError):  # a real key, a value it does not accept
+        got = _override_value(app, full_key)
+        node = _node(base, full_key)
+        why = str(cause).splitlines()[0]
+        expected = _expected(node) if node is not None else None
+        detail = f"expected {expected} (got {got})" if expected and got is not None else why
+        raise UsageError(f"invalid value for {full_key!r}: {detail}")
+    if full_key:
+        valid = _leaf_keys(base)
+        parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+        prefixes = list(dict.fromkeys(k.rsplit(".", i)[0] for k in valid for i in range(k.count(".") + 1)))
+        if parent:
+            siblings = [k for k in prefixes if k.startswith(parent + ".") and "." not in k[len(parent) + 1 :]] or valid
+        else:
+            siblings = list(base.keys())
+        # the key as typed: 'modle.name' is reported by OmegaConf as 'modle'
+        typed = next((o.partition("=")[0].lstrip("+~") for o in app
+                      if o.partition("=")[0].lstrip("+~").startswith(full_key)), full_key)
+        rest = typed[len(full_key):] if typed.startswith(full_key + ".") else ""
+        hint = ""
+        group = difflib.get_close_matches(full_key, _GROUPS, n=1) if "." not in typed else []
+        if group:  # transfrom=dualkv: a group choice, not transform.name
+            value = _override_value(app, full_key) or ""
+            choices = group_choices(group[0])
+            best = difflib.get_close_matches(value, choices, n=1)
+            suggestion = f"{group[0]}={best[0] if best else '<choice>'}"
+            hint = f" Did you mean {suggestion!r} ({group[0]} choices: {', '.join(choices)})?"
+        else:
+            close = [k for k in difflib.get_close_matches(full_key, prefixes, n=2) if k != full_key]
+            hint = f" Did you mean {close[0] + rest!r}?" if close else ""
+        raise UsageError(f"unknown config key {full_key!r}.{hint} Valid keys: {', '.join(siblings)}")
+    if "Available options" in str(err):  # unknown group option: keep the options, drop the search path
+        text = " ".join(str(err).split("Config search path")[0].split()).replace("In 'config': ", "")
+    raise UsageError(text)
