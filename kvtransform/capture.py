@@ -150,6 +150,28 @@ def _quiet():
             lg.setLevel(lv)
 
 
+def export_wrapped(model: torch.nn.Module, wrapper: torch.nn.Module, args: tuple, dynamic_shapes: dict, what: str,
+                   must_stay_dynamic: tuple, force_auto_dims: bool = False):
+    """Export ``wrapper`` (a module holding ``model`` as ``.model``) with ``model`` in eval mode; check that
+    ``must_stay_dynamic`` = ``(placeholder, dim)`` stayed dynamic; make the unlifted module share ``model``'s
+    ``Parameter`` objects. Returns ``(exported_program, graph_module)``.
+
+    Raises:
+        RuntimeError: torch.export failed, or specialised the dimension that must stay dynamic.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        ep = export_dynamic(wrapper, args, None, dynamic_shapes, f"{type(model).__name__} ({what})",
+                            force_auto_dims=force_auto_dims)
+    finally:
+        model.train(was_training)
+    _require_dynamic(ep, *must_stay_dynamic)
+    gm = ep.module()
+    _share_parameters(gm.model, model)
+    return ep, gm
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # packed (DualKV) capture: one token axis [P][R_1]...[R_N] (DualKV, arXiv 2605.15422)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -201,16 +223,8 @@ def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20, force_auto
     seg = Dim("segments", min=2, max=int(max_tokens))
     seg1 = Dim("segments_plus_1", min=3, max=int(max_tokens) + 1)
     named = {"input_ids": {1: tok}, "position_ids": {1: tok}, "cu_seqlens": {0: seg1}, "segment_prefix": {0: seg}}
-    was_training = model.training
-    model.eval()
-    try:
-        ep = export_dynamic(PackedForward(model), (ids, pos, cu, sp), None, named,
-                            f"{type(model).__name__} (packed)", force_auto_dims=force_auto_dims)
-    finally:
-        model.train(was_training)
-    _require_dynamic(ep, "input_ids", 1)
-    gm = ep.module()
-    _share_parameters(gm.model, model)
+    ep, gm = export_wrapped(model, PackedForward(model), (ids, pos, cu, sp), named, "packed", ("input_ids", 1),
+                            force_auto_dims)
     return Captured(gm, ep, int(max_tokens), PACKED_INPUTS)
 
 
@@ -331,16 +345,8 @@ def capture_decode_step(model: torch.nn.Module, max_cache_len: Optional[int] = N
     budget = Dim("budget", min=2, max=max_len)
     dyn = {"input_ids": {0: batch}, "cache_seqlens": {0: batch}, "indices": {0: batch, 2: budget},
            "k_cache": {1: batch, 3: s_max}, "v_cache": {1: batch, 3: s_max}}
-    was_training = model.training
-    model.eval()
-    try:
-        ep = export_dynamic(DecodeStepForward(model), args, None, dyn, f"{type(model).__name__} (decode step)",
-                            force_auto_dims=force_auto_dims)
-    finally:
-        model.train(was_training)
-    _require_dynamic(ep, "k_cache", 3)
-    gm = ep.module()
-    _share_parameters(gm.model, model)
+    ep, gm = export_wrapped(model, DecodeStepForward(model), args, dyn, "decode step", ("k_cache", 3),
+                            force_auto_dims)
     return Captured(gm, ep, max_len, DECODE_INPUTS)
 
 
@@ -391,14 +397,6 @@ def capture_prefill(model: torch.nn.Module, max_tokens: int = 1 << 20, force_aut
     seg1 = Dim("segments_plus_1", min=3, max=int(max_tokens) + 1)
     named = {"input_ids": {1: tok}, "position_ids": {1: tok}, "cu_seqlens": {0: seg1}, "segment_prefix": {0: seg},
              "logits_index": {0: seg}}
-    was_training = model.training
-    model.eval()
-    try:
-        ep = export_dynamic(PrefillForward(model), prefill_example(model), None, named,
-                            f"{type(model).__name__} (packed prefill)", force_auto_dims=force_auto_dims)
-    finally:
-        model.train(was_training)
-    _require_dynamic(ep, "input_ids", 1)
-    gm = ep.module()
-    _share_parameters(gm.model, model)
+    ep, gm = export_wrapped(model, PrefillForward(model), prefill_example(model), named, "packed prefill",
+                            ("input_ids", 1), force_auto_dims)
     return Captured(gm, ep, int(max_tokens), PREFILL_INPUTS)

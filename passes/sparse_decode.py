@@ -109,14 +109,17 @@ def prove_cache_mask(gm: torch.fx.GraphModule, mask: Optional[torch.fx.Node], is
     ``"sliding_window"`` (that, limited to the config's window), or ``"custom"``."""
     if mask is None:
         return "custom"  # no mask: the padding past cache_seqlens would be attended (or is_causal: only key 0)
-    if mask in memo:
-        return memo[mask]
+    if mask not in memo:
+        memo[mask] = _probe_or_custom(gm, mask, ctx)
+    return memo[mask]
+
+
+def _probe_or_custom(gm, mask, ctx) -> str:
+    """:func:`_probe_cache_mask`; a mask subgraph that cannot be evaluated on the probes is ``"custom"``."""
     try:
-        kind = _probe_cache_mask(gm, mask, ctx)
+        return _probe_cache_mask(gm, mask, ctx)
     except Exception:
-        kind = "custom"
-    memo[mask] = kind
-    return kind
+        return "custom"
 
 
 def _probe_cache_mask(gm, mask, ctx) -> str:
