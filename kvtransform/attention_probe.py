@@ -64,12 +64,15 @@ class Probe:
             pos_q = torch.arange(q_len, device=query.device) + (s - q_len)
             mask = (torch.arange(s, device=query.device)[None, :] <= pos_q[:, None])[None, None]
         g = h // h_kv
-        if mask.shape[1] != 1:
+        causal = self.keep is None and q_len == s
+        if causal:
+            mask = None
+        elif mask.shape[1] != 1:
             mask = mask.repeat_interleave(g, dim=1)
         kx = key.repeat_interleave(g, dim=1) if g > 1 else key
         vx = value.repeat_interleave(g, dim=1) if g > 1 else value
         out = torch.nn.functional.scaled_dot_product_attention(query.float(), kx.float(), vx.float(), attn_mask=mask,
-                                                               scale=scale)
+                                                               is_causal=causal, scale=scale)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
