@@ -13,7 +13,8 @@ head over ``[0, t)``, max over the group: exactly what ``kvt::retrieval_topk`` r
 
 * ``attn`` (§9 ``L_attn``): ``1 - Σ_j a_j · σ((s_j - θ)/τ)``, the teacher mass captured by a soft top-``k``
   selection, ``θ`` the ``k``-th largest ``s`` (no gradient), ``k = budget_fraction · t`` (the eval's budget 1024
-  over ≈4.5K cached tokens is ≈ 0.25), ``τ = temperature``;
+  over ≈4.5K cached tokens is ≈ 0.25), ``τ = temperature`` × the row's standard deviation of ``s`` (no
+  gradient: the soft selection does not harden just because the scores spread out);
 * ``kl``: ``KL(a ‖ softmax(s))`` over ``[0, t)``, a dense surrogate.
 
 Checkpoints (``checkpoint.pt``: block, optimizer, step, RNG) every ``checkpoint_every`` steps; a run with the same
@@ -48,7 +49,7 @@ class DistillConfig:
         length: tokens per training chunk; chunks_per_file: chunks taken from each file (``pydoc_data/topics.py``
             gives ``topics_chunks``); positions: teacher query positions per chunk (second half).
         loss: ``attn`` (captured mass of a soft top-k, §9) or ``kl``.
-        budget_fraction: k / t of the soft top-k; temperature: its sigmoid temperature (log-prob units).
+        budget_fraction: k / t of the soft top-k; temperature: its sigmoid temperature (in standard deviations of the scores).
         steps, lr, weight_decay: AdamW, cosine decay; checkpoint_every: steps between checkpoints.
         window, dim: the block's input window (tokens) and width.
         seed: data order and initialisation; threads: torch CPU threads (0: torch's default).
@@ -63,7 +64,7 @@ class DistillConfig:
     positions: int = 192
     loss: str = "attn"
     budget_fraction: float = 0.25
-    temperature: float = 0.5
+    temperature: float = 0.25
     steps: int = 400
     lr: float = 3e-3
     weight_decay: float = 0.01
@@ -117,7 +118,7 @@ def head_scores(block: DistilledBlock, embed: torch.Tensor, ids: torch.Tensor, p
 
 
 def loss_fn(scores: torch.Tensor, target: torch.Tensor, positions: torch.Tensor, kind: str,
-            budget_fraction: float = 0.25, temperature: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+            budget_fraction: float = 0.25, temperature: float = 0.25) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, captured)``: the training loss (module docstring) and the teacher mass a hard top-k selection
     captures (mean over KV heads and positions; no gradient).
 
@@ -131,7 +132,12 @@ def loss_fn(scores: torch.Tensor, target: torch.Tensor, positions: torch.Tensor,
     with torch.no_grad():
         captured = (target * (scores >= thr)).sum(-1).mean()
     if kind == "attn":
-        soft = torch.sigmoid((scores - thr) / temperature)
+        valid = torch.isfinite(scores)
+        z = torch.where(valid, scores, torch.zeros_like(scores)).detach()
+        n = valid.sum(-1, keepdim=True).clamp(min=1)
+        mean = z.sum(-1, keepdim=True) / n
+        std = (((z - mean) ** 2 * valid).sum(-1, keepdim=True) / n).sqrt().clamp(min=1e-3)
+        soft = torch.sigmoid((scores - thr) / (temperature * std))
         loss = 1 - (target * soft).sum(-1).mean()
     elif kind == "kl":
         valid = torch.isfinite(scores)
