@@ -231,6 +231,8 @@ class EvalSparseConfig:
         prefix: prompt tokens per document (the cache the heads choose from); continuation: teacher-forced true
             tokens after it (NLL); generate: dense greedy tokens (agreement).
         retrieval: ``SpeContextConfig.retrieval`` for trained heads (``self``: the packaged head).
+        num_sink: ``SpeContextConfig.num_sink`` of every head (0, the runtime's default; ``self``, ``distilled``
+            and ``eagle3`` keep 4 sink tokens on their own).
         out: directory of ``results.csv``, ``results.md``, ``results.png`` (rows of earlier runs with other
             heads/budgets are kept, the same (document, head, budget) replaced).
         threads: torch CPU threads (0: default).
@@ -244,6 +246,7 @@ class EvalSparseConfig:
     continuation: int = 512
     generate: int = 256
     retrieval: str = "self"
+    num_sink: int = 0
     out: str = "outputs/eval-sparse"
     threads: int = 0
 
@@ -313,7 +316,8 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
     for doc, head_name, budget in bar:
         bar.set_postfix_str(f"{doc} {head_name} B={budget}")
         teacher, trace, greedy = _teacher(model, tokenizer, doc, cfg)
-        head = make_head(head_name, SpeContextConfig(head=head_name, budget=budget, retrieval=cfg.retrieval),
+        head = make_head(head_name, SpeContextConfig(head=head_name, budget=budget, retrieval=cfg.retrieval,
+                                                     num_sink=cfg.num_sink),
                          trace.scale[0])
         head.bind(model)
         t0 = time.perf_counter()

@@ -234,7 +234,27 @@ def verify_decode(model, opt: SpeContextModule, cfg: SpeContextConfig, tokenizer
     check(v)
 
 
-@register_transform(SpeContextConfig, module_type=SpeContextModule)
+def head_summary(opt: SpeContextModule) -> str:
+    """One line: the retrieval head in use and, for a packaged or trained head, the accuracy its ``head.json``
+    records (``kvtransform eval-sparse`` on documents it never saw)."""
+    head = opt.head
+    line = f"retrieval head: {head.name} (budget {head.budget} tokens per KV head)"
+    ev = getattr(head, "meta", {}).get("eval") if isinstance(getattr(head, "meta", None), dict) else None
+    if ev:
+        line += (f"; measured at budget {ev['budget']} on {ev['documents']} unseen documents of {ev['cached']} "
+                 f"tokens: recall {ev['recall_mean']:.3f} (worst layer {ev['recall_worst']:.3f}), NLL "
+                 f"+{ev['nll_increase']:.4f} nats/token, greedy agreement {100 * ev['agreement']:.1f}% "
+                 f"({ev['command']})")
+    return line
+
+
+def _cli_step(model, tokenizer, opt, cfg, console) -> dict:
+    """``kvtransform optimize transform=specontext``: print :func:`head_summary`."""
+    console.print(head_summary(opt))
+    return {}
+
+
+@register_transform(SpeContextConfig, module_type=SpeContextModule, cli_step=_cli_step)
 def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress: bool = True) -> SpeContextModule:
     """SpeContext transform: decode-step capture → sparse_decode pass → cleanup; packed prefill capture →
     canonical → dualkv (varlen causal) → cleanup; gate (:func:`verify_decode`).
