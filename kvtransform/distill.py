@@ -62,7 +62,7 @@ class DistillConfig:
     chunks_per_file: int = 1
     topics_chunks: int = 5
     positions: int = 192
-    loss: str = "attn"
+    loss: str = "kl"
     budget_fraction: float = 0.25
     temperature: float = 0.25
     steps: int = 400
