@@ -40,32 +40,36 @@ __all__ = ["main", "ModelConfig", "OptimizeConfig", "UsageError"]
 
 _T_START = time.perf_counter()  # process start, near enough: the wall time printed by optimize counts from here
 
-def _logits(module, inputs) -> "torch.Tensor":  # noqa: F821
+def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
+    """Load the artifact at ``out`` in a fresh Python process and compare its :meth:`probe` outputs with ``opt``'s
+    (a user's ``kvt.load`` sees only what importing kvtransform registers). Returns ``(max abs error, shape)``.
+
+    Raises:
+        RuntimeError: the reloaded artifact fails to load or gives different outputs.
+    """
+    import json
+    import subprocess
+    import tempfile
+
     import torch
 
-    with torch.no_grad():
-        out = module(inputs)
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, dict):
-        return out["logits"]
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out
-
-
-def _reload_inputs(kvt, name: str, tok, vocab: int):
-    """A short tokenised text (or a packed shared-prefix batch for dualkv) for the reload check."""
-    import torch
-
-    text = "kvtransform rewrites attention in causal language models into fused kernels."
-    if tok is not None:
-        ids = tok(text, return_tensors="pt")["input_ids"]
-    else:
-        ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
-    if name == "dualkv" and hasattr(kvt, "pack_shared_prefix"):
-        return kvt.pack_shared_prefix(ids[0, :8], [ids[0, 8:12], ids[0, 12:]])
-    return ids
+    inputs = opt.probe_inputs(tokenizer)
+    want = opt.probe(inputs).cpu()
+    tol = 1e-5 * max(1.0, float(want.double().abs().max())) if want.is_floating_point() else 0.0
+    with tempfile.TemporaryDirectory(prefix="kvt-reload-") as tmp:
+        probe_file = Path(tmp) / "probe.pt"
+        torch.save({"inputs": inputs, "outputs": want, "tolerance": tol}, probe_file)
+        proc = subprocess.run([sys.executable, "-m", "kvtransform.cli.reload_check", str(out), str(probe_file)],
+                              capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the artifact {out} does not load in a fresh Python process: {tail}")
+    res = json.loads(lines[-1])
+    if proc.returncode != 0:
+        raise RuntimeError(f"the artifact reloaded from {out} in a fresh process gives different outputs (max abs "
+                           f"error {res['max_abs_error']:.3g}, shape {res['shape']} vs {list(want.shape)})")
+    return res["max_abs_error"], tuple(want.shape)
 
 
 def _transform_config(cfg: DictConfig):
@@ -127,15 +131,10 @@ def run_optimize(cfg: DictConfig) -> dict:
     t3 = time.perf_counter()
     console.print(f"[bold]Saved[/bold] artifact to {out}")
 
-    opt2 = kvt.load(str(out))
-    inputs = _reload_inputs(kvt, tcfg.name, tok, model.config.vocab_size)
-    a, b = _logits(opt, inputs), _logits(opt2, inputs)
-    err = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("inf")
-    tol = 1e-5 * max(1.0, a.float().abs().max().item())
-    if not err <= tol:
-        raise RuntimeError(f"the artifact reloaded from {out} gives different logits (max abs error {err:.3g})")
+    err, shape = reload_check(opt, out, tok)
     t4 = time.perf_counter()
-    console.print(f"[bold]Reloaded[/bold] {out}: same logits on a {tuple(a.shape)} forward (max abs diff {err:.2g})")
+    console.print(f"[bold]Reloaded[/bold] {out} in a fresh process: same outputs on a {shape} probe (max abs diff "
+                  f"{err:.2g})")
     times = dict(startup=t0 - _T_START, load=t1 - t0, transform=t2 - t1, demo=demo_s, save=t3 - t_save,
                  reload=t4 - t3, total=t4 - _T_START)
     demo = f", dualkv demo {times['demo']:.1f} s" if demo_s else ""

@@ -92,6 +92,22 @@ class OptimizedModule(torch.nn.Module):
         gm = getattr(self.core, "gm", self.core)
         return getattr(gm, "code", repr(gm))
 
+    # ---- probing (the CLI's reload check compares a saved artifact with the module that wrote it) ------------------
+    def probe_inputs(self, tokenizer=None):
+        """A small real input for this module: a tokenised sentence ``(1, S)`` (random ids without a tokenizer).
+        Subclasses whose forward takes something else (a packed batch, a prompt to generate from) override it."""
+        text = "kvtransform rewrites attention in causal language models into fused kernels."
+        if tokenizer is not None:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        else:
+            ids = torch.randint(0, self.vocab_size or 2, (1, 16), generator=torch.Generator().manual_seed(0))
+        return ids.to(device_of(self))
+
+    @torch.no_grad()
+    def probe(self, inputs) -> torch.Tensor:
+        """What the reload check compares: the logits of ``self(inputs)`` (subclasses: e.g. generated ids)."""
+        return self(inputs)
+
     # ---- emission --------------------------------------------------------------------------------------------------
     def export_example(self):
         """``(args, dynamic_shapes)`` for exporting ``core`` as ``.pt2``: example positional inputs of ``core`` and

@@ -118,6 +118,12 @@ class DualKVModule(OptimizedModule):
             position_ids = position_ids[None]
         return input_ids, position_ids.long(), layout
 
+    def probe_inputs(self, tokenizer=None) -> PackedBatch:
+        """One prompt and two responses cut from the base class's probe sentence (a :class:`PackedBatch`)."""
+        ids = super().probe_inputs(tokenizer)[0]
+        n = ids.numel()
+        return pack_shared_prefix(ids[: n // 2], [ids[n // 2: 3 * n // 4], ids[3 * n // 4:]], device=device_of(self))
+
     def export_example(self):
         dev = device_of(self)
         b = pack_shared_prefix([1, 2, 3, 4, 5], [[6, 7, 8], [9, 10, 11, 12]], device=dev)

@@ -1,0 +1,106 @@
+"""The transforms package: handlers registered by config type, config versions, artifacts that load in a fresh
+interpreter into the class that wrote them (docs/ARCHITECTURE.md)."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kvtransform as kvt
+from kvtransform.config import CanonicalConfig, TransformConfig, config_from_dict
+from kvtransform.transforms import _REGISTRY, register_transform, registered, spec_for
+from kvtransform.transforms.canonical import canonical_transform
+from kvtransform.transforms.dualkv import DualKVModule
+
+
+def test_every_transform_registered_by_config_type():
+    assert {"canonical", "dualkv"} <= set(registered())
+    assert spec_for(kvt.DualKVConfig()).module_type is DualKVModule
+    assert spec_for(kvt.CanonicalConfig()).handler is canonical_transform
+    assert not issubclass(kvt.DualKVConfig, CanonicalConfig) and issubclass(kvt.DualKVConfig, TransformConfig)
+
+
+def test_a_new_transform_is_one_registration():
+    """A config subclass with its own handler is dispatched by type; an unregistered type is a clear error."""
+
+    @dataclasses.dataclass
+    class EchoConfig(TransformConfig):
+        name: str = "echo"
+
+    calls = []
+
+    @register_transform(EchoConfig)
+    def echo(model, cfg, tokenizer=None, progress=True):
+        calls.append(cfg)
+        return kvt.OptimizedModule(torch.nn.Identity(), cfg, kvt.Report())
+
+    try:
+        model = kvt.tiny_model("llama")
+        out = kvt.transform(model, EchoConfig(), progress=False)
+        assert calls and isinstance(out, kvt.OptimizedModule)
+    finally:
+        _REGISTRY.pop(EchoConfig)
+
+    @dataclasses.dataclass
+    class OtherConfig(TransformConfig):
+        name: str = "other"
+
+    with pytest.raises(ValueError, match="transform 'other' is not available.*available: .*canonical"):
+        kvt.transform(kvt.tiny_model("llama"), OtherConfig(), progress=False)
+    with pytest.raises(TypeError, match="TransformConfig subclass"):
+        register_transform(dict)
+    with pytest.raises(TypeError, match="abstract"):
+        TransformConfig().validate()
+
+
+def test_config_version():
+    assert kvt.CanonicalConfig().version == 1
+    assert config_from_dict({"name": "dualkv"}).version == 1      # an artifact written before versions existed
+    with pytest.raises(ValueError, match="newer than this kvtransform understands"):
+        config_from_dict({"name": "canonical", "version": 99})
+    with pytest.raises(ValueError, match="version must be an integer >= 1"):
+        config_from_dict({"name": "canonical", "version": 0})
+
+
+_LOAD_AND_RUN = textwrap.dedent("""
+    import sys, torch
+    import kvtransform as kvt
+    opt = kvt.load(sys.argv[1])
+    probe = torch.load(sys.argv[2], weights_only=False)
+    out = opt.probe(probe["inputs"])
+    print(type(opt).__name__, float((out - probe["outputs"]).abs().max()))
+""")
+
+
+@pytest.mark.parametrize("name", ["canonical", "dualkv"])
+def test_artifact_loads_in_a_fresh_process(tmp_path, name):
+    """A saved artifact loads in a new interpreter into the class that wrote it and computes the same outputs."""
+    model = kvt.tiny_model("qwen3")
+    opt = kvt.transform(model, name, progress=False)
+    opt.save(tmp_path / "art")
+    inputs = opt.probe_inputs()
+    torch.save({"inputs": inputs, "outputs": opt.probe(inputs)}, tmp_path / "probe.pt")
+    proc = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(tmp_path / "art"), str(tmp_path / "probe.pt")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cls, err = proc.stdout.split()
+    assert cls == type(opt).__name__ and float(err) <= 1e-5
+
+
+def test_cli_reload_check_runs_in_a_fresh_process(tmp_path, monkeypatch):
+    """The CLI's reload check fails when the artifact does not load in a new interpreter (here: a corrupt
+    model.pt2), even though the writing process could still use its in-memory module."""
+    from kvtransform.cli import reload_check
+
+    model = kvt.tiny_model("llama")
+    opt = kvt.transform(model, "canonical", progress=False)
+    out = opt.save(tmp_path / "art")
+    err, shape = reload_check(opt, out, None)
+    assert err <= 1e-5 and shape[0] == 1
+    (out / "model.pt2").write_bytes(b"not a program")
+    with pytest.raises(RuntimeError, match="does not load in a fresh Python process"):
+        reload_check(opt, out, None)
