@@ -96,6 +96,12 @@ class SpeContextModule(OptimizedModule):
         _, logits = self.runtime.prefill(rows, max(int(r.numel()) for r in rows), device_of(self))
         return logits
 
+    @torch.no_grad()
+    def probe(self, inputs) -> torch.Tensor:
+        """What the CLI's reload check compares: 8 greedy tokens generated from ``inputs`` (ids ``(batch, 8)``)."""
+        out = self.generate(inputs, max_new_tokens=8, eos_token_id=None, progress=False)
+        return out[:, inputs.shape[1]:]
+
     def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
                  max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
