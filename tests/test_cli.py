@@ -252,3 +252,19 @@ def test_optimize_dualkv_demo_time_is_labelled(tmp_path, capsys):
 def test_adding_keys_with_plus_is_refused(capsys):
     rc, _, err = _run(["optimize", "+foo=1"], capsys)
     assert rc == 2 and "adding keys with '+' is not supported" in err, err
+
+
+def test_capture_refusal_is_one_error_line(tmp_path, capsys):
+    """A model feature that stops capture (dynamic-NTK RoPE on DualKV's unbounded packed axis): one `error:` line
+    naming it and the config key, exit 2, nothing from the exporter."""
+    from kvtransform.models import tiny_model
+
+    model_dir = tmp_path / "tiny-dynamic-rope"
+    tiny_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}).save_pretrained(model_dir)
+    capsys.readouterr()
+    rc, _, err = _run(["optimize", str(model_dir), "transform=dualkv", f"out={tmp_path / 'o'}"], capsys)
+    assert rc == 2, err
+    err = err[err.index("error:"):]  # after the model loader's progress bar
+    assert err.count("\n") == 1 and err.startswith("error: torch.export cannot capture"), err
+    assert "dynamic-NTK RoPE" in err and "rope_type" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
