@@ -48,7 +48,14 @@ def test_optimize_help(capsys):
     assert "kvtransform optimize [MODEL]" in out
     assert "transform: canonical, dualkv, specontext" in out
     assert "overwrite: false" in out
+    assert "kvtransform optimize transform=dualkv --help" in out  # how to see every transform's keys
     assert _cwd_is_empty()
+
+
+def test_optimize_help_shows_the_selected_transforms_keys(capsys):
+    rc, out, _ = _run(["optimize", "transform=dualkv", "--help"], capsys)
+    assert rc == 0 and "keys below are those of transform=dualkv" in out
+    assert "verify_groups:" in out and "num_responses:" in out
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "bench"])
@@ -163,6 +170,7 @@ def test_optimize_tiny_model(tmp_path, capsys):
     rc, stdout, err = _run(["optimize", str(model_dir), f"out={out}", "transform.verify.lengths=[5,12]"], capsys)
     assert rc == 0, err
     assert "verification" in stdout and "Reloaded" in stdout and "Done in" in stdout
+    assert "inputs of random token ids (no tokenizer)" in err and "real inputs" not in err  # no tokenizer saved
     report = json.loads((out / "report.json").read_text())
     assert report["verification"]["passed"] is True
     assert len(report["sites"]) == 2 and all(s["status"] == "canonical" for s in report["sites"])
@@ -181,6 +189,10 @@ def test_inspect_tiny_model(tmp_path, capsys):
     assert rc == 0, err
     report = json.loads(stdout[stdout.index("{"):])
     assert len(report["sites"]) == 2
+    rc, stdout, err = _run(["inspect", str(model_dir)], capsys)
+    assert rc == 0, err
+    assert "attention sites (2)" in stdout  # what inspect does: find the sites; nothing rewritten or verified
+    assert "rewritten" not in stdout and "verification" not in stdout and "passes" not in stdout
 
 
 @pytest.mark.parametrize(
