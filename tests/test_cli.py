@@ -222,7 +222,7 @@ def test_group_typos_suggest_the_group_choice(capsys):
     "overrides,expected",
     [
         (["transform.verify.lengths=[0]"], "verify.lengths must be integers >= 2"),
-        (["transform=specontext"], "SpeContext transform"),
+        (["transform=specontext", "transform.head=nope"], "unknown retrieval head"),
         (["transform=specontext", "transform.budget=0"], "budget must be >= 1"),
     ],
 )
