@@ -231,7 +231,8 @@ def original_parameter_name(name: str) -> str:
 
 
 def shard_dualkv(opt: torch.nn.Module, mesh=None, *, param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None, checkpoint: bool = True,
+                 reduce_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None,
+                 checkpoint: bool = True,
                  reshard_after_forward: bool = True) -> torch.nn.Module:
     """Shard a DualKV-transformed module with FSDP2: ``fully_shard`` per decoder layer and at the root.
 
@@ -251,6 +252,10 @@ def shard_dualkv(opt: torch.nn.Module, mesh=None, *, param_dtype: Optional[torch
             ``opt`` parameters as master weights). Must equal the dtype the graph was captured in (the graph
             bakes dtype casts in): capture a bf16 model, then ``opt.float()``. ``None``: the parameters' dtype.
         reduce_dtype: dtype of the gradient reduce-scatter (e.g. ``torch.float32``); ``None``: ``param_dtype``.
+        master_dtype: convert the parameters (not the buffers: the graph checks their captured dtypes) to this
+            dtype before sharding, e.g. ``torch.float32`` master weights for a graph captured in bf16 with
+            ``param_dtype=torch.bfloat16``; the sharded parameters, their gradients and the optimiser state then
+            live in it. ``None``: keep the parameters' dtype.
         checkpoint: activation checkpointing per decoder layer.
         reshard_after_forward: free the all-gathered layer parameters after forward (ZeRO-3); ``False`` keeps them
             until backward (ZeRO-2-like, more memory, one all-gather less per layer).
@@ -282,10 +287,16 @@ def shard_dualkv(opt: torch.nn.Module, mesh=None, *, param_dtype: Optional[torch
         dev = "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
         mesh = init_device_mesh(dev, (dist.get_world_size(),))
     captured = _captured_dtype(gm)
-    if param_dtype is not None and captured is not None and param_dtype != captured:
-        raise ValueError(f"shard_dualkv: param_dtype={param_dtype} but the graph was captured in {captured}; the "
-                         f"captured graph casts to {captured} internally. Capture in the compute dtype: "
-                         f"model.to({param_dtype}) before kvt.transform, then opt.float() for fp32 master weights")
+    compute = param_dtype or master_dtype or next(opt.parameters()).dtype
+    if captured is not None and compute != captured:
+        raise ValueError(f"shard_dualkv: the layers would compute in {compute} but the graph was captured in "
+                         f"{captured} (it casts to {captured} internally). Capture in the compute dtype: "
+                         f"model.to({compute}) before kvt.transform, and pass param_dtype={compute} (with "
+                         f"master_dtype=torch.float32 for fp32 master weights)")
+    if master_dtype is not None:
+        with torch.no_grad():
+            for p in opt.parameters():
+                p.data = p.data.to(master_dtype)
     if not hasattr(gm, "layers"):
         gm = split_decoder_layers(gm)
         core.gm = gm

@@ -57,6 +57,8 @@ def test_shard_dualkv_errors(tiny_opt):
         shard_dualkv(model)
     with pytest.raises(ValueError, match=r"captured in torch.float32.*model.to\(torch.bfloat16\) before kvt.transform"):
         shard_dualkv(opt, mesh=object(), param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"compute in torch.float64 but the graph was captured in torch.float32"):
+        shard_dualkv(opt, mesh=object(), master_dtype=torch.float64)
 
 
 def _worker(rank, world_size, opt, groups, plan, adv, global_tokens, store, out):
@@ -119,6 +121,6 @@ def test_fsdp2_two_gloo_ranks_equal_single_process_gradients(tmp_path):
     assert set(res["grads"]) == set(g_ref)
     worst = max(float((res["grads"][n] - g).abs().max() / g.abs().max()) for n, g in g_ref.items())
     assert worst <= 1e-5, worst
-    print(f"fsdp2 gloo x2: loss {res['loss']:.6f} vs {float(loss):.6f}, worst per-parameter relative gradient "
+    print(f"fsdp2 gloo x2: loss {res['loss']:.6f} vs {float(loss.detach()):.6f}, worst per-parameter relative gradient "
           f"error {worst:.2e} over {len(g_ref)} parameters, {plan.num_micro_batches} micro-batches/rank, "
           f"{time.perf_counter() - t0:.1f} s")
