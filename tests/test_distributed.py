@@ -124,3 +124,18 @@ def test_fsdp2_two_gloo_ranks_equal_single_process_gradients(tmp_path):
     print(f"fsdp2 gloo x2: loss {res['loss']:.6f} vs {float(loss.detach()):.6f}, worst per-parameter relative gradient "
           f"error {worst:.2e} over {len(g_ref)} parameters, {plan.num_micro_batches} micro-batches/rank, "
           f"{time.perf_counter() - t0:.1f} s")
+
+
+@pytest.mark.slow
+def test_example_check_grads_on_cpu():
+    """examples/fsdp2_dualkv.py --device cpu --tiny --check-grads under torchrun (2 gloo ranks) passes its table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29561",
+                        str(root / "examples" / "fsdp2_dualkv.py"), "--device", "cpu", "--tiny", "--check-grads"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "gradient check: PASS" in r.stdout
