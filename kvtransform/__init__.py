@@ -35,6 +35,9 @@ _LAZY = {
     "retrieval_topk": "kvtransform.ops.sparse_decode",
     "sparse_decode_attention": "kvtransform.ops.sparse_decode",
     "VerificationError": "kvtransform.verify",
+    "balance_groups": "kvtransform.balance",
+    "GroupBalance": "kvtransform.balance",
+    "shard_dualkv": "kvtransform.distributed",
 }
 
 
