@@ -139,10 +139,10 @@ def kvt_dualkv_attention_onnx(q, k, v, cu_seqlens, segment_prefix, softmax_scale
     # lse: scores of query head h against KV head h // G, as (H_kv, G, T, D) @ (H_kv, 1, D, T)
     h = op.Shape(q, start=1, end=2)
     h_kv = op.Shape(k, start=1, end=2)
-    q4 = op.Reshape(qh, op.Concat(h_kv, op.Div(h, h_kv), _i64(0, 0), axis=0))
+    q4 = op.Reshape(qh, op.Concat(h_kv, op.Div(h, h_kv), op.Shape(qh, start=1, end=3), axis=0))
     k4 = op.Unsqueeze(op.Transpose(kh, perm=[0, 2, 1]), _i64(1))
     scores = op.Mul(op.Cast(op.MatMul(q4, op.CastLike(k4, q4)), to=_float()), op.Constant(value_float=softmax_scale))
-    scores = op.Reshape(scores, op.Concat(h, _i64(0, 0), axis=0))  # (H, T, T)
+    scores = op.Reshape(scores, op.Concat(h, op.Shape(scores, start=2, end=4), axis=0))  # (H, T, T)
     scores = op.Where(op.Unsqueeze(keep, _i64(0)), scores, op.Constant(value_float=_NEG_INF))
     lse = op.ReduceLogSumExp(scores, _i64(-1), keepdims=0)  # (H, T)
     return out, lse
