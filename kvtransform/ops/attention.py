@@ -91,7 +91,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: 
 
 @_attention_op.register_fake
 def _(q, k, v, attn_mask, key_padding, softmax_scale, causal):
-    return torch.empty_like(q)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)  # the op returns contiguous
 
 
 def _setup_ctx(ctx, inputs, output):
