@@ -52,18 +52,9 @@ def check_available(cfg: TransformConfig):
     """The registered transform for ``cfg`` (a :class:`~kvtransform.transforms.TransformSpec`).
 
     Raises:
-        NotImplementedError: ``specontext`` while its transform is not built.
-        ValueError: any other config without a registered transform.
+        ValueError: a config without a registered transform.
     """
-    try:
-        return spec_for(cfg)
-    except ValueError:
-        if cfg.name == "specontext":
-            raise NotImplementedError(
-                "the SpeContext transform (decode-step capture, sparse_decode pass, KV-cache runtime, generate) is "
-                "not built yet; its ops are available: kvtransform.retrieval_topk and "
-                "kvtransform.sparse_decode_attention. Use transform='canonical' or 'dualkv'.") from None
-        raise
+    return spec_for(cfg)
 
 
 def inspect(model: torch.nn.Module, progress: bool = True) -> Report:

@@ -4,15 +4,29 @@
 the tracer (``docs/ARCHITECTURE.md``). The captured forward takes ``input_ids`` and ``attention_mask`` (both ``(B, S)``
 int64) with ``use_cache=False`` and returns the pytree of the model's output; :func:`capture` returns the unlifted
 ``GraphModule`` (parameters as attributes, the same ``Parameter`` objects as the model's) that passes rewrite.
+
+A model that torch.export cannot capture raises :class:`CaptureError`: one line naming the model feature (the source
+line) that stopped capture, and the config key or workaround where one is known; the exporter prints nothing (its
+logs and its partial-graph dump are silenced; ``KVT_DEBUG=1`` lets them through) and its exception is the error's
+``__cause__``. Dynamic-NTK RoPE is captured as it behaves up to the model's original maximum length
+(:func:`_capturable_rope`).
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch.export import Dim
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not capture a model. The message is one line: what stopped capture (the model feature,
+    its source line) and the config key or workaround where one is known; ``__cause__`` is the exporter's error."""
 
 
 @dataclass
@@ -61,7 +75,7 @@ def capture(model: torch.nn.Module, max_seq_len: Optional[int] = None) -> Captur
         :class:`Captured`.
 
     Raises:
-        RuntimeError: when torch.export fails (the message carries the exporter's reason).
+        CaptureError: torch.export cannot capture the model (a ``RuntimeError``; one line naming the feature).
     """
     max_len = max_seq_len or max_positions(model)
     ids, am = example_inputs(model)
@@ -72,7 +86,7 @@ def capture(model: torch.nn.Module, max_seq_len: Optional[int] = None) -> Captur
     model.eval()
     try:
         ep = export_dynamic(model, (), {"input_ids": ids, "attention_mask": am, "use_cache": False}, dyn,
-                            type(model).__name__)
+                            type(model).__name__, max_positions=max_len)
     finally:
         model.train(was_training)
     _require_dynamic(ep, "input_ids", 1)
@@ -91,31 +105,109 @@ def _auto_dims(spec):
 
 
 def export_dynamic(module: torch.nn.Module, args: tuple, kwargs: Optional[dict], dynamic_shapes, what: str,
-                   force_auto_dims: bool = False) -> torch.export.ExportedProgram:
+                   force_auto_dims: bool = False, max_positions: Optional[int] = None) -> torch.export.ExportedProgram:
     """``torch.export.export(..., strict=False)`` with named dynamic dims, falling back to ``Dim.AUTO``.
 
     On CUDA, SDPA's mask handling emits guards the named-``Dim`` solver cannot prove although they always hold
     (e.g. ``min(128*T, 512*T) == 128*T``); ``Dim.AUTO`` accepts them. Callers check that what must stay dynamic did.
+    ``max_positions``: the largest position the captured program can see (``None``: unbounded), for
+    :func:`_capturable_rope`.
 
     Raises:
-        RuntimeError: neither attempt exported (the message carries the exporter's reason).
+        CaptureError: a model feature known to defeat capture, refused before exporting, or neither attempt
+            exported (one line naming the source line that stopped it; the exporter's error is ``__cause__``).
     """
     err = None
     specs = (_auto_dims(dynamic_shapes),) if force_auto_dims else (dynamic_shapes, _auto_dims(dynamic_shapes))
-    for spec in specs:
-        try:
-            with torch.no_grad(), _quiet():
-                return torch.export.export(module, tuple(args), kwargs or {}, dynamic_shapes=spec, strict=False)
-        except Exception as e:  # pragma: no cover - message path
-            err = e
-    raise RuntimeError(f"torch.export could not capture {what}: {err}") from err
+    with _capturable_rope(module, max_positions, what):
+        for spec in specs:
+            try:
+                with torch.no_grad(), _quiet():
+                    return torch.export.export(module, tuple(args), kwargs or {}, dynamic_shapes=spec, strict=False)
+            except Exception as e:
+                err = e
+    raise CaptureError(f"torch.export cannot capture {what}: {_blocker(err)}") from err
+
+
+def _blocker(err: BaseException) -> str:
+    """One line: what in the model stopped torch.export (the last frame outside torch, the kind of failure), the
+    known feature and workaround for it, and where to see the rest."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_THIS_FILE)]
+    first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+    kind = ("data-dependent control flow (a Python branch on a tensor's value)"
+            if "data-dependent" in first else f"{type(err).__name__}: {first}")
+    where = ""
+    if frames:
+        f = frames[-1]
+        parts = Path(f.filename).parts
+        short = "/".join(parts[-3:] if "site-packages" not in parts
+                         else parts[len(parts) - parts[::-1].index("site-packages"):])
+        where = f" at {short}:{f.lineno} in {f.name}()" + (f": `{f.line}`" if f.line else "")
+        hint = _KNOWN_BLOCKERS.get(f.name)
+        if hint:
+            return f"{hint} ({kind}{where})"
+    return f"{kind}{where}; set KVT_DEBUG=1 for the exporter's traceback"
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_THIS_FILE = str(Path(__file__).resolve())
+_DYNAMIC_ROPE = "dynamic-NTK RoPE (config.rope_parameters['rope_type'] = 'dynamic')"
+_ROPE_FIX = ("if your inputs stay within config.max_position_embeddings, where dynamic RoPE equals plain RoPE, set "
+             "config.rope_parameters['rope_type'] = 'default' before transforming")
+# features known to defeat torch.export, by the function that raises: what to tell the user
+_KNOWN_BLOCKERS = {
+    "dynamic_frequency_update": f"{_DYNAMIC_ROPE} recomputes its frequencies from the input's largest position; "
+                                f"kvtransform captures it only within config.max_position_embeddings",
+}
+
+
+@contextlib.contextmanager
+def _capturable_rope(module: torch.nn.Module, max_positions: Optional[int], what: str):
+    """Dynamic-NTK RoPE recomputes its frequencies from the largest position id, a data-dependent branch that
+    torch.export cannot trace. Up to the model's original maximum length (``config.max_position_embeddings``) it is
+    plain RoPE with the frequencies it was built with, so for the duration of the export every such rotary module
+    runs as ``'default'`` RoPE with its original frequencies (the captured program accepts sequences up to that length
+    only). A capture whose positions may exceed it (``max_positions`` above it, or ``None``: unbounded, as a packed
+    axis) is refused by name with :class:`CaptureError`, before exporting."""
+    saved = []
+    try:
+        for m in module.modules():
+            rope_type = getattr(m, "rope_type", None)
+            types = rope_type if isinstance(rope_type, dict) else {None: rope_type}
+            dynamic = [lt for lt, t in types.items() if isinstance(t, str) and "dynamic" in t]
+            if not dynamic:
+                continue
+            limit = getattr(m, "original_max_seq_len", None)
+            prefixes = ["" if lt is None else f"{lt}_" for lt in dynamic]
+            if limit is None or any(not hasattr(m, f"{p}original_inv_freq") for p in prefixes):
+                raise CaptureError(f"torch.export cannot capture {what}: {_DYNAMIC_ROPE} in {type(m).__name__} "
+                                   f"recomputes its frequencies from the input's positions and this module keeps no "
+                                   f"original frequencies to capture; {_ROPE_FIX}")
+            if max_positions is None or max_positions > limit:
+                need = "an unbounded position axis" if max_positions is None else f"{max_positions} positions"
+                raise CaptureError(f"torch.export cannot capture {what}: {_DYNAMIC_ROPE} rescales its frequencies "
+                                   f"past {limit} positions (config.max_position_embeddings) and this capture needs "
+                                   f"{need}; kvtransform captures dynamic RoPE only up to that length (the canonical "
+                                   f"transform does); {_ROPE_FIX}")
+            saved.append((m, rope_type, {f"{p}inv_freq": getattr(m, f"{p}inv_freq") for p in prefixes}))
+            m.rope_type = ({lt: ("default" if lt in dynamic else t) for lt, t in types.items()}
+                           if isinstance(rope_type, dict) else "default")
+            for p in prefixes:
+                setattr(m, f"{p}inv_freq", getattr(m, f"{p}original_inv_freq").clone())
+        yield
+    finally:
+        for m, rope_type, bufs in saved:
+            m.rope_type = rope_type
+            for name, b in bufs.items():
+                setattr(m, name, b)
 
 
 def _require_dynamic(ep: torch.export.ExportedProgram, placeholder: str, dim: int) -> None:
     for node in ep.graph.nodes:
         if node.op == "placeholder" and node.name == placeholder and isinstance(node.meta["val"].shape[dim], int):
-            raise RuntimeError(f"torch.export specialised dimension {dim} of {placeholder}; cannot build a module "
-                               f"for every length")
+            raise CaptureError(f"torch.export specialised dimension {dim} of {placeholder} (the model's code depends "
+                               f"on its exact size); cannot build a module for every length")
 
 
 def _share_parameters(gm: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -134,20 +226,46 @@ def _share_parameters(gm: torch.nn.Module, model: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def _quiet():
+    """Silence the exporter: its loggers, warnings and what it prints to stderr (the partial graph of a failed
+    export); ``KVT_DEBUG=1`` lets the printing through."""
+    import io
     import logging
     import warnings
 
     loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch._dynamo", "torch.fx")]
     old = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
+    stderr = contextlib.nullcontext() if os.environ.get("KVT_DEBUG") else contextlib.redirect_stderr(io.StringIO())
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), stderr:
             warnings.simplefilter("ignore")
             yield
     finally:
         for lg, lv in zip(loggers, old):
             lg.setLevel(lv)
+
+
+def export_wrapped(model: torch.nn.Module, wrapper: torch.nn.Module, args: tuple, dynamic_shapes: dict, what: str,
+                   must_stay_dynamic: tuple, force_auto_dims: bool = False):
+    """Export ``wrapper`` (a module holding ``model`` as ``.model``) with ``model`` in eval mode; check that
+    ``must_stay_dynamic`` = ``(placeholder, dim)`` stayed dynamic; make the unlifted module share ``model``'s
+    ``Parameter`` objects. Returns ``(exported_program, graph_module)``.
+
+    Raises:
+        RuntimeError: torch.export failed, or specialised the dimension that must stay dynamic.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        ep = export_dynamic(wrapper, args, None, dynamic_shapes, f"{type(model).__name__} ({what})",
+                            force_auto_dims=force_auto_dims)
+    finally:
+        model.train(was_training)
+    _require_dynamic(ep, *must_stay_dynamic)
+    gm = ep.module()
+    _share_parameters(gm.model, model)
+    return ep, gm
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,7 +308,8 @@ def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20, force_auto
         force_auto_dims: skip the named-``Dim`` attempt and export with ``Dim.AUTO`` (the fallback; for tests).
 
     Raises:
-        RuntimeError: when torch.export fails.
+        CaptureError: torch.export cannot capture the model (a ``RuntimeError``; one line naming the feature), e.g.
+            dynamic-NTK RoPE, whose frequencies depend on positions a packed axis cannot bound.
     """
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, 12), device=device)
@@ -201,14 +320,180 @@ def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20, force_auto
     seg = Dim("segments", min=2, max=int(max_tokens))
     seg1 = Dim("segments_plus_1", min=3, max=int(max_tokens) + 1)
     named = {"input_ids": {1: tok}, "position_ids": {1: tok}, "cu_seqlens": {0: seg1}, "segment_prefix": {0: seg}}
-    was_training = model.training
-    model.eval()
-    try:
-        ep = export_dynamic(PackedForward(model), (ids, pos, cu, sp), None, named,
-                            f"{type(model).__name__} (packed)", force_auto_dims=force_auto_dims)
-    finally:
-        model.train(was_training)
-    _require_dynamic(ep, "input_ids", 1)
-    gm = ep.module()
-    _share_parameters(gm.model, model)
+    ep, gm = export_wrapped(model, PackedForward(model), (ids, pos, cu, sp), named, "packed", ("input_ids", 1),
+                            force_auto_dims)
     return Captured(gm, ep, int(max_tokens), PACKED_INPUTS)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# decode-step and prefill capture — added for the specontext transform (SpeContext, arXiv 2512.00722 §4–5)
+# ---------------------------------------------------------------------------------------------------------------------
+DECODE_INPUTS = ("input_ids", "cache_seqlens", "indices", "k_cache", "v_cache")
+PREFILL_INPUTS = ("input_ids", "position_ids", "cu_seqlens", "segment_prefix", "logits_index")
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """The name of the KV-cache argument of ``model.forward``: ``cache`` (transformers >= 5.2x) or
+    ``past_key_values`` (older 5.x)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _recording_cache(past_keys: Optional[list] = None, past_values: Optional[list] = None):
+    """A transformers ``DynamicCache`` whose ``update(k, v, layer)`` records the new post-RoPE K/V of every layer
+    (``.new_keys`` / ``.new_values``, lists of ``(B, H_kv, S_new, D)``) and returns ``cat(past_l, new)`` along the
+    sequence dim (just ``new`` without a past). It never grows: the caller owns the cache memory.
+
+    With a past, its layers are ordinary ``DynamicLayer`` objects holding ``past_l`` ``(B, H_kv, S_max, D)``, so
+    transformers' own mask code sizes the attention mask as ``S_max + S_new`` keys with the query at offset
+    ``S_max``."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class _RecordingCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            self.new_keys.append(key_states)
+            self.new_values.append(value_states)
+            if layer_idx >= len(self.layers) or getattr(self.layers[layer_idx], "keys", None) is None:
+                return key_states, value_states
+            layer = self.layers[layer_idx]
+            return (torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2))
+
+    cache = _RecordingCache()
+    cache.new_keys, cache.new_values = [], []
+    for k, v in zip(past_keys or [], past_values or []):
+        layer = DynamicLayer()
+        layer.keys, layer.values, layer.is_initialized, layer.device = k, v, True, k.device
+        cache.layers.append(layer)
+    return cache
+
+
+class DecodeStepForward(torch.nn.Module):
+    """Wrapper exported by :func:`capture_decode_step`: one decode step over a static KV cache.
+
+    ``(input_ids (B, 1) int64, cache_seqlens (B,) int32, indices (B, H_kv, Bud) int32, k_cache (L, B, H_kv, S_max,
+    D), v_cache (same)) -> (logits (B, vocab), k_new (L, B, H_kv, D), v_new (L, B, H_kv, D))``.
+
+    Row ``b`` holds ``cache_seqlens[b]`` tokens at cache positions ``[0, cache_seqlens[b])`` (no padding inside the
+    cache), so the new token sits at position ``cache_seqlens[b]`` (its RoPE position). The model runs with a
+    recording cache whose ``update`` returns ``cat(k_cache[l], k_new)`` and a 2-D attention mask that keeps the
+    valid cache positions and the new token: before the sparse_decode pass the graph is exactly dense decode
+    attention (as HF computes it); the pass swaps every such attention for ``kvt::sparse_decode_attention`` over
+    ``indices`` (unused until then). ``k_new``/``v_new`` are the new token's post-RoPE K/V; the runtime writes them
+    into the cache.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self._cache_kw = _cache_kwarg(model)
+
+    def forward(self, input_ids, cache_seqlens, indices, k_cache, v_cache):
+        n_layers, s_max = k_cache.shape[0], k_cache.shape[3]
+        lens = cache_seqlens.to(torch.long)
+        keep = torch.arange(s_max, device=input_ids.device)[None, :] < lens[:, None]
+        attention_mask = torch.cat([keep, torch.ones_like(keep[:, :1])], dim=1).to(torch.long)
+        cache = _recording_cache([k_cache[i] for i in range(n_layers)], [v_cache[i] for i in range(n_layers)])
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=lens[:, None],
+                         use_cache=True, **{self._cache_kw: cache})
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        k_new = torch.stack([k[:, :, -1] for k in cache.new_keys])
+        v_new = torch.stack([v[:, :, -1] for v in cache.new_values])
+        return logits[:, -1], k_new, v_new
+
+
+def decode_example(model, batch: int = 2, s_max: int = 16, budget: int = 4):
+    """Example inputs of :class:`DecodeStepForward` (``input_ids, cache_seqlens, indices, k_cache, v_cache``)."""
+    cfg = model.config
+    p = next(model.parameters())
+    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = (cfg.num_hidden_layers, batch, n_kv, s_max, d)
+    ids = torch.randint(0, cfg.vocab_size, (batch, 1), device=p.device)
+    lens = torch.tensor([s_max // 2 + i for i in range(batch)], dtype=torch.int32, device=p.device)
+    idx = torch.arange(budget, dtype=torch.int32, device=p.device).expand(batch, n_kv, budget).contiguous()
+    kc = torch.randn(shape, dtype=p.dtype, device=p.device)
+    return ids, lens, idx, kc, torch.randn_like(kc)
+
+
+def capture_decode_step(model: torch.nn.Module, max_cache_len: Optional[int] = None,
+                        force_auto_dims: bool = False) -> Captured:
+    """Export one decode step of ``model`` over an explicit static KV cache (:class:`DecodeStepForward`), dynamic
+    batch, cache length ``S_max`` and budget.
+
+    SpeContext (arXiv 2512.00722 §4.3) makes one selection per decode step, shared by every layer: the captured
+    step takes it as the ``indices`` input. Before the sparse_decode pass the graph is dense attention over
+    ``cat(k_cache[l], k_new)`` with a mask built from ``cache_seqlens`` (verifiable against HF); the pass proves that
+    and rewrites each site. The captured module holds the model's own ``Parameter`` objects.
+
+    Args:
+        model: a transformers causal LM (eval mode), any dtype/device.
+        max_cache_len: upper bound of the dynamic ``S_max`` (default the model's maximum positions).
+        force_auto_dims: export with ``Dim.AUTO`` only (the fallback; for tests).
+
+    Raises:
+        RuntimeError: torch.export failed.
+    """
+    max_len = int(max_cache_len or max_positions(model))
+    args = decode_example(model)
+    batch = Dim("batch", min=1, max=1024)
+    s_max = Dim("s_max", min=4, max=max_len)
+    budget = Dim("budget", min=2, max=max_len)
+    dyn = {"input_ids": {0: batch}, "cache_seqlens": {0: batch}, "indices": {0: batch, 2: budget},
+           "k_cache": {1: batch, 3: s_max}, "v_cache": {1: batch, 3: s_max}}
+    ep, gm = export_wrapped(model, DecodeStepForward(model), args, dyn, "decode step", ("k_cache", 3),
+                            force_auto_dims)
+    return Captured(gm, ep, max_len, DECODE_INPUTS)
+
+
+class PrefillForward(torch.nn.Module):
+    """Wrapper exported by :func:`capture_prefill`: the prompts of a batch packed on one token axis, each its own
+    causal segment.
+
+    ``(input_ids (1, T), position_ids (1, T), cu_seqlens (S+1,) int32, segment_prefix (S,) int32, logits_index (S,)
+    int64) -> (logits (1, S, vocab) at the packed positions logits_index, k (L, 1, H_kv, T, D), v (same))``: the
+    post-RoPE K/V of every layer, recorded by a cache whose ``update`` returns them unchanged. Before the dualkv
+    pass the graph attends causally over the whole axis; the pass makes every attention per-segment
+    (``kvt.dualkv_attention`` with no responses is varlen causal attention).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self._cache_kw = _cache_kwarg(model)
+
+    def forward(self, input_ids, position_ids, cu_seqlens, segment_prefix, logits_index):
+        cache = _recording_cache()
+        out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids,
+                         use_cache=True, logits_to_keep=logits_index, **{self._cache_kw: cache})
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits, torch.stack(cache.new_keys), torch.stack(cache.new_values)
+
+
+def prefill_example(model):
+    """Example inputs of :class:`PrefillForward`: three prompts of 5, 4 and 3 tokens."""
+    device = next(model.parameters()).device
+    lens = [5, 4, 3]
+    ids = torch.randint(0, model.config.vocab_size, (1, sum(lens)), device=device)
+    pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
+    cu = torch.tensor([0, 5, 9, 12], dtype=torch.int32, device=device)
+    sp = torch.full((3,), -1, dtype=torch.int32, device=device)
+    last = (cu[1:] - 1).long()
+    return ids, pos, cu, sp, last
+
+
+def capture_prefill(model: torch.nn.Module, max_tokens: int = 1 << 20, force_auto_dims: bool = False) -> Captured:
+    """Export the packed prefill (:class:`PrefillForward`), dynamic token count ``T`` and prompt count ``S``.
+
+    Raises:
+        RuntimeError: torch.export failed.
+    """
+    tok = Dim("tokens", min=2, max=int(max_tokens))
+    seg = Dim("segments", min=2, max=int(max_tokens))
+    seg1 = Dim("segments_plus_1", min=3, max=int(max_tokens) + 1)
+    named = {"input_ids": {1: tok}, "position_ids": {1: tok}, "cu_seqlens": {0: seg1}, "segment_prefix": {0: seg},
+             "logits_index": {0: seg}}
+    ep, gm = export_wrapped(model, PrefillForward(model), prefill_example(model), named, "packed prefill",
+                            ("input_ids", 1), force_auto_dims)
+    return Captured(gm, ep, int(max_tokens), PREFILL_INPUTS)

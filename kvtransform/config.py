@@ -158,31 +158,52 @@ class DualKVConfig(TransformConfig):
 
 @dataclass
 class SpeContextConfig(TransformConfig):
-    """Sparse retrieval decode (SpeContext, arXiv 2512.00722, §4.3).
+    """Sparse retrieval decode (SpeContext, arXiv 2512.00722, §4–5): once per decode step a retrieval head picks
+    ``budget`` cached tokens per KV head and every layer attends only to those.
 
     Attributes:
-        budget: B, tokens kept per KV head per decode step.
+        head: the retrieval head (``kvtransform.runtime.heads``): ``quest`` (default; 16-token pages scored with
+            per-page min/max keys), ``oracle`` (the LLM's own attention of the previous step: an accuracy upper
+            bound), ``recent`` (sink + window), ``dense`` (every token, budget ignored: the baseline), or a head
+            registered with ``kvtransform.runtime.register_head``.
+        budget: B, tokens kept per KV head per decode step (``quest`` rounds up to whole pages).
         num_sink: always-kept first tokens (0 = off, as in the paper).
         num_recent: always-kept most recent tokens (0 = off, as in the paper).
-        retrieval: where the retrieval head comes from: ``"self"`` (the model's own first layer projections) or a
-            path / registry name of a draft model.
+        page_size: tokens per page of the ``quest`` head.
+        cuda_graphs: on CUDA, capture the whole decode step (retrieval head + LLM) in a CUDA graph and replay it.
+        retrieval: where a trained retrieval head comes from: ``"self"`` (the model's own first layer projections) or
+            a path / registry name of a draft model (used by trained heads).
         offload: keep the full KV cache of some layers on CPU with elastic loading (memory model decides which).
     """
 
     name: str = "specontext"
+    head: str = "quest"
     budget: int = 2048
     num_sink: int = 0
     num_recent: int = 0
+    page_size: int = 16
+    cuda_graphs: bool = True
     retrieval: str = "self"
     offload: bool = False
 
     def validate(self) -> None:
         super().validate()
+        for key in ("budget", "num_sink", "num_recent", "page_size"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{key} must be an integer number of tokens; got {v!r}")
         if self.budget < 1:
-            raise ValueError(f"budget must be >= 1 token per KV head; got {self.budget}")
+            raise ValueError(f"budget must be >= 1 token per KV head; got {self.budget} (set transform.budget, "
+                             f"e.g. 2048)")
         if self.num_sink < 0 or self.num_recent < 0 or self.num_sink + self.num_recent > self.budget:
             raise ValueError(f"num_sink and num_recent must be >= 0 with num_sink + num_recent <= budget; got "
                              f"{self.num_sink}, {self.num_recent}, budget {self.budget}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1 token; got {self.page_size}")
+        from kvtransform.runtime.heads import HEADS
+
+        if self.head not in HEADS:
+            raise ValueError(f"unknown retrieval head {self.head!r}; choose one of {sorted(HEADS)}")
 
 
 CONFIG_TYPES: dict[str, type] = {

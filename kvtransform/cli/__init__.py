@@ -5,6 +5,7 @@ Subcommands::
     kvtransform optimize [MODEL] [key=value ...]   # load → transform → report → save → reload check (Hydra config)
     kvtransform inspect MODEL [--attn-implementation eager] [--json]
     kvtransform bench SUITE [overrides ...] [-m]   # forwarded to kvtransform.bench.run
+    kvtransform generate [MODEL] prompt="..." [key=value ...]   # SpeContext generation, prints the text
 
 ``optimize`` is a Hydra app composed from ``kvtransform.conf`` (``config.yaml`` + groups ``model/`` and
 ``transform/``) on top of structured configs registered in Hydra's ConfigStore: :class:`OptimizeConfig`,
@@ -244,6 +245,104 @@ def _bench(args: Sequence[str]) -> int:
     return int(rc) if isinstance(rc, int) else 0
 
 
+# ---- generate -----------------------------------------------------------------------------------------------------
+
+_GENERATE_HELP = """usage: kvtransform generate [MODEL] prompt="..." [key=value ...]
+
+Load MODEL (default smollm2-135m), apply the SpeContext transform (sparse retrieval decode, arXiv 2512.00722) and
+print the generated text. Nothing is written.
+
+keys:
+  prompt=TEXT               the prompt (required)
+  max_new_tokens=N          tokens to generate (default 128)
+  chat=true|false           wrap the prompt in the tokenizer's chat template (default: true when it has one)
+  do_sample=true|false      sample instead of greedy (default false); temperature=, top_k=, top_p=, seed=
+  transform=specontext      the only transform with generate
+  transform.KEY=VALUE       SpeContextConfig keys: head, budget, num_sink, num_recent, page_size, cuda_graphs, ...
+  model.dtype=float32       float32 | bfloat16 | float16 | auto"""
+
+_GENERATE_KEYS = {"prompt": None, "max_new_tokens": 128, "chat": None, "do_sample": False, "temperature": 1.0,
+                  "top_k": None, "top_p": None, "seed": None, "model.dtype": "float32"}
+
+
+def _parse_generate_args(args: Sequence[str]) -> tuple[Optional[str], dict, dict]:
+    """``[MODEL] key=value ...`` → (model, generation options, transform config dict). Values are YAML scalars.
+
+    Raises:
+        UsageError: an unknown key, a transform other than specontext, a missing prompt, a second MODEL.
+    """
+    import yaml
+
+    model, opts, tcfg = None, dict(_GENERATE_KEYS), {"name": "specontext"}
+    for a in args:
+        key, sep, raw = a.partition("=")
+        if not sep:
+            if model is not None:
+                raise UsageError(f"unexpected argument {a!r}: give one MODEL, then key=value settings")
+            model = a
+            continue
+        value = raw if key == "prompt" else yaml.safe_load(raw) if raw else None
+        if key == "transform":
+            if value != "specontext":
+                raise UsageError(f"kvtransform generate runs transform=specontext only; got transform={raw}")
+        elif key.startswith("transform."):
+            tcfg[key[len("transform."):]] = value
+        elif key in opts:
+            opts[key] = value
+        else:
+            close = difflib.get_close_matches(key, list(opts) + ["transform"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"unknown key {key!r}{hint}; keys: {', '.join(opts)}, transform.<key>")
+    if not opts["prompt"]:
+        raise UsageError('give the prompt: kvtransform generate MODEL prompt="..."')
+    return model, opts, tcfg
+
+
+def _generate(args: Sequence[str]) -> int:
+    if any(a in ("-h", "--help") for a in args):
+        print(_GENERATE_HELP)
+        return 0
+
+    def run() -> None:
+        import torch
+
+        import kvtransform as kvt
+        from ..models import load_model
+
+        name, opts, tdict = _parse_generate_args(args)
+        try:
+            tcfg = config_from_dict(tdict)
+        except ValueError as e:
+            raise UsageError(f"invalid transform setting: {e}") from None
+        n = opts["max_new_tokens"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UsageError(f"max_new_tokens must be an integer >= 1; got {n!r}")
+        model, tok = load_model(name or "smollm2-135m", dtype=opts["model.dtype"])
+        if tok is None:
+            raise UsageError(f"{name} has no tokenizer: kvtransform generate needs one to encode the prompt")
+        sp = kvt.transform(model, tcfg, tokenizer=tok)
+        chat = opts["chat"] if opts["chat"] is not None else bool(getattr(tok, "chat_template", None))
+        if chat:
+            text = tok.apply_chat_template([{"role": "user", "content": opts["prompt"]}], tokenize=False,
+                                           add_generation_prompt=True)
+            ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        else:
+            ids = tok(opts["prompt"], return_tensors="pt")["input_ids"]
+        out = sp.generate(ids.to(next(model.parameters()).device), max_new_tokens=n, do_sample=bool(opts["do_sample"]),
+                          temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"],
+                          seed=opts["seed"], return_dict_in_generate=True)
+        print(tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True))
+        st = out.stats
+        _console(stderr=True).print(
+            f"[dim]{st.new_tokens} new tokens, head={st.head} budget={st.budget}: prefill {st.prefill_s:.2f} s "
+            f"({st.prefill_tokens_per_s:.0f} tok/s), decode {st.decode_s:.2f} s ({st.ms_per_step:.1f} ms/step), "
+            f"KV cache {st.kv_bytes / 2**20:.1f} MiB[/dim]")
+        del torch
+
+    _guard(run)
+    return 0
+
+
 # ---- entry point --------------------------------------------------------------------------------------------------
 
 _HELP = """usage: kvtransform COMMAND [ARGS ...]
@@ -256,6 +355,7 @@ commands:
                                      (default model smollm2-135m, transform=canonical; --cfg job prints the config)
   inspect MODEL                      print the attention sites found in MODEL
   bench SUITE [key=value ...] [-m]   run a benchmark suite
+  generate [MODEL] prompt="..."      generate text with SpeContext sparse decode (transform.budget=..., ...)
 
 MODEL: a registry name ({names}), a local HF model directory, a .gguf file, or a hub id in the local HF cache.
 Run `kvtransform COMMAND --help` for a command's options."""
@@ -281,7 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(f"kvtransform {__version__}")
         return 0
-    commands = {"optimize": _optimize, "inspect": _inspect, "bench": _bench}
+    commands = {"optimize": _optimize, "inspect": _inspect, "bench": _bench, "generate": _generate}
     cmd = commands.get(args[0])
     if cmd is None:
         close = difflib.get_close_matches(args[0], list(commands), n=1)

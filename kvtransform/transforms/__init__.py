@@ -76,3 +76,4 @@ def registered() -> list[str]:
 # Importing the transform modules registers them.
 from . import canonical  # noqa: E402,F401
 from . import dualkv  # noqa: E402,F401
+from . import specontext  # noqa: E402,F401

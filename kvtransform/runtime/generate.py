@@ -1,0 +1,427 @@
+"""The SpeContext generation loop (arXiv 2512.00722 §4–5): packed prefill into a static KV cache, then one decode
+step per token: retrieval head → ``indices`` → the rewritten LLM step (every attention is
+``kvt::sparse_decode_attention``) → append K/V → sample.
+
+Semantics follow Hugging Face ``generate``: a batch of prompts of different lengths (left padding, or any 0/1
+``attention_mask``: the real tokens of each row are its prompt), greedy by default or sampling with
+``temperature``/``top_k``/``top_p`` (transformers' own logits warpers), per-row stop at EOS (finished rows are
+filled with the pad id), ``(batch, prompt + new)`` ids returned. On CUDA with ``cuda_graphs`` the whole decode
+step -- retrieval head and LLM -- is captured once per batch and replayed (:meth:`SpeContextRuntime._graph_step`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from .cache import KVCache
+from .heads import RetrievalHead
+
+
+@dataclass
+class GenerationStats:
+    """Per-run numbers of :meth:`SpeContextRuntime.generate`.
+
+    Attributes:
+        batch: rows.
+        prompt_tokens: real prompt tokens (sum over rows; padding not counted).
+        new_tokens: tokens generated (sum over rows, up to and including each row's EOS).
+        prefill_s, decode_s: wall seconds of the prefill (with the first token) and of the decode steps.
+        prefill_tokens_per_s: ``prompt_tokens / prefill_s``.
+        decode_tokens_per_s: tokens produced by the decode steps (rows still running) per second.
+        decode_steps: decode steps run.
+        ms_per_step: ``1000 * decode_s / decode_steps``.
+        selection_overlap: mean fraction of the tokens selected at a step that were also selected at the
+            previous step (per row and KV head; ``1 - 1/len`` for ``dense``; None without two comparable steps).
+        kv_bytes: bytes allocated for the KV cache (``2 * L * batch * H_kv * max_length * D * itemsize``).
+        cache_max_length: ``max_length`` of the cache (longest prompt + ``max_new_tokens``).
+        head, budget: the retrieval head and the budget (tokens per KV head; ignored by ``dense``).
+        cuda_graph: whether the decode steps replayed a CUDA graph.
+        selection_checksums: per decode step and row, ``Σ_j (j+1)·(indices[b, :, j] + 1)`` summed over KV
+            heads (int64): equal lists mean equal selections (used to check a graph replay against eager).
+    """
+
+    batch: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    decode_steps: int = 0
+    ms_per_step: float = 0.0
+    selection_overlap: Optional[float] = None
+    kv_bytes: int = 0
+    cache_max_length: int = 0
+    head: str = ""
+    budget: int = 0
+    cuda_graph: bool = False
+    selection_checksums: list = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("selection_checksums")
+        return d
+
+
+@dataclass
+class GenerateOutput:
+    """``generate(..., return_dict_in_generate=True)``: ``sequences`` int64 ``(batch, prompt + new)`` and
+    ``stats`` (:class:`GenerationStats`)."""
+
+    sequences: torch.Tensor
+    stats: GenerationStats
+
+
+@dataclass
+class ModelInfo:
+    """What the runtime needs to know about the model (stored in the artifact's ``meta.json``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    dtype: str
+    eos_token_id: list
+    pad_token_id: Optional[int]
+
+    @classmethod
+    def from_model(cls, model) -> "ModelInfo":
+        cfg = model.config
+        gen = getattr(model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        eos = cfg.eos_token_id if eos is None else eos
+        eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        pad = getattr(gen, "pad_token_id", None) if gen is not None else None
+        from kvtransform.capture import max_positions
+
+        return cls(num_layers=cfg.num_hidden_layers,
+                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+                   vocab_size=int(cfg.vocab_size), max_positions=max_positions(model),
+                   dtype=str(next(model.parameters()).dtype).replace("torch.", ""), eos_token_id=eos,
+                   pad_token_id=None if pad is None else int(pad))
+
+
+def _as_eos(eos, vocab: int) -> list:
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) or (isinstance(eos, torch.Tensor) and eos.dim() == 0) else list(eos)
+    out = []
+    for e in ids:
+        if isinstance(e, bool) or not isinstance(e, (int, torch.Tensor)) or not 0 <= int(e) < vocab:
+            raise ValueError(f"eos_token_id {e!r} is outside the vocabulary [0, {vocab}): pass the tokenizer's "
+                             f"eos_token_id, or None to never stop early")
+        out.append(int(e))
+    return out
+
+
+class SpeContextRuntime:
+    """Prefill + decode loop around two captured programs and a retrieval head.
+
+    Args:
+        prefill: ``(input_ids (1, T), position_ids (1, T), cu_seqlens (S+1,) int32, segment_prefix (S,) int32,
+            logits_index (S,) int64) -> (logits (1, S, vocab), k (L, 1, H_kv, T, D), v)`` (packed prompts, each its
+            own causal segment; ``S >= 2``).
+        decode: ``(input_ids (B, 1), cache_seqlens (B,) int32, indices (B, H_kv, W) int32, k_cache, v_cache) ->
+            (logits (B, vocab), k_new (L, B, H_kv, D), v_new, queries (L, B, H, D))``.
+        head: the :class:`~kvtransform.runtime.heads.RetrievalHead`.
+        info: :class:`ModelInfo`.
+        cuda_graphs: capture the decode step in a CUDA graph when the tensors are on CUDA.
+    """
+
+    def __init__(self, prefill: Callable, decode: Callable, head: RetrievalHead, info: ModelInfo,
+                 cuda_graphs: bool = True):
+        self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
+        self.cuda_graphs = bool(cuda_graphs)
+
+    # ---- validation ------------------------------------------------------------------------------------------
+    def _rows(self, input_ids, attention_mask) -> list:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+                or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor (batch, seq); got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        if input_ids.shape[0] < 1:
+            raise ValueError("input_ids has no rows: pass at least one prompt")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        elif tuple(attention_mask.shape) != tuple(input_ids.shape) or attention_mask.dtype.is_floating_point or \
+                not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError(f"attention_mask must be 0/1 (int or bool) of shape {tuple(input_ids.shape)} like "
+                             f"input_ids; got {attention_mask.dtype} {tuple(attention_mask.shape)}")
+        keep = attention_mask.bool().cpu()
+        ids = input_ids.cpu()
+        rows = [ids[b][keep[b]] for b in range(ids.shape[0])]
+        empty = [b for b, r in enumerate(rows) if r.numel() == 0]
+        if empty:
+            raise ValueError(f"prompt row {empty[0]} is empty (no token with attention_mask 1): every row needs at "
+                             f"least one prompt token")
+        vocab = self.info.vocab_size
+        for b, r in enumerate(rows):
+            lo, hi = int(r.min()), int(r.max())
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"token id {lo if lo < 0 else hi} in prompt row {b} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        return rows
+
+    def _check_request(self, rows, max_new_tokens, temperature, top_k, top_p):
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        longest = max(r.numel() for r in rows)
+        if longest + max_new_tokens > self.info.max_positions:
+            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+                             f"{self.info.max_positions} positions: shorten the prompt or lower max_new_tokens to "
+                             f"{max(self.info.max_positions - longest, 0)}")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"temperature must be a number > 0; got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 or None = off); got {top_k!r}")
+        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 or None = off); got {top_p!r}")
+
+    # ---- the two programs ------------------------------------------------------------------------------------
+    def prefill(self, rows: Sequence[torch.Tensor], max_length: int, device) -> tuple[KVCache, torch.Tensor]:
+        """Run the packed prefill of ``rows`` (1-D prompts), write their K/V into a new cache of ``max_length``
+        tokens per row. Returns ``(cache, logits (batch, vocab))`` of each prompt's last token."""
+        info = self.info
+        lens = [int(r.numel()) for r in rows]
+        seqs = list(rows)
+        if len(seqs) == 1:  # the captured prefill takes >= 2 segments: add a 1-token dummy prompt
+            seqs.append(torch.zeros(1, dtype=torch.long))
+        seg_lens = [int(r.numel()) for r in seqs]
+        cu = [0]
+        for n in seg_lens:
+            cu.append(cu[-1] + n)
+        ids = torch.cat(seqs).to(device=device, dtype=torch.long)[None]
+        pos = torch.cat([torch.arange(n) for n in seg_lens]).to(device)[None]
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+        sp = torch.full((len(seqs),), -1, dtype=torch.int32, device=device)
+        last = (cu_t[1:] - 1).long()
+        logits, k, v = self.prefill_fn(ids, pos, cu_t, sp, last)
+        cache = KVCache.allocate(info.num_layers, len(rows), info.num_kv_heads, max_length, info.head_dim, k.dtype,
+                                 device)
+        cache.write_prompts(k, v, cu)
+        return cache, logits[0, :len(rows)]
+
+    def decode(self, cache: KVCache, tokens: torch.Tensor, indices: torch.Tensor):
+        """One eager decode step for ``tokens`` ``(batch,)``: the LLM step over ``indices``, then append K/V.
+        Returns ``(logits (batch, vocab), queries (L, batch, H, D))``."""
+        logits, k_new, v_new, q = self.decode_fn(tokens[:, None], cache.cache_seqlens, indices, cache.k, cache.v)
+        cache.append(k_new, v_new)
+        return logits, q
+
+    # ---- generation ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_token_id: Union[int, Sequence[int], None] = "default", pad_token_id: Optional[int] = None,
+                 seed: Optional[int] = None, device=None, progress: Optional[bool] = None
+                 ) -> GenerateOutput:
+        """Generate up to ``max_new_tokens`` per row (HF ``generate`` semantics; see the module docstring).
+
+        Args:
+            input_ids: int ``(batch, seq)``; attention_mask: 0/1 ``(batch, seq)`` (default all ones).
+            eos_token_id: an id or a list (``"default"``: the model's generation config; None: never stop).
+            pad_token_id: id written after a row's EOS (default: the model's pad id, else its first EOS id, else 0).
+            seed: seed of the sampling generator (``do_sample``).
+            device: the programs' device. progress: a tqdm bar over decode steps (default: when
+                ``max_new_tokens >= 256``).
+
+        Returns:
+            :class:`GenerateOutput`.
+
+        Raises:
+            ValueError: bad ``input_ids``/``attention_mask``, an empty prompt row, a token or EOS id outside the
+                vocabulary, ``max_new_tokens < 1``, prompt + ``max_new_tokens`` beyond the model's positions,
+                a bad sampling parameter.
+        """
+        info = self.info
+        rows = self._rows(input_ids, attention_mask)
+        self._check_request(rows, max_new_tokens, temperature, top_k, top_p)
+        eos = _as_eos(info.eos_token_id if isinstance(eos_token_id, str) else eos_token_id, info.vocab_size)
+        pad = pad_token_id if pad_token_id is not None else (
+            info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0))
+        device = device or input_ids.device
+        sample = _sampler(do_sample, temperature, top_k, top_p, seed, device)
+        batch = len(rows)
+        stats = GenerationStats(batch=batch, prompt_tokens=sum(int(r.numel()) for r in rows), head=self.head.name,
+                                budget=self.head.budget)
+
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        t0 = time.perf_counter()
+        cache, logits = self.prefill(rows, max(int(r.numel()) for r in rows) + max_new_tokens, device)
+        self.head.prefill(cache)
+        eos_t = torch.tensor(eos or [-1], device=device)
+        running = torch.ones(batch, dtype=torch.bool, device=device)
+        tok = sample(logits)
+        out = [tok]
+        running &= ~torch.isin(tok, eos_t)
+        sync()
+        t1 = time.perf_counter()
+        stats.kv_bytes, stats.cache_max_length = cache.nbytes, cache.max_length
+        stats.prefill_s = t1 - t0
+
+        use_graph = self.cuda_graphs and torch.device(device).type == "cuda"
+        stepper = _GraphStep(self, cache) if use_graph else None
+        stats.cuda_graph = use_graph
+        overlap = torch.zeros((), device=device)
+        produced = torch.zeros((), dtype=torch.long, device=device)
+        checksums, prev_sel, q, n_overlap = [], None, None, 0
+        steps = range(1, max_new_tokens)
+        show = progress if progress is not None else max_new_tokens >= 256
+        if show:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc=f"decode ({self.head.name})", unit="tok", leave=False)
+        for i in steps:
+            if i % 8 == 1 and not bool(running.any()):  # a host sync: checked every 8 steps, trimmed below
+                break
+            if stepper is not None and q is not None:
+                logits, sel = stepper(tok)
+            else:
+                sel = self.head.step(cache, q)
+                logits, q = self.decode(cache, tok, sel)
+                if stepper is not None:
+                    stepper.q = q = q.clone()
+            checksums.append(_checksum(sel))
+            if prev_sel is not None and prev_sel.shape == sel.shape:
+                overlap += _overlap(prev_sel, sel, cache.max_length)
+                n_overlap += 1
+            prev_sel = sel.clone()
+            produced += running.sum()
+            nxt = sample(logits)
+            tok = torch.where(running, nxt, torch.full_like(nxt, pad))
+            out.append(tok)
+            running &= ~torch.isin(tok, eos_t)
+            stats.decode_steps += 1
+        sync()
+        t2 = time.perf_counter()
+        new = _trim(torch.stack(out, 1), eos)
+        stats.decode_s = t2 - t1
+        stats.new_tokens = _count_new(new, eos)
+        stats.prefill_tokens_per_s = stats.prompt_tokens / max(stats.prefill_s, 1e-9)
+        stats.decode_tokens_per_s = int(produced) / max(stats.decode_s, 1e-9)
+        stats.ms_per_step = 1000 * stats.decode_s / max(stats.decode_steps, 1)
+        stats.selection_overlap = float(overlap) / n_overlap if n_overlap else None
+        stats.selection_checksums = torch.stack(checksums).tolist() if checksums else []
+        new = new.to(input_ids.device)
+        return GenerateOutput(torch.cat([input_ids.to(torch.long), new], dim=1), stats)
+
+
+def _first_eos(new: torch.Tensor, eos: list) -> torch.Tensor:
+    """Per row, the column of its first EOS in ``new`` ``(batch, n)``, or ``n`` when none."""
+    n = new.shape[1]
+    if not eos:
+        return torch.full((new.shape[0],), n, dtype=torch.long)
+    hit = torch.isin(new.cpu(), torch.tensor(eos))
+    col = torch.where(hit, torch.arange(n)[None], torch.full_like(hit, n, dtype=torch.long))
+    return col.amin(dim=1)
+
+
+def _trim(new: torch.Tensor, eos: list) -> torch.Tensor:
+    """Drop the columns after every row has finished (HF stops when the last row reaches EOS)."""
+    last = int(_first_eos(new, eos).max())
+    return new[:, :last + 1]
+
+
+def _count_new(new: torch.Tensor, eos: list) -> int:
+    """Tokens generated per row up to and including its first EOS, summed."""
+    return int((_first_eos(new, eos) + 1).clamp(max=new.shape[1]).sum())
+
+
+def _checksum(sel: torch.Tensor) -> torch.Tensor:
+    w = torch.arange(1, sel.shape[-1] + 1, device=sel.device, dtype=torch.int64)
+    return ((sel.to(torch.int64) + 1) * w).sum(dim=(1, 2))
+
+
+def _overlap(prev: torch.Tensor, cur: torch.Tensor, s_max: int) -> torch.Tensor:
+    """Mean over (row, KV head) of |cur ∩ prev| / |cur| (valid entries only)."""
+    b, h, _ = prev.shape
+    member = torch.zeros(b, h, s_max + 1, dtype=torch.bool, device=prev.device)
+    member.scatter_(2, (prev.long() + 1).clamp(min=0), True)
+    member[:, :, 0] = False
+    valid = cur >= 0
+    hit = member.gather(2, (cur.long() + 1).clamp(min=0)) & valid
+    return (hit.sum(-1).float() / valid.sum(-1).clamp(min=1).float()).mean()
+
+
+def _sampler(do_sample: bool, temperature: float, top_k, top_p, seed, device) -> Callable:
+    """``logits (batch, vocab) -> tokens (batch,)``: argmax, or transformers' temperature / top-k / top-p warpers
+    then a multinomial draw from a generator seeded with ``seed``."""
+    if not do_sample:
+        return lambda logits: logits.argmax(dim=-1)
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    warpers = []
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(float(temperature)))
+    if top_k:
+        warpers.append(TopKLogitsWarper(int(top_k)))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(float(top_p)))
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2 ** 62, ()).item()))
+
+    def draw(logits):
+        scores = logits.float()
+        for w in warpers:
+            scores = w(None, scores)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+    return draw
+
+
+class _GraphStep:
+    """The whole decode step -- ``head.step`` → LLM step → K/V append -- captured in one ``torch.cuda.CUDAGraph``
+    for this batch and cache, replayed per token. Inputs live in static buffers (``tokens``, ``q``, the cache and
+    its ``cache_seqlens``, which the graph advances itself); the head runs inside the graph on the replayed
+    tensors, so a replay selects exactly what eager would for the same state (no value is baked in at capture).
+    The warm-up step on a side stream writes K/V at position ``cache_seqlens`` and is undone by restoring
+    ``cache_seqlens`` (the next real step overwrites that slot)."""
+
+    def __init__(self, runtime: SpeContextRuntime, cache: KVCache):
+        self.rt, self.cache = runtime, cache
+        dev = cache.k.device
+        self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)
+        self.q: Optional[torch.Tensor] = None  # set by the caller after the first (eager) step
+        self.graph = None
+
+    def _capture(self):
+        cache, rt = self.cache, self.rt
+        saved = cache.cache_seqlens.clone()
+        saved_q = self.q.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self._body()  # warm-up (allocations, Triton autotune/compile)
+        torch.cuda.current_stream().wait_stream(s)
+        cache.cache_seqlens.copy_(saved)
+        self.q.copy_(saved_q)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._body()
+        cache.cache_seqlens.copy_(saved)  # capture does not run kernels; keep state exact anyway
+        self.q.copy_(saved_q)
+
+    def _body(self):
+        sel = self.rt.head.step(self.cache, self.q)
+        logits, k_new, v_new, q = self.rt.decode_fn(self.tokens[:, None], self.cache.cache_seqlens, sel,
+                                                    self.cache.k, self.cache.v)
+        self.cache.append(k_new, v_new)
+        self.q.copy_(q)
+        return logits, sel
+
+    def __call__(self, tokens: torch.Tensor):
+        self.tokens.copy_(tokens)
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        logits, sel = self.out
+        return logits, sel

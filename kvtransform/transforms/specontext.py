@@ -1,0 +1,267 @@
+"""The SpeContext transform: sparse retrieval decode for long generation (SpeContext, arXiv 2512.00722 §4–5).
+
+Two captured programs and a runtime::
+
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=1024, head="quest"))
+    ids = sp.generate(input_ids, attention_mask=am, max_new_tokens=256)          # (batch, prompt + new)
+    out = sp.generate(input_ids, max_new_tokens=256, return_dict_in_generate=True); out.sequences, out.stats
+    sp.save("out_sp/"); kvt.load("out_sp/").generate(input_ids, max_new_tokens=8)
+
+* **decode step** (:func:`kvtransform.capture.capture_decode_step`): one token per row over an explicit static KV
+  cache; the sparse_decode pass proves every attention is causal attention over the cache and rewrites it into
+  ``kvt::sparse_decode_attention(q, k_cache[l], v_cache[l], indices, cache_seqlens, k_new, v_new)`` -- one
+  selection (``indices``) per step shared by every layer (§4.3);
+* **prefill** (:func:`kvtransform.capture.capture_prefill`): the prompts packed on one token axis without padding,
+  each its own causal segment (the canonical + dualkv passes: ``kvt.dualkv_attention`` with no responses is
+  varlen causal attention), returning every layer's post-RoPE K/V for the cache;
+* **runtime** (:mod:`kvtransform.runtime`): cache, retrieval head, step loop, sampling, CUDA graphs.
+
+The gate (:func:`verify_decode`) runs a ragged batch of real prompts through the packed prefill and a few
+teacher-forced decode steps that select every cached token, and compares the logits with the original model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from torch.export import Dim
+
+from kvtransform.capture import capture_decode_step, capture_prefill, decode_example, export_dynamic, \
+    prefill_example
+from kvtransform.config import SpeContextConfig
+from kvtransform.passes.attention import AttentionPass
+from kvtransform.passes.cleanup import CleanupPass
+from kvtransform.passes.dualkv import DualKVPass
+from kvtransform.passes.sparse_decode import SparseDecodePass, count_cache_copies
+from kvtransform.report import Report, Verification
+from kvtransform.runtime.generate import GenerateOutput, ModelInfo, SpeContextRuntime
+from kvtransform.runtime.heads import all_positions, make_head
+from kvtransform.utils import device_of, stage, timed
+from kvtransform.verify import check, default_tolerance, text_token_ids
+
+from . import register_transform
+from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report
+
+__all__ = ["SpeContextModule", "specontext_transform", "verify_decode"]
+
+
+class SpeContextModule(OptimizedModule):
+    """A model transformed for sparse retrieval decode: :meth:`generate` (HF ``generate`` semantics), and
+    ``opt(input_ids, attention_mask=None) -> logits (batch, vocab)`` of each prompt's last token (the packed
+    prefill).
+
+    Attributes:
+        core: ``ModuleDict`` with the ``prefill`` and ``decode`` programs (rewritten FX graphs, or reloaded ``.pt2``).
+        head: the :class:`~kvtransform.runtime.heads.RetrievalHead` of ``config.head``.
+        info: :class:`~kvtransform.runtime.generate.ModelInfo`.
+    """
+
+    def __init__(self, prefill: torch.nn.Module, decode: torch.nn.Module, config: SpeContextConfig, report: Report,
+                 info: ModelInfo, scale: Optional[float] = None):
+        super().__init__(torch.nn.ModuleDict({"prefill": prefill, "decode": decode}), config, report,
+                         max_seq_len=info.max_positions)
+        self.info = info
+        self.head = make_head(config.head, config, scale)
+        self.runtime = SpeContextRuntime(prefill, decode, self.head, info, cuda_graphs=config.cuda_graphs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def code(self) -> str:
+        """Readable Python of the rewritten decode step."""
+        dec = self.core["decode"]
+        return getattr(dec, "code", repr(dec))
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Next-token logits ``(batch, vocab)`` after each prompt (the packed prefill; padding dropped).
+
+        Raises:
+            ValueError: as :meth:`generate` for the prompts.
+        """
+        rows = self.runtime._rows(input_ids, attention_mask)
+        _, logits = self.runtime.prefill(rows, max(int(r.numel()) for r in rows), device_of(self))
+        return logits
+
+    @torch.no_grad()
+    def probe(self, inputs) -> torch.Tensor:
+        """What the CLI's reload check compares: 8 greedy tokens generated from ``inputs`` (ids ``(batch, 8)``)."""
+        out = self.generate(inputs, max_new_tokens=8, eos_token_id=None, progress=False)
+        return out[:, inputs.shape[1]:]
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_token_id: Union[int, Sequence[int], None, str] = "default", pad_token_id: Optional[int] = None,
+                 seed: Optional[int] = None, return_dict_in_generate: bool = False,
+                 progress: Optional[bool] = None) -> Union[torch.Tensor, GenerateOutput]:
+        """Generate with sparse retrieval decode (HF ``generate`` semantics).
+
+        Args:
+            input_ids: int64 ``(batch, seq)``, prompts of different lengths left-padded (any 0/1 mask works).
+            attention_mask: 0/1 ``(batch, seq)``; default all ones.
+            max_new_tokens: tokens to generate per row (>= 1).
+            do_sample, temperature, top_k, top_p, seed: sampling (greedy by default).
+            eos_token_id: stop id(s) per row; ``"default"`` = the model's generation config; None = never stop.
+            pad_token_id: written after a row's EOS (default the model's pad id, else its EOS).
+            return_dict_in_generate: return :class:`~kvtransform.runtime.generate.GenerateOutput` (``.sequences``,
+                ``.stats``) instead of the ids.
+            progress: tqdm bar over decode steps (default: ``max_new_tokens >= 256``).
+
+        Returns:
+            int64 ``(batch, seq + new)`` (new = steps until the last row stopped), or :class:`GenerateOutput`.
+
+        Raises:
+            ValueError: an empty prompt row, ids or ``eos_token_id`` outside the vocabulary, ``max_new_tokens < 1``,
+                prompt + ``max_new_tokens`` beyond the model's positions, a bad sampling parameter.
+        """
+        out = self.runtime.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                                    pad_token_id=pad_token_id, seed=seed, device=device_of(self),
+                                    progress=progress)
+        return out if return_dict_in_generate else out.sequences
+
+    # ---- emission --------------------------------------------------------------------------------------------
+    def _programs(self):
+        """``[(file name, module, example args, dynamic shapes)]`` of the two programs."""
+        dev = device_of(self)
+        info = self.info
+        example = _ExampleModel(info, dev)
+        ids, lens, idx, kc, vc = decode_example(example)
+        batch = Dim("batch", min=1, max=1024)
+        s_max = Dim("s_max", min=4, max=info.max_positions)
+        budget = Dim("budget", min=2, max=info.max_positions)
+        dec_dyn = ({0: batch}, {0: batch}, {0: batch, 2: budget}, {1: batch, 3: s_max}, {1: batch, 3: s_max})
+        tok = Dim("tokens", min=2, max=1 << 20)
+        seg = Dim("segments", min=2, max=1 << 20)
+        seg1 = Dim("segments_plus_1", min=3, max=(1 << 20) + 1)
+        pre_dyn = ({1: tok}, {1: tok}, {0: seg1}, {0: seg}, {0: seg})
+        return [("prefill.pt2", self.core["prefill"], prefill_example(example), pre_dyn),
+                ("decode.pt2", self.core["decode"], (ids, lens, idx, kc, vc), dec_dyn)]
+
+    def write_artifact(self, directory: Path) -> dict:
+        """Write ``prefill.pt2``, ``decode.pt2`` (the rewritten programs), ``decode_graph.py`` and ``head.pt`` (the
+        head's state); returns ``meta.json`` entries (the model facts the runtime needs)."""
+        for fname, module, args, dyn in self._programs():
+            ep = export_dynamic(_ExportWrapper(module), tuple(args), None, {"args": tuple(dyn)},
+                                f"the SpeContext {fname[:-4]} program")
+            torch.export.save(ep, directory / fname)
+        (directory / "decode_graph.py").write_text(self.code)
+        torch.save({"name": self.head.name, "state": self.head.state_dict()}, directory / "head.pt")
+        return {"model_info": dataclasses.asdict(self.info), "softmax_scale": self.head.scale}
+
+    @classmethod
+    def from_artifact(cls, path: Path, config: SpeContextConfig, report: Report, meta: dict) -> "SpeContextModule":
+        missing = [f for f in ("prefill.pt2", "decode.pt2", "head.pt") if not (path / f).is_file()]
+        if missing or "model_info" not in meta:
+            raise FileNotFoundError(f"{str(path)!r} is not a complete specontext artifact (missing "
+                                    f"{missing or ['meta.json model_info']})")
+        prefill = torch.export.load(path / "prefill.pt2").module()
+        decode = torch.export.load(path / "decode.pt2").module()
+        mod = cls(prefill, decode, config, report, ModelInfo(**meta["model_info"]), meta.get("softmax_scale"))
+        mod.head.load_state_dict(torch.load(path / "head.pt", weights_only=True).get("state", {}))
+        return mod
+
+
+class _ExampleModel:
+    """Just enough of a model (``config`` and ``parameters()``) for :func:`decode_example` /
+    :func:`prefill_example` when re-exporting the programs."""
+
+    def __init__(self, info: ModelInfo, device):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(num_key_value_heads=info.num_kv_heads, num_attention_heads=info.num_kv_heads,
+                                      head_dim=info.head_dim, num_hidden_layers=info.num_layers,
+                                      vocab_size=info.vocab_size, hidden_size=info.head_dim * info.num_kv_heads)
+        self._p = torch.empty(0, dtype=getattr(torch, info.dtype), device=device)
+
+    def parameters(self):
+        return iter([self._p])
+
+
+@torch.no_grad()
+def verify_decode(model, opt: SpeContextModule, cfg: SpeContextConfig, tokenizer, report: Report, progress: bool,
+                  new_tokens: int = 3) -> None:
+    """The gate: a ragged batch of real prompts (lengths ``cfg.verify.lengths``) through the packed prefill, then
+    ``new_tokens`` teacher-forced decode steps selecting every cached token; logits compared with the original
+    model on the same sequences (relative error ``max|a-b| / max|b|``); fills ``report.verification``.
+
+    Raises:
+        VerificationError: beyond tolerance (nothing is written).
+    """
+    if not cfg.verify.enabled:
+        return
+    param = next(model.parameters())
+    vocab = model.config.vocab_size
+    lengths = [min(int(n), opt.max_seq_len - new_tokens) for n in cfg.verify.lengths]
+    gen = torch.Generator().manual_seed(cfg.verify.seed)
+    seqs = [text_token_ids(tokenizer, vocab, n + new_tokens, offset=17 * i, generator=gen)
+            for i, n in enumerate(lengths)]
+    tol = default_tolerance(param.dtype, cfg.verify.tolerance)
+    v = Verification(max_abs_error=0.0, max_rel_error=0.0, tolerance=tol, passed=True)
+    with stage(progress, "verifying prefill + decode steps on real text"), timed(report.timings, "verify"):
+        rt = opt.runtime
+        prompts = [s[:n] for s, n in zip(seqs, lengths)]
+        cache, logits = rt.prefill(prompts, max(lengths) + new_tokens, param.device)
+        ours = [logits]
+        for t in range(new_tokens):
+            tok = torch.stack([s[n + t] for s, n in zip(seqs, lengths)]).to(param.device)
+            logits, _ = rt.decode(cache, tok, all_positions(cache))
+            ours.append(logits)
+        ours = torch.stack(ours, 1).float()  # (batch, new_tokens + 1, vocab)
+        was_training = model.training
+        model.eval()
+        try:
+            for i, (s, n) in enumerate(zip(seqs, lengths)):
+                ref = model(input_ids=s[None].to(param.device), use_cache=False).logits[0, n - 1:].float()
+                abs_err = float((ours[i] - ref).abs().max())
+                rel = abs_err / max(float(ref.abs().max()), 1e-30)
+                v.cases.append({"name": f"len{n}+{new_tokens}", "shape": [1, n + new_tokens],
+                                "max_abs_error": abs_err, "max_rel_error": rel})
+                v.max_abs_error = max(v.max_abs_error, abs_err)
+                v.max_rel_error = max(v.max_rel_error, rel)
+        finally:
+            model.train(was_training)
+    v.passed = bool(v.max_rel_error == v.max_rel_error and v.max_rel_error <= tol)
+    report.verification = v
+    check(v)
+
+
+@register_transform(SpeContextConfig, module_type=SpeContextModule)
+def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress: bool = True) -> SpeContextModule:
+    """SpeContext transform: decode-step capture → sparse_decode pass → cleanup; packed prefill capture →
+    canonical → dualkv (varlen causal) → cleanup; gate (:func:`verify_decode`).
+
+    Raises:
+        ValueError: not a causal LM, an unknown head, or an attention the passes cannot prove causal over the cache
+            (sliding window, cross-attention, unknown mask): the message names the site and the fix.
+        kvtransform.verify.VerificationError: the programs differ from the original model beyond tolerance.
+    """
+    make_head(cfg.head, cfg)  # an unknown head fails before any capture
+    report = new_report(model, cfg)
+    dec, ctx, cap = capture_and_rewrite(model, capture_decode_step, [SparseDecodePass, CleanupPass], report,
+                                        progress, what="capturing the decode step (torch.export)")
+    copies = count_cache_copies(dec)
+    if copies:
+        raise ValueError(f"{copies} copies of the KV cache (cat(k_cache, k_new)) are left in the rewritten decode "
+                         f"step; refusing a step that reads the whole cache")
+    pre_report = Report()
+    pre, _, _ = capture_and_rewrite(model, capture_prefill, [AttentionPass, DualKVPass, CleanupPass], pre_report,
+                                    progress, what="capturing the packed prefill (torch.export)")
+    rec = pre_report.pass_record("dualkv")
+    if rec.skipped or rec.rewritten == 0:
+        reasons = "; ".join(sorted({s["reason"] for s in rec.skipped})) or "no attention found"
+        raise ValueError(f"the specontext prefill cannot be packed: {reasons}")
+    for p in pre_report.passes:
+        p.name = f"prefill/{p.name}"
+        report.passes.append(p)
+    report.timings.update({f"prefill/{k}": t for k, t in pre_report.timings.items()})
+    scale = next((float(n.args[7]) for n in dec.graph.nodes if n.op == "call_function"
+                  and n.target is torch.ops.kvt.sparse_decode_attention.default), None)
+    opt = SpeContextModule(pre, dec, cfg, report, ModelInfo.from_model(model), scale)
+    verify_decode(model, opt, cfg, tokenizer, report, progress)
+    return opt

@@ -1,0 +1,293 @@
+"""Sparse-decode pass: every attention of a captured decode step that is *proved* to be causal attention over the
+KV cache becomes ``kvt::sparse_decode_attention`` over the step's selected tokens (SpeContext, arXiv 2512.00722
+§4.3: one selection per decode step, shared by every layer).
+
+Input: a graph captured by :func:`kvtransform.capture.capture_decode_step` (placeholders ``input_ids (B, 1)``,
+``cache_seqlens (B,)`` int32, ``indices (B, H_kv, Bud)`` int32, ``k_cache``/``v_cache (L, B, H_kv, S_max, D)``).
+A site is rewritten only when all of this is proved:
+
+* its K (after walking back through ``repeat_kv``) is ``cat([k_cache[l], k_new], dim=-2)`` and its V is
+  ``cat([v_cache[l], v_new], dim=-2)`` of the same layer ``l``: attention over this layer's cache plus the new
+  token (anything else -- cross-attention, a cache the capture did not provide -- is refused);
+* its mask keeps exactly the valid cache positions ``j < cache_seqlens[b]`` and the new token: the mask subgraph is
+  extracted and evaluated on probe inputs (several ``S_max``, including every threshold around the config's
+  sliding window, random ``cache_seqlens`` including 0 and ``S_max``) and compared with that pattern. A
+  sliding-window mask, a mask reading other inputs, or a bias is refused;
+* one query token (``(B, H, 1, D)``) and no attention dropout.
+
+Each site becomes::
+
+    out = kvt.sparse_decode_attention(q[:, :, 0], k_cache[l], v_cache[l], indices, cache_seqlens,
+                                      k_new[:, :, 0], v_new[:, :, 0], scale)      # (B, H, D)
+    out.unsqueeze(2)                                                             # what the layer consumes
+
+and the step's queries ``(L, B, H, D)`` (post-RoPE, one per layer) are appended to the graph's outputs, for
+retrieval heads that score with the model's own queries. Any refused site is a ``ValueError`` naming the site and
+the reason (the whole model must be rewritten: one dense site would read the full cache). The dead
+``cat(k_cache, k_new)`` copies and the mask construction are removed by the cleanup pass that follows.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils._pytree import tree_structure
+
+from .attention import _PASSTHROUGH, _keep_mask, _shape, describe, extract_subgraph, find_attention, \
+    probe_lengths, unrepeat_kv
+from .manager import KVPass, PassContext
+
+aten = torch.ops.aten
+KVT_SPARSE_DECODE = torch.ops.kvt.sparse_decode_attention.default
+_CAT = {aten.cat.default}
+
+
+def _placeholder(gm: torch.fx.GraphModule, name: str) -> Optional[torch.fx.Node]:
+    return next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == name), None)
+
+
+def _noop_slice(node: torch.fx.Node) -> bool:
+    """``x[..., 0:MAX]`` (what ``x[:, :, None]`` and friends export as): a view equal to ``x``."""
+    if node.target is not aten.slice.Tensor:
+        return False
+    a = list(node.args) + [None] * (5 - len(node.args))
+    start, end, step = a[2], a[3], a[4]
+    return start in (0, None) and (end is None or (isinstance(end, int) and end >= 1 << 62)) and step in (1, None)
+
+
+def _skip_up(node):
+    """Walk up through dtype/alias passthroughs and no-op slices."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and (node.target in _PASSTHROUGH
+                                                                               or _noop_slice(node)):
+        node = node.args[0]
+    return node
+
+
+def unrepeat(node: torch.fx.Node) -> torch.fx.Node:
+    """The un-repeated ``(B, H_kv, S, D)`` K/V behind transformers' ``repeat_kv`` (``x[:, :, None].expand(B, H_kv,
+    n, S, D).reshape(B, H_kv * n, S, D)``), tolerating the no-op slices torch.export leaves between the steps;
+    ``node`` itself (after passthroughs) when the pattern is absent."""
+    r = _skip_up(node)
+    if r.target not in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        return unrepeat_kv(r)[0]
+    e = _skip_up(r.args[0])
+    u = _skip_up(e.args[0]) if e.target is aten.expand.default else None
+    if u is None or u.target is not aten.unsqueeze.default or u.args[1] != 2:
+        return r
+    base = _skip_up(u.args[0])
+    bs, rs = _shape(base), _shape(r)
+    if bs is None or rs is None or len(bs) != 4 or len(rs) != 4 or str(bs[2]) != str(rs[2]) or \
+            str(bs[3]) != str(rs[3]):
+        return r
+    return base
+
+
+def cache_concat(node: torch.fx.Node, cache: torch.fx.Node) -> Optional[tuple[int, torch.fx.Node, torch.fx.Node]]:
+    """``node`` = ``cat([select(cache, 0, l), new], dim=-2)`` (through dtype/alias passthroughs) →
+    ``(l, select node, new node)``; None otherwise."""
+    node = _skip_up(node)
+    if not (isinstance(node, torch.fx.Node) and node.target in _CAT and len(node.args[0]) == 2):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if dim not in (2, -2):
+        return None
+    past, new = node.args[0]
+    past = _skip_up(past)
+    if not (isinstance(past, torch.fx.Node) and past.target is aten.select.int and past.args[0] is cache
+            and past.args[1] == 0 and isinstance(past.args[2], int)):
+        return None
+    ns = _shape(new)
+    if ns is None or len(ns) != 4 or str(ns[2]) != "1":
+        return None
+    return int(past.args[2]), past, new
+
+
+def prove_cache_mask(gm: torch.fx.GraphModule, mask: Optional[torch.fx.Node], is_causal: bool, ctx: PassContext,
+                     memo: dict) -> str:
+    """What a decode-step mask computes over the ``S_max + 1`` keys ``[cache..., new]``: ``"cache"`` (exactly the
+    valid cache positions ``j < cache_seqlens[b]`` plus the new token, proved on probe inputs),
+    ``"sliding_window"`` (that, limited to the config's window), or ``"custom"``."""
+    if mask is None:
+        return "custom"  # no mask: the padding past cache_seqlens would be attended (or is_causal: only key 0)
+    if mask not in memo:
+        memo[mask] = _probe_or_custom(gm, mask, ctx)
+    return memo[mask]
+
+
+def _probe_or_custom(gm, mask, ctx) -> str:
+    """:func:`_probe_cache_mask`; a mask subgraph that cannot be evaluated on the probes is ``"custom"``."""
+    try:
+        return _probe_cache_mask(gm, mask, ctx)
+    except Exception:
+        return "custom"
+
+
+def _probe_cache_mask(gm, mask, ctx) -> str:
+    sub, names = extract_subgraph(gm, mask)
+    allowed = {"input_ids", "cache_seqlens", "k_cache", "v_cache", "indices"}
+    if any(n not in allowed for n in names):
+        return "custom"
+    cfg = ctx.config
+    window = getattr(cfg, "sliding_window", None) if cfg is not None else None
+    vals = {n: _val(_placeholder(gm, n)) for n in names}
+    dev = next((v.device for v in vals.values() if v is not None), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4321)
+    verdicts = set()
+    for s in sorted(set(probe_lengths(ctx)) | {4, 9}):
+        b = 3
+        lens = torch.randint(0, s + 1, (b,), generator=gen)
+        lens[0], lens[1] = s, 0
+        inputs = {"input_ids": torch.zeros(b, 1, dtype=torch.long), "cache_seqlens": lens.to(torch.int32),
+                  "indices": torch.zeros(b, 1, 1, dtype=torch.int32)}
+        for n in ("k_cache", "v_cache"):
+            if n in names:
+                v = vals[n]
+                inputs[n] = torch.zeros(int(v.shape[0]), b, int(v.shape[2]), s, int(v.shape[4]), dtype=v.dtype)
+        with torch.no_grad():
+            value = sub(*[inputs[n].to(dev) for n in names]).cpu()
+        keep = _keep_mask(value)
+        if keep is None or keep.dim() != 4 or keep.shape[-1] != s + 1 or keep.shape[-2] != 1:
+            return "custom"
+        j = torch.arange(s + 1)
+        cached = j[None, :] < lens[:, None]
+        want = cached | (j == s)[None, :]
+        keep = keep.expand(b, keep.shape[1], 1, s + 1)
+        if torch.equal(keep, want[:, None, None, :].expand_as(keep)):
+            verdicts.add("cache")
+            continue
+        if window:
+            win = (cached & ((s - j) < int(window))[None, :]) | (j == s)[None, :]
+            if torch.equal(keep, win[:, None, None, :].expand_as(keep)):
+                verdicts.add("sliding_window")
+                continue
+        return "custom"
+    if verdicts == {"cache"}:
+        return "cache"
+    return "sliding_window" if verdicts else "custom"
+
+
+def _val(node):
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def append_outputs(gm: torch.fx.GraphModule, nodes: list) -> None:
+    """Append ``nodes`` to the flat outputs of an unlifted ``ep.module()`` graph whose output is a tuple, updating
+    its pytree output spec so the module returns the longer tuple."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = out.args[0]
+    flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+    out.args = (tuple(flat + list(nodes)),)
+    spec = tree_structure(tuple(range(len(flat) + len(nodes))))
+    codegen = gm.graph._codegen
+    if hasattr(codegen, "pytree_info") and codegen.pytree_info is not None:
+        codegen.pytree_info = codegen.pytree_info._replace(out_spec=spec)
+    if hasattr(gm, "_out_spec"):
+        gm._out_spec = spec
+
+
+def _refusal(m, mask_kind: str, kc, vc, ctx) -> Optional[str]:
+    if m.problem:
+        return m.problem
+    if kc is None or vc is None:
+        return ("keys/values are not this layer's KV cache plus the new token (cat(k_cache[l], k_new)): "
+                "cross-attention or a cache the capture did not provide")
+    if kc[0] != vc[0]:
+        return f"keys read layer {kc[0]}'s cache but values layer {vc[0]}'s"
+    qs = _shape(m.q)
+    if qs is None or len(qs) != 4 or str(qs[2]) != "1":
+        return f"query of shape {qs}: a decode step has one query token"
+    if mask_kind == "sliding_window":
+        w = getattr(ctx.config, "sliding_window", None)
+        return (f"sliding-window attention (window {w}): a sparse selection over the whole cache would attend "
+                f"outside the window")
+    if mask_kind != "cache":
+        return "the mask is not provably causal attention over the cache (unknown or custom mask)"
+    return None
+
+
+class SparseDecodePass(KVPass):
+    """Rewrite every proved decode attention into ``kvt::sparse_decode_attention`` (see the module docstring).
+
+    Records a pass named ``sparse_decode`` and one :class:`~kvtransform.report.Site` per attention (status
+    ``sparse_decode``, mask kind ``cache``), and appends the queries ``(L, B, H, D)`` to the graph outputs.
+
+    Raises:
+        ValueError: the graph was not captured by ``capture_decode_step`` (missing placeholders), has no attention,
+            or has a site the pass cannot prove (the message names each refused site, its reason and the fix).
+    """
+
+    name = "sparse_decode"
+
+    def run(self, gm: torch.fx.GraphModule, rec) -> bool:
+        ctx = self.ctx
+        ph = {n: _placeholder(gm, n) for n in ("cache_seqlens", "indices", "k_cache", "v_cache")}
+        missing = [n for n, p in ph.items() if p is None]
+        if missing:
+            raise ValueError(f"the sparse_decode pass needs a decode-step graph with inputs {list(ph)} (missing "
+                             f"{missing}); capture it with kvtransform.capture.capture_decode_step")
+        matches = find_attention(gm)
+        rec.matched = len(matches)
+        if not matches:
+            raise ValueError("no attention found in the decode step: nothing for SpeContext to rewrite")
+        memo: dict = {}
+        plans, refused = [], []
+        for i, m in enumerate(matches):
+            kind = prove_cache_mask(gm, m.mask, m.is_causal, ctx, memo)
+            kc, vc = cache_concat(unrepeat(m.k), ph["k_cache"]), cache_concat(unrepeat(m.v), ph["v_cache"])
+            why = _refusal(m, kind, kc, vc, ctx)
+            site = describe(m, i, kind, "sparse_decode" if why is None else f"skipped: {why}")
+            ctx.report.sites.append(site)
+            if why is not None:
+                rec.skip(i, why)
+                refused.append(f"site {i} (layer {site.layer}): {why}")
+            else:
+                plans.append((m, kc, vc))
+        if refused:
+            raise ValueError(
+                f"the specontext transform cannot rewrite this model's decode step: {refused[0]}"
+                + (f" (and {len(refused) - 1} more sites)" if len(refused) > 1 else "")
+                + ". SpeContext needs full causal self-attention over the KV cache in every layer: load the model "
+                  "without a sliding window (config.sliding_window=None) or use transform=canonical")
+        graph = gm.graph
+        queries = {}
+        for m, (layer, kc, kn), (_, vc, vn) in plans:
+            scale = float(m.scale) if m.scale is not None else float(_shape(m.q)[-1]) ** -0.5
+            with graph.inserting_before(m.out):
+                q3 = graph.call_function(aten.select.int, (m.q, 2, 0))
+                k3 = graph.call_function(aten.select.int, (kn, 2, 0))
+                v3 = graph.call_function(aten.select.int, (vn, 2, 0))
+                call = graph.call_function(KVT_SPARSE_DECODE, (q3, kc, vc, ph["indices"], ph["cache_seqlens"],
+                                                               k3, v3, scale))
+                new = graph.call_function(aten.unsqueeze.default, (call, 2))
+            new.meta.update({k: v for k, v in m.out.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+            call.meta["nn_module_stack"] = m.out.meta.get("nn_module_stack", {})
+            m.out.replace_all_uses_with(new)
+            queries[layer] = q3
+            rec.rewritten += 1
+        layers = sorted(queries)
+        if layers != list(range(len(layers))):
+            raise ValueError(f"decode-step attention found for layers {layers}: expected one per layer 0..L-1")
+        out = next(n for n in graph.nodes if n.op == "output")
+        with graph.inserting_before(out):
+            stacked = graph.call_function(aten.stack.default, ([queries[i] for i in layers],))
+        append_outputs(gm, [stacked])
+        rec.notes.append(f"{rec.rewritten} sites read {len(layers)} layers' caches through indices; queries "
+                         f"(L, B, H, D) exposed as an output")
+        return True
+
+
+def count_cache_copies(gm: torch.fx.GraphModule) -> int:
+    """``cat`` nodes left that read a ``k_cache``/``v_cache`` slice (each would copy a layer's whole cache)."""
+    caches = {_placeholder(gm, "k_cache"), _placeholder(gm, "v_cache")} - {None}
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _CAT:
+            for a in node.args[0]:
+                a = _skip_up(a)
+                if isinstance(a, torch.fx.Node) and a.target is aten.select.int and a.args[0] in caches:
+                    n += 1
+    return n
+
+
+__all__ = ["SparseDecodePass", "prove_cache_mask", "cache_concat", "append_outputs", "count_cache_copies"]

@@ -1,0 +1,226 @@
+"""SpeContext transform (arXiv 2512.00722 §4–5): exactness against HF generate, the recent-head plumbing against a
+plain-PyTorch reference, save/load in a fresh process, sampling, per-row EOS, bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvtransform as kvt
+from kvtransform.models import tiny_model
+from kvtransform.runtime.heads import HEADS
+
+
+def _transform(model, **cfg):
+    return kvt.transform(model, kvt.SpeContextConfig(**cfg), progress=False)
+
+
+def _left_padded(rows, pad=0):
+    s = max(len(r) for r in rows)
+    ids = torch.full((len(rows), s), pad, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, s - len(r):] = r
+        am[b, s - len(r):] = 1
+    return ids, am
+
+
+def _hf_greedy(model, row, n, eos=None):
+    with torch.no_grad():
+        out = model.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(row):]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def sp_llama(llama):
+    return _transform(llama, budget=64, head="quest")
+
+
+@pytest.mark.parametrize("family,head", [("llama", "quest"), ("qwen2", "dense"), ("qwen3", "oracle"),
+                                         ("mistral", "recent")])
+def test_exact_when_budget_covers_context(family, head):
+    model = tiny_model(family)
+    sp = _transform(model, budget=256, head=head)
+    assert sp.report.count("sparse_decode") == model.config.num_hidden_layers
+    assert sp.report.verification.passed
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in (5, 47, 20)]
+    ids, am = _left_padded(rows)
+    out = sp.generate(ids, am, max_new_tokens=16, eos_token_id=None, return_dict_in_generate=True)
+    assert out.sequences.shape == (3, ids.shape[1] + 16)
+    assert torch.equal(out.sequences[:, :ids.shape[1]], ids)
+    for b, r in enumerate(rows):
+        assert torch.equal(out.sequences[b, ids.shape[1]:], _hf_greedy(model, r, 16)), (family, head, b)
+    st = out.stats
+    assert st.decode_steps == 15 and st.new_tokens == 48 and st.prompt_tokens == 72
+    assert st.cache_max_length == 47 + 16
+    assert st.kv_bytes == 2 * 2 * 3 * 2 * (47 + 16) * 16 * 4  # 2 (K,V) * L * B * H_kv * max_len * D * fp32
+    assert st.decode_tokens_per_s > 0 and 0 < st.selection_overlap <= 1
+
+
+def _recent_reference(model, prompt, n_new, budget, sink):
+    """Greedy decoding where token i (i >= len(prompt)) attends to exactly the recent head's choice over the
+    i cached tokens (the first ``sink`` and the last ``budget - sink``, all when i <= budget) plus itself: full
+    recomputation with an explicit 4-D mask every step."""
+    seq = prompt.clone()
+    p = len(prompt)
+    for _ in range(n_new):
+        t = len(seq)
+        keep = torch.ones(t, t, dtype=torch.bool).tril()
+        for i in range(p, t):
+            allowed = torch.zeros(t, dtype=torch.bool)
+            if i <= budget:
+                allowed[:i] = True
+            else:
+                allowed[:sink] = True
+                allowed[i - (budget - sink):i] = True
+            allowed[i] = True
+            keep[i] = allowed
+        with torch.no_grad():
+            logits = model(input_ids=seq[None], attention_mask=keep[None, None], use_cache=False).logits
+        seq = torch.cat([seq, logits[0, -1].argmax()[None]])
+    return seq[p:]
+
+
+def test_recent_head_attends_exactly_the_chosen_positions(llama):
+    budget, sink = 12, 3
+    sp = _transform(llama, budget=budget, num_sink=sink, head="recent")
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in (30, 9)]
+    ids, am = _left_padded(rows)
+    out = sp.generate(ids, am, max_new_tokens=10, eos_token_id=None)
+    for b, r in enumerate(rows):
+        assert torch.equal(out[b, ids.shape[1]:], _recent_reference(llama, r, 10, budget, sink)), b
+
+
+def test_recent_differs_from_dense_below_context(llama, sp_llama):
+    """The budget really limits attention: a 4-token window changes the greedy continuation of a long prompt."""
+    sp = _transform(llama, budget=4, head="recent")
+    ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(2))
+    dense = sp_llama.generate(ids, max_new_tokens=12, eos_token_id=None)
+    assert not torch.equal(sp.generate(ids, max_new_tokens=12, eos_token_id=None), dense)
+
+
+def test_quest_and_oracle_select_within_budget(llama):
+    for head in ("quest", "oracle"):
+        sp = _transform(llama, budget=32, head=head)
+        ids = torch.randint(3, 128, (2, 100), generator=torch.Generator().manual_seed(3))
+        st = sp.generate(ids, max_new_tokens=6, eos_token_id=None, return_dict_in_generate=True).stats
+        assert st.decode_steps == 5 and st.selection_overlap is not None and 0 < st.selection_overlap <= 1
+        cache, _ = sp.runtime.prefill([ids[0], ids[1]], 110, torch.device("cpu"))
+        sp.head.prefill(cache)
+        q = torch.randn(2, 2, 4, 16)
+        sel = sp.head.step(cache, q)
+        valid = sel[sel >= 0]
+        assert sel.shape[:2] == (2, 2) and (sel >= 0).sum(-1).max() <= 32 and int(valid.max()) < 100
+        assert all(len(set(s.tolist()) - {-1}) == int((s >= 0).sum()) for s in sel.flatten(0, 1))  # no repeats
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(sp_llama):
+    ids = torch.randint(3, 128, (2, 15), generator=torch.Generator().manual_seed(4))
+    a = sp_llama.generate(ids, max_new_tokens=8, do_sample=True, temperature=0.8, top_p=0.9, seed=7,
+                          eos_token_id=None)
+    b = sp_llama.generate(ids, max_new_tokens=8, do_sample=True, temperature=0.8, top_p=0.9, seed=7,
+                          eos_token_id=None)
+    assert torch.equal(a, b)
+    greedy = sp_llama.generate(ids, max_new_tokens=8, eos_token_id=None)
+    assert torch.equal(sp_llama.generate(ids, max_new_tokens=8, do_sample=True, top_k=1, seed=1,
+                                         eos_token_id=None), greedy)
+
+
+def test_per_row_eos_stop_matches_hf(llama, sp_llama):
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in (11, 6)]
+    free = _hf_greedy(llama, rows[0], 10)
+    eos = int(free[3])  # row 0 emits it at step 3 (or earlier)
+    ids, am = _left_padded(rows)
+    out = sp_llama.generate(ids, am, max_new_tokens=10, eos_token_id=eos, pad_token_id=0)
+    for b, r in enumerate(rows):
+        ref = _hf_greedy(llama, r, 10, eos=eos)
+        new = out[b, ids.shape[1]:]
+        assert torch.equal(new[:len(ref)], ref) and bool((new[len(ref):] == 0).all()), b
+    assert out.shape[1] <= ids.shape[1] + 10
+
+
+def test_save_load_in_fresh_process(sp_llama, tmp_path):
+    ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(6))
+    want = sp_llama.generate(ids, max_new_tokens=8, eos_token_id=None)
+    path = sp_llama.save(tmp_path / "sp")
+    assert {"prefill.pt2", "decode.pt2", "head.pt", "config.yaml", "report.json", "meta.json"} <= \
+        {p.name for p in path.iterdir()}
+    code = ("import json, sys, torch, kvtransform as kvt; ids = torch.tensor(json.loads(sys.argv[2])); "
+            "print(json.dumps(kvt.load(sys.argv[1]).generate(ids, max_new_tokens=8, eos_token_id=None).tolist()))")
+    res = subprocess.run([sys.executable, "-c", code, str(path), json.dumps(ids.tolist())], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == want.tolist()
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg,match", [
+    (dict(budget=0), "budget must be >= 1"),
+    (dict(budget=-3), "budget must be >= 1"),
+    (dict(head="nope"), "unknown retrieval head 'nope'; choose one of"),
+])
+def test_bad_config(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        kvt.SpeContextConfig(**cfg).validate()
+
+
+def test_unknown_head_lists_valid_ones(llama):
+    with pytest.raises(ValueError) as e:
+        kvt.transform(llama, {"name": "specontext", "head": "eagle9"}, progress=False)
+    assert all(h in str(e.value) for h in HEADS)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(max_new_tokens=250), "exceeds the model's 256 positions"),
+    (dict(eos_token_id=128), "eos_token_id 128 is outside the vocabulary"),
+    (dict(eos_token_id=[2, -1]), "outside the vocabulary"),
+    (dict(do_sample=True, temperature=0.0), "temperature must be a number > 0"),
+])
+def test_bad_generate_arguments(sp_llama, kwargs, match):
+    ids = torch.randint(3, 128, (2, 10))
+    kwargs = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        sp_llama.generate(ids, **kwargs)
+
+
+def test_empty_prompt_row(sp_llama):
+    ids = torch.randint(3, 128, (2, 6))
+    am = torch.ones_like(ids)
+    am[1] = 0
+    with pytest.raises(ValueError, match="prompt row 1 is empty"):
+        sp_llama.generate(ids, am, max_new_tokens=2)
+
+
+def test_sliding_window_model_is_refused():
+    with pytest.raises(ValueError, match="sliding-window attention .*sliding_window=None"):
+        kvt.transform(tiny_model("mistral", sliding_window=8), "specontext", progress=False)
+
+
+# ---- real model ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_model_exact_5_200_1500():
+    from kvtransform.verify import text_token_ids
+
+    model, tok = kvt.load_model("smollm2-135m")
+    vocab = model.config.vocab_size
+    rows = [text_token_ids(tok, vocab, n, offset=o) for n, o in ((5, 0), (200, 40), (1500, 300))]
+    ids, am = _left_padded(rows, pad=tok.pad_token_id or 0)
+    refs = [_hf_greedy(model, r, 64) for r in rows]
+    sp = _transform(model, budget=2048, head="quest")
+    dense = type(sp)(sp.core["prefill"], sp.core["decode"], kvt.SpeContextConfig(budget=2048, head="dense"),
+                     sp.report, sp.info, sp.head.scale)  # the same programs with head=dense
+    for m in (sp, dense):
+        out = m.generate(ids, am, max_new_tokens=64, eos_token_id=None)
+        for b, ref in enumerate(refs):
+            assert torch.equal(out[b, ids.shape[1]:], ref), (m.head.name, b)
