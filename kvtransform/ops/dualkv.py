@@ -100,7 +100,8 @@ def _dualkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
 
 @_dualkv_op.register_fake
 def _(q, k, v, cu_seqlens, segment_prefix, softmax_scale):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # the op returns contiguous tensors
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("kvt::dualkv_attention_backward", mutates_args=())
@@ -124,7 +125,7 @@ def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
 
 @_dualkv_bwd_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup_ctx(ctx, inputs, output):
