@@ -108,3 +108,31 @@ def test_inductor_end_to_end():
     ref(input_ids=ids, attention_mask=am, labels=ids).loss.backward()
     assert be.rewritten == model.config.num_hidden_layers
     assert _grads_rel(model, ref) < 1e-5
+
+
+def test_backend_with_peft_lora_adapters():
+    """A PEFT LoRA-wrapped HF model under compile_backend keeps its adapters: every SDPA call rewritten, loss and the
+    adapter gradients equal the eager wrapped model's."""
+    peft = pytest.importorskip("peft")
+    base = kvt.tiny_model("llama")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(base, lora)
+    with torch.no_grad():  # LoRA's B starts at zero: give the adapters a non-trivial value
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    model.train()
+    ref = copy.deepcopy(model)
+    be = compile_backend("canonical", inner="aot_eager")
+    compiled = torch.compile(model, backend=be)
+    ids, am = _batch(base)
+    loss = compiled(input_ids=ids, attention_mask=am, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, attention_mask=am, labels=ids).loss
+    ref_loss.backward()
+    assert be.rewritten == base.config.num_hidden_layers and not be.skipped
+    assert isinstance(compiled._orig_mod, peft.PeftModel)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    assert _grads_rel(model, ref) < 1e-5
