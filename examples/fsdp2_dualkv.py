@@ -333,7 +333,12 @@ def main(argv=None):
                 f"MFU against {H200_BF16_DENSE_TFLOPS:g} TFLOP/s (H200 bf16 dense)")
         return 0
     finally:
-        dist.destroy_process_group()
+        # Leave together: a rank that exits while another still runs (rank 0's single-device reference) can take
+        # the process group's transport down under it (seen on gloo as an abort at exit).
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
