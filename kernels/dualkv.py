@@ -146,6 +146,16 @@ def dualkv_attention_reference_backward(grad_out: torch.Tensor, grad_lse: Option
 
 
 # ====================================================================================================== work tables
+def _bounded_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int):
+    """The layout as the kernels use it: offsets clamped into ``[0, T]`` and made non-decreasing (running max),
+    prefix indices clamped into ``[-1, S-1]``; int32, on the device, no host sync. A valid layout is unchanged; for
+    any other the kernels then index only rows ``[0, T)`` of their tensors and entries ``[0, S]`` of the tables (rows
+    that no clamped segment covers are left unwritten; ``kvt::dualkv_attention`` refuses such layouts)."""
+    cu = torch.cummax(cu_seqlens.clamp(0, total_tokens), 0).values.to(torch.int32)
+    sp = segment_prefix.clamp(-1, segment_prefix.numel() - 1).to(torch.int32)
+    return cu, sp
+
+
 def _segment_tables(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor):
     """Per-segment int32 ranges, on the device, without host syncs.
 
@@ -549,7 +559,9 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
 
     Args:
         q: ``(T, H, D)`` fp16/bf16/fp32, last dim contiguous (copied if not); k, v: ``(T, H_kv, D)``, same dtype.
-        cu_seqlens: int32 ``(S+1,)``; segment_prefix: int32 ``(S,)``; both on q's device (already validated).
+        cu_seqlens: int32 ``(S+1,)``; segment_prefix: int32 ``(S,)``; both on q's device. Their values are not
+            validated here (``kvt::dualkv_attention`` does that) but clamped (:func:`_bounded_layout`): an
+            inconsistent layout never makes the kernels touch memory outside q, k, v, out and lse.
         scale: softmax scale.
         config: optional launch config ``{"fwd": {"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..}}``
             (any subset of the keys; ``BLOCK_M % BLOCK_N == 0``); the defaults otherwise (tuned on an H200).
@@ -566,6 +578,7 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
     cfg = _cfg("fwd", d_pad, q.dtype, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     assert bm % bn == 0
+    cu_seqlens, segment_prefix = _bounded_layout(cu_seqlens, segment_prefix, t)
     kctx_lo, kctx_hi, _, _ = _segment_tables(cu_seqlens, segment_prefix)
     wseg, wblk, w = _work_table(cu_seqlens, bm, t, kctx_hi - kctx_lo, +1)
     _fwd_kernel[(w * h,)](
@@ -607,6 +620,7 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
+    cu_seqlens, segment_prefix = _bounded_layout(cu_seqlens, segment_prefix, t)
     kctx_lo, kctx_hi, qctx_lo, qctx_hi = _segment_tables(cu_seqlens, segment_prefix)
     _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale,
                _cfg("dq", d_pad, q.dtype, config))

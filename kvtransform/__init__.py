@@ -35,14 +35,21 @@ _LAZY = {
     "retrieval_topk": "kvtransform.ops.sparse_decode",
     "sparse_decode_attention": "kvtransform.ops.sparse_decode",
     "VerificationError": "kvtransform.verify",
+    "balance_groups": "kvtransform.balance",
+    "GroupBalance": "kvtransform.balance",
+    "shard_dualkv": "kvtransform.distributed",
+    "compile_backend": "kvtransform.compile",
 }
+_LAZY_MODULES = ("integrations", "onnx_export", "compile")  # kvt.integrations.transformers.enable(...), ...
 
 
 def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"kvtransform.{name}")
     raise AttributeError(f"module 'kvtransform' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+    return sorted(list(globals()) + list(_LAZY) + list(_LAZY_MODULES))

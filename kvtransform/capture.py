@@ -4,15 +4,29 @@
 the tracer (``docs/ARCHITECTURE.md``). The captured forward takes ``input_ids`` and ``attention_mask`` (both ``(B, S)``
 int64) with ``use_cache=False`` and returns the pytree of the model's output; :func:`capture` returns the unlifted
 ``GraphModule`` (parameters as attributes, the same ``Parameter`` objects as the model's) that passes rewrite.
+
+A model that torch.export cannot capture raises :class:`CaptureError`: one line naming the model feature (the source
+line) that stopped capture, and the config key or workaround where one is known; the exporter prints nothing (its
+logs and its partial-graph dump are silenced; ``KVT_DEBUG=1`` lets them through) and its exception is the error's
+``__cause__``. Dynamic-NTK RoPE is captured as it behaves up to the model's original maximum length
+(:func:`_capturable_rope`).
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch.export import Dim
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not capture a model. The message is one line: what stopped capture (the model feature,
+    its source line) and the config key or workaround where one is known; ``__cause__`` is the exporter's error."""
 
 
 @dataclass
@@ -61,7 +75,7 @@ def capture(model: torch.nn.Module, max_seq_len: Optional[int] = None) -> Captur
         :class:`Captured`.
 
     Raises:
-        RuntimeError: when torch.export fails (the message carries the exporter's reason).
+        CaptureError: torch.export cannot capture the model (a ``RuntimeError``; one line naming the feature).
     """
     max_len = max_seq_len or max_positions(model)
     ids, am = example_inputs(model)
@@ -72,7 +86,7 @@ def capture(model: torch.nn.Module, max_seq_len: Optional[int] = None) -> Captur
     model.eval()
     try:
         ep = export_dynamic(model, (), {"input_ids": ids, "attention_mask": am, "use_cache": False}, dyn,
-                            type(model).__name__)
+                            type(model).__name__, max_positions=max_len)
     finally:
         model.train(was_training)
     _require_dynamic(ep, "input_ids", 1)
@@ -91,31 +105,109 @@ def _auto_dims(spec):
 
 
 def export_dynamic(module: torch.nn.Module, args: tuple, kwargs: Optional[dict], dynamic_shapes, what: str,
-                   force_auto_dims: bool = False) -> torch.export.ExportedProgram:
+                   force_auto_dims: bool = False, max_positions: Optional[int] = None) -> torch.export.ExportedProgram:
     """``torch.export.export(..., strict=False)`` with named dynamic dims, falling back to ``Dim.AUTO``.
 
     On CUDA, SDPA's mask handling emits guards the named-``Dim`` solver cannot prove although they always hold
     (e.g. ``min(128*T, 512*T) == 128*T``); ``Dim.AUTO`` accepts them. Callers check that what must stay dynamic did.
+    ``max_positions``: the largest position the captured program can see (``None``: unbounded), for
+    :func:`_capturable_rope`.
 
     Raises:
-        RuntimeError: neither attempt exported (the message carries the exporter's reason).
+        CaptureError: a model feature known to defeat capture, refused before exporting, or neither attempt
+            exported (one line naming the source line that stopped it; the exporter's error is ``__cause__``).
     """
     err = None
     specs = (_auto_dims(dynamic_shapes),) if force_auto_dims else (dynamic_shapes, _auto_dims(dynamic_shapes))
-    for spec in specs:
-        try:
-            with torch.no_grad(), _quiet():
-                return torch.export.export(module, tuple(args), kwargs or {}, dynamic_shapes=spec, strict=False)
-        except Exception as e:  # pragma: no cover - message path
-            err = e
-    raise RuntimeError(f"torch.export could not capture {what}: {err}") from err
+    with _capturable_rope(module, max_positions, what):
+        for spec in specs:
+            try:
+                with torch.no_grad(), _quiet():
+                    return torch.export.export(module, tuple(args), kwargs or {}, dynamic_shapes=spec, strict=False)
+            except Exception as e:
+                err = e
+    raise CaptureError(f"torch.export cannot capture {what}: {_blocker(err)}") from err
+
+
+def _blocker(err: BaseException) -> str:
+    """One line: what in the model stopped torch.export (the last frame outside torch, the kind of failure), the
+    known feature and workaround for it, and where to see the rest."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_THIS_FILE)]
+    first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+    kind = ("data-dependent control flow (a Python branch on a tensor's value)"
+            if "data-dependent" in first else f"{type(err).__name__}: {first}")
+    where = ""
+    if frames:
+        f = frames[-1]
+        parts = Path(f.filename).parts
+        short = "/".join(parts[-3:] if "site-packages" not in parts
+                         else parts[len(parts) - parts[::-1].index("site-packages"):])
+        where = f" at {short}:{f.lineno} in {f.name}()" + (f": `{f.line}`" if f.line else "")
+        hint = _KNOWN_BLOCKERS.get(f.name)
+        if hint:
+            return f"{hint} ({kind}{where})"
+    return f"{kind}{where}; set KVT_DEBUG=1 for the exporter's traceback"
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_THIS_FILE = str(Path(__file__).resolve())
+_DYNAMIC_ROPE = "dynamic-NTK RoPE (config.rope_parameters['rope_type'] = 'dynamic')"
+_ROPE_FIX = ("if your inputs stay within config.max_position_embeddings, where dynamic RoPE equals plain RoPE, set "
+             "config.rope_parameters['rope_type'] = 'default' before transforming")
+# features known to defeat torch.export, by the function that raises: what to tell the user
+_KNOWN_BLOCKERS = {
+    "dynamic_frequency_update": f"{_DYNAMIC_ROPE} recomputes its frequencies from the input's largest position; "
+                                f"kvtransform captures it only within config.max_position_embeddings",
+}
+
+
+@contextlib.contextmanager
+def _capturable_rope(module: torch.nn.Module, max_positions: Optional[int], what: str):
+    """Dynamic-NTK RoPE recomputes its frequencies from the largest position id, a data-dependent branch that
+    torch.export cannot trace. Up to the model's original maximum length (``config.max_position_embeddings``) it is
+    plain RoPE with the frequencies it was built with, so for the duration of the export every such rotary module
+    runs as ``'default'`` RoPE with its original frequencies (the captured program accepts sequences up to that length
+    only). A capture whose positions may exceed it (``max_positions`` above it, or ``None``: unbounded, as a packed
+    axis) is refused by name with :class:`CaptureError`, before exporting."""
+    saved = []
+    try:
+        for m in module.modules():
+            rope_type = getattr(m, "rope_type", None)
+            types = rope_type if isinstance(rope_type, dict) else {None: rope_type}
+            dynamic = [lt for lt, t in types.items() if isinstance(t, str) and "dynamic" in t]
+            if not dynamic:
+                continue
+            limit = getattr(m, "original_max_seq_len", None)
+            prefixes = ["" if lt is None else f"{lt}_" for lt in dynamic]
+            if limit is None or any(not hasattr(m, f"{p}original_inv_freq") for p in prefixes):
+                raise CaptureError(f"torch.export cannot capture {what}: {_DYNAMIC_ROPE} in {type(m).__name__} "
+                                   f"recomputes its frequencies from the input's positions and this module keeps no "
+                                   f"original frequencies to capture; {_ROPE_FIX}")
+            if max_positions is None or max_positions > limit:
+                need = "an unbounded position axis" if max_positions is None else f"{max_positions} positions"
+                raise CaptureError(f"torch.export cannot capture {what}: {_DYNAMIC_ROPE} rescales its frequencies "
+                                   f"past {limit} positions (config.max_position_embeddings) and this capture needs "
+                                   f"{need}; kvtransform captures dynamic RoPE only up to that length (the canonical "
+                                   f"transform does); {_ROPE_FIX}")
+            saved.append((m, rope_type, {f"{p}inv_freq": getattr(m, f"{p}inv_freq") for p in prefixes}))
+            m.rope_type = ({lt: ("default" if lt in dynamic else t) for lt, t in types.items()}
+                           if isinstance(rope_type, dict) else "default")
+            for p in prefixes:
+                setattr(m, f"{p}inv_freq", getattr(m, f"{p}original_inv_freq").clone())
+        yield
+    finally:
+        for m, rope_type, bufs in saved:
+            m.rope_type = rope_type
+            for name, b in bufs.items():
+                setattr(m, name, b)
 
 
 def _require_dynamic(ep: torch.export.ExportedProgram, placeholder: str, dim: int) -> None:
     for node in ep.graph.nodes:
         if node.op == "placeholder" and node.name == placeholder and isinstance(node.meta["val"].shape[dim], int):
-            raise RuntimeError(f"torch.export specialised dimension {dim} of {placeholder}; cannot build a module "
-                               f"for every length")
+            raise CaptureError(f"torch.export specialised dimension {dim} of {placeholder} (the model's code depends "
+                               f"on its exact size); cannot build a module for every length")
 
 
 def _share_parameters(gm: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -134,15 +226,19 @@ def _share_parameters(gm: torch.nn.Module, model: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def _quiet():
+    """Silence the exporter: its loggers, warnings and what it prints to stderr (the partial graph of a failed
+    export); ``KVT_DEBUG=1`` lets the printing through."""
+    import io
     import logging
     import warnings
 
     loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch._dynamo", "torch.fx")]
     old = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
+    stderr = contextlib.nullcontext() if os.environ.get("KVT_DEBUG") else contextlib.redirect_stderr(io.StringIO())
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), stderr:
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -212,7 +308,8 @@ def capture_packed(model: torch.nn.Module, max_tokens: int = 1 << 20, force_auto
         force_auto_dims: skip the named-``Dim`` attempt and export with ``Dim.AUTO`` (the fallback; for tests).
 
     Raises:
-        RuntimeError: when torch.export fails.
+        CaptureError: torch.export cannot capture the model (a ``RuntimeError``; one line naming the feature), e.g.
+            dynamic-NTK RoPE, whose frequencies depend on positions a packed axis cannot bound.
     """
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, 12), device=device)

@@ -105,6 +105,24 @@ def _check_structure(cu: Sequence[int], sp: Sequence[int], total_tokens: Optiona
                                  f"responses must directly follow their prefix")
 
 
+def structure_ok(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """The conditions of :func:`_check_structure` computed on the tensors' device, without a host sync: a 0-dim bool
+    tensor, True iff ``cu_seqlens`` starts at 0, strictly increases (no empty segment) and ends at ``total_tokens``,
+    and every ``segment_prefix`` entry is ``-1`` (a prefix) or the index of the latest prefix segment before it.
+
+    Args:
+        cu_seqlens: int ``(S+1,)``; segment_prefix: int ``(S,)``, ``S >= 1`` (a shape the caller has checked).
+        total_tokens: ``T``.
+    """
+    cu = cu_seqlens.long()
+    sp = segment_prefix.long()
+    is_prefix = sp == -1
+    own = torch.arange(sp.numel(), device=sp.device).masked_fill(~is_prefix, -1)
+    latest_prefix = torch.cummax(own, 0).values
+    return ((cu[0] == 0) & (cu[-1] == int(total_tokens)) & ((cu[1:] - cu[:-1]) > 0).all()
+            & (is_prefix | (sp == latest_prefix)).all())
+
+
 @dataclass
 class DualKVLayout:
     """Packed layout of ``num_groups`` (prefix, responses) groups in one token axis.

@@ -103,7 +103,8 @@ class Report:
 
     # ---- display -------------------------------------------------------------------------------------------------
     def print(self, console=None, sites: bool = True) -> None:
-        """Render the report as rich tables (passes, sites, verification)."""
+        """Render the report as rich tables (sites, passes, verification); an inspect report (``transform ==
+        "inspect"``: sites found, nothing rewritten or verified) shows the sites only."""
         from rich.console import Console
         from rich.table import Table
 
@@ -116,7 +117,8 @@ class Report:
                 t.add_row(str(s.index), str(s.layer), s.kind, str(s.q_heads), str(s.kv_heads), str(s.head_dim),
                           s.mask_kind, s.status)
             console.print(t)
-        if self.passes:
+        inspecting = self.transform == "inspect"
+        if self.passes and not inspecting:
             t = Table(title="passes", title_justify="left")
             for col in ("pass", "matched", "rewritten", "skipped", "nodes removed", "notes"):
                 t.add_column(col)
@@ -133,5 +135,5 @@ class Report:
             console.print(f"verification: {status}  max_rel_error={v.max_rel_error:.3g} {rel} tolerance "
                           f"{v.tolerance:.3g}  (relative: max|a-b| / max|b| over real tokens; "
                           f"max_abs_error={v.max_abs_error:.3g}; {len(v.cases)} cases)")
-        elif self.passes:
+        elif self.passes and not inspecting:
             console.print("verification: [yellow]not run[/yellow]")

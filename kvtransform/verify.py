@@ -47,6 +47,12 @@ def text_token_ids(tokenizer, vocab_size: int, n: int, offset: int = 0, generato
     return torch.tensor((ids * reps)[offset:offset + n], dtype=torch.long)
 
 
+def _input_kind(tokenizer, noun: str) -> str:
+    """How the progress line names the verification inputs: ``real <noun>`` (tokenised text) or, without a
+    tokenizer, ``<noun> of random token ids (no tokenizer)``."""
+    return f"real {noun}" if tokenizer is not None else f"{noun} of random token ids (no tokenizer)"
+
+
 def verification_cases(cfg: VerifyConfig, tokenizer, vocab_size: int, device) -> list[tuple[str, torch.Tensor,
                                                                                                torch.Tensor]]:
     """``[(name, input_ids (B, S), attention_mask (B, S))]`` for each configured length."""
@@ -139,7 +145,8 @@ def verify_logits(model, opt, cfg: TransformConfig, tokenizer, report: Report, p
         finally:
             model.train(was_training)
 
-    with stage(progress, f"verifying on {len(cases)} real inputs"), timed(report.timings, "verify"):
+    with stage(progress, f"verifying on {len(cases)} {_input_kind(tokenizer, 'inputs')}"), \
+            timed(report.timings, "verify"):
         report.verification = verify(original, opt, cases, tol)
     check(report.verification)
 
@@ -290,7 +297,7 @@ def verify_packed(model, opt, cfg: DualKVConfig, tokenizer, report: Report, prog
     n = batch.num_responses
     adv = torch.randn(n, generator=torch.Generator().manual_seed(cfg.verify.seed))
     with stage(progress, f"verifying exactness vs the replicated batch ({n} responses, {batch.num_tokens} packed "
-                         f"tokens)"), timed(report.timings, "verify"):
+                         f"{_input_kind(tokenizer, 'tokens')})"), timed(report.timings, "verify"):
         was_training = model.training
         model.eval()
         try:

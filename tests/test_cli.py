@@ -48,7 +48,14 @@ def test_optimize_help(capsys):
     assert "kvtransform optimize [MODEL]" in out
     assert "transform: canonical, dualkv, specontext" in out
     assert "overwrite: false" in out
+    assert "kvtransform optimize transform=dualkv --help" in out  # how to see every transform's keys
     assert _cwd_is_empty()
+
+
+def test_optimize_help_shows_the_selected_transforms_keys(capsys):
+    rc, out, _ = _run(["optimize", "transform=dualkv", "--help"], capsys)
+    assert rc == 0 and "keys below are those of transform=dualkv" in out
+    assert "verify_groups:" in out and "num_responses:" in out
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "bench"])
@@ -163,6 +170,7 @@ def test_optimize_tiny_model(tmp_path, capsys):
     rc, stdout, err = _run(["optimize", str(model_dir), f"out={out}", "transform.verify.lengths=[5,12]"], capsys)
     assert rc == 0, err
     assert "verification" in stdout and "Reloaded" in stdout and "Done in" in stdout
+    assert "inputs of random token ids (no tokenizer)" in err and "real inputs" not in err  # no tokenizer saved
     report = json.loads((out / "report.json").read_text())
     assert report["verification"]["passed"] is True
     assert len(report["sites"]) == 2 and all(s["status"] == "canonical" for s in report["sites"])
@@ -181,6 +189,10 @@ def test_inspect_tiny_model(tmp_path, capsys):
     assert rc == 0, err
     report = json.loads(stdout[stdout.index("{"):])
     assert len(report["sites"]) == 2
+    rc, stdout, err = _run(["inspect", str(model_dir)], capsys)
+    assert rc == 0, err
+    assert "attention sites (2)" in stdout  # what inspect does: find the sites; nothing rewritten or verified
+    assert "rewritten" not in stdout and "verification" not in stdout and "passes" not in stdout
 
 
 @pytest.mark.parametrize(
@@ -252,3 +264,19 @@ def test_optimize_dualkv_demo_time_is_labelled(tmp_path, capsys):
 def test_adding_keys_with_plus_is_refused(capsys):
     rc, _, err = _run(["optimize", "+foo=1"], capsys)
     assert rc == 2 and "adding keys with '+' is not supported" in err, err
+
+
+def test_capture_refusal_is_one_error_line(tmp_path, capsys):
+    """A model feature that stops capture (dynamic-NTK RoPE on DualKV's unbounded packed axis): one `error:` line
+    naming it and the config key, exit 2, nothing from the exporter."""
+    from kvtransform.models import tiny_model
+
+    model_dir = tmp_path / "tiny-dynamic-rope"
+    tiny_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}).save_pretrained(model_dir)
+    capsys.readouterr()
+    rc, _, err = _run(["optimize", str(model_dir), "transform=dualkv", f"out={tmp_path / 'o'}"], capsys)
+    assert rc == 2, err
+    err = err[err.index("error:"):]  # after the model loader's progress bar
+    assert err.count("\n") == 1 and err.startswith("error: torch.export cannot capture"), err
+    assert "dynamic-NTK RoPE" in err and "rope_type" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()

@@ -34,7 +34,7 @@ from ..api import check_available
 from ..config import config_from_dict
 from .errors import USER_ERROR_EXIT, UsageError, console as _console, fail as _fail, guard as _guard
 from .overrides import check_overrides, split_args
-from .schema import ModelConfig, OptimizeConfig, register_configs
+from .schema import EMIT_KINDS, ModelConfig, OptimizeConfig, register_configs
 
 register_configs()
 
@@ -74,6 +74,15 @@ def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
     return res["max_abs_error"], tuple(want.shape)
 
 
+def _emit_kinds(cfg: DictConfig) -> list:
+    """``cfg.emit`` as a list, checked (UsageError names the accepted values)."""
+    emit = list(cfg.get("emit", ["pt2"]))
+    bad = [e for e in emit if e not in EMIT_KINDS]
+    if bad or not emit:
+        raise UsageError(f"emit={emit}: give a non-empty list of {', '.join(EMIT_KINDS)} (e.g. emit=[pt2,onnx])")
+    return emit
+
+
 def _transform_config(cfg: DictConfig):
     """The transform dataclass, its values validated, and the transform available: all before the model loads."""
     try:
@@ -92,12 +101,13 @@ def run_optimize(cfg: DictConfig) -> dict:
 
     Returns:
         timings in seconds: ``startup`` (process start to load), ``load``, ``transform``, ``demo`` (the DualKV
-        demo, 0 when it does not run), ``save``, ``reload``, ``total`` (process start to end).
+        demo, 0 when it does not run), ``save``, ``reload``, ``onnx`` (0 unless ``emit`` has ``onnx``), ``total``
+        (process start to end).
 
     Raises:
         FileExistsError: ``out`` exists and is not empty and ``overwrite`` is false (checked before loading).
-        UsageError: an invalid transform config value, or a transform that is not built (``specontext``); both
-            checked before loading.
+        UsageError: an invalid transform config value, a transform that is not built (``specontext``), or an
+            ``emit`` list that is empty or names something other than ``pt2`` / ``onnx``; checked before loading.
         ValueError / FileNotFoundError: from :func:`kvtransform.models.load_model` and the transform.
         RuntimeError: the reloaded artifact gives different logits.
     """
@@ -111,6 +121,7 @@ def run_optimize(cfg: DictConfig) -> dict:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.overwrite:
         raise FileExistsError(f"output directory {out} exists and is not empty; pass overwrite=true or out=<new dir>")
     tcfg = _transform_config(cfg)
+    emit = _emit_kinds(cfg)
 
     import transformers  # noqa: F401  (imported before the clock starts: startup is reported on its own)
 
@@ -128,23 +139,29 @@ def run_optimize(cfg: DictConfig) -> dict:
         td = time.perf_counter()
         if step(model, tok, opt, tcfg, console):
             demo_s = time.perf_counter() - td
-    t_save = time.perf_counter()
-    opt.save(str(out), overwrite=cfg.overwrite)
-    t3 = time.perf_counter()
-    console.print(f"[bold]Saved[/bold] artifact to {out}")
+    t_save = t3 = t4 = time.perf_counter()
+    if "pt2" in emit:
+        opt.save(str(out), overwrite=cfg.overwrite)
+        t3 = time.perf_counter()
+        console.print(f"[bold]Saved[/bold] artifact to {out}")
 
-    err, shape = reload_check(opt, out, tok)
-    t4 = time.perf_counter()
-    console.print(f"[bold]Reloaded[/bold] {out} in a fresh process: same outputs on a {shape} probe (max abs diff "
-                  f"{err:.2g})")
+        err, shape = reload_check(opt, out, tok)
+        t4 = time.perf_counter()
+        console.print(f"[bold]Reloaded[/bold] {out} in a fresh process: same outputs on a {shape} probe (max abs "
+                      f"diff {err:.2g})")
+    t5 = t4
+    if "onnx" in emit:
+        onnx_path = opt.export_onnx(out / "model.onnx", tokenizer=tok)
+        t5 = time.perf_counter()
+        console.print(f"[bold]Wrote[/bold] {onnx_path} (ONNX opset 23; onnxruntime matches the module on a probe)")
     times = dict(startup=t0 - _T_START, load=t1 - t0, transform=t2 - t1, demo=demo_s, save=t3 - t_save,
-                 reload=t4 - t3, total=t4 - _T_START)
+                 reload=t4 - t3, onnx=t5 - t4, total=t5 - _T_START)
     demo = f", dualkv demo {times['demo']:.1f} s" if demo_s else ""
     console.print(
         f"[bold green]Done[/bold green] in {times['total']:.1f} s wall "
         f"(startup/imports {times['startup']:.1f} s, load {times['load']:.1f} s, "
         f"transform+verify {times['transform']:.1f} s{demo}, save {times['save']:.1f} s, "
-        f"reload check {times['reload']:.1f} s)"
+        f"reload check {times['reload']:.1f} s" + (f", onnx {times['onnx']:.1f} s" if "onnx" in emit else "") + ")"
     )
     del torch
     return times

@@ -37,7 +37,9 @@ def _message(e: BaseException) -> str:
     if isinstance(e, KeyError) and e.args:
         return str(e.args[0])
     text = str(e).strip() or type(e).__name__
-    if isinstance(e, (UsageError, ValueError, OSError, NotImplementedError)):
+    from ..capture import CaptureError
+
+    if isinstance(e, (UsageError, ValueError, OSError, NotImplementedError, CaptureError)):
         return text
     if (type(e).__module__ or "").startswith(("hydra", "omegaconf")):  # no internal class names (ConfigComposition...)
         from hydra.errors import OverrideParseException

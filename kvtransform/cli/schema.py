@@ -8,13 +8,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, List
 
 from omegaconf import MISSING, OmegaConf
 
 from ..config import CONFIG_TYPES
 
-__all__ = ["ModelConfig", "OptimizeConfig", "register_configs"]
+__all__ = ["EMIT_KINDS", "ModelConfig", "OptimizeConfig", "register_configs"]
+
+EMIT_KINDS = ("pt2", "onnx")  # values of OptimizeConfig.emit
 
 
 @dataclass
@@ -41,12 +43,15 @@ class OptimizeConfig:
         transform: one of the transform configs (group ``transform``: canonical, dualkv, specontext).
         out: output directory of the artifact.
         overwrite: replace ``out`` when it exists and is not empty.
+        emit: what to write into ``out``: ``pt2`` (the artifact directory: ``model.pt2``, config, report) and/or
+            ``onnx`` (``model.onnx``, opset 23, checked in onnxruntime; :meth:`OptimizedModule.export_onnx`).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     transform: Any = MISSING
     out: str = "outputs/${kvt_slug:${model.name}}-${transform.name}"
     overwrite: bool = False
+    emit: List[str] = field(default_factory=lambda: ["pt2"])
 
 
 def _slug(name: str) -> str:

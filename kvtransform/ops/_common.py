@@ -66,3 +66,11 @@ def renamed_kwargs(**old_to_new: str):
         return wrapper
 
     return deco
+
+
+def kernel_path(t: torch.Tensor, on_cpu: bool) -> bool:
+    """Whether an op runs its Triton kernels for ``t``: always on CUDA; on CPU only when ``on_cpu`` (an op module's
+    ``USE_TRITON_ON_CPU``, which the tests flip) and Triton's interpreter runs (``TRITON_INTERPRET=1``)."""
+    from kvtransform.kernels._common import interpreting
+
+    return t.is_cuda or (on_cpu and interpreting())

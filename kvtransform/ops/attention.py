@@ -10,6 +10,10 @@ head ``h`` reads KV head ``h // (H // H_kv)``) and the mask described by kind in
   ``(B, H, S_q, S_k)``, for sites whose mask is not plain causal (sliding window, custom).
 
 Query rows that see no key at all (left padding rows) produce zeros, as PyTorch's fused SDPA kernels do.
+
+The registered op (which a transformed graph calls directly, past :func:`attention`) checks the same shapes on the
+host (``ValueError``; no data is read) before computing; its CPU reference and CUDA SDPA paths are PyTorch ops, which
+bound-check every index, so no input makes it touch memory out of bounds.
 """
 from __future__ import annotations
 
@@ -70,8 +74,11 @@ def _check(q, k, v, attn_mask, key_padding):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"kvt.attention expects q, k, v of shape (B, H, S, D); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1] != 0:
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must match q in batch and head_dim: q (B, H, S_q, D) = {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}")
     if k.shape != v.shape[:-1] + (k.shape[-1],) or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v must agree in (B, H_kv, S_k); got {tuple(k.shape)} and {tuple(v.shape)}")
     if key_padding is not None and tuple(key_padding.shape) != (q.shape[0], k.shape[2]):
@@ -81,6 +88,7 @@ def _check(q, k, v, attn_mask, key_padding):
 @torch.library.custom_op("kvt::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                   key_padding: Optional[torch.Tensor], softmax_scale: float, causal: bool) -> torch.Tensor:
+    _check(q, k, v, attn_mask, key_padding)
     s_q, s_k = q.shape[-2], k.shape[-2]
     if q.is_cuda and attn_mask is None and key_padding is None and (not causal or s_q == s_k):
         # PyTorch's fused (flash / memory-efficient) kernels; GQA without copying K/V.
@@ -91,7 +99,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: 
 
 @_attention_op.register_fake
 def _(q, k, v, attn_mask, key_padding, softmax_scale, causal):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
 def _setup_ctx(ctx, inputs, output):
@@ -127,10 +135,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opti
         causal: bottom-right aligned causal mask.
 
     Returns:
-        ``(B, H, S_q, D)`` in ``q.dtype``.
+        ``(B, H, S_q, D_v)`` in ``q.dtype`` (``D_v = v.shape[-1]``, usually ``D``).
 
     Raises:
-        ValueError: rank or head-count mismatch, or a ``key_padding`` of the wrong shape.
+        ValueError: rank, batch, head_dim or head-count mismatch, or a ``key_padding`` of the wrong shape.
     """
     _check(q, k, v, attn_mask, key_padding)
     softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

@@ -16,6 +16,18 @@ node under ``torch.export``/``torch.compile`` with cu_seqlens/segment_prefix as 
 Autograd: gradients for q, k, v. The gradient of ``lse`` is honoured exactly (it enters the backward as
 ``Delta = rowsum(dO∘O) - dLSE``); the offsets get none. The backward is its own op,
 ``kvt::dualkv_attention_backward``, so AOT autograd traces it as an opaque node too.
+
+Inconsistent inputs (the transformed graph calls both registered ops directly, past :func:`dualkv_attention`'s
+checks). Both ops refuse them on every device and never read or write outside their tensors:
+
+* shapes, dtypes and devices (no data needed) raise ``ValueError`` on the host, as the wrapper does;
+* the offsets' *values* (``cu_seqlens`` starting at 0, increasing, ending at ``T = q.shape[0]``; every
+  ``segment_prefix`` entry ``-1`` or its group's prefix): on CPU (reference and interpreter paths) they are read on
+  the host and raise the wrapper's ``ValueError``; on CUDA they are checked on the device with
+  ``torch._assert_async`` (no host sync), so a bad layout is a device-side assert (``RuntimeError`` at the next
+  synchronisation; the CUDA context is then unusable). The kernels clamp the offsets into ``[0, T]`` (non-decreasing)
+  and the prefix indices into ``[-1, S-1]`` before launching (``kvtransform.kernels.dualkv``), so even before the
+  assert surfaces nothing outside ``q``/``k``/``v`` and the outputs is touched.
 """
 from __future__ import annotations
 
@@ -24,15 +36,15 @@ from typing import Optional, Union
 import torch
 
 from ..kernels import dualkv as _k
-from ..layout import DualKVLayout, _check_structure
-from ._common import is_tracing
+from ..layout import DualKVLayout, _check_structure, structure_ok
+from ._common import is_tracing, kernel_path
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 USE_TRITON_ON_CPU = False
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or (USE_TRITON_ON_CPU and _k._interpreting())
+    return kernel_path(t, USE_TRITON_ON_CPU)
 
 
 def _reference_fwd(q, k, v, cu_seqlens, segment_prefix, scale):
@@ -53,11 +65,34 @@ def check_head_dim(d: int) -> None:
                          f"head_dim cannot use DualKV attention")
 
 
+def assert_layout_async(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int) -> None:
+    """Device-side check of the layout's values (:func:`kvtransform.layout.structure_ok`) with
+    ``torch._assert_async``: no host sync on CUDA (a failure is a device-side assert, seen at the next
+    synchronisation); on CPU tensors it raises ``RuntimeError`` at once."""
+    torch._assert_async(structure_ok(cu_seqlens, segment_prefix, total_tokens),
+                        "kvt::dualkv_attention: inconsistent cu_seqlens/segment_prefix (cu_seqlens must start at 0, "
+                        "increase and end at T = q.shape[0]; segment_prefix must be -1 or the group's prefix)")
+
+
+def _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels: bool) -> None:
+    """What both registered ops check before computing (see the module docstring): shapes always, the supported
+    dtypes and head dims on the kernel path, the offsets' values on the host for CPU tensors and on the device for
+    CUDA ones."""
+    check_shapes(q, k, v, cu_seqlens, segment_prefix)
+    if kernels:
+        check_kernel_support(q)
+    if cu_seqlens.device.type == "cpu":
+        _check_layout_values(cu_seqlens, segment_prefix, q.shape[0])
+    else:
+        assert_layout_async(cu_seqlens, segment_prefix, q.shape[0])
+
+
 @torch.library.custom_op("kvt::dualkv_attention", mutates_args=())
 def _dualkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                segment_prefix: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_triton(q):
-        check_head_dim(q.shape[-1])  # the transformed graph calls the op directly, past the wrapper's checks
+    kernels = _use_triton(q)
+    _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels)
+    if kernels:
         return _k.dualkv_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale)
     with torch.no_grad():
         return _reference_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale)
@@ -65,7 +100,8 @@ def _dualkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
 
 @_dualkv_op.register_fake
 def _(q, k, v, cu_seqlens, segment_prefix, softmax_scale):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # the op returns contiguous tensors
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("kvt::dualkv_attention_backward", mutates_args=())
@@ -73,8 +109,14 @@ def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
                    segment_prefix: torch.Tensor, softmax_scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_triton(q):
-        check_head_dim(q.shape[-1])
+    kernels = _use_triton(q)
+    t, h, _ = q.shape
+    for name, x, want in (("grad_out", grad_out, tuple(q.shape)), ("out", out, tuple(q.shape)),
+                          ("lse", lse, (h, t)), ("grad_lse", grad_lse, (h, t))):
+        if x is not None and tuple(x.shape) != want:
+            raise ValueError(f"kvt::dualkv_attention_backward: {name} must have shape {want}; got {tuple(x.shape)}")
+    _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels)
+    if kernels:
         return _k.dualkv_bwd(grad_out, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale, grad_lse)
     dq, dk, dv = _k.dualkv_attention_reference_backward(grad_out, grad_lse, q, k, v, cu_seqlens, segment_prefix,
                                                         softmax_scale)
@@ -83,7 +125,7 @@ def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
 
 @_dualkv_bwd_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup_ctx(ctx, inputs, output):
@@ -109,6 +151,28 @@ _dualkv_op.register_autograd(_backward, setup_context=_setup_ctx)
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                  segment_prefix: torch.Tensor, check_data: bool = True) -> None:
     """Validate DualKV inputs; raises ValueError naming the problem (see :func:`dualkv_attention`)."""
+    check_shapes(q, k, v, cu_seqlens, segment_prefix)
+    check_kernel_support(q)
+    if check_data:
+        _check_layout_values(cu_seqlens, segment_prefix, q.shape[0])
+
+
+def _check_layout_values(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int) -> None:
+    """The layout's values read on the host (one sync on CUDA, free on CPU); ValueError naming the problem."""
+    _check_structure([int(x) for x in cu_seqlens.tolist()], [int(x) for x in segment_prefix.tolist()], total_tokens)
+
+
+def check_kernel_support(q: torch.Tensor) -> None:
+    """ValueError unless the kernels support q's dtype (fp16/bf16/fp32) and head_dim (1..256)."""
+    if q.dtype not in _k.SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {q.dtype}: DualKV attention takes float16, bfloat16 or float32")
+    check_head_dim(q.shape[-1])
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                 segment_prefix: torch.Tensor) -> None:
+    """The checks that need no data: ranks, shapes, head counts, dtypes that must agree, devices, int32 offsets of
+    sizes ``(S+1,)`` and ``(S,)`` with ``S >= 1``. Raises ValueError naming the problem."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor (T, heads, head_dim); got "
@@ -117,8 +181,6 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     if len(devs) != 1:
         raise ValueError(f"tensors on different devices: q {q.device}, k {k.device}, v {v.device}, cu_seqlens "
                          f"{cu_seqlens.device}, segment_prefix {segment_prefix.device}")
-    if q.dtype not in _k.SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported dtype {q.dtype}: DualKV attention takes float16, bfloat16 or float32")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     t, h, d = q.shape
@@ -129,15 +191,14 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     h_kv = k.shape[1]
     if h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"query heads H={h} must be divisible by KV heads H_kv={h_kv}")
-    check_head_dim(d)
     if cu_seqlens.dtype != torch.int32 or segment_prefix.dtype != torch.int32:
         raise ValueError(f"cu_seqlens and segment_prefix must be int32; got {cu_seqlens.dtype}, "
                          f"{segment_prefix.dtype}")
     if cu_seqlens.dim() != 1 or segment_prefix.dim() != 1 or cu_seqlens.numel() != segment_prefix.numel() + 1:
         raise ValueError(f"cu_seqlens must be (S+1,) and segment_prefix (S,); got {tuple(cu_seqlens.shape)} and "
                          f"{tuple(segment_prefix.shape)}")
-    if check_data:
-        _check_structure([int(x) for x in cu_seqlens.tolist()], [int(x) for x in segment_prefix.tolist()], t)
+    if segment_prefix.numel() == 0:
+        raise ValueError("the layout has no segments (segment_prefix is empty)")
 
 
 def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -178,4 +239,5 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (out, lse) if return_lse else out
 
 
-__all__ = ["dualkv_attention", "check_inputs", "check_head_dim", "DualKVLayout"]
+__all__ = ["dualkv_attention", "check_inputs", "check_shapes", "check_kernel_support", "check_head_dim",
+           "assert_layout_async", "DualKVLayout"]

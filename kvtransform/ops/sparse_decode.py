@@ -30,6 +30,12 @@ Contract (shared by the runtime that calls these):
 
 CPU tensors run the PyTorch references in ``kvtransform.kernels.{retrieval,sparse_decode}``; CUDA tensors run the
 Triton kernels there. No autograd: decode is inference.
+
+**The registered ops** (``torch.ops.kvt.retrieval_topk`` / ``torch.ops.kvt.sparse_decode_attention``, which a
+transformed graph calls directly, past the wrappers) check every shape, dtype, device and scalar argument on the host
+(``ValueError``, the wrappers' messages; no data is read) and never read out of bounds for any *value*: on every
+device, ``cache_seqlens`` is clamped into ``[0, S_max]`` (negative = an empty row) and an index entry outside
+``[0, min(cache_seqlens[b], S_max))`` is masked (never read), as described above. Only the wrappers validate values.
 """
 from __future__ import annotations
 
@@ -39,7 +45,10 @@ import torch
 
 from kvtransform.kernels.retrieval import retrieval_topk_reference, retrieval_topk_triton
 from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
-from ._common import as_int, is_tracing, renamed_kwargs
+from ._common import as_int, is_tracing, kernel_path, renamed_kwargs
+
+# Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
+USE_TRITON_ON_CPU = False
 
 __all__ = ["retrieval_topk", "sparse_decode_attention", "slot_decode_attention", "check_indices"]
 
@@ -52,7 +61,8 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 @torch.library.custom_op("kvt::retrieval_topk", mutates_args=())
 def _retrieval_topk_op(q: torch.Tensor, k: torch.Tensor, cache_seqlens: torch.Tensor, budget: int, num_sink: int,
                        num_recent: int, softmax_scale: float) -> torch.Tensor:
-    if q.is_cuda:
+    cache_seqlens = _check_retrieval_inputs(q, k, cache_seqlens, budget, num_sink, num_recent)
+    if kernel_path(q, USE_TRITON_ON_CPU):
         return retrieval_topk_triton(q, k, cache_seqlens, budget, num_sink, num_recent, softmax_scale)
     return retrieval_topk_reference(q, k, cache_seqlens, budget, num_sink, num_recent, softmax_scale)
 
@@ -66,7 +76,9 @@ def _(q, k, cache_seqlens, budget, num_sink, num_recent, softmax_scale):
 def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       indices: Optional[torch.Tensor], cache_seqlens: torch.Tensor, k_new: Optional[torch.Tensor],
                       v_new: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
-    if q.is_cuda:
+    q, indices, cache_seqlens, k_new, v_new = _check_decode_inputs(q, k_cache, v_cache, indices, cache_seqlens,
+                                                                   k_new, v_new)
+    if kernel_path(q, USE_TRITON_ON_CPU):
         return sparse_decode_triton(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new, softmax_scale)
     return sparse_decode_reference(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new,
                                    softmax_scale).contiguous()
@@ -131,6 +143,34 @@ def check_indices(indices: torch.Tensor, lengths: torch.Tensor) -> None:
                              f"token must appear once (use -1 for unused entries)")
 
 
+def _check_retrieval_inputs(q, k, cache_seqlens, budget: int, sink: int, recent: int) -> torch.Tensor:
+    """Shape, dtype, device and count checks of :func:`retrieval_topk` (no data read); returns ``cache_seqlens`` as
+    contiguous int32."""
+    if budget < 1:
+        raise ValueError(f"budget must be an int >= 1; got {budget!r}")
+    if sink < 0 or recent < 0:
+        raise ValueError(f"num_sink and num_recent must be >= 0; got num_sink={sink}, num_recent={recent}")
+    if sink + recent > budget:
+        raise ValueError(f"num_sink + num_recent ({sink} + {recent}) exceeds the budget {budget}: lower them or "
+                         f"raise the budget")
+    if q.dim() != 3:
+        raise ValueError(f"q must be (batch, H_r, D_r); got {tuple(q.shape)}")
+    if k.dim() != 4:
+        raise ValueError(f"k must be the retrieval key cache (batch, H_r_kv, S_max, D_r); got {tuple(k.shape)}")
+    bsz, h_r, d = q.shape
+    if k.shape[0] != bsz or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
+    if k.shape[1] == 0 or h_r % k.shape[1] != 0:
+        raise ValueError(f"retrieval query heads ({h_r}) must be a multiple of its KV heads ({k.shape[1]})")
+    if q.dtype not in _FLOATS or k.dtype != q.dtype:
+        raise ValueError(f"q and k must share one dtype of fp16/bf16/fp32; got {q.dtype} and {k.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"k is on {k.device}, q on {q.device}")
+    if k.stride(-1) != 1:
+        raise ValueError(f"k must have a contiguous last dim; got strides {k.stride()}")
+    return _check_lengths(cache_seqlens, bsz, q.device)
+
+
 def _check_qkv(q, k, v, k_new, v_new, what: str):
     if q.dim() != 3:
         raise ValueError(f"q must be (batch, H, D) for one new token per row; got {tuple(q.shape)} "
@@ -167,6 +207,24 @@ def _check_qkv(q, k, v, k_new, v_new, what: str):
                                  f"{t.dtype}, {t.device}")
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
     return q.contiguous(), k_new, v_new
+
+
+def _check_decode_inputs(q, k, v, indices, cache_seqlens, k_new, v_new):
+    """Shape, dtype and device checks of :func:`sparse_decode_attention` (gather mode, ``indices`` given) or
+    :func:`slot_decode_attention` (``indices`` None); no data read. Returns ``(q, indices, cache_seqlens, k_new,
+    v_new)``: q, indices, k_new, v_new contiguous, cache_seqlens contiguous int32."""
+    q, k_new, v_new = _check_qkv(q, k, v, k_new, v_new, "slots" if indices is None else "cache")
+    bsz, h_kv = q.shape[0], k.shape[1]
+    if indices is not None:
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or indices.shape[:2] != (bsz, h_kv):
+            raise ValueError(f"indices must be (batch, H_kv, B) = ({bsz}, {h_kv}, B); got "
+                             f"{tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices)}")
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"indices must be int32 (or int64); got {indices.dtype}")
+        if indices.device != q.device:
+            raise ValueError(f"indices are on {indices.device}, q on {q.device}")
+        indices = indices.contiguous()
+    return q, indices, _check_lengths(cache_seqlens, bsz, q.device), k_new, v_new
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -206,32 +264,10 @@ def retrieval_topk(q: torch.Tensor, k: torch.Tensor, cache_seqlens: torch.Tensor
     """
     budget, sink, recent = (as_int(x, name, " token count", keyword=name)
                             for x, name in ((budget, "budget"), (num_sink, "num_sink"), (num_recent, "num_recent")))
-    if budget < 1:
-        raise ValueError(f"budget must be an int >= 1; got {budget!r}")
-    if sink < 0 or recent < 0:
-        raise ValueError(f"num_sink and num_recent must be >= 0; got num_sink={sink}, num_recent={recent}")
-    if sink + recent > budget:
-        raise ValueError(f"num_sink + num_recent ({sink} + {recent}) exceeds the budget {budget}: lower them or "
-                         f"raise the budget")
-    if q.dim() != 3:
-        raise ValueError(f"q must be (batch, H_r, D_r); got {tuple(q.shape)}")
-    if k.dim() != 4:
-        raise ValueError(f"k must be the retrieval key cache (batch, H_r_kv, S_max, D_r); got {tuple(k.shape)}")
-    bsz, h_r, d = q.shape
-    if k.shape[0] != bsz or k.shape[3] != d:
-        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
-    if k.shape[1] == 0 or h_r % k.shape[1] != 0:
-        raise ValueError(f"retrieval query heads ({h_r}) must be a multiple of its KV heads ({k.shape[1]})")
-    if q.dtype not in _FLOATS or k.dtype != q.dtype:
-        raise ValueError(f"q and k must share one dtype of fp16/bf16/fp32; got {q.dtype} and {k.dtype}")
-    if k.device != q.device:
-        raise ValueError(f"k is on {k.device}, q on {q.device}")
-    if k.stride(-1) != 1:
-        raise ValueError(f"k must have a contiguous last dim; got strides {k.stride()}")
-    lengths = _check_lengths(cache_seqlens, bsz, q.device)
+    lengths = _check_retrieval_inputs(q, k, cache_seqlens, budget, sink, recent)
     if _want_validate(validate, q, k, lengths):
         _check_length_values(lengths, k.shape[2], "S_max")
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return torch.ops.kvt.retrieval_topk(q.contiguous(), k, lengths, int(budget), int(sink), int(recent), scale)
 
 
@@ -268,24 +304,15 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if indices is None:
         return slot_decode_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale=softmax_scale,
                                      validate=validate)
-    q, k_new, v_new = _check_qkv(q, k_cache, v_cache, k_new, v_new, "cache")
-    bsz, h_kv = q.shape[0], k_cache.shape[1]
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or indices.shape[:2] != (bsz, h_kv):
-        raise ValueError(f"indices must be (batch, H_kv, B) = ({bsz}, {h_kv}, B); got "
-                         f"{tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices)}")
+    q, indices, lengths, k_new, v_new = _check_decode_inputs(q, k_cache, v_cache, indices, cache_seqlens, k_new,
+                                                             v_new)
     if indices.shape[2] < 1:
         raise ValueError("indices must select B >= 1 tokens per KV head (use -1 entries for padding)")
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"indices must be int32 (or int64); got {indices.dtype}")
-    if indices.device != q.device:
-        raise ValueError(f"indices are on {indices.device}, q on {q.device}")
-    lengths = _check_lengths(cache_seqlens, bsz, q.device)
     if _want_validate(validate, q, k_cache, indices, lengths):
         _check_length_values(lengths, k_cache.shape[2], "S_max")
         check_indices(indices, lengths)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return torch.ops.kvt.sparse_decode_attention(q, k_cache, v_cache, indices.contiguous(), lengths, k_new, v_new,
-                                                 scale)
+    return torch.ops.kvt.sparse_decode_attention(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale)
 
 
 @renamed_kwargs(lengths="cache_seqlens", scale="softmax_scale")
@@ -306,10 +333,9 @@ def slot_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch
     Returns:
         ``(batch, H, D)`` in ``q.dtype``.
     """
-    q, k_new, v_new = _check_qkv(q, k_slots, v_slots, k_new, v_new, "slots")
+    q, _, lengths, k_new, v_new = _check_decode_inputs(q, k_slots, v_slots, None, cache_seqlens, k_new, v_new)
     if k_slots.shape[2] < 1:
         raise ValueError("the slot buffer must have B >= 1 slots")
-    lengths = _check_lengths(cache_seqlens, q.shape[0], q.device)
     if _want_validate(validate, q, k_slots, lengths):
         _check_length_values(lengths, k_slots.shape[2], "the slot count B")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

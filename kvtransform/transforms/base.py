@@ -109,6 +109,51 @@ class OptimizedModule(torch.nn.Module):
         return self(inputs)
 
     # ---- emission --------------------------------------------------------------------------------------------------
+    #: names of ``core``'s positional inputs (the ONNX graph inputs); subclasses with another signature override it
+    core_input_names: tuple = ("input_ids", "attention_mask")
+
+    def core_inputs(self, inputs) -> tuple:
+        """``core``'s positional inputs for a probe input of :meth:`probe_inputs` (here ``(ids, all-ones mask)``)."""
+        return inputs, torch.ones_like(inputs)
+
+    def export_onnx(self, path: str | os.PathLike, verify: bool = True, tokenizer=None) -> Path:
+        """Write ``core`` as one ONNX file (opset 23, every ``kvt`` op translated into standard ONNX: ``Attention``
+        with the mask built in the graph; :mod:`kvtransform.onnx_export`), with the dynamic dims of
+        :meth:`export_example` (batch and sequence; the packed token and segment axes for DualKV). Inputs are named
+        :attr:`core_input_names`, the output ``logits``. Written atomically (a temporary file renamed into place).
+
+        Args:
+            path: the ``.onnx`` file (replaced if it exists).
+            verify: before writing, run the file in onnxruntime on :meth:`probe_inputs` and compare its logits with
+                this module (relative tolerance ``config.verify.tolerance``; fp32 default 1e-4).
+            tokenizer: for a real-text probe.
+
+        Returns:
+            the path written.
+
+        Raises:
+            kvtransform.onnx_export.UnsupportedOpError: a ``kvt`` op with no ONNX translation (the SpeContext sparse
+                decode ops), named in the message.
+            kvtransform.verify.VerificationError: onnxruntime's logits differ beyond tolerance.
+            RuntimeError: torch.export or the ONNX exporter failed.
+        """
+        from kvtransform import onnx_export
+        from kvtransform.verify import default_tolerance
+
+        args, dyn = self.export_example()
+        ep = export_dynamic(_ExportWrapper(self.core), tuple(args), None, {"args": tuple(dyn)},
+                            "the transformed module")
+        check = None
+        if verify:
+            feeds = dict(zip(self.core_input_names, self.core_inputs(self.probe_inputs(tokenizer))))
+            dtype = next(self.core.parameters()).dtype
+            tol = default_tolerance(dtype, self.config.verify.tolerance)
+
+            def check(tmp_path):
+                onnx_export.compare_onnx(tmp_path, self.core, feeds, tolerance=tol)
+
+        return onnx_export.export_onnx(ep, path, self.core_input_names, check=check)
+
     def export_example(self):
         """``(args, dynamic_shapes)`` for exporting ``core`` as ``.pt2``: example positional inputs of ``core`` and
         their dynamic dimensions (a tuple matching ``args``). Subclasses with another ``core`` signature override

@@ -124,6 +124,11 @@ class DualKVModule(OptimizedModule):
         n = ids.numel()
         return pack_shared_prefix(ids[: n // 2], [ids[n // 2: 3 * n // 4], ids[3 * n // 4:]], device=device_of(self))
 
+    core_input_names = ("input_ids", "position_ids", "cu_seqlens", "segment_prefix")
+
+    def core_inputs(self, inputs: PackedBatch) -> tuple:
+        return inputs.input_ids, inputs.position_ids, inputs.cu_seqlens, inputs.segment_prefix
+
     def export_example(self):
         dev = device_of(self)
         b = pack_shared_prefix([1, 2, 3, 4, 5], [[6, 7, 8], [9, 10, 11, 12]], device=dev)

@@ -1,0 +1,270 @@
+"""ONNX emission of a transformed module: every ``kvt`` op translated into standard ONNX (no custom domain).
+
+``OptimizedModule.export_onnx(path)`` calls :func:`export_onnx`: the module's ``core`` is exported with
+``torch.export`` (the same program as the ``.pt2`` artifact, dynamic batch/sequence or packed tokens), then
+converted with ``torch.onnx.export(..., dynamo=True)`` and a ``custom_translation_table`` holding one onnxscript
+translation per ``kvt`` op:
+
+* ``kvt.attention(q, k, v, attn_mask, key_padding, softmax_scale, causal)`` → opset 23 ``Attention`` (4-D inputs,
+  GQA by head count, ``scale`` attribute) with one boolean (or additive float) mask built in the graph: the
+  bottom-right aligned causal mask, ``key_padding`` and ``attn_mask`` combined. Query rows that see no key (left
+  padding) give zeros, as the op does.
+* ``kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, softmax_scale) -> (out, lse)`` → the DualKV mask
+  (DualKV, arXiv 2605.15422, §2–3; ``docs/ARCHITECTURE.md``) computed in the graph from ``cu_seqlens`` /
+  ``segment_prefix``: segment id of each token = number of segment ends ``<= t``; a query sees key ``j <= i`` whose
+  segment is its own or its group's prefix; then ``Attention`` over ``(1, H, T, D)``. ``lse`` ``(H, T)`` fp32 comes
+  from ``MatMul`` + ``ReduceLogSumExp`` and is removed as dead code when the graph does not use it.
+
+Ops with no ONNX translation (``kvt.retrieval_topk``, ``kvt.sparse_decode_attention``: the sparse decode step of
+the SpeContext runtime) are refused by name before anything is written. The file is written atomically.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["OPSET", "export_onnx", "onnx_translations", "run_onnx", "UnsupportedOpError"]
+
+OPSET = 23  # the first opset with the standard Attention operator
+
+_NEG_INF = float("-inf")
+
+
+class UnsupportedOpError(ValueError):
+    """The program holds a ``kvt`` op that has no translation into standard ONNX (nothing was written)."""
+
+
+def _ops():
+    from onnxscript import opset23 as op
+
+    return op
+
+
+def _bool():
+    from onnxscript import ir
+
+    return ir.DataType.BOOL
+
+
+def _int64():
+    from onnxscript import ir
+
+    return ir.DataType.INT64
+
+
+def _float():
+    from onnxscript import ir
+
+    return ir.DataType.FLOAT
+
+
+def _i64(*values):
+    return _ops().Constant(value_ints=list(values))
+
+
+def _arange(n):
+    """int64 ``[0, n)`` for a 1-element int64 shape tensor ``n``."""
+    op = _ops()
+    return op.Range(op.Constant(value_int=0), op.Squeeze(n, _i64(0)), op.Constant(value_int=1))
+
+
+def _safe_attention(q, k, v, keep, scale: float):
+    """``Attention`` with keep-mask ``keep`` (bool, broadcastable to (B, H, S_q, S_k)) where rows with no visible key
+    give zeros: such rows are opened (any value) for the softmax and zeroed after."""
+    op = _ops()
+    row_any = op.Greater(op.ReduceMax(op.Cast(keep, to=_float()), _i64(-1), keepdims=1), op.Constant(value_float=0.0))
+    mask = op.Or(keep, op.Not(row_any))
+    out = op.Attention(q, k, v, mask, scale=float(scale))[0]
+    return op.Where(row_any, out, op.CastLike(op.Constant(value_float=0.0), out))
+
+
+def kvt_attention_onnx(q, k, v, attn_mask=None, key_padding=None, softmax_scale: float = 1.0, causal: bool = False):
+    """ONNX translation of ``kvt.attention``: q ``(B, H, S_q, D)``, k/v ``(B, H_kv, S_k, D)`` → ``(B, H, S_q, D)``."""
+    op = _ops()
+    keep = None
+    if causal:
+        sq = op.Shape(q, start=2, end=3)
+        sk = op.Shape(k, start=2, end=3)
+        i = op.Add(op.Unsqueeze(_arange(sq), _i64(1)), op.Sub(sk, sq))
+        j = op.Unsqueeze(_arange(sk), _i64(0))
+        keep = op.LessOrEqual(j, i)  # (S_q, S_k)
+    if key_padding is not None:
+        kp = op.Unsqueeze(op.Cast(key_padding, to=_bool()), _i64(1, 2))  # (B, 1, 1, S_k)
+        keep = kp if keep is None else op.And(keep, kp)
+    if attn_mask is not None and attn_mask.dtype == _bool():
+        keep = attn_mask if keep is None else op.And(keep, attn_mask)
+    elif attn_mask is not None:  # additive float mask
+        add = attn_mask if keep is None else op.Where(keep, attn_mask, op.CastLike(op.Constant(value_float=_NEG_INF),
+                                                                                   attn_mask))
+        row_ok = op.Greater(op.ReduceMax(op.Cast(add, to=_float()), _i64(-1), keepdims=1),
+                            op.Constant(value_float=_NEG_INF))
+        add = op.Where(row_ok, add, op.CastLike(op.Constant(value_float=0.0), add))
+        out = op.Attention(q, k, v, op.CastLike(add, q), scale=float(softmax_scale))[0]
+        return op.Where(row_ok, out, op.CastLike(op.Constant(value_float=0.0), out))
+    if keep is None:
+        return op.Attention(q, k, v, scale=float(softmax_scale))[0]
+    return _safe_attention(q, k, v, keep, softmax_scale)
+
+
+def dualkv_keep_mask(cu_seqlens, segment_prefix, t_len):
+    """Bool ``(T, T)`` DualKV keep-mask from int32 ``cu_seqlens (S+1,)``, ``segment_prefix (S,)`` and the int64
+    1-element token count ``t_len``."""
+    op = _ops()
+    t = _arange(t_len)  # (T,)
+    ends = op.Slice(op.Cast(cu_seqlens, to=_int64()), _i64(1), _i64(2 ** 62))  # (S,)
+    seg = op.ReduceSum(op.Cast(op.LessOrEqual(op.Unsqueeze(ends, _i64(0)), op.Unsqueeze(t, _i64(1))), to=_int64()),
+                       _i64(1), keepdims=0)  # (T,) segment of each token
+    sp = op.Gather(op.Cast(segment_prefix, to=_int64()), seg)  # (T,) -1 on a prefix
+    grp = op.Where(op.Less(sp, op.Constant(value_int=0)), seg, sp)  # (T,) the group's prefix segment
+    seg_j = op.Unsqueeze(seg, _i64(0))
+    causal = op.LessOrEqual(op.Unsqueeze(t, _i64(0)), op.Unsqueeze(t, _i64(1)))
+    same = op.Or(op.Equal(seg_j, op.Unsqueeze(seg, _i64(1))), op.Equal(seg_j, op.Unsqueeze(grp, _i64(1))))
+    return op.And(causal, same)
+
+
+def kvt_dualkv_attention_onnx(q, k, v, cu_seqlens, segment_prefix, softmax_scale: float = 1.0):
+    """ONNX translation of ``kvt.dualkv_attention``: q ``(T, H, D)``, k/v ``(T, H_kv, D)`` → ``(out (T, H, D),
+    lse (H, T) fp32)``."""
+    op = _ops()
+    keep = dualkv_keep_mask(cu_seqlens, segment_prefix, op.Shape(q, start=0, end=1))  # (T, T)
+    perm = [1, 0, 2]
+    qh, kh, vh = (op.Transpose(x, perm=perm) for x in (q, k, v))  # (H, T, D), (H_kv, T, D)
+    out = op.Attention(op.Unsqueeze(qh, _i64(0)), op.Unsqueeze(kh, _i64(0)), op.Unsqueeze(vh, _i64(0)),
+                       op.Unsqueeze(keep, _i64(0, 1)), scale=float(softmax_scale))[0]
+    out = op.Transpose(op.Squeeze(out, _i64(0)), perm=perm)
+    # lse: scores of query head h against KV head h // G, as (H_kv, G, T, D) @ (H_kv, 1, D, T)
+    h = op.Shape(q, start=1, end=2)
+    h_kv = op.Shape(k, start=1, end=2)
+    q4 = op.Reshape(qh, op.Concat(h_kv, op.Div(h, h_kv), op.Shape(qh, start=1, end=3), axis=0))
+    k4 = op.Unsqueeze(op.Transpose(kh, perm=[0, 2, 1]), _i64(1))
+    scores = op.Mul(op.Cast(op.MatMul(q4, op.CastLike(k4, q4)), to=_float()), op.Constant(value_float=softmax_scale))
+    scores = op.Reshape(scores, op.Concat(h, op.Shape(scores, start=2, end=4), axis=0))  # (H, T, T)
+    scores = op.Where(op.Unsqueeze(keep, _i64(0)), scores, op.Constant(value_float=_NEG_INF))
+    lse = op.ReduceLogSumExp(scores, _i64(-1), keepdims=0)  # (H, T)
+    return out, lse
+
+
+def onnx_translations() -> dict:
+    """``{torch op overload: onnxscript translation}`` for ``torch.onnx.export(custom_translation_table=...)``."""
+    return {torch.ops.kvt.attention.default: kvt_attention_onnx,
+            torch.ops.kvt.dualkv_attention.default: kvt_dualkv_attention_onnx}
+
+
+_WHY_NOT = {
+    "retrieval_topk": "the top-k selection of the SpeContext decode step (arXiv 2512.00722) runs in the runtime",
+    "sparse_decode_attention": "the sparse decode step (Gather + Attention over the selected positions) follows with "
+                               "the SpeContext runtime",
+    "dualkv_attention_backward": "ONNX emission is inference only (no backward)",
+}
+
+
+def _check_translatable(ep: torch.export.ExportedProgram) -> None:
+    table = onnx_translations()
+    bad = sorted({str(n.target) for n in ep.graph.nodes if n.op == "call_function"
+                  and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "kvt"
+                  and n.target not in table})
+    if bad:
+        names = [b.split(".")[-2] if b.count(".") >= 2 else b for b in bad]
+        why = "; ".join(f"kvt.{n}: {_WHY_NOT.get(n, 'no ONNX translation')}" for n in names)
+        raise UnsupportedOpError(f"cannot emit ONNX: {why}. Exportable: kvt.attention, kvt.dualkv_attention")
+
+
+def export_onnx(ep: torch.export.ExportedProgram, path: str | os.PathLike, input_names: Sequence[str],
+                output_names: Sequence[str] = ("logits",), opset: int = OPSET,
+                check: Optional[Callable[[Path], None]] = None) -> Path:
+    """Convert ``ep`` to ONNX (``kvt`` ops translated, dynamic dims kept) and write it atomically to ``path``.
+
+    Args:
+        ep: an exported program whose ``kvt`` ops are ``kvt.attention`` / ``kvt.dualkv_attention``.
+        path: the ``.onnx`` file; weights are stored inside it (models over 2 GB: in ``<name>.data`` beside it).
+        input_names / output_names: ONNX graph input and output names.
+        opset: ONNX opset (>= 23 for ``Attention``).
+        check: called with the written temporary file before it is renamed into place (e.g. onnxruntime against
+            the PyTorch module); an exception it raises leaves ``path`` untouched.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        UnsupportedOpError: a ``kvt`` op without a translation (named); nothing written.
+        ValueError: ``opset < 23``.
+        RuntimeError: the ONNX exporter failed (its message included); nothing written.
+        Whatever ``check`` raises (nothing written).
+    """
+    if opset < OPSET:
+        raise ValueError(f"opset {opset}: the kvt translations need the Attention operator of opset {OPSET} or later")
+    _check_translatable(ep)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # opset 23 + dynamic shapes: onnxscript's optimizer folds the dynamic Attention shapes wrongly; the program
+        # is exported unoptimised and only dead nodes are removed (an unused lse, constant-shape scaffolding).
+        prog = torch.onnx.export(ep, (), dynamo=True, opset_version=opset, optimize=False,
+                                 custom_translation_table=onnx_translations(), input_names=list(input_names),
+                                 output_names=list(output_names), verbose=False, report=False)
+    except Exception as e:
+        raise RuntimeError(f"torch.onnx.export failed: {type(e).__name__}: {e}") from e
+    from onnxscript.ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(prog.model)
+    _drop_unused_attention_outputs(prog.model)
+    size = sum(p.numel() * p.element_size() for p in ep.state_dict.values())
+    external = size > (1 << 31) - (1 << 26)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        prog.save(tmp / path.name, external_data=external)
+        if check is not None:
+            check(tmp / path.name)
+        files = sorted(tmp.iterdir(), key=lambda f: f.name == path.name)  # the .onnx last: it names the data file
+        for f in files:
+            os.replace(f, path.parent / f.name)
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    return path
+
+
+def _drop_unused_attention_outputs(model) -> None:
+    """``Attention`` declares four outputs (Y, present_key, present_value, qk_matmul_output); keep only Y when the
+    rest are unused, so the runtime does not materialise them."""
+    graph_outputs = set(map(id, model.graph.outputs))
+    for node in model.graph:
+        if node.op_type == "Attention" and hasattr(node, "resize_outputs") and not any(
+                v.uses() or id(v) in graph_outputs for v in node.outputs[1:]):
+            node.resize_outputs(1)
+
+
+def run_onnx(path: str | os.PathLike, inputs: dict, session=None):
+    """Run the ONNX file in onnxruntime (CPU) on ``{input name: tensor}``; returns the first output as a tensor."""
+    import onnxruntime as ort
+
+    sess = session or ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {k: v.detach().cpu().numpy() for k, v in inputs.items()}
+    return torch.from_numpy(sess.run(None, feeds)[0])
+
+
+def max_rel_error(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """``(max |a - b|, max |a - b| / max |b|)`` in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    err = float((a - b).abs().max())
+    return err, err / max(float(b.abs().max()), 1e-30)
+
+
+def compare_onnx(path, module, inputs: dict, tolerance: Optional[float] = None, session=None) -> tuple[float, float]:
+    """Run ``module(**inputs)`` and the ONNX file on the same inputs; ``(max abs, max rel)`` error of the first
+    output. With ``tolerance``, raises :class:`kvtransform.verify.VerificationError` beyond it."""
+    with torch.no_grad():
+        ref = module(*inputs.values())
+    got = run_onnx(path, inputs, session)
+    err = max_rel_error(got, ref)
+    if tolerance is not None and not err[1] <= tolerance:
+        from kvtransform.verify import VerificationError
+
+        raise VerificationError(f"the ONNX file {str(path)!r} differs from the PyTorch module in onnxruntime: max "
+                                f"abs {err[0]:.3g}, rel {err[1]:.3g} > tolerance {tolerance:g}")
+    return err

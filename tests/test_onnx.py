@@ -1,0 +1,210 @@
+"""ONNX emission: kvt ops translated into standard ONNX, run in onnxruntime against the PyTorch modules."""
+import pytest
+import torch
+
+import kvtransform as kvt
+from kvtransform import onnx_export as ox
+from kvtransform.ops.attention import attention_reference
+
+ort = pytest.importorskip("onnxruntime")
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, causal, scale, use_kp, mask_kind):
+        super().__init__()
+        self.causal, self.scale, self.use_kp, self.mask_kind = causal, scale, use_kp, mask_kind
+
+    def forward(self, q, k, v, kp, mask):
+        return torch.ops.kvt.attention(q, k, v, mask if self.mask_kind else None, kp if self.use_kp else None,
+                                       self.scale, self.causal)
+
+
+def _mask(kind, b, sq, sk, gen):
+    if kind == "bool":
+        m = torch.rand(b, 1, sq, sk, generator=gen) > 0.3
+        m[..., 0] = True
+        return m
+    if kind == "float":
+        return torch.randn(b, 1, sq, sk, generator=gen)
+    return torch.zeros(1)
+
+
+@pytest.mark.parametrize("causal,use_kp,mask_kind", [(True, True, None), (False, True, "bool"), (True, True, "float")])
+def test_attention_translation_matches_reference(tmp_path, causal, use_kp, mask_kind):
+    """kvt.attention → Attention (opset 23): GQA, bottom-right causal (S_q < S_k), key padding with fully masked
+    query rows (zeros), bool and additive masks; dynamic batch and lengths."""
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(b, sq, sk):
+        q = torch.randn(b, 4, sq, 8, generator=gen)
+        k, v = torch.randn(b, 2, sk, 8, generator=gen), torch.randn(b, 2, sk, 8, generator=gen)
+        kp = torch.ones(b, sk, dtype=torch.bool)
+        kp[-1, : sk - 1] = False  # last batch row: only its final key is real → early causal rows see nothing
+        return q, k, v, kp, _mask(mask_kind, b, sq, sk, gen)
+
+    mod = _Attn(causal, 0.3, use_kp, mask_kind)
+    b, s = torch.export.Dim("b", min=1, max=64), torch.export.Dim("s", min=2, max=512)
+    sk = torch.export.Dim("sk", min=2, max=512) if not causal else s
+    mdyn = {0: b, 2: s, 3: sk} if mask_kind else None
+    ep = torch.export.export(mod, inputs(2, 5, 5), dynamic_shapes=(
+        {0: b, 2: s}, {0: b, 2: sk}, {0: b, 2: sk}, {0: b, 1: sk}, mdyn))
+    names = ("q", "k", "v", "kp", "mask")
+    path = ox.export_onnx(ep, tmp_path / "attn.onnx", names, output_names=("out",))
+    sess = ort.InferenceSession(str(path))
+    feeds_names = [i.name for i in sess.get_inputs()]
+    for b_, sq, sk_ in [(1, 3, 3), (3, 7, 7)] + ([(2, 3, 9)] if not causal else []):
+        args = inputs(b_, sq, sk_)
+        ref = attention_reference(*args[:3], args[4] if mask_kind else None, args[3] if use_kp else None, 0.3, causal)
+        got = ox.run_onnx(path, {n: a for n, a in zip(names, args) if n in feeds_names}, sess)
+        assert got.shape == ref.shape
+        assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (b_, sq, sk_, (got - ref).abs().max())
+
+
+def test_dualkv_mask_in_graph_matches_op(tmp_path):
+    """kvt.dualkv_attention → mask from cu_seqlens/segment_prefix in the graph + Attention; out and lse equal the op
+    on layouts with other token and segment counts than the exported example."""
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, cu, sp):
+            out, lse = torch.ops.kvt.dualkv_attention(q, k, v, cu, sp, 0.4)
+            return out, lse
+
+    def inputs(groups, gen):
+        lay = kvt.DualKVLayout.from_lengths(groups)
+        t = lay.total_tokens
+        return (torch.randn(t, 4, 8, generator=gen), torch.randn(t, 2, 8, generator=gen),
+                torch.randn(t, 2, 8, generator=gen), lay.cu_seqlens, lay.segment_prefix)
+
+    gen = torch.Generator().manual_seed(1)
+    tok, seg = torch.export.Dim("t", min=2, max=4096), torch.export.Dim("seg", min=2, max=4096)
+    ep = torch.export.export(M(), inputs([(3, [2, 2])], gen), dynamic_shapes=(
+        {0: tok}, {0: tok}, {0: tok}, {0: seg + 1}, {0: seg}))
+    path = ox.export_onnx(ep, tmp_path / "dkv.onnx", ("q", "k", "v", "cu_seqlens", "segment_prefix"),
+                          output_names=("out", "lse"))
+    sess = ort.InferenceSession(str(path))
+    for groups in ([(5, [1, 4, 2])], [(2, [3]), (4, [1, 1, 5]), (1, [2])]):
+        args = inputs(groups, gen)
+        want_out, want_lse = torch.ops.kvt.dualkv_attention(*args, 0.4)
+        got_out, got_lse = (torch.from_numpy(x) for x in sess.run(None, {
+            n: a.numpy() for n, a in zip(("q", "k", "v", "cu_seqlens", "segment_prefix"), args)}))
+        assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_lse, want_lse, atol=1e-5)
+
+
+def _unverified(name):
+    from kvtransform.config import config_from_dict
+
+    return config_from_dict({"name": name, "verify": {"enabled": False}})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return kvt.tiny_model("llama")
+
+
+def test_canonical_module_onnx_matches_module_and_model(tmp_path, tiny):
+    opt = kvt.transform(tiny, _unverified("canonical"), progress=False)  # this test compares with the model itself
+    path = opt.export_onnx(tmp_path / "m.onnx", verify=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]  # no temp files left
+    sess = ort.InferenceSession(str(path))
+    gen = torch.Generator().manual_seed(0)
+    for b, s in [(1, 4), (3, 19)]:
+        ids = torch.randint(0, tiny.config.vocab_size, (b, s), generator=gen)
+        am = torch.ones_like(ids)
+        am[-1, :2] = 0  # left padding
+        got = ox.run_onnx(path, {"input_ids": ids, "attention_mask": am}, sess)
+        with torch.no_grad():
+            want = tiny(input_ids=ids, attention_mask=am).logits
+        keep = am.bool()
+        assert ox.max_rel_error(got[keep], want[keep])[1] < 1e-5
+        assert ox.max_rel_error(got, opt(ids, am))[1] < 1e-5
+
+
+def test_dualkv_module_onnx_matches_module(tmp_path, tiny):
+    opt = kvt.transform(tiny, _unverified("dualkv"), progress=False)
+    path = opt.export_onnx(tmp_path / "d.onnx")  # with the onnxruntime check on the probe batch
+    sess = ort.InferenceSession(str(path))
+    assert [i.name for i in sess.get_inputs()] == ["input_ids", "position_ids", "cu_seqlens", "segment_prefix"]
+    batch = kvt.pack_shared_prefix_groups([([1, 2, 3, 4, 5, 6], [[7, 8], [9, 10, 11]]), ([3, 4], [[5], [6, 7, 8]])])
+    feeds = dict(zip(opt.core_input_names, opt.core_inputs(batch)))
+    err = ox.compare_onnx(path, opt.core, feeds, session=sess)
+    assert err[1] < 1e-5
+    # per-response log-probs equal the original model on the replicated sequences
+    from kvtransform.verify import replicated_logprobs
+
+    lp = batch.response_logprobs(ox.run_onnx(path, feeds, sess))
+    with torch.no_grad():
+        ref = replicated_logprobs(tiny, batch)
+    assert max(float((a - b).abs().max()) for a, b in zip(lp, ref)) < 1e-5
+
+
+def test_untranslatable_op_refused_by_name_and_nothing_written(tmp_path):
+    class Decode(torch.nn.Module):
+        def forward(self, q, kc, vc, lens):
+            return torch.ops.kvt.sparse_decode_attention(q, kc, vc, None, lens, None, None, 0.5)
+
+    ep = torch.export.export(Decode(), (torch.randn(1, 2, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8),
+                                        torch.tensor([6], dtype=torch.int32)))
+    with pytest.raises(ox.UnsupportedOpError, match="kvt.sparse_decode_attention"):
+        ox.export_onnx(ep, tmp_path / "x.onnx", ("q", "k", "v", "lens"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_check_writes_nothing(tmp_path):
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.ops.kvt.attention(q, k, v, None, None, 0.5, True)
+
+    x = torch.randn(1, 2, 4, 8)
+    ep = torch.export.export(M(), (x, x, x))
+    target = tmp_path / "a.onnx"
+    target.write_bytes(b"old")
+
+    def check(p):
+        assert p.is_file() and p != target
+        raise RuntimeError("check failed")
+
+    with pytest.raises(RuntimeError, match="check failed"):
+        ox.export_onnx(ep, target, ("q", "k", "v"), check=check)
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.onnx"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transform", ["canonical", "dualkv"])
+def test_real_model_onnx(tmp_path, transform):
+    """SmolLM2-135M: the ONNX file loads in onnxruntime and its logits match the module (rel 1e-4, fp32) on
+    inputs of other batch sizes / lengths than the exported example."""
+    model, tok = kvt.load_model("smollm2-135m")
+    opt = kvt.transform(model, transform, tokenizer=tok, progress=False)
+    path = opt.export_onnx(tmp_path / "m.onnx", tokenizer=tok)
+    sess = ort.InferenceSession(str(path))
+    gen = torch.Generator().manual_seed(0)
+    if transform == "canonical":
+        cases = []
+        for b, s in [(1, 9), (3, 40)]:
+            ids = torch.randint(0, model.config.vocab_size, (b, s), generator=gen)
+            am = torch.ones_like(ids)
+            am[-1, :3] = 0
+            cases.append({"input_ids": ids, "attention_mask": am})
+    else:
+        ids = torch.randint(0, model.config.vocab_size, (40,), generator=gen).tolist()
+        b = kvt.pack_shared_prefix_groups([(ids[:12], [ids[12:20], ids[20:23]]), (ids[23:30], [ids[30:40]])])
+        cases = [dict(zip(opt.core_input_names, opt.core_inputs(b)))]
+    for feeds in cases:
+        assert ox.compare_onnx(path, opt.core, feeds, session=sess)[1] < 1e-4
+
+
+def test_cli_emit_onnx(tmp_path, monkeypatch, capsys):
+    from kvtransform.cli import main
+    from kvtransform.models import tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    tiny_model("qwen3").save_pretrained(tmp_path / "tiny")
+    rc = main(["optimize", str(tmp_path / "tiny"), f"out={tmp_path / 'o'}", "emit=[onnx]",
+               "transform.verify.lengths=[6]"])
+    assert rc in (0, None), capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["model.onnx"]
+    assert "onnxruntime matches" in " ".join(capsys.readouterr().out.split())
+    try:
+        rc = main(["optimize", str(tmp_path / "tiny"), f"out={tmp_path / 'p'}", "emit=[pt2,tflite]"])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2 and "emit=['pt2', 'tflite']" in capsys.readouterr().err
