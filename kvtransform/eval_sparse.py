@@ -35,7 +35,7 @@ from .attention_probe import cache_probs, probing
 from .runtime.cache import KVCache
 
 __all__ = ["Trace", "DocumentTeacher", "run_head", "keep_mask", "recall_per_layer", "nll",
-           "evaluate_head", "EvalSparseConfig", "run_eval", "write_results", "summarize"]
+           "evaluate_head", "EvalSparseConfig", "run_eval", "write_results", "summarize", "markdown"]
 
 
 @dataclass
@@ -349,9 +349,19 @@ def write_results(df, out) -> None:
     df = df.sort_values(key).reset_index(drop=True)
     df.to_csv(csv, index=False)
     summary = summarize(df)
-    (out / "results.md").write_text("## Mean over documents\n\n" + summary.to_markdown(index=False, floatfmt=".4f")
-                                    + "\n\n## Per document\n\n" + df.to_markdown(index=False, floatfmt=".4f") + "\n")
+    (out / "results.md").write_text("## Mean over documents\n\n" + markdown(summary) + "\n\n## Per document\n\n"
+                                    + markdown(df) + "\n")
     _plot(summary, out / "results.png")
+
+
+def markdown(df) -> str:
+    """A pandas DataFrame as a GitHub markdown table (floats with 4 decimals; no ``tabulate`` dependency)."""
+    def cell(v):
+        return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
 
 
 def summarize(df):

@@ -380,10 +380,10 @@ def _distill_job(cfg: DictConfig) -> None:
 
 
 def _eval_job(cfg: DictConfig) -> None:
-    from ..eval_sparse import run_eval, summarize
+    from ..eval_sparse import markdown, run_eval, summarize
 
     df = run_eval(cfg)
-    _console().print(summarize(df).to_markdown(index=False, floatfmt=".4f"))
+    _console().print(markdown(summarize(df)))
     _console().print(f"[bold]Wrote[/bold] {cfg.out}/results.csv, results.md, results.png")
 
 
