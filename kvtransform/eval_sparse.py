@@ -74,15 +74,19 @@ class DocumentTeacher:
     def __init__(self, model, prefix_ids: torch.Tensor):
         from transformers import DynamicCache
 
+        import inspect
+
         self.model = model
         self.prefix_ids = prefix_ids
+        # transformers >= 5.x calls the cache argument ``cache`` (``past_key_values`` is deprecated there)
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.P = int(prefix_ids.numel())
         self.cache = DynamicCache(config=model.config)
         dev = next(model.parameters()).device
         with probing(model) as probe:
             probe.capture = True
             probe.q_positions = torch.tensor([self.P - 1], device=dev)
-            out = model(input_ids=prefix_ids[None].to(dev), past_key_values=self.cache, use_cache=True)
+            out = model(input_ids=prefix_ids[None].to(dev), use_cache=True, **{self.cache_kw: self.cache})
         L = len(probe.k)
         self.q_last = torch.stack([probe.q[l][0] for l in range(L)])      # (L, H, 1, D)
         self.last_logits = out.logits[0, -1].float()
@@ -91,7 +95,7 @@ class DocumentTeacher:
         dev = next(self.model.parameters()).device
         with probing(self.model) as probe:
             probe.capture, probe.keep = capture, keep
-            out = self.model(input_ids=ids[None].to(dev), past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=ids[None].to(dev), use_cache=True, **{self.cache_kw: self.cache})
         self._crop()
         return out.logits[0].float().log_softmax(-1), probe
 
@@ -117,8 +121,8 @@ class DocumentTeacher:
         toks = [int(self.last_logits.argmax())]
         with probing(self.model):
             for _ in range(n - 1):
-                out = self.model(input_ids=torch.tensor([[toks[-1]]], device=dev), past_key_values=self.cache,
-                                 use_cache=True)
+                out = self.model(input_ids=torch.tensor([[toks[-1]]], device=dev), use_cache=True,
+                                 **{self.cache_kw: self.cache})
                 toks.append(int(out.logits[0, -1].argmax()))
         self._crop()
         return torch.tensor(toks, dtype=torch.long)

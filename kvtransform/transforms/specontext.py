@@ -256,7 +256,9 @@ def head_summary(opt: SpeContextModule) -> str:
 
 def _cli_step(model, tokenizer, opt, cfg, console) -> dict:
     """``kvtransform optimize transform=specontext``: print :func:`head_summary`."""
-    console.print(head_summary(opt))
+    from rich.markup import escape
+
+    console.print(escape(head_summary(opt)))
     return {}
 
 
