@@ -162,8 +162,11 @@ class SpeContextConfig(TransformConfig):
     ``budget`` cached tokens per KV head and every layer attends only to those.
 
     Attributes:
-        head: the retrieval head (``kvtransform.runtime.heads``): ``quest`` (default; 16-token pages scored with
-            per-page min/max keys), ``oracle`` (the LLM's own attention of the previous step: an accuracy upper
+        head: the retrieval head (``kvtransform.runtime``): ``auto`` (default: ``distilled`` when a packaged
+            trained head fits the model -- SmolLM2-135M --, else ``self``), ``distilled`` (a head trained by
+            ``kvtransform distill-retrieval-head``), ``self`` (training-free: the model's early-layer queries from
+            the token embedding against its real keys), ``eagle3`` (an EAGLE-3 draft's attention), ``quest``
+            (16-token pages scored with per-page min/max keys), ``oracle`` (the LLM's own attention of the previous step: an accuracy upper
             bound), ``recent`` (sink + window), ``dense`` (every token, budget ignored: the baseline), or a head
             registered with ``kvtransform.runtime.register_head``.
         budget: B, tokens kept per KV head per decode step (``quest`` rounds up to whole pages).
@@ -171,13 +174,14 @@ class SpeContextConfig(TransformConfig):
         num_recent: always-kept most recent tokens (0 = off, as in the paper).
         page_size: tokens per page of the ``quest`` head.
         cuda_graphs: on CUDA, capture the whole decode step (retrieval head + LLM) in a CUDA graph and replay it.
-        retrieval: where a trained retrieval head comes from: ``"self"`` (the model's own first layer projections) or
-            a path / registry name of a draft model (used by trained heads).
+        retrieval: where a trained head's weights come from: ``"self"`` (``distilled``: the packaged head for this
+            model) or a directory (``distilled``: one written by ``kvtransform distill-retrieval-head``;
+            ``eagle3``: an EAGLE-3 draft checkpoint).
         offload: keep the full KV cache of some layers on CPU with elastic loading (memory model decides which).
     """
 
     name: str = "specontext"
-    head: str = "quest"
+    head: str = "auto"
     budget: int = 2048
     num_sink: int = 0
     num_recent: int = 0
@@ -202,7 +206,7 @@ class SpeContextConfig(TransformConfig):
             raise ValueError(f"page_size must be >= 1 token; got {self.page_size}")
         from kvtransform.runtime.heads import HEADS
 
-        if self.head not in HEADS:
+        if self.head not in HEADS and self.head != "auto":
             raise ValueError(f"unknown retrieval head {self.head!r}; choose one of {sorted(HEADS)}")
 
 

@@ -6,6 +6,8 @@ Subcommands::
     kvtransform inspect MODEL [--attn-implementation eager] [--json]
     kvtransform bench SUITE [overrides ...] [-m]   # forwarded to kvtransform.bench.run
     kvtransform generate [MODEL] prompt="..." [key=value ...]   # SpeContext generation, prints the text
+    kvtransform distill-retrieval-head [MODEL] [key=value ...]  # train the distilled retrieval head (Hydra)
+    kvtransform eval-sparse [MODEL] [key=value ...] [-m]        # sparse-decode accuracy table (Hydra)
 
 ``optimize`` is a Hydra app composed from ``kvtransform.conf`` (``config.yaml`` + groups ``model/`` and
 ``transform/``) on top of structured configs registered in Hydra's ConfigStore: :class:`OptimizeConfig`,
@@ -343,6 +345,56 @@ def _generate(args: Sequence[str]) -> int:
     return 0
 
 
+# ---- distill-retrieval-head, eval-sparse --------------------------------------------------------------------------
+
+
+def _hydra_command(args: Sequence[str], config_name: str, prog: str, job) -> int:
+    """Run ``job(cfg)`` as a Hydra app composed from ``kvtransform.conf/<config_name>.yaml`` (``[MODEL]
+    key=value ... [-m]``); a typo or bad value is one ``error:`` line (exit 2)."""
+    import hydra
+
+    argv, overrides, multirun = split_args(args)
+    if not multirun and not any(a in ("--help", "-h", "--hydra-help", "--shell-completion", "-sc") for a in argv):
+        check_overrides(overrides, config_name)
+
+    @hydra.main(version_base="1.3", config_path="pkg://kvtransform.conf", config_name=config_name)
+    def _task(cfg: DictConfig) -> None:
+        _guard(job, cfg)
+
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        _task()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def _distill_job(cfg: DictConfig) -> None:
+    from ..distill import distill
+
+    res = distill(cfg, log=_console().print)
+    _console().print(f"[bold]Saved[/bold] the distilled head to {res['out']} after {res['steps']} steps in "
+                     f"{res['seconds'] / 60:.1f} min (top-k teacher mass on the training text "
+                     f"{res['captured']:.3f}); use it with transform.head=distilled transform.retrieval={res['out']}")
+
+
+def _eval_job(cfg: DictConfig) -> None:
+    from ..eval_sparse import run_eval, summarize
+
+    df = run_eval(cfg)
+    _console().print(summarize(df).to_markdown(index=False, floatfmt=".4f"))
+    _console().print(f"[bold]Wrote[/bold] {cfg.out}/results.csv, results.md, results.png")
+
+
+def _distill(args: Sequence[str]) -> int:
+    return _hydra_command(args, "distill_retrieval_head", "kvtransform distill-retrieval-head", _distill_job)
+
+
+def _eval_sparse(args: Sequence[str]) -> int:
+    return _hydra_command(args, "eval_sparse", "kvtransform eval-sparse", _eval_job)
+
+
 # ---- entry point --------------------------------------------------------------------------------------------------
 
 _HELP = """usage: kvtransform COMMAND [ARGS ...]
@@ -356,6 +408,8 @@ commands:
   inspect MODEL                      print the attention sites found in MODEL
   bench SUITE [key=value ...] [-m]   run a benchmark suite
   generate [MODEL] prompt="..."      generate text with SpeContext sparse decode (transform.budget=..., ...)
+  distill-retrieval-head [MODEL]     train the distilled retrieval head on MODEL's own attention (Hydra)
+  eval-sparse [MODEL] [-m]           recall / NLL / greedy agreement of retrieval heads on real text (Hydra)
 
 MODEL: a registry name ({names}), a local HF model directory, a .gguf file, or a hub id in the local HF cache.
 Run `kvtransform COMMAND --help` for a command's options."""
@@ -381,7 +435,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(f"kvtransform {__version__}")
         return 0
-    commands = {"optimize": _optimize, "inspect": _inspect, "bench": _bench, "generate": _generate}
+    commands = {"optimize": _optimize, "inspect": _inspect, "bench": _bench, "generate": _generate,
+                "distill-retrieval-head": _distill, "eval-sparse": _eval_sparse}
     cmd = commands.get(args[0])
     if cmd is None:
         close = difflib.get_close_matches(args[0], list(commands), n=1)

@@ -129,7 +129,7 @@ def _node(cfg: DictConfig, key: str):
         return None
 
 
-def check_overrides(overrides: list[str]) -> None:
+def check_overrides(overrides: list[str], config_name: str = "config") -> None:
     """Compose the config once with the Compose API so that a typo or a bad value becomes one message.
 
     An unknown key names the valid keys (and the group choice when the typo is close to a group name: ``transfrom=x``
@@ -147,16 +147,16 @@ def check_overrides(overrides: list[str]) -> None:
                          f"(see `kvtransform optimize --help`), so drop the '+' and use key=value")
     with initialize_config_module(config_module="kvtransform.conf", version_base="1.3"):
         try:
-            compose(config_name="config", overrides=app)
+            compose(config_name=config_name, overrides=app)
             return
         except HydraException as e:
             err = e
         # Valid keys: the config composed from the group choices only (no key overrides).
         groups = [o for o in app if "=" in o and "." not in o.split("=", 1)[0].lstrip("+~")]
         try:
-            base = compose(config_name="config", overrides=groups)
+            base = compose(config_name=config_name, overrides=groups)
         except HydraException:
-            base = compose(config_name="config")
+            base = compose(config_name=config_name)
     if isinstance(err, OverrideParseException):
         raise UsageError(f"bad override syntax: {str(err).splitlines()[0]} (quote lists and strings for the shell, "
                          f"e.g. 'transform.verify.lengths=[16,64]')")

@@ -71,6 +71,11 @@ def register_configs() -> None:
     cs.store(name="kvt_model_schema", node=ModelConfig)
     for name, cls in CONFIG_TYPES.items():
         cs.store(name=f"kvt_transform_{name}", node=cls)
+    from ..distill import DistillConfig
+    from ..eval_sparse import EvalSparseConfig
+
+    cs.store(name="kvt_eval_sparse_schema", node=EvalSparseConfig)
+    cs.store(name="kvt_distill_schema", node=DistillConfig)
     if not OmegaConf.has_resolver("kvt_slug"):
         OmegaConf.register_new_resolver("kvt_slug", _slug)
 

@@ -9,6 +9,7 @@ never the model's maximum positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -20,11 +21,17 @@ class KVCache:
     Attributes:
         k, v: ``(L, batch, H_kv, max_length, D)``, model dtype.
         cache_seqlens: ``(batch,)`` int32, valid tokens per row.
+        token_ids: ``(batch, max_length)`` int64, the token id of every cached position, and at position
+            ``cache_seqlens[b]`` the id of the token being decoded (written by :meth:`set_current` before the
+            retrieval head runs): what heads that score from token embeddings read (``self``, ``distilled``,
+            ``eagle3``; arXiv 2512.00722 §4.1). Its position is ``cache_seqlens[b]`` (compact rows). None for a
+            cache built without ids.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     cache_seqlens: torch.Tensor
+    token_ids: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, num_layers: int, batch: int, num_kv_heads: int, max_length: int, head_dim: int,
@@ -41,7 +48,8 @@ class KVCache:
             raise ValueError(f"KV cache sizes must be >= 1; got {bad}")
         shape = (num_layers, batch, num_kv_heads, max_length, head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k, torch.zeros_like(k), torch.zeros(batch, dtype=torch.int32, device=device))
+        return cls(k, torch.zeros_like(k), torch.zeros(batch, dtype=torch.int32, device=device),
+                   torch.zeros(batch, max_length, dtype=torch.long, device=device))
 
     @property
     def max_length(self) -> int:
@@ -56,9 +64,11 @@ class KVCache:
         """Bytes allocated for K and V."""
         return 2 * self.k.numel() * self.k.element_size()
 
-    def write_prompts(self, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list) -> None:
+    def write_prompts(self, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list,
+                      input_ids: Optional[torch.Tensor] = None) -> None:
         """Store a packed prefill's K/V: ``k``/``v`` ``(L, 1, H_kv, T, D)`` hold row ``b``'s tokens at packed
         positions ``[cu_seqlens[b], cu_seqlens[b+1])``; sets ``cache_seqlens`` to the prompt lengths.
+        ``input_ids`` ``(1, T)`` (the packed ids, optional) fill :attr:`token_ids`.
 
         Raises:
             ValueError: a prompt longer than ``max_length``.
@@ -70,7 +80,19 @@ class KVCache:
             lo = cu_seqlens[b]
             self.k[:, b, :, :n] = k[:, 0, :, lo:lo + n]
             self.v[:, b, :, :n] = v[:, 0, :, lo:lo + n]
+            if input_ids is not None and self.token_ids is not None:
+                self.token_ids[b, :n] = input_ids[0, lo:lo + n]
         self.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+
+    def set_current(self, tokens: torch.Tensor) -> None:
+        """Write the ids of the tokens about to be decoded, ``tokens`` ``(batch,)``, at position
+        ``cache_seqlens[b]`` of :attr:`token_ids` (before the retrieval head's step; K/V follow in
+        :meth:`append`). No host synchronisation (CUDA-graph safe)."""
+        if self.token_ids is None:
+            return
+        rows = torch.arange(self.batch, device=self.k.device)
+        pos = self.cache_seqlens.to(torch.long).clamp(max=self.max_length - 1)
+        self.token_ids[rows, pos] = tokens.to(self.token_ids.dtype)
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write one new token per row, ``k_new``/``v_new`` ``(L, batch, H_kv, D)``, at position

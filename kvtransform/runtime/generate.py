@@ -204,7 +204,7 @@ class SpeContextRuntime:
         logits, k, v = self.prefill_fn(ids, pos, cu_t, sp, last)
         cache = KVCache.allocate(info.num_layers, len(rows), info.num_kv_heads, max_length, info.head_dim, k.dtype,
                                  device)
-        cache.write_prompts(k, v, cu)
+        cache.write_prompts(k, v, cu, ids)
         return cache, logits[0, :len(rows)]
 
     def decode(self, cache: KVCache, tokens: torch.Tensor, indices: torch.Tensor):
@@ -284,6 +284,7 @@ class SpeContextRuntime:
             if stepper is not None and q is not None:
                 logits, sel = stepper(tok)
             else:
+                cache.set_current(tok)
                 sel = self.head.step(cache, q)
                 logits, q = self.decode(cache, tok, sel)
                 if stepper is not None:
@@ -411,6 +412,7 @@ class _GraphStep:
         self.q.copy_(saved_q)
 
     def _body(self):
+        self.cache.set_current(self.tokens)
         sel = self.rt.head.step(self.cache, self.q)
         logits, k_new, v_new, q = self.rt.decode_fn(self.tokens[:, None], self.cache.cache_seqlens, sel,
                                                     self.cache.k, self.cache.v)

@@ -20,7 +20,10 @@ Training-free heads (selected by ``SpeContextConfig(head=...)``):
   for the trained heads, not a speed path.
 
 Heads that score with queries (``oracle``, ``quest``) select every token on the first decode step (no previous
-query exists yet). :func:`register_head` adds heads by name (trained heads plug in here);
+query exists yet). Heads that score from token embeddings (``self``, ``distilled``, ``eagle3``;
+:mod:`.embedding_heads`) read the id of the token being decoded from ``cache.token_ids[b, cache_seqlens[b]]``
+(the runtime writes it with ``KVCache.set_current`` before ``step``) and the target's weights given to
+:meth:`RetrievalHead.bind`. :func:`register_head` adds heads by name (trained heads plug in here);
 :func:`make_head` builds one.
 """
 from __future__ import annotations
@@ -74,6 +77,7 @@ class RetrievalHead:
 
     name = "abstract"
     needs_queries = False  # scores with the previous step's queries (dense on the first decode step)
+    needs_model = False  # reads the target's weights: bind(model) before prefill
 
     def __init__(self, config, scale: Optional[float] = None):
         self.budget = int(config.budget)
@@ -81,6 +85,13 @@ class RetrievalHead:
         self.num_recent = int(config.num_recent)
         self.page_size = int(getattr(config, "page_size", 16))
         self.scale = scale
+
+    def bind(self, model) -> None:
+        """Attach the target's weights: the HF model at transform time, the captured decode program (parameters
+        under the model's names) when an artifact is reloaded, after :meth:`load_state_dict`. No-op here.
+
+        Raises:
+            ValueError: the model does not fit the head (another model's trained head, a missing projection)."""
 
     def prefill(self, cache: KVCache) -> None:
         """Called once after the prompts are written into ``cache`` (build per-token or per-page state)."""

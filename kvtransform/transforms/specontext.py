@@ -59,11 +59,20 @@ class SpeContextModule(OptimizedModule):
     """
 
     def __init__(self, prefill: torch.nn.Module, decode: torch.nn.Module, config: SpeContextConfig, report: Report,
-                 info: ModelInfo, scale: Optional[float] = None):
+                 info: ModelInfo, scale: Optional[float] = None, model: Optional[torch.nn.Module] = None,
+                 head_name: Optional[str] = None, head_state: Optional[dict] = None):
         super().__init__(torch.nn.ModuleDict({"prefill": prefill, "decode": decode}), config, report,
                          max_seq_len=info.max_positions)
         self.info = info
-        self.head = make_head(config.head, config, scale)
+        name = head_name or config.head
+        if name == "auto":
+            from kvtransform.runtime.distilled import auto_head
+
+            name = auto_head(model if model is not None else decode)
+        self.head = make_head(name, config, scale)
+        if head_state:
+            self.head.load_state_dict(head_state)
+        self.head.bind(model if model is not None else decode)
         self.runtime = SpeContextRuntime(prefill, decode, self.head, info, cuda_graphs=config.cuda_graphs)
 
     @property
@@ -162,9 +171,9 @@ class SpeContextModule(OptimizedModule):
                                     f"{missing or ['meta.json model_info']})")
         prefill = torch.export.load(path / "prefill.pt2").module()
         decode = torch.export.load(path / "decode.pt2").module()
-        mod = cls(prefill, decode, config, report, ModelInfo(**meta["model_info"]), meta.get("softmax_scale"))
-        mod.head.load_state_dict(torch.load(path / "head.pt", weights_only=True).get("state", {}))
-        return mod
+        head = torch.load(path / "head.pt", weights_only=True)
+        return cls(prefill, decode, config, report, ModelInfo(**meta["model_info"]), meta.get("softmax_scale"),
+                   head_name=head.get("name"), head_state=head.get("state", {}))
 
 
 class _ExampleModel:
@@ -231,7 +240,27 @@ def verify_decode(model, opt: SpeContextModule, cfg: SpeContextConfig, tokenizer
     check(v)
 
 
-@register_transform(SpeContextConfig, module_type=SpeContextModule)
+def head_summary(opt: SpeContextModule) -> str:
+    """One line: the retrieval head in use and, for a packaged or trained head, the accuracy its ``head.json``
+    records (``kvtransform eval-sparse`` on documents it never saw)."""
+    head = opt.head
+    line = f"retrieval head: {head.name} (budget {head.budget} tokens per KV head)"
+    ev = getattr(head, "meta", {}).get("eval") if isinstance(getattr(head, "meta", None), dict) else None
+    if ev:
+        line += (f"; measured at budget {ev['budget']} on {ev['documents']} unseen documents of {ev['cached']} "
+                 f"tokens: recall {ev['recall_mean']:.3f} (worst layer {ev['recall_worst']:.3f}), NLL "
+                 f"+{ev['nll_increase']:.4f} nats/token, greedy agreement {100 * ev['agreement']:.1f}% "
+                 f"({ev['command']})")
+    return line
+
+
+def _cli_step(model, tokenizer, opt, cfg, console) -> dict:
+    """``kvtransform optimize transform=specontext``: print :func:`head_summary`."""
+    console.print(head_summary(opt))
+    return {}
+
+
+@register_transform(SpeContextConfig, module_type=SpeContextModule, cli_step=_cli_step)
 def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress: bool = True) -> SpeContextModule:
     """SpeContext transform: decode-step capture → sparse_decode pass → cleanup; packed prefill capture →
     canonical → dualkv (varlen causal) → cleanup; gate (:func:`verify_decode`).
@@ -241,7 +270,8 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
             (sliding window, cross-attention, unknown mask): the message names the site and the fix.
         kvtransform.verify.VerificationError: the programs differ from the original model beyond tolerance.
     """
-    make_head(cfg.head, cfg)  # an unknown head fails before any capture
+    if cfg.head != "auto":
+        make_head(cfg.head, cfg)  # an unknown head fails before any capture
     report = new_report(model, cfg)
     dec, ctx, cap = capture_and_rewrite(model, capture_decode_step, [SparseDecodePass, CleanupPass], report,
                                         progress, what="capturing the decode step (torch.export)")
@@ -262,6 +292,6 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
     report.timings.update({f"prefill/{k}": t for k, t in pre_report.timings.items()})
     scale = next((float(n.args[7]) for n in dec.graph.nodes if n.op == "call_function"
                   and n.target is torch.ops.kvt.sparse_decode_attention.default), None)
-    opt = SpeContextModule(pre, dec, cfg, report, ModelInfo.from_model(model), scale)
+    opt = SpeContextModule(pre, dec, cfg, report, ModelInfo.from_model(model), scale, model=model)
     verify_decode(model, opt, cfg, tokenizer, report, progress)
     return opt

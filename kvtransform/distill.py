@@ -1,0 +1,257 @@
+"""Train the ``distilled`` retrieval head on the target's own attention (SpeContext, arXiv 2512.00722 §9:
+"train the retrieval head directly to capture the LLM's attention"; ``kvtransform distill-retrieval-head``).
+
+**Teacher** (:func:`teacher_targets`): on real text (:data:`kvtransform.textdata.TRAIN_FILES`, chunks of
+``length`` tokens), at ``positions`` query positions per chunk drawn from its second half, the model's dense
+attention over the cached tokens ``[0, t)`` of every layer, group-max over each GQA group (per KV head, as the
+selection ranks), **mean over layers**, renormalised to sum 1 per (KV head, position): the aggregate a single
+per-step selection shared by all layers must serve (§4.3). Stored fp16 in ``teacher.pt`` beside the checkpoint
+(computed once; a resumed run reuses it).
+
+**Loss** (:func:`loss_fn`), on the head's group-max log-probabilities ``s`` ``(H_kv, P, T)`` (softmax per query
+head over ``[0, t)``, max over the group: exactly what ``kvt::retrieval_topk`` ranks):
+
+* ``attn`` (§9 ``L_attn``): ``1 - Σ_j a_j · σ((s_j - θ)/τ)``, the teacher mass captured by a soft top-``k``
+  selection, ``θ`` the ``k``-th largest ``s`` (no gradient), ``k = budget_fraction · t`` (the eval's budget 1024
+  over ≈4.5K cached tokens is ≈ 0.25), ``τ = temperature`` × the row's standard deviation of ``s`` (no
+  gradient: the soft selection does not harden just because the scores spread out);
+* ``kl``: ``KL(a ‖ softmax(s))`` over ``[0, t)``, a dense surrogate.
+
+Checkpoints (``checkpoint.pt``: block, optimizer, step, RNG) every ``checkpoint_every`` steps; a run with the same
+``out`` resumes from it. The result is a head directory (``head.safetensors`` + ``head.json`` with the target's
+fingerprint), :func:`kvtransform.runtime.distilled.save_head_dir`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .attention_probe import cache_probs, probing
+from .runtime.distilled import DistilledBlock, fingerprint, save_head_dir
+from .runtime.embedding_heads import find_param
+from .textdata import TRAIN_FILES
+
+__all__ = ["DistillConfig", "teacher_targets", "loss_fn", "head_scores", "distill"]
+
+
+@dataclass
+class DistillConfig:
+    """``kvtransform distill-retrieval-head`` settings (Hydra structured config).
+
+    Attributes:
+        model: registry name / local HF directory of the target (on the command line: the model group).
+        out: the head directory (also holds ``checkpoint.pt`` and ``teacher.pt`` while training).
+        files: training files (relative to the standard library; split from the evaluation files by file).
+        length: tokens per training chunk; chunks_per_file: chunks taken from each file (``pydoc_data/topics.py``
+            gives ``topics_chunks``); positions: teacher query positions per chunk (second half).
+        loss: ``attn`` (captured mass of a soft top-k, §9) or ``kl``.
+        budget_fraction: k / t of the soft top-k; temperature: its sigmoid temperature (in standard deviations of the scores).
+        steps, lr, weight_decay: AdamW, cosine decay; checkpoint_every: steps between checkpoints.
+        window, dim: the block's input window (tokens) and width.
+        seed: data order and initialisation; threads: torch CPU threads (0: torch's default).
+    """
+
+    model: Any = "smollm2-135m"
+    out: str = "outputs/heads/smollm2-135m"
+    files: list = field(default_factory=lambda: list(TRAIN_FILES))
+    length: int = 2048
+    chunks_per_file: int = 1
+    topics_chunks: int = 5
+    positions: int = 192
+    loss: str = "attn"
+    budget_fraction: float = 0.25
+    temperature: float = 0.25
+    steps: int = 400
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    checkpoint_every: int = 50
+    window: int = 4
+    dim: int = 256
+    seed: int = 0
+    threads: int = 0
+    progress: bool = True
+
+
+@torch.no_grad()
+def teacher_targets(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Mean over layers of the per-KV-head group-max attention over ``[0, t)``, renormalised.
+
+    Args:
+        ids: int64 ``(T,)``; positions: int64 ``(P,)`` query positions (``>= 1``).
+
+    Returns:
+        fp32 ``(H_kv, P, T)``, each ``(h, p)`` row summing to 1 over ``j < positions[p]``.
+    """
+    dev = next(model.parameters()).device
+    with probing(model) as probe:
+        probe.capture, probe.q_positions = True, positions.to(dev)
+        model(input_ids=ids[None].to(dev), use_cache=False)
+    acc = None
+    for l in range(len(probe.k)):
+        p = cache_probs(probe.q[l][0], probe.k[l][0], positions.to(dev), probe.scale[l])   # (H, P, T)
+        h_kv = probe.k[l].shape[1]
+        gm = p.unflatten(0, (h_kv, -1)).amax(dim=1)                                          # (H_kv, P, T)
+        acc = gm if acc is None else acc + gm
+    return (acc / acc.sum(-1, keepdim=True).clamp(min=1e-30)).cpu()
+
+
+def head_scores(block: DistilledBlock, embed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                max_length: Optional[int] = None) -> torch.Tensor:
+    """The head's group-max log-probabilities ``(H_kv, P, T)`` fp32 of the queries at ``positions`` over the keys
+    ``[0, t)`` of ``ids`` ``(T,)`` (-inf elsewhere), as the selection ranks them."""
+    T, w = ids.numel(), block.arch["window"]
+    pos = torch.arange(T)
+    off = torch.arange(w - 1, -1, -1)
+    p = pos[:, None] - off
+    emb = torch.where((p >= 0)[..., None], embed[ids[p.clamp(min=0)]].float(), torch.zeros(()))
+    q, k = block(emb, pos, max_length)                                # (T, H, D), (T, H_kv, D)
+    q = q[positions]                                                   # (P, H, D)
+    h, h_kv, d = q.shape[1], k.shape[1], q.shape[2]
+    logits = torch.einsum("phd,shd->hps", q, k.repeat_interleave(h // h_kv, dim=1)) * d ** -0.5
+    valid = pos[None, None, :] < positions[None, :, None]
+    logp = logits.masked_fill(~valid, float("-inf")).log_softmax(-1)
+    return logp.unflatten(0, (h_kv, -1)).amax(dim=1)
+
+
+def loss_fn(scores: torch.Tensor, target: torch.Tensor, positions: torch.Tensor, kind: str,
+            budget_fraction: float = 0.25, temperature: float = 0.25) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, captured)``: the training loss (module docstring) and the teacher mass a hard top-k selection
+    captures (mean over KV heads and positions; no gradient).
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    t = positions.float()
+    k = (budget_fraction * t).long().clamp(min=1)                      # (P,)
+    srt = scores.detach().sort(dim=-1, descending=True).values
+    thr = srt.gather(-1, (k - 1)[None, :, None].expand(scores.shape[0], -1, 1))   # (H_kv, P, 1)
+    with torch.no_grad():
+        captured = (target * (scores >= thr)).sum(-1).mean()
+    if kind == "attn":
+        valid = torch.isfinite(scores)
+        z = torch.where(valid, scores, torch.zeros_like(scores)).detach()
+        n = valid.sum(-1, keepdim=True).clamp(min=1)
+        mean = z.sum(-1, keepdim=True) / n
+        std = (((z - mean) ** 2 * valid).sum(-1, keepdim=True) / n).sqrt().clamp(min=1e-3)
+        soft = torch.sigmoid((scores - thr) / (temperature * std))
+        loss = 1 - (target * soft).sum(-1).mean()
+    elif kind == "kl":
+        valid = torch.isfinite(scores)
+        logq = torch.where(valid, scores, torch.full_like(scores, -1e9)).log_softmax(-1)
+        loss = (target * (target.clamp(min=1e-30).log() - logq)).masked_fill(~valid, 0).sum(-1).mean()
+    else:
+        raise ValueError(f"loss must be 'attn' or 'kl'; got {kind!r}")
+    return loss, captured
+
+
+def _chunks(tok, cfg: DistillConfig) -> list:
+    from .textdata import token_chunks
+
+    out = []
+    for f in cfg.files:
+        n = cfg.topics_chunks if f == "pydoc_data/topics.py" else cfg.chunks_per_file
+        out += [(f, c) for c in token_chunks(tok, f, cfg.length, n)]
+    return out
+
+
+def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
+    """Train (or resume) the head of ``cfg``; write the head directory ``cfg.out``.
+
+    Returns:
+        ``{"out", "steps", "captured" (hard top-k teacher mass, last 20 steps), "loss", "seconds"}``.
+
+    Raises:
+        ValueError: bad settings (the message names the key).
+    """
+    for key in ("length", "positions", "steps", "checkpoint_every", "window", "dim"):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{key} must be an integer >= 1; got {v!r}")
+    if cfg.loss not in ("attn", "kl"):
+        raise ValueError(f"loss must be 'attn' or 'kl'; got {cfg.loss!r}")
+    if not 0 < cfg.budget_fraction <= 1:
+        raise ValueError(f"budget_fraction must be in (0, 1]; got {cfg.budget_fraction}")
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    from tqdm.auto import tqdm
+
+    t_start = time.perf_counter()
+    if model is None:
+        from .models import load_model
+
+        model, tokenizer = load_model(getattr(cfg.model, "name", cfg.model))
+    model.eval()
+    out = Path(cfg.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    mc = model.config
+    h = mc.num_attention_heads
+    h_kv = getattr(mc, "num_key_value_heads", None) or h
+    hd = getattr(mc, "head_dim", None) or mc.hidden_size // h
+    theta = float((getattr(mc, "rope_parameters", None) or {}).get("rope_theta", getattr(mc, "rope_theta", 1e4)))
+    embed = find_param(model, "embed_tokens.weight").float()
+
+    teacher_file = out / "teacher.pt"
+    gen = torch.Generator().manual_seed(cfg.seed)
+    key = {"length": cfg.length, "positions": cfg.positions, "files": list(cfg.files),
+           "chunks_per_file": cfg.chunks_per_file, "topics_chunks": cfg.topics_chunks}
+    data = torch.load(teacher_file, weights_only=False) if teacher_file.is_file() else None
+    if data is None or data.get("key") != key:
+        data = {"key": key, "items": []}
+        chunks = _chunks(tokenizer, cfg)
+        for f, ids in tqdm(chunks, desc="teacher attention", unit="chunk", disable=not cfg.progress):
+            lo = cfg.length // 2
+            pos = torch.randperm(cfg.length - lo, generator=gen)[:cfg.positions].sort().values + lo
+            tgt = teacher_targets(model, ids, pos)
+            data["items"].append({"file": f, "ids": ids, "positions": pos, "target": tgt.half()})
+        torch.save(data, teacher_file)
+    items = data["items"]
+
+    torch.manual_seed(cfg.seed)
+    block = DistilledBlock(mc.hidden_size, h, h_kv, hd, window=cfg.window, dim=cfg.dim, rope_theta=theta,
+                           train_length=cfg.length, eps=float(getattr(mc, "rms_norm_eps", 1e-5)))
+    opt = torch.optim.AdamW(block.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / cfg.steps)).item()))
+    step, hist = 0, []
+    ckpt = out / "checkpoint.pt"
+    train_key = {k: getattr(cfg, k) for k in ("loss", "budget_fraction", "temperature", "steps", "lr", "window",
+                                                "dim", "seed")}
+    if ckpt.is_file():
+        st = torch.load(ckpt, weights_only=False)
+        if st.get("key") == train_key:
+            block.load_state_dict(st["block"])
+            opt.load_state_dict(st["opt"])
+            sched.load_state_dict(st["sched"])
+            step, hist = st["step"], st["hist"]
+            gen.set_state(st["gen"])
+            log(f"resumed from {ckpt} at step {step}")
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"distill ({cfg.loss})", unit="step", disable=not cfg.progress)
+    while step < cfg.steps:
+        it = items[int(torch.randint(len(items), (1,), generator=gen))]
+        s = head_scores(block, embed, it["ids"], it["positions"])
+        loss, cap = loss_fn(s, it["target"].float(), it["positions"], cfg.loss, cfg.budget_fraction,
+                            cfg.temperature)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(block.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        hist.append((loss.item(), cap.item()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", captured=f"{sum(c for _, c in hist[-20:]) / len(hist[-20:]):.3f}")
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            torch.save({"key": train_key, "block": block.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "step": step, "hist": hist, "gen": gen.get_state()}, ckpt)
+    bar.close()
+    last = hist[-20:]
+    res = {"out": str(out), "steps": step, "loss": sum(l for l, _ in last) / len(last),
+           "captured": sum(c for _, c in last) / len(last), "seconds": time.perf_counter() - t_start}
+    save_head_dir(out, block, fingerprint(model), {
+        "training": {**key, **train_key, "teacher": "mean over layers of per-KV-head group-max attention",
+                     "train_captured_top_k": round(res["captured"], 4)}})
+    return res

@@ -1,0 +1,381 @@
+"""Accuracy of sparse retrieval decode on real text (SpeContext, arXiv 2512.00722 §4.3, §6; ``kvtransform
+eval-sparse``).
+
+For each document (``prefix`` tokens of real text, then ``continuation`` more) and each (head, budget):
+
+* **recall** -- the yardstick of every head: at each decode position ``t`` of the continuation the teacher is the
+  model's own attention (dense, fp32 softmax of the post-RoPE queries over positions ``[0, t]``); for every layer
+  and query head the share of its attention mass over the cached tokens ``[0, t)`` that the selection of its KV
+  head captures (:func:`recall_per_layer`), averaged over query heads and positions. Reported: the mean over layers
+  and the worst layer. (The group-max over the GQA group is what the heads rank by, as ``kvt::retrieval_topk``
+  does; recall is counted per query head, which is what the sparse attention actually loses.)
+* **NLL increase** -- the continuation's true next tokens, teacher-forced: mean ``-log p`` with every decode step
+  attending only to the head's selection (plus the token itself) minus the dense value, nats/token;
+* **greedy agreement** -- the dense model's greedy continuation (``generate`` tokens, the first one from the dense
+  prefill), teacher-forced through the sparse model: the share of steps whose argmax equals dense's next token.
+
+How the sparse decode is emulated (:mod:`kvtransform.attention_probe`): the prefix is run once (dense) into a
+Hugging Face cache; the continuation is then one forward whose every query row is masked to its step's selection,
+exactly teacher-forced sparse decoding (later tokens attend to K/V that were themselves computed sparsely). Heads
+run through their real interface (:meth:`RetrievalHead.step` on a :class:`KVCache` holding the model's keys),
+one step per position. Heads that score with the previous step's queries (``oracle``, ``quest``) get the dense
+run's queries and keys (the teacher-forced emulation has no sparse-run queries before the forward); the others
+(``recent``, ``self``, ``distilled``, ``eagle3``) depend only on token ids and are exact.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .attention_probe import cache_probs, probing
+from .runtime.cache import KVCache
+
+__all__ = ["Trace", "DocumentTeacher", "run_head", "keep_mask", "recall_per_layer", "nll",
+           "evaluate_head", "EvalSparseConfig", "run_eval", "write_results", "summarize"]
+
+
+@dataclass
+class Trace:
+    """A dense teacher-forced pass over ``ids[prefix:]`` after ``ids[:prefix]``.
+
+    Attributes:
+        ids: int64 ``(T,)``; prefix: P.
+        q: fp32 ``(L, H, N + 1, D)`` post-RoPE queries at positions ``P-1 .. T-1`` (N = T - P).
+        k: fp32 ``(L, H_kv, T, D)`` post-RoPE keys.
+        scale: softmax scale per layer.
+        logp: fp32 ``(N, vocab)`` dense log-probabilities at positions ``P .. T-1``.
+    """
+
+    ids: torch.Tensor
+    prefix: int
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: list
+    logp: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.numel()) - self.prefix
+
+
+class DocumentTeacher:
+    """The dense prefix of one document in a Hugging Face cache, and the dense traces of continuations after it.
+
+    Args:
+        model: a Hugging Face causal LM (its attention goes through transformers' attention interface).
+        prefix_ids: int64 ``(P,)``.
+    """
+
+    @torch.no_grad()
+    def __init__(self, model, prefix_ids: torch.Tensor):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.prefix_ids = prefix_ids
+        self.P = int(prefix_ids.numel())
+        self.cache = DynamicCache(config=model.config)
+        dev = next(model.parameters()).device
+        with probing(model) as probe:
+            probe.capture = True
+            probe.q_positions = torch.tensor([self.P - 1], device=dev)
+            out = model(input_ids=prefix_ids[None].to(dev), past_key_values=self.cache, use_cache=True)
+        L = len(probe.k)
+        self.q_last = torch.stack([probe.q[l][0] for l in range(L)])      # (L, H, 1, D)
+        self.last_logits = out.logits[0, -1].float()
+
+    def _forward(self, ids: torch.Tensor, keep: Optional[torch.Tensor], capture: bool):
+        dev = next(self.model.parameters()).device
+        with probing(self.model) as probe:
+            probe.capture, probe.keep = capture, keep
+            out = self.model(input_ids=ids[None].to(dev), past_key_values=self.cache, use_cache=True)
+        self._crop()
+        return out.logits[0].float().log_softmax(-1), probe
+
+    def _crop(self):
+        extra = self.cache.get_seq_length() - self.P
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    @torch.no_grad()
+    def trace(self, cont: torch.Tensor) -> Trace:
+        """The dense trace of ``cont`` (int64 ``(N,)``) after the prefix."""
+        logp, probe = self._forward(cont, None, True)
+        L = len(probe.k)
+        q = torch.cat([self.q_last, torch.stack([probe.q[l][0] for l in range(L)])], dim=2)
+        k = torch.stack([probe.k[l][0] for l in range(L)])
+        return Trace(torch.cat([self.prefix_ids, cont.to(self.prefix_ids.device)]), self.P, q, k,
+                     [probe.scale[l] for l in range(L)], logp)
+
+    @torch.no_grad()
+    def greedy(self, n: int) -> torch.Tensor:
+        """The dense greedy continuation of ``n`` tokens (the first from the prefix's last logits), int64."""
+        dev = next(self.model.parameters()).device
+        toks = [int(self.last_logits.argmax())]
+        with probing(self.model):
+            for _ in range(n - 1):
+                out = self.model(input_ids=torch.tensor([[toks[-1]]], device=dev), past_key_values=self.cache,
+                                 use_cache=True)
+                toks.append(int(out.logits[0, -1].argmax()))
+        self._crop()
+        return torch.tensor(toks, dtype=torch.long)
+
+    @torch.no_grad()
+    def sparse_logp(self, cont: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities ``(N, vocab)`` of ``cont`` decoded with every step attending only to ``keep``
+        (bool ``(1, H_kv, N, P + N)``, :func:`keep_mask`)."""
+        return self._forward(cont, keep, False)[0]
+
+
+@torch.no_grad()
+def run_head(head, trace: Trace, dtype=torch.float32) -> tuple[torch.Tensor, float]:
+    """The head's selections for every decode position of ``trace``, through its real interface.
+
+    Returns:
+        ``(indices int32 (N, H_kv, W), ms per step)``.
+    """
+    L, h_kv, T, D = trace.k.shape
+    k = trace.k[:, None].to(dtype)
+    cache = KVCache(k, k, torch.tensor([trace.prefix], dtype=torch.int32), trace.ids[None].clone())
+    head.prefill(cache)
+    sels = []
+    t0 = time.perf_counter()
+    for i in range(trace.n):
+        cache.cache_seqlens.fill_(trace.prefix + i)
+        cache.set_current(trace.ids[trace.prefix + i:trace.prefix + i + 1])
+        sels.append(head.step(cache, trace.q[:, None, :, i].to(dtype))[0])
+    ms = 1000 * (time.perf_counter() - t0) / max(trace.n, 1)
+    return torch.stack(sels), ms
+
+
+def keep_mask(indices: torch.Tensor, prefix: int, total: int) -> torch.Tensor:
+    """bool ``(1, H_kv, N, total)``: step ``i`` (position ``prefix + i``) attends the selected cache positions of
+    ``indices`` ``(N, H_kv, W)`` (``-1`` ignored) and itself."""
+    n, h_kv, _ = indices.shape
+    keep = torch.zeros(n, h_kv, total + 1, dtype=torch.bool)
+    keep.scatter_(2, (indices.long() + 1).clamp(min=0).permute(0, 1, 2), True)
+    keep = keep[..., 1:]
+    i = torch.arange(n)
+    keep[i, :, prefix + i] = True
+    return keep.permute(1, 0, 2)[None].contiguous()
+
+
+@torch.no_grad()
+def recall_per_layer(trace: Trace, keep: torch.Tensor) -> torch.Tensor:
+    """Per layer, the share of the dense attention mass over the cache captured by the selection.
+
+    Args:
+        trace: the dense teacher; keep: :func:`keep_mask` of the selections (the token's own position is ignored:
+            it is always attended and not part of the cache).
+
+    Returns:
+        fp64 ``(L,)``: mean over query heads and decode positions of ``Σ_{j∈sel} p_j / Σ_{j<t} p_j``.
+    """
+    L, h, _, _ = trace.q.shape
+    h_kv = trace.k.shape[1]
+    t = trace.prefix + torch.arange(trace.n)
+    sel = keep[0].repeat_interleave(h // h_kv, dim=0).float()                # (H, N, T)
+    out = torch.empty(L, dtype=torch.float64)
+    for l in range(L):
+        p = cache_probs(trace.q[l, :, 1:], trace.k[l], t, trace.scale[l])      # (H, N, T), 0 at/after t
+        out[l] = ((p * sel).sum(-1) / p.sum(-1).clamp(min=1e-30)).double().mean()
+    return out
+
+
+def nll(logp: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
+    """Per-step ``-log p(cont[i+1])`` fp64 ``(N-1,)`` from ``logp`` ``(N, vocab)``."""
+    return -logp[:-1].gather(1, cont[1:, None].to(logp.device))[:, 0].double()
+
+
+@torch.no_grad()
+def evaluate_head(teacher: DocumentTeacher, head, trace: Trace, greedy_trace: Trace) -> dict:
+    """Recall, NLL increase and greedy agreement of ``head`` on one document (the module docstring).
+
+    Returns:
+        ``recall_mean``, ``recall_worst``, ``worst_layer``, ``nll_dense``, ``nll_sparse``, ``nll_increase``
+        (nats/token), ``agreement`` (share of the greedy steps), ``steps``, ``select_ms`` (ms per head step).
+    """
+    sel, ms = run_head(head, trace)
+    keep = keep_mask(sel, trace.prefix, trace.ids.numel())
+    rec = recall_per_layer(trace, keep)
+    cont = trace.ids[trace.prefix:]
+    d, s = nll(trace.logp, cont), nll(teacher.sparse_logp(cont, keep), cont)
+    gsel, _ = run_head(head, greedy_trace)
+    g = greedy_trace.ids[greedy_trace.prefix:]
+    glogp = teacher.sparse_logp(g, keep_mask(gsel, greedy_trace.prefix, greedy_trace.ids.numel()))
+    agree = float((glogp[:-1].argmax(-1).cpu() == g[1:]).double().mean())
+    return {"recall_mean": float(rec.mean()), "recall_worst": float(rec.min()), "worst_layer": int(rec.argmin()),
+            "nll_dense": float(d.mean()), "nll_sparse": float(s.mean()), "nll_increase": float((s - d).mean()),
+            "agreement": agree, "steps": int(g.numel() - 1), "select_ms": ms,
+            "recall_layers": [round(float(x), 4) for x in rec]}
+
+
+
+
+# ---- the eval-sparse job -------------------------------------------------------------------------------------------
+
+DEFAULT_HEADS = ("oracle", "quest", "recent", "self", "distilled")
+
+
+@dataclass
+class EvalSparseConfig:
+    """``kvtransform eval-sparse`` settings (Hydra structured config; ``-m head=a,b budget=x,y`` sweeps).
+
+    Attributes:
+        head: a head name or a list of them; budget: tokens per KV head, an integer or a list.
+        documents: evaluation files, relative to the standard library (never used for training:
+            :data:`kvtransform.textdata.EVAL_FILES`).
+        prefix: prompt tokens per document (the cache the heads choose from); continuation: teacher-forced true
+            tokens after it (NLL); generate: dense greedy tokens (agreement).
+        retrieval: ``SpeContextConfig.retrieval`` for trained heads (``self``: the packaged head).
+        num_sink: ``SpeContextConfig.num_sink`` of every head (0, the runtime's default; ``self``, ``distilled``
+            and ``eagle3`` keep 4 sink tokens on their own).
+        out: directory of ``results.csv``, ``results.md``, ``results.png`` (rows of earlier runs with other
+            heads/budgets are kept, the same (document, head, budget) replaced).
+        threads: torch CPU threads (0: default).
+    """
+
+    model: Any = None
+    head: Any = field(default_factory=lambda: list(DEFAULT_HEADS))
+    budget: Any = field(default_factory=lambda: [1024, 2048])
+    documents: list = field(default_factory=lambda: ["argparse.py", "idlelib/NEWS2x.txt", "difflib.py"])
+    prefix: int = 4096
+    continuation: int = 512
+    generate: int = 256
+    retrieval: str = "self"
+    num_sink: int = 0
+    out: str = "outputs/eval-sparse"
+    threads: int = 0
+
+
+_TEACHERS: dict = {}  # (model id, document, prefix, continuation, generate) -> (teacher, trace, greedy trace)
+
+
+def _as_list(v, kind, what) -> list:
+    from omegaconf import ListConfig
+
+    items = list(v) if isinstance(v, (list, tuple, ListConfig)) else [v]
+    if not items or not all(isinstance(x, kind) and not isinstance(x, bool) for x in items):
+        raise ValueError(f"{what} must be {'an integer' if kind is int else 'a name'} or a list of them; got {v!r}")
+    return items
+
+
+def _teacher(model, tok, doc: str, cfg) -> tuple:
+    from .textdata import token_chunks
+
+    key = (id(model), doc, cfg.prefix, cfg.continuation, cfg.generate)
+    if key not in _TEACHERS:
+        ids = token_chunks(tok, doc, cfg.prefix + cfg.continuation, 1)[0]
+        teacher = DocumentTeacher(model, ids[:cfg.prefix])
+        trace = teacher.trace(ids[cfg.prefix:])
+        greedy = teacher.trace(teacher.greedy(cfg.generate))
+        _TEACHERS[key] = (teacher, trace, greedy)
+    return _TEACHERS[key]
+
+
+def run_eval(cfg, model=None, tokenizer=None, log=print):
+    """Evaluate every (document, head, budget) of ``cfg``; write ``results.csv`` / ``.md`` / ``.png`` to
+    ``cfg.out``. Returns the pandas DataFrame of this run's rows.
+
+    Raises:
+        ValueError: an unknown head, a bad budget or length, a document shorter than prefix + continuation.
+        FileNotFoundError: a document missing from this Python installation.
+    """
+    import pandas as pd
+
+    from .config import SpeContextConfig
+    from .runtime.heads import HEADS, make_head
+
+    heads = _as_list(cfg.head, str, "head")
+    budgets = _as_list(cfg.budget, int, "budget")
+    unknown = [h for h in heads if h not in HEADS]
+    if unknown:
+        raise ValueError(f"unknown retrieval head {unknown[0]!r}; choose from {sorted(HEADS)}")
+    for key in ("prefix", "continuation", "generate"):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+            raise ValueError(f"{key} must be an integer >= 2 tokens; got {v!r}")
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"budget must be >= 1 token per KV head; got {budgets}")
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    name = cfg.model.name if hasattr(cfg.model, "name") else str(cfg.model)
+    if model is None:
+        from .models import load_model
+
+        model, tokenizer = load_model(name, dtype=getattr(cfg.model, "dtype", "float32"))
+    model.eval()
+    from tqdm.auto import tqdm
+
+    rows = []
+    jobs = [(d, h, b) for d in cfg.documents for h in heads for b in budgets]
+    bar = tqdm(jobs, desc="eval-sparse", unit="run")
+    for doc, head_name, budget in bar:
+        bar.set_postfix_str(f"{doc} {head_name} B={budget}")
+        teacher, trace, greedy = _teacher(model, tokenizer, doc, cfg)
+        head = make_head(head_name, SpeContextConfig(head=head_name, budget=budget, retrieval=cfg.retrieval,
+                                                     num_sink=cfg.num_sink),
+                         trace.scale[0])
+        head.bind(model)
+        t0 = time.perf_counter()
+        r = evaluate_head(teacher, head, trace, greedy)
+        r.pop("recall_layers")
+        rows.append({"model": name, "document": doc, "head": head_name, "budget": budget, "cached": trace.prefix,
+                     **r, "seconds": round(time.perf_counter() - t0, 1)})
+    df = pd.DataFrame(rows)
+    write_results(df, cfg.out)
+    return df
+
+
+def write_results(df, out) -> None:
+    """Merge ``df`` into ``out/results.csv`` (replacing equal (model, document, head, budget) rows), then write
+    ``results.md`` (mean over documents per head and budget, plus the per-document rows) and ``results.png``."""
+    import pandas as pd
+
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    key = ["model", "document", "head", "budget"]
+    csv = out / "results.csv"
+    if csv.is_file():
+        old = pd.read_csv(csv)
+        df = pd.concat([old, df]).drop_duplicates(subset=key, keep="last")
+    df = df.sort_values(key).reset_index(drop=True)
+    df.to_csv(csv, index=False)
+    summary = summarize(df)
+    (out / "results.md").write_text("## Mean over documents\n\n" + summary.to_markdown(index=False, floatfmt=".4f")
+                                    + "\n\n## Per document\n\n" + df.to_markdown(index=False, floatfmt=".4f") + "\n")
+    _plot(summary, out / "results.png")
+
+
+def summarize(df):
+    """Mean over documents per (model, head, budget): recall mean/worst layer, NLL increase, agreement."""
+    cols = ["recall_mean", "recall_worst", "nll_increase", "agreement", "select_ms"]
+    s = df.groupby(["model", "head", "budget"], as_index=False)[cols].mean()
+    s.insert(3, "documents", df.groupby(["model", "head", "budget"]).size().values)
+    return s
+
+
+def _plot(summary, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for (head,), g in summary.groupby(["head"]):
+        g = g.sort_values("budget")
+        axes[0].plot(g.budget, g.recall_mean, marker="o", label=head)
+        axes[1].plot(g.budget, g.nll_increase, marker="o", label=head)
+        axes[2].plot(g.budget, g.agreement, marker="o", label=head)
+    for ax, title in zip(axes, ["recall (mean over layers)", "NLL increase (nats/token)", "greedy agreement"]):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tokens per KV head)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,227 @@
+"""The ``distilled`` retrieval head: a small block trained to capture the target's attention (SpeContext, arXiv
+2512.00722 §9 future work: a head trained directly on the LLM's attention; selection as §4.3).
+
+Architecture (:class:`DistilledBlock`), per token ``j`` with the target's frozen embedding ``E`` (shared, not
+copied)::
+
+    x_j = W_in · concat(RMSNorm(E[t_{j-w+1}]), ..., RMSNorm(E[t_j]))      window w tokens (zeros before 0)
+    h_j = x_j + MLP(RMSNorm(x_j))                                         SiLU MLP, 4× width
+    q_j = RoPE(W_q · RMSNorm(h_j))   (H query heads, the target's GQA layout)
+    k_j = RoPE(W_k · RMSNorm(h_j))   (H_kv key heads)
+
+The window lets a key carry its predecessors (so "the token after an earlier occurrence of the current token",
+the induction pattern, is expressible) while every key still depends only on ids and positions: the head's key
+cache is built once at prefill and grows by one key per step. RoPE uses the target's base; beyond the training
+length ``train_length`` YaRN (:func:`~.embedding_heads.yarn_inv_freq`) stretches the low frequencies by
+``max_length / train_length`` for the whole generation (static per request).
+
+A trained head is a directory with ``head.safetensors`` (the block's weights, fp16) and ``head.json`` (architecture,
+training settings and the target's :func:`fingerprint`); :func:`load_head_dir` refuses a head whose fingerprint
+differs from the model's. Heads shipped with the package live in ``kvtransform/data/heads/<name>/``
+(:func:`shipped_head_for`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .embedding_heads import EmbeddingKeyHead, find_param, rms_norm, rope, yarn_inv_freq
+from .heads import register_head
+
+__all__ = ["DistilledBlock", "DistilledHead", "fingerprint", "check_fingerprint", "save_head_dir", "load_head_dir",
+           "shipped_head_for", "auto_head", "SHIPPED_DIR", "FORMAT"]
+
+FORMAT = "kvtransform-distilled-head"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "heads"
+
+
+class DistilledBlock(nn.Module):
+    """The trained block (see the module docstring). fp32.
+
+    Args:
+        hidden: the target's embedding width; heads/kv_heads/head_dim: the target's GQA layout (the selection is
+            per target KV head); window: tokens per input window; dim: the block's width; rope_theta: RoPE base;
+            train_length: longest position seen in training (YaRN beyond it); eps: RMSNorm epsilon.
+    """
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, window: int = 4, dim: int = 256,
+                 rope_theta: float = 10000.0, train_length: int = 2048, eps: float = 1e-5):
+        super().__init__()
+        self.arch = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, dim=dim,
+                         rope_theta=float(rope_theta), train_length=int(train_length), eps=float(eps))
+        self.w_in = nn.Linear(window * hidden, dim, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(dim))
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+        self.out_norm = nn.Parameter(torch.ones(dim))
+        self.w_q = nn.Linear(dim, heads * head_dim, bias=False)
+        self.w_k = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        nn.init.zeros_(self.down.weight)
+
+    def forward(self, emb: torch.Tensor, positions: torch.Tensor, max_length: Optional[int] = None):
+        """``emb`` ``(..., window, hidden)``, ``positions`` int64 ``emb.shape[:-2]`` → ``(q (..., H, D),
+        k (..., H_kv, D))`` fp32 post-RoPE. ``max_length`` > ``train_length`` switches on YaRN."""
+        a = self.arch
+        x = self.w_in(rms_norm(emb, None, a["eps"]).flatten(-2))
+        x = x + self.down(nn.functional.silu(self.up(rms_norm(x, self.mlp_norm, a["eps"]))))
+        h = rms_norm(x, self.out_norm, a["eps"])
+        q = self.w_q(h).unflatten(-1, (a["heads"], a["head_dim"]))
+        k = self.w_k(h).unflatten(-1, (a["kv_heads"], a["head_dim"]))
+        key = (int(max_length or 0), emb.device)
+        if getattr(self, "_rope", (None,))[0] != key:  # computed at prefill, reused by every step (no H2D copy)
+            inv, mscale = yarn_inv_freq(a["rope_theta"], a["head_dim"], key[0] / a["train_length"],
+                                        a["train_length"])
+            self._rope = (key, inv.to(emb.device), mscale)
+        _, inv, mscale = self._rope
+        return rope(q, positions, inv, mscale), rope(k, positions, inv, mscale)
+
+
+def fingerprint(model) -> dict:
+    """What identifies the target a head was trained for: its layout (model type, vocabulary, hidden size, layers,
+    heads, KV heads, head_dim) and its embedding matrix (shape, fp64 sum and sum of absolute values)."""
+    e = find_param(model, "embed_tokens.weight").double()
+    fp = {"embed_shape": list(e.shape), "embed_sum": float(e.sum()), "embed_abs_sum": float(e.abs().sum())}
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "num_attention_heads"):
+        h = cfg.num_attention_heads
+        fp.update(model_type=str(cfg.model_type), vocab_size=int(cfg.vocab_size), hidden_size=int(cfg.hidden_size),
+                  num_hidden_layers=int(cfg.num_hidden_layers), num_attention_heads=int(h),
+                  num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or h),
+                  head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // h))
+    return fp
+
+
+def fingerprint_mismatch(stored: dict, live: dict) -> list:
+    """The keys present in both fingerprints that differ (floats: relative 1e-3, so a bf16 copy of the same
+    weights matches)."""
+    bad = []
+    for key in sorted(set(stored) & set(live)):
+        a, b = stored[key], live[key]
+        if isinstance(a, float) or isinstance(b, float):
+            if abs(float(a) - float(b)) > 1e-3 * max(abs(float(a)), abs(float(b)), 1.0):
+                bad.append(key)
+        elif a != b:
+            bad.append(key)
+    return bad
+
+
+def check_fingerprint(stored: dict, model, where: str) -> None:
+    """Raise ``ValueError`` when the head at ``where`` was trained for another model (names what differs)."""
+    bad = fingerprint_mismatch(stored, fingerprint(model))
+    if bad:
+        live = fingerprint(model)
+        diffs = ", ".join(f"{k}: head {stored[k]!r} vs model {live[k]!r}" for k in bad[:3])
+        raise ValueError(f"the retrieval head {where} was trained for another model ({diffs}); train one for this "
+                         f"model with `kvtransform distill-retrieval-head MODEL` or use head=self")
+
+
+def save_head_dir(directory, block: DistilledBlock, fp: dict, extra: Optional[dict] = None) -> Path:
+    """Write ``head.safetensors`` (fp16 weights) and ``head.json`` (format, architecture, fingerprint, ``extra``)."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(torch.float16).contiguous() for k, v in block.state_dict().items()},
+              str(d / "head.safetensors"))
+    meta = {"format": FORMAT, "version": 1, "arch": block.arch, "fingerprint": fp, **(extra or {})}
+    (d / "head.json").write_text(json.dumps(meta, indent=1))
+    return d
+
+
+def load_head_dir(directory, model=None) -> tuple[DistilledBlock, dict]:
+    """Load a head directory; with ``model``, refuse a head trained for another model.
+
+    Raises:
+        FileNotFoundError: no ``head.json`` / ``head.safetensors`` there.
+        ValueError: not a distilled head, or (with ``model``) a fingerprint mismatch.
+    """
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    if not (d / "head.json").is_file() or not (d / "head.safetensors").is_file():
+        raise FileNotFoundError(f"{d} is not a distilled retrieval head (needs head.json and head.safetensors)")
+    meta = json.loads((d / "head.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{d / 'head.json'} is not a {FORMAT} (format {meta.get('format')!r})")
+    if model is not None:
+        check_fingerprint(meta["fingerprint"], model, str(d))
+    block = DistilledBlock(**meta["arch"])
+    block.load_state_dict({k: v.float() for k, v in load_file(str(d / "head.safetensors")).items()})
+    return block.eval(), meta
+
+
+def shipped_head_for(model) -> Optional[Path]:
+    """The packaged head directory whose fingerprint matches ``model`` (None when there is none)."""
+    if not SHIPPED_DIR.is_dir():
+        return None
+    live = fingerprint(model)
+    for meta_file in sorted(SHIPPED_DIR.glob("*/head.json")):
+        try:
+            stored = json.loads(meta_file.read_text()).get("fingerprint", {})
+        except (OSError, ValueError):
+            continue
+        if not fingerprint_mismatch(stored, live) and "embed_shape" in stored:
+            return meta_file.parent
+    return None
+
+
+@register_head("distilled")
+class DistilledHead(EmbeddingKeyHead):
+    """The trained head (module docstring). Where its weights come from: ``SpeContextConfig.retrieval`` =
+    ``"self"`` → the packaged head for this model (:func:`shipped_head_for`), or a head directory written by
+    ``kvtransform distill-retrieval-head``. The artifact stores the block's weights (``head.pt``), never the
+    embedding.
+
+    Raises (at ``bind``):
+        ValueError: no packaged head for this model, or a head trained for another model.
+    """
+
+    def __init__(self, config, scale=None):
+        super().__init__(config, scale)
+        self.source = str(getattr(config, "retrieval", "self") or "self")
+        self.block: Optional[DistilledBlock] = None
+        self.meta: dict = {}
+
+    def bind(self, model) -> None:
+        self.embed = find_param(model, "embed_tokens.weight")
+        if self.block is not None:  # restored from an artifact
+            check_fingerprint({k: v for k, v in self.meta["fingerprint"].items() if k.startswith("embed")}, model,
+                              "in this artifact")
+            return
+        if self.source == "self":
+            where = shipped_head_for(model)
+            if where is None:
+                raise ValueError("no packaged distilled retrieval head fits this model: train one with `kvtransform "
+                                 "distill-retrieval-head MODEL` and pass transform.retrieval=<its directory>, or "
+                                 "use head=self")
+        else:
+            where = Path(self.source).expanduser()
+        self.block, self.meta = load_head_dir(where, model)
+        self.block.to(self.embed.device)
+        self.window = int(self.block.arch["window"])
+
+    def qk(self, emb, positions, max_length):
+        return self.block(emb, positions, max_length)
+
+    def state_dict(self) -> dict:
+        st = {f"block.{k}": v for k, v in self.block.state_dict().items()} if self.block is not None else {}
+        return {**st, "meta": json.dumps(self.meta)} if st else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self.meta = json.loads(state["meta"])
+        self.block = DistilledBlock(**self.meta["arch"])
+        self.block.load_state_dict({k[len("block."):]: v for k, v in state.items() if k.startswith("block.")})
+        self.block.eval()
+        self.window = int(self.block.arch["window"])
+
+
+def auto_head(model) -> str:
+    """The default head of ``SpeContextConfig(head="auto")``: ``distilled`` when a packaged head fits ``model``
+    (SmolLM2-135M), else the training-free ``self``."""
+    return "distilled" if shipped_head_for(model) is not None else "self"

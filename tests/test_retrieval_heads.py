@@ -1,0 +1,192 @@
+"""Retrieval heads from token embeddings (SpeContext, arXiv 2512.00722 §4.1–4.3, §9): the recall metric on a
+hand-made case, the distilled head's training and its refusal of another model, the EAGLE-3 loader on a random
+checkpoint, the self/distilled heads through the real runtime, the CLI's bad input."""
+import json
+
+import pytest
+import torch
+
+import kvtransform as kvt
+from kvtransform.cli import main
+from kvtransform.distill import head_scores, loss_fn, teacher_targets
+from kvtransform.eval_sparse import DocumentTeacher, Trace, keep_mask, recall_per_layer, run_head
+from kvtransform.models import tiny_model
+from kvtransform.runtime.distilled import DistilledBlock, fingerprint, load_head_dir, save_head_dir
+from kvtransform.runtime.eagle3 import load_eagle3
+from kvtransform.runtime.heads import make_head
+
+
+def _block(model, seed=0, **kw):
+    c = model.config
+    torch.manual_seed(seed)
+    return DistilledBlock(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                          rope_theta=10000.0, train_length=64, **kw)
+
+
+def test_recall_hand_made():
+    # one layer, 2 query heads on 1 KV head, D=1; query at position 3 over keys 0..3 (3 = itself)
+    k = torch.tensor([0.0, 1.0, 2.0, 5.0]).view(1, 1, 4, 1)
+    q = torch.zeros(1, 2, 2, 1)
+    q[0, 0, 1, 0] = 1.0   # head 0: logits 0,1,2 over the cache (+5 on itself)
+    q[0, 1, 1, 0] = 0.0   # head 1: uniform
+    tr = Trace(torch.arange(4), 3, q, k, [1.0], torch.zeros(1, 8))
+    keep = keep_mask(torch.tensor([[[2, 1, -1]]], dtype=torch.int32), 3, 4)
+    assert keep[0, 0, 0].tolist() == [False, True, True, True]
+    e = torch.tensor([1.0, 2.718281828, 7.389056099])
+    want = 0.5 * ((e[1] + e[2]) / e.sum()) + 0.5 * (2 / 3)
+    got = recall_per_layer(tr, keep)
+    assert got.shape == (1,) and abs(float(got[0]) - float(want)) < 1e-6
+
+
+def test_recall_and_heads_on_a_real_forward():
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (48,), generator=g)
+    teacher = DocumentTeacher(model, ids[:40])
+    tr = teacher.trace(ids[40:])
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0, 40:].float().log_softmax(-1)
+    assert torch.allclose(tr.logp, ref, atol=1e-4)
+    cfg = kvt.SpeContextConfig(head="dense", budget=8)
+    dense = make_head("dense", cfg)
+    sel, _ = run_head(dense, tr)
+    keep = keep_mask(sel, tr.prefix, 48)
+    assert torch.allclose(recall_per_layer(tr, keep), torch.ones(2, dtype=torch.float64))
+    assert torch.allclose(teacher.sparse_logp(ids[40:], keep), ref, atol=1e-4)   # full selection = dense
+    recent = make_head("recent", cfg)
+    rec = recall_per_layer(tr, keep_mask(run_head(recent, tr)[0], tr.prefix, 48))
+    assert (rec < 1).all() and (rec > 0).all()
+    self_head = make_head("self", cfg)
+    self_head.bind(model)
+    sel, _ = run_head(self_head, tr)
+    assert sel.shape == (8, 2, 8) and ((sel >= -1) & (sel < 48)).all()
+
+
+def test_training_lowers_the_loss():
+    model = tiny_model("llama")
+    embed = model.model.embed_tokens.weight.detach()
+    ids = torch.randint(3, 128, (64,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(32, 64, 2)
+    target = teacher_targets(model, ids, pos)  # the real teacher: rows sum to 1 over the cache, 0 after
+    assert torch.allclose(target.sum(-1), torch.ones(2, 16), atol=1e-5)
+    assert (target[:, torch.arange(16), pos] == 0).all()
+    # a learnable peaky teacher (a random tiny model's attention is nearly uniform): another block's attention
+    teacher = _block(model, seed=5, dim=64)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.mul_(3)
+        target = head_scores(teacher, embed, ids, pos).softmax(-1)
+    for kind in ("attn", "kl"):
+        block = _block(model, dim=64)
+        opt = torch.optim.Adam(block.parameters(), lr=3e-3)
+        hist = []
+        for _ in range(15):
+            loss, cap = loss_fn(head_scores(block, embed, ids, pos), target, pos, kind)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            hist.append((loss.item(), cap.item()))
+        assert hist[-1][0] < 0.5 * hist[0][0] and hist[-1][1] > hist[0][1] + 0.2, (kind, hist[0], hist[-1])
+
+
+def test_foreign_head_is_refused(tmp_path):
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    save_head_dir(tmp_path / "h", _block(a), fingerprint(a))
+    block, meta = load_head_dir(tmp_path / "h", a)
+    assert meta["fingerprint"]["vocab_size"] == 128
+    with pytest.raises(ValueError, match="trained for another model.*embed_sum"):
+        load_head_dir(tmp_path / "h", b)
+    head = make_head("distilled", kvt.SpeContextConfig(head="distilled", retrieval=str(tmp_path / "h")))
+    with pytest.raises(ValueError, match="trained for another model"):
+        head.bind(b)
+    with pytest.raises(ValueError, match="no packaged distilled retrieval head fits"):
+        make_head("distilled", kvt.SpeContextConfig(head="distilled")).bind(b)
+
+
+def _eagle3_dir(path, model, vocab=None, kv_heads=None, drop=()):
+    from safetensors.torch import save_file
+
+    c = model.config
+    hid, h, d = c.hidden_size, c.num_attention_heads, c.head_dim
+    kv = kv_heads or c.num_key_value_heads
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hid, "num_attention_heads": h,
+           "num_key_value_heads": kv, "head_dim": d, "vocab_size": vocab or c.vocab_size, "draft_vocab_size": 32,
+           "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 256}
+    g = torch.Generator().manual_seed(0)
+    w = {"fc.weight": torch.randn(hid, 3 * hid, generator=g) * 0.05,
+         "midlayer.input_layernorm.weight": torch.ones(hid), "midlayer.hidden_norm.weight": torch.ones(hid),
+         "midlayer.self_attn.q_proj.weight": torch.randn(h * d, 2 * hid, generator=g) * 0.05,
+         "midlayer.self_attn.k_proj.weight": torch.randn(kv * d, 2 * hid, generator=g) * 0.05,
+         "midlayer.self_attn.v_proj.weight": torch.randn(kv * d, 2 * hid, generator=g),
+         "midlayer.mlp.gate_proj.weight": torch.randn(4 * hid, hid, generator=g),
+         "lm_head.weight": torch.randn(32, hid, generator=g), "d2t": torch.arange(32),
+         "t2d": torch.zeros(cfg["vocab_size"], dtype=torch.bool)}
+    for k in drop:
+        w.pop(k)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(w, str(path / "model.safetensors"))
+    return path
+
+
+def test_eagle3_loader_random_checkpoint(tmp_path):
+    model = tiny_model("llama")
+    d = _eagle3_dir(tmp_path / "draft", model)
+    info = {"vocab_size": 128, "hidden_size": 64, "num_key_value_heads": 2}
+    w, cfg = load_eagle3(d, info)
+    assert "midlayer.self_attn.v_proj.weight" not in w and "lm_head.weight" not in w and "d2t" in w
+    head = make_head("eagle3", kvt.SpeContextConfig(head="eagle3", budget=6, retrieval=str(d)))
+    head.bind(model)
+    ids = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(0))
+    tr = DocumentTeacher(model, ids[:24]).trace(ids[24:])
+    sel, _ = run_head(head, tr)
+    assert sel.shape == (6, 2, 6) and (sel >= 0).all()
+    assert all(len(set(s.tolist())) == 6 and max(s.tolist()) < 24 + i for i, row in enumerate(sel) for s in row)
+    with pytest.raises(ValueError, match="vocab_size 256 vs target 128"):
+        load_eagle3(_eagle3_dir(tmp_path / "v", model, vocab=256), info)
+    with pytest.raises(ValueError, match="num_key_value_heads 4 vs target 2"):
+        load_eagle3(_eagle3_dir(tmp_path / "kv", model, kv_heads=4), info)
+    with pytest.raises(ValueError, match="missing midlayer.self_attn.k_proj.weight"):
+        load_eagle3(_eagle3_dir(tmp_path / "m", model, drop=("midlayer.self_attn.k_proj.weight",)), info)
+    with pytest.raises(ValueError, match="needs the draft"):
+        make_head("eagle3", kvt.SpeContextConfig(head="eagle3")).bind(model)
+
+
+def test_self_head_in_the_runtime_is_exact_when_the_budget_covers_the_context():
+    model = tiny_model("llama")
+    sp = kvt.transform(model, kvt.SpeContextConfig(head="self", budget=256), progress=False)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert torch.equal(sp.generate(ids, max_new_tokens=6, eos_token_id=None), ref)
+
+
+def test_distilled_head_in_the_runtime_and_its_artifact(tmp_path):
+    model = tiny_model("llama")
+    save_head_dir(tmp_path / "h", _block(model), fingerprint(model))
+    sp = kvt.transform(model, kvt.SpeContextConfig(head="distilled", budget=4, retrieval=str(tmp_path / "h")),
+                       progress=False)
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    out = sp.generate(ids, max_new_tokens=6, eos_token_id=None, return_dict_in_generate=True)
+    assert out.stats.head == "distilled" and out.stats.selection_overlap is not None
+    sp.save(str(tmp_path / "art"))
+    assert not any("embed" in k for k in torch.load(tmp_path / "art" / "head.pt")["state"])  # shared, not copied
+    again = kvt.load(str(tmp_path / "art"))
+    assert again.head.name == "distilled"
+    assert torch.equal(again.generate(ids, max_new_tokens=6, eos_token_id=None), out.sequences)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["eval-sparse", "hed=self"], "unknown config key 'hed'"),
+    (["eval-sparse", "budget=abc", "out=OUT"], "budget must be an integer"),
+    (["eval-sparse", "head=nope", "out=OUT"], "unknown retrieval head 'nope'"),
+    (["eval-sparse", "prefix=1", "out=OUT"], "prefix must be an integer >= 2"),
+    (["distill-retrieval-head", "loss=foo", "out=OUT"], "loss must be 'attn' or 'kl'"),
+    (["distill-retrieval-head", "steps=0", "out=OUT"], "steps must be an integer >= 1"),
+])
+def test_cli_bad_input(tmp_path, capsys, args, msg):
+    with pytest.raises(SystemExit) as e:
+        main([a.replace("OUT", str(tmp_path / "o")) for a in args])
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
