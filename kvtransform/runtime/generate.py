@@ -46,9 +46,10 @@ class GenerationStats:
             layer (what loading without elastic reuse would copy).
         offload_layers_per_step: layers on CPU at each decode step.
         offload_moves: ``(decode step, length in tokens, layer)`` of every layer move.
-        offload_copy_hidden: CUDA, eager decode: mean share of each step's copy time spent while the compute
-            stream ran that step (1 = fully hidden); None under CUDA graphs (timing events cannot be captured) and
-            on the CPU stand-in.
+        offload_copy_hidden: CUDA, eager decode with ``offload_timing``: mean over steps of ``1 − exposed / copy``,
+            ``copy`` the side stream's copy time, ``exposed`` the part of it still running when the compute stream
+            reached the first offloaded layer's wait (1 = fully hidden); None under CUDA graphs (timing events are
+            not captured) and on the CPU stand-in.
         selection_checksums: per decode step and row, ``Σ_j (j+1)·(indices[b, :, j] + 1)`` summed over KV
             heads (int64): equal lists mean equal selections (used to check a graph replay against eager).
     """

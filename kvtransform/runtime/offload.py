@@ -65,8 +65,11 @@ class _LayerReady(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.event = None
+        self.mark = None  # a timing event recorded just before the wait (eager timing of the first waiting layer)
 
     def forward(self, x):
+        if self.mark is not None:
+            self.mark.record(torch.cuda.current_stream())
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         return x
@@ -400,6 +403,7 @@ class OffloadEngine:
             self._entered_now.copy_(enter.sum())
         for l in range(c.num_layers):
             ready = getattr(self.graph, f"ready_{l}")
+            ready.mark = self._open[2] if (self._open is not None and off and l == min(off)) else None
             if c.gpu[0][l] is not None:
                 ready.event = None
                 args += [c.gpu[0][l], c.gpu[1][l], sel]
@@ -418,8 +422,7 @@ class OffloadEngine:
         self.side.wait_stream(cur)
         timing = self.record_timing and not torch.cuda.is_current_stream_capturing()
         if timing:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            ev[2].record(cur)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]  # copy start/end, first wait, step end
         with torch.cuda.stream(self.side):
             if timing:
                 ev[0].record(self.side)
@@ -462,12 +465,10 @@ class OffloadEngine:
         if self.timing:
             torch.cuda.synchronize()
             fr = []
-            for c0, c1, s0, s1 in self.timing:
+            for c0, c1, w0, _ in self.timing:
                 copy_ms = c0.elapsed_time(c1)
-                if copy_ms > 0:
-                    lo, hi = max(0.0, s0.elapsed_time(c0)), min(s0.elapsed_time(c1), s0.elapsed_time(s1))
-                    # copy time during which the compute stream was busy with this step
-                    fr.append(max(0.0, hi - lo) / copy_ms)
+                if copy_ms > 0:  # exposed: copy time left when compute reached the first offloaded layer's wait
+                    fr.append(1.0 - min(max(0.0, w0.elapsed_time(c1)), copy_ms) / copy_ms)
             hidden = sum(fr) / len(fr) if fr else None
         return {"offload_bytes_per_step": moved,
                 "offload_full_bytes_per_step": [k * full for k in steps],
