@@ -8,6 +8,7 @@ Subcommands::
     kvtransform generate [MODEL] prompt="..." [key=value ...]   # SpeContext generation, prints the text
     kvtransform distill-retrieval-head [MODEL] [key=value ...]  # train the distilled retrieval head (Hydra)
     kvtransform eval-sparse [MODEL] [key=value ...] [-m]        # sparse-decode accuracy table (Hydra)
+    kvtransform plan-memory [MODEL] gpu_gb=80 batch=32 input_len=2048 output_len=32768   # KV offload plan (Hydra)
 
 ``optimize`` is a Hydra app composed from ``kvtransform.conf`` (``config.yaml`` + groups ``model/`` and
 ``transform/``) on top of structured configs registered in Hydra's ConfigStore: :class:`OptimizeConfig`,
@@ -387,6 +388,18 @@ def _eval_job(cfg: DictConfig) -> None:
     _console().print(f"[bold]Wrote[/bold] {cfg.out}/results.csv, results.md, results.png")
 
 
+def _plan_memory_job(cfg: DictConfig) -> None:
+    from ..runtime.memory import run_plan_memory
+
+    _console().print(run_plan_memory(cfg).table(), soft_wrap=True)
+
+
+def _plan_memory(args: Sequence[str]) -> int:
+    """``kvtransform plan-memory MODEL gpu_gb=... batch=... input_len=... output_len=...``: the SpeContext memory
+    model (arXiv 2512.00722 §6): when each layer's KV moves to CPU and the largest batch, as a table."""
+    return _hydra_command(args, "plan_memory", "kvtransform plan-memory", _plan_memory_job)
+
+
 def _distill(args: Sequence[str]) -> int:
     return _hydra_command(args, "distill_retrieval_head", "kvtransform distill-retrieval-head", _distill_job)
 
@@ -410,6 +423,8 @@ commands:
   generate [MODEL] prompt="..."      generate text with SpeContext sparse decode (transform.budget=..., ...)
   distill-retrieval-head [MODEL]     train the distilled retrieval head on MODEL's own attention (Hydra)
   eval-sparse [MODEL] [-m]           recall / NLL / greedy agreement of retrieval heads on real text (Hydra)
+  plan-memory [MODEL] gpu_gb=80 batch=32 input_len=2048 output_len=32768
+                                     when each layer's KV moves to CPU (SpeContext offload) and the largest batch
 
 MODEL: a registry name ({names}), a local HF model directory, a .gguf file, or a hub id in the local HF cache.
 Run `kvtransform COMMAND --help` for a command's options."""
@@ -436,7 +451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"kvtransform {__version__}")
         return 0
     commands = {"optimize": _optimize, "inspect": _inspect, "bench": _bench, "generate": _generate,
-                "distill-retrieval-head": _distill, "eval-sparse": _eval_sparse}
+                "distill-retrieval-head": _distill, "eval-sparse": _eval_sparse, "plan-memory": _plan_memory}
     cmd = commands.get(args[0])
     if cmd is None:
         close = difflib.get_close_matches(args[0], list(commands), n=1)

@@ -76,6 +76,9 @@ def register_configs() -> None:
 
     cs.store(name="kvt_eval_sparse_schema", node=EvalSparseConfig)
     cs.store(name="kvt_distill_schema", node=DistillConfig)
+    from ..runtime.memory import PlanMemoryConfig
+
+    cs.store(name="kvt_plan_memory_schema", node=PlanMemoryConfig)
     if not OmegaConf.has_resolver("kvt_slug"):
         OmegaConf.register_new_resolver("kvt_slug", _slug)
 

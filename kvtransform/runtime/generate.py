@@ -39,6 +39,17 @@ class GenerationStats:
         cache_max_length: ``max_length`` of the cache (longest prompt + ``max_new_tokens``).
         head, budget: the retrieval head and the budget (tokens per KV head; ignored by ``dense``).
         cuda_graph: whether the decode steps replayed a CUDA graph.
+        offload: whether layers' KV moved to CPU (``SpeContextConfig.offload`` and a plan that needs it).
+        offload_bytes_per_step: per decode step with an offloaded layer, bytes copied to the GPU by elastic loading
+            (entries that entered the selection × offloaded layers × K+V bytes of one entry).
+        offload_full_bytes_per_step: the same steps, bytes of loading all ``W`` selected tokens of every offloaded
+            layer (what loading without elastic reuse would copy).
+        offload_layers_per_step: layers on CPU at each decode step.
+        offload_moves: ``(decode step, length in tokens, layer)`` of every layer move.
+        offload_copy_hidden: CUDA, eager decode with ``offload_timing``: mean over steps of ``1 − exposed / copy``,
+            ``copy`` the side stream's copy time, ``exposed`` the part of it still running when the compute stream
+            reached the first offloaded layer's wait (1 = fully hidden); None under CUDA graphs (timing events are
+            not captured) and on the CPU stand-in.
         selection_checksums: per decode step and row, ``Σ_j (j+1)·(indices[b, :, j] + 1)`` summed over KV
             heads (int64): equal lists mean equal selections (used to check a graph replay against eager).
     """
@@ -58,6 +69,12 @@ class GenerationStats:
     head: str = ""
     budget: int = 0
     cuda_graph: bool = False
+    offload: bool = False
+    offload_bytes_per_step: list = field(default_factory=list, repr=False)
+    offload_full_bytes_per_step: list = field(default_factory=list, repr=False)
+    offload_layers_per_step: list = field(default_factory=list, repr=False)
+    offload_moves: list = field(default_factory=list, repr=False)
+    offload_copy_hidden: Optional[float] = None
     selection_checksums: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -131,12 +148,25 @@ class SpeContextRuntime:
         head: the :class:`~kvtransform.runtime.heads.RetrievalHead`.
         info: :class:`ModelInfo`.
         cuda_graphs: capture the decode step in a CUDA graph when the tensors are on CUDA.
+        offload: move layers' KV to CPU during decoding when the memory model says so (:mod:`.offload`, §5–6).
+
+    Attributes:
+        gpu_memory_bytes: the GPU memory offload plans for (bytes; None: on CUDA the free memory at the start of
+            ``generate`` plus what is already allocated; required on the CPU stand-in).
+        offload_chunk: tokens by which resident layers' caches grow (layer moves happen at these boundaries).
+        offload_timing: record CUDA timing events around the copies and steps (eager decode only) for
+            ``GenerationStats.offload_copy_hidden``.
     """
 
     def __init__(self, prefill: Callable, decode: Callable, head: RetrievalHead, info: ModelInfo,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, offload: bool = False):
         self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
         self.cuda_graphs = bool(cuda_graphs)
+        self.offload = bool(offload)
+        self.gpu_memory_bytes: Optional[int] = None
+        self.offload_chunk = 1024
+        self.offload_timing = False
+        self._split = None
 
     # ---- validation ------------------------------------------------------------------------------------------
     def _rows(self, input_ids, attention_mask) -> list:
@@ -184,9 +214,11 @@ class SpeContextRuntime:
             raise ValueError(f"top_p must be in (0, 1] (1 or None = off); got {top_p!r}")
 
     # ---- the two programs ------------------------------------------------------------------------------------
-    def prefill(self, rows: Sequence[torch.Tensor], max_length: int, device) -> tuple[KVCache, torch.Tensor]:
+    def prefill(self, rows: Sequence[torch.Tensor], max_length: int, device, capacity: Optional[int] = None
+                ) -> tuple[KVCache, torch.Tensor]:
         """Run the packed prefill of ``rows`` (1-D prompts), write their K/V into a new cache of ``max_length``
-        tokens per row. Returns ``(cache, logits (batch, vocab))`` of each prompt's last token."""
+        tokens per row (an :class:`~.offload.OffloadedKVCache` with resident layers of ``capacity`` tokens when
+        given). Returns ``(cache, logits (batch, vocab))`` of each prompt's last token."""
         info = self.info
         lens = [int(r.numel()) for r in rows]
         seqs = list(rows)
@@ -202,17 +234,45 @@ class SpeContextRuntime:
         sp = torch.full((len(seqs),), -1, dtype=torch.int32, device=device)
         last = (cu_t[1:] - 1).long()
         logits, k, v = self.prefill_fn(ids, pos, cu_t, sp, last)
-        cache = KVCache.allocate(info.num_layers, len(rows), info.num_kv_heads, max_length, info.head_dim, k.dtype,
-                                 device)
+        if capacity is None:
+            cache = KVCache.allocate(info.num_layers, len(rows), info.num_kv_heads, max_length, info.head_dim,
+                                     k.dtype, device)
+        else:
+            from .offload import OffloadedKVCache
+
+            cache = OffloadedKVCache(info.num_layers, len(rows), info.num_kv_heads, max_length, info.head_dim,
+                                     k.dtype, device, capacity)
         cache.write_prompts(k, v, cu, ids)
         return cache, logits[0, :len(rows)]
 
-    def decode(self, cache: KVCache, tokens: torch.Tensor, indices: torch.Tensor):
-        """One eager decode step for ``tokens`` ``(batch,)``: the LLM step over ``indices``, then append K/V.
-        Returns ``(logits (batch, vocab), queries (L, batch, H, D))``."""
-        logits, k_new, v_new, q = self.decode_fn(tokens[:, None], cache.cache_seqlens, indices, cache.k, cache.v)
+    def decode(self, cache: KVCache, tokens: torch.Tensor, indices: torch.Tensor, engine=None):
+        """One decode step for ``tokens`` ``(batch,)``: the LLM step over ``indices``, then append K/V (with an
+        :class:`~.offload.OffloadEngine`: per-layer inputs, elastic copies on the side stream, offloaded layers'
+        new K/V to CPU). Returns ``(logits (batch, vocab), queries (L, batch, H, D))``."""
+        if engine is None:
+            logits, k_new, v_new, q = self.decode_fn(tokens[:, None], cache.cache_seqlens, indices, cache.k, cache.v)
+        else:
+            args = engine.layer_args(indices)
+            logits, k_new, v_new, q = engine.graph(tokens[:, None], cache.cache_seqlens, *args)
         cache.append(k_new, v_new)
+        if engine is not None:
+            engine.after_step()
         return logits, q
+
+    def _offload_engine(self, rows, max_new_tokens, device):
+        """The :class:`~.offload.OffloadEngine` plan of this request, or None when no layer needs to move.
+
+        Raises:
+            ValueError: a head that reads every layer's cache, no GPU memory size on the CPU stand-in, a batch that
+                does not fit even with every layer on CPU."""
+        from .offload import OFFLOAD_HEADS, make_plan
+
+        if self.head.name not in OFFLOAD_HEADS:
+            raise ValueError(f"offload needs a retrieval head that keeps its own state; head {self.head.name!r} "
+                             f"reads every layer's cache: use head= one of {', '.join(OFFLOAD_HEADS)}")
+        longest = max(int(r.numel()) for r in rows)
+        plan = make_plan(self, len(rows), longest, max_new_tokens, self.gpu_memory_bytes)
+        return plan if plan.needs_offload else None
 
     # ---- generation ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -254,7 +314,22 @@ class SpeContextRuntime:
 
         sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
-        cache, logits = self.prefill(rows, max(int(r.numel()) for r in rows) + max_new_tokens, device)
+        plan = self._offload_engine(rows, max_new_tokens, device) if self.offload else None
+        longest = max(int(r.numel()) for r in rows)
+        engine = None
+        if plan is not None:
+            from .offload import OffloadEngine, initial_capacity, split_decode_inputs
+
+            chunk = max(1, int(self.offload_chunk))
+            cache, logits = self.prefill(rows, longest + max_new_tokens, device,
+                                         initial_capacity(plan, longest, longest + max_new_tokens, chunk))
+            if self._split is None:
+                self._split = split_decode_inputs(self.decode_fn, self.info.num_layers)
+            engine = OffloadEngine(cache, plan, int(self.head.budget), chunk, self._split)
+            engine.record_timing = self.offload_timing and not (self.cuda_graphs and cache.device.type == "cuda")
+            engine.preallocate()
+        else:
+            cache, logits = self.prefill(rows, longest + max_new_tokens, device)
         self.head.prefill(cache)
         eos_t = torch.tensor(eos or [-1], device=device)
         running = torch.ones(batch, dtype=torch.bool, device=device)
@@ -267,7 +342,7 @@ class SpeContextRuntime:
         stats.prefill_s = t1 - t0
 
         use_graph = self.cuda_graphs and torch.device(device).type == "cuda"
-        stepper = _GraphStep(self, cache) if use_graph else None
+        stepper = _GraphStep(self, cache, engine) if use_graph else None
         stats.cuda_graph = use_graph
         overlap = torch.zeros((), device=device)
         produced = torch.zeros((), dtype=torch.long, device=device)
@@ -281,12 +356,14 @@ class SpeContextRuntime:
         for i in steps:
             if i % 8 == 1 and not bool(running.any()):  # a host sync: checked every 8 steps, trimmed below
                 break
+            if engine is not None:
+                engine.before_step()
             if stepper is not None and q is not None:
                 logits, sel = stepper(tok)
             else:
                 cache.set_current(tok)
                 sel = self.head.step(cache, q)
-                logits, q = self.decode(cache, tok, sel)
+                logits, q = self.decode(cache, tok, sel, engine)
                 if stepper is not None:
                     stepper.q = q = q.clone()
             checksums.append(_checksum(sel))
@@ -294,6 +371,8 @@ class SpeContextRuntime:
                 overlap += _overlap(prev_sel, sel, cache.max_length)
                 n_overlap += 1
             prev_sel = sel.clone()
+            if engine is not None:
+                engine.advance()
             produced += running.sum()
             nxt = sample(logits)
             tok = torch.where(running, nxt, torch.full_like(nxt, pad))
@@ -310,6 +389,14 @@ class SpeContextRuntime:
         stats.ms_per_step = 1000 * stats.decode_s / max(stats.decode_steps, 1)
         stats.selection_overlap = float(overlap) / n_overlap if n_overlap else None
         stats.selection_checksums = torch.stack(checksums).tolist() if checksums else []
+        if engine is not None:
+            off = engine.stats()
+            stats.offload = True
+            stats.offload_bytes_per_step = off["offload_bytes_per_step"]
+            stats.offload_full_bytes_per_step = off["offload_full_bytes_per_step"]
+            stats.offload_layers_per_step = off["offload_layers_per_step"]
+            stats.offload_moves = off["offload_moves"]
+            stats.offload_copy_hidden = off["offload_copy_hidden"]
         new = new.to(input_ids.device)
         return GenerateOutput(torch.cat([input_ids.to(torch.long), new], dim=1), stats)
 
@@ -387,8 +474,9 @@ class _GraphStep:
     The warm-up step on a side stream writes K/V at position ``cache_seqlens`` and is undone by restoring
     ``cache_seqlens`` (the next real step overwrites that slot)."""
 
-    def __init__(self, runtime: SpeContextRuntime, cache: KVCache):
-        self.rt, self.cache = runtime, cache
+    def __init__(self, runtime: SpeContextRuntime, cache: KVCache, engine=None):
+        self.rt, self.cache, self.engine = runtime, cache, engine
+        self.version = None
         dev = cache.k.device
         self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)
         self.q: Optional[torch.Tensor] = None  # set by the caller after the first (eager) step
@@ -396,8 +484,11 @@ class _GraphStep:
 
     def _capture(self):
         cache, rt = self.cache, self.rt
+        self.graph = None  # release the previous graph (and its memory pool) before capturing again
         saved = cache.cache_seqlens.clone()
         saved_q = self.q.clone()
+        eng = self.engine
+        saved_slots = eng.slotmap.slot_pos.clone() if eng is not None else None
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -405,24 +496,27 @@ class _GraphStep:
         torch.cuda.current_stream().wait_stream(s)
         cache.cache_seqlens.copy_(saved)
         self.q.copy_(saved_q)
+        if eng is not None:  # the warm-up's copies are redone (same slots, same data) by the first replay
+            eng.slotmap.slot_pos.copy_(saved_slots)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = self._body()
         cache.cache_seqlens.copy_(saved)  # capture does not run kernels; keep state exact anyway
         self.q.copy_(saved_q)
+        if eng is not None:
+            eng.slotmap.slot_pos.copy_(saved_slots)
+            self.version = eng.version
 
     def _body(self):
         self.cache.set_current(self.tokens)
         sel = self.rt.head.step(self.cache, self.q)
-        logits, k_new, v_new, q = self.rt.decode_fn(self.tokens[:, None], self.cache.cache_seqlens, sel,
-                                                    self.cache.k, self.cache.v)
-        self.cache.append(k_new, v_new)
+        logits, q = self.rt.decode(self.cache, self.tokens, sel, self.engine)
         self.q.copy_(q)
         return logits, sel
 
     def __call__(self, tokens: torch.Tensor):
         self.tokens.copy_(tokens)
-        if self.graph is None:
+        if self.graph is None or (self.engine is not None and self.engine.version != self.version):
             self._capture()
         self.graph.replay()
         logits, sel = self.out

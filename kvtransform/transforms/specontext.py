@@ -73,7 +73,8 @@ class SpeContextModule(OptimizedModule):
         if head_state:
             self.head.load_state_dict(head_state)
         self.head.bind(model if model is not None else decode)
-        self.runtime = SpeContextRuntime(prefill, decode, self.head, info, cuda_graphs=config.cuda_graphs)
+        self.runtime = SpeContextRuntime(prefill, decode, self.head, info, cuda_graphs=config.cuda_graphs,
+                                          offload=config.offload)
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,302 @@
+"""The SpeContext memory model (arXiv 2512.00722 §6, Eq. 6–8, Alg. 1–2): when each layer's KV cache moves to CPU
+during a long decode, and the largest batch that fits a GPU.
+
+Notation (all sizes in bytes, lengths in tokens per row):
+
+* ``M``: GPU memory the run may use (``gpu_bytes``); ``W``: the LLM's weights; ``P``: the retrieval head's own
+  weights; ``R``: a reserve for activations and workspace (``reserve_bytes``);
+* ``L`` layers, ``b`` rows (batch), ``c = 2 · H_kv · D · e``: K+V bytes of one token of one layer of one row
+  (``e``: bytes per element of the KV dtype); ``c_h``: the head's own per-token state of one row (e.g. the
+  distilled head's one-layer key cache; 0 for heads that keep none);
+* ``B``: the budget, tokens per KV head attended per step; an offloaded layer keeps a ``B``-token slot buffer on the
+  GPU (``b · B · c`` bytes) and its full K/V in pinned CPU memory;
+* ``n``: the cached sequence length (the longest row), growing from the input length ``I`` to ``S = I + O``.
+
+**Eq. 6** (GPU memory at length ``n`` with ``k`` layers offloaded)::
+
+    M_k(n) = W + P + R + b · [ (L − k) · n · c  +  k · B · c  +  n · c_h ]
+
+**Eq. 7** (the ``k``-th offload, Alg. 2): layers move last layer first (layer ``L − k`` is the ``k``-th to go) as
+soon as the memory with ``k − 1`` layers offloaded would exceed ``M``; the threshold is the first length that does
+not fit::
+
+    T_k = floor( (M − W − P − R − b · (k − 1) · B · c) / (b · ((L − k + 1) · c + c_h)) ) + 1
+
+clamped below at ``I`` (a layer that cannot hold even the prompt moves right after the prefill); ``T_k > S`` means
+the layer never moves (reported as ``None``). Thresholds are non-decreasing in ``k`` whenever ``n ≥ B``.
+
+**Eq. 8** (Alg. 1, the largest batch): a batch ``b`` fits when the prefill fits with every layer resident,
+``M_0(I) ≤ M``, and the end of the decode fits with every layer offloaded, ``M_L(S) ≤ M``::
+
+    b_max = floor( (M − W − P − R) / max(I · (L · c + c_h),  L · B · c + S · c_h) )
+
+and without offload (every layer resident up to ``S``): ``b_resident = floor((M − W − P − R) / (S · (L · c + c_h)))``.
+
+The runtime (:mod:`kvtransform.runtime.offload`) grows resident layers in chunks and offloads, before each growth to
+capacity ``n``, the layers whose threshold is ``≤ n`` (:meth:`MemoryPlan.offloaded_at`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ModelMemory", "HeadMemory", "MemoryPlan", "PlanMemoryConfig", "plan_memory", "run_plan_memory"]
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """The LLM's memory facts.
+
+    Attributes:
+        weight_bytes: bytes of all parameters (``W``).
+        num_layers, num_kv_heads, head_dim: ``L``, ``H_kv``, ``D``.
+        kv_dtype_bytes: bytes per element of the KV cache (``e``: 2 for bf16/fp16, 4 for fp32).
+    """
+
+    weight_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype_bytes: int
+
+    @property
+    def kv_token_bytes(self) -> int:
+        """``c = 2 · H_kv · D · e``: K+V bytes of one token of one layer of one row."""
+        return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> "ModelMemory":
+        """From an instantiated HF causal LM (real or on the ``meta`` device): weights counted from its parameters
+        (tied embeddings once), the KV dtype is the parameters' dtype."""
+        cfg = model.config
+        seen, weight = set(), 0
+        for p in model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                weight += p.numel() * p.element_size()
+        dtype = next(model.parameters()).dtype
+        return cls(weight_bytes=weight, num_layers=int(cfg.num_hidden_layers),
+                   num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+                   head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+                   kv_dtype_bytes=torch.empty((), dtype=dtype).element_size())
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype = torch.bfloat16) -> "ModelMemory":
+        """From a transformers ``PretrainedConfig``: the model is built on the ``meta`` device (no memory) to count
+        its parameters in ``dtype``."""
+        import transformers
+
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return cls.from_model(model)
+
+
+@dataclass(frozen=True)
+class HeadMemory:
+    """The retrieval head's own memory: ``weight_bytes`` (``P``) and ``token_bytes`` per cached token per row
+    (``c_h``)."""
+
+    weight_bytes: int = 0
+    token_bytes: int = 0
+
+
+@dataclass
+class MemoryPlan:
+    """The output of :func:`plan_memory`.
+
+    Attributes:
+        thresholds: per layer index ``l``, the sequence length (tokens) at which layer ``l`` moves to CPU, or None
+            when it stays on the GPU up to ``input_len + output_len``; the last layer moves first.
+        max_batch: the largest batch that fits with offload (Eq. 8); ``max_batch_resident`` without offload.
+        peak_bytes: the largest ``M_k(n)`` over the run with this plan (bytes).
+        resident_bytes: ``M_0(S)``, what the run would need without offload.
+    """
+
+    model: ModelMemory
+    head: HeadMemory
+    gpu_bytes: int
+    reserve_bytes: int
+    batch: int
+    input_len: int
+    output_len: int
+    budget: int
+    thresholds: list = field(default_factory=list)
+    max_batch: int = 0
+    max_batch_resident: int = 0
+    peak_bytes: int = 0
+    resident_bytes: int = 0
+
+    @property
+    def final_len(self) -> int:
+        return self.input_len + self.output_len
+
+    @property
+    def needs_offload(self) -> bool:
+        return any(t is not None for t in self.thresholds)
+
+    def offloaded_at(self, length: int) -> list:
+        """Layer indices that are on CPU at sequence length ``length`` (ascending)."""
+        return [l for l, t in enumerate(self.thresholds) if t is not None and t <= length]
+
+    def gpu_bytes_at(self, length: int) -> int:
+        """``M_k(n)`` (Eq. 6) at ``n = length`` with the layers this plan offloads by then."""
+        return _m_k(self.model, self.head, self.reserve_bytes, self.batch, self.budget, length,
+                    len(self.offloaded_at(length)))
+
+    def rows(self) -> list:
+        """One dict per offload event, in order: ``k``, ``layer``, ``length`` (tokens), ``gpu_gib`` before and
+        after the move, ``cpu_gib`` (pinned CPU memory holding offloaded K/V at ``S``)."""
+        out, c, b = [], self.model.kv_token_bytes, self.batch
+        for k, l in enumerate(sorted((l for l, t in enumerate(self.thresholds) if t is not None),
+                                     key=lambda l: (self.thresholds[l], -l)), start=1):
+            n = self.thresholds[l]
+            before = _m_k(self.model, self.head, self.reserve_bytes, b, self.budget, n, k - 1)
+            after = _m_k(self.model, self.head, self.reserve_bytes, b, self.budget, n, k)
+            out.append({"k": k, "layer": l, "length": n, "gpu_gib_before": before / 2 ** 30,
+                        "gpu_gib_after": after / 2 ** 30, "cpu_gib": k * b * self.final_len * c / 2 ** 30})
+        return out
+
+    def table(self) -> str:
+        """The plan as a markdown table plus a summary line."""
+        head = (f"GPU {self.gpu_bytes / 1e9:.1f} GB, weights {self.model.weight_bytes / 1e9:.2f} GB, batch "
+                f"{self.batch}, [{self.input_len} in, {self.output_len} out], budget {self.budget}: without "
+                f"offload {self.resident_bytes / 1e9:.1f} GB; with it peak {self.peak_bytes / 1e9:.1f} GB; largest "
+                f"batch {self.max_batch_resident} resident, {self.max_batch} with offload")
+        lines = [head, "", "| # | layer | moves at length (tokens) | GPU GiB before | GPU GiB after | pinned CPU GiB "
+                           "(at the end) |", "|---:|---:|---:|---:|---:|---:|"]
+        for r in self.rows():
+            lines.append(f"| {r['k']} | {r['layer']} | {r['length']} | {r['gpu_gib_before']:.2f} | "
+                         f"{r['gpu_gib_after']:.2f} | {r['cpu_gib']:.2f} |")
+        if not self.needs_offload:
+            lines.append("| - | - | never: every layer stays on the GPU | | | |")
+        return "\n".join(lines)
+
+
+def _m_k(model: ModelMemory, head: HeadMemory, reserve: int, batch: int, budget: int, n: int, k: int) -> int:
+    """Eq. 6."""
+    c, L = model.kv_token_bytes, model.num_layers
+    return model.weight_bytes + head.weight_bytes + reserve + batch * ((L - k) * n * c + k * budget * c
+                                                                       + n * head.token_bytes)
+
+
+def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: int, input_len: int,
+                output_len: int, budget: int, reserve_bytes: int = 0) -> MemoryPlan:
+    """Offload thresholds (Eq. 7, Alg. 2) and the largest batch (Eq. 8, Alg. 1); see the module docstring.
+
+    Args:
+        model, head: :class:`ModelMemory`, :class:`HeadMemory`.
+        gpu_bytes: GPU memory the run may use (bytes, ``M``). batch: rows. input_len, output_len: tokens per row
+        (the longest prompt; tokens to generate). budget: ``B``, tokens per KV head per step. reserve_bytes: ``R``.
+
+    Returns:
+        :class:`MemoryPlan`.
+
+    Raises:
+        ValueError: a non-positive size, or a batch that does not fit even with every layer offloaded (the message
+            gives the largest batch that fits and the GPU memory the requested one needs).
+    """
+    sizes = dict(gpu_bytes=gpu_bytes, batch=batch, input_len=input_len, output_len=output_len, budget=budget)
+    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    if bad or reserve_bytes < 0:
+        raise ValueError(f"plan_memory needs positive integer sizes (bytes, tokens, rows); got "
+                         f"{bad or {'reserve_bytes': reserve_bytes}}")
+    c, L, ch = model.kv_token_bytes, model.num_layers, head.token_bytes
+    S = input_len + output_len
+    free = gpu_bytes - model.weight_bytes - head.weight_bytes - reserve_bytes
+    per_row = max(input_len * (L * c + ch), L * budget * c + S * ch)
+    max_batch = max(free // per_row, 0) if free > 0 else 0
+    max_resident = max(free // (S * (L * c + ch)), 0) if free > 0 else 0
+    plan = MemoryPlan(model, head, gpu_bytes, reserve_bytes, batch, input_len, output_len, budget,
+                      max_batch=int(max_batch), max_batch_resident=int(max_resident))
+    if batch > max_batch:
+        need = max(_m_k(model, head, reserve_bytes, batch, budget, input_len, 0),
+                   _m_k(model, head, reserve_bytes, batch, budget, S, L))
+        raise ValueError(f"batch {batch} does not fit {gpu_bytes / 1e9:.1f} GB even with every layer's KV on CPU "
+                         f"(needs {need / 1e9:.1f} GB at the prefill or at {S} tokens): lower the batch to "
+                         f"{max_batch} or shorten [input, output]")
+    thresholds: list = [None] * L
+    for k in range(1, L + 1):
+        avail = free - batch * (k - 1) * budget * c
+        t = max(avail // (batch * ((L - k + 1) * c + ch)) + 1, input_len)
+        if t > S:
+            break
+        thresholds[L - k] = int(t)
+    plan.thresholds = thresholds
+    plan.resident_bytes = _m_k(model, head, reserve_bytes, batch, budget, S, 0)
+    events = sorted({input_len, S} | {t for t in thresholds if t is not None})
+    peaks = [_m_k(model, head, reserve_bytes, batch, budget, n, len(plan.offloaded_at(n))) for n in events]
+    # just before each move the previous count still holds one token less
+    peaks += [_m_k(model, head, reserve_bytes, batch, budget, t - 1, len(plan.offloaded_at(t - 1)))
+              for t in thresholds if t is not None and t - 1 >= input_len]
+    plan.peak_bytes = int(max(peaks))
+    return plan
+
+
+@dataclass
+class PlanMemoryConfig:
+    """``kvtransform plan-memory MODEL`` settings (Hydra structured config).
+
+    Attributes:
+        model: the model whose shapes are planned (``model.name``: registry name, local HF directory or a cached hub
+            id; only its config is read for directories and hub ids: weights are counted on the ``meta`` device).
+        gpu_gb: GPU memory the run may use, in GB (1e9 bytes). batch: rows. input_len, output_len: tokens per row.
+        budget: tokens per KV head per decode step (``SpeContextConfig.budget``).
+        head_gb: the retrieval head's weights in GB; head_token_bytes: its own state per cached token per row
+            (bytes; e.g. a one-layer key cache ``H_kv · D · e``).
+        reserve_gb: activations and workspace kept free, in GB.
+        dtype: weight and KV dtype (``bfloat16`` | ``float16`` | ``float32``).
+    """
+
+    model: Any = None
+    gpu_gb: float = 80.0
+    batch: int = 1
+    input_len: int = 2048
+    output_len: int = 32768
+    budget: int = 2048
+    head_gb: float = 0.0
+    head_token_bytes: int = 0
+    reserve_gb: float = 0.0
+    dtype: str = "bfloat16"
+
+
+def _model_memory(name: str, dtype: torch.dtype) -> ModelMemory:
+    """:class:`ModelMemory` of a registry model (loaded) or of a local directory / cached hub id (config only)."""
+    from kvtransform.models import REGISTRY, load_model
+
+    if name in REGISTRY or str(name).endswith(".gguf"):
+        model, _ = load_model(name, dtype=dtype)
+        return ModelMemory.from_model(model)
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the config of model {name!r}: give a registry name, a local directory with "
+                         f"config.json or a hub id in the local Hugging Face cache ({str(e).splitlines()[0]})") \
+            from None
+    return ModelMemory.from_config(config, dtype)
+
+
+def run_plan_memory(cfg) -> MemoryPlan:
+    """The ``plan-memory`` job: build the plan of ``cfg`` (:class:`PlanMemoryConfig`).
+
+    Raises:
+        ValueError: a bad dtype or size, an unreadable model, or a batch that does not fit (see :func:`plan_memory`).
+    """
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if cfg.dtype not in dtypes:
+        raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(dtypes)}")
+    for key in ("gpu_gb", "head_gb", "reserve_gb"):
+        if not float(getattr(cfg, key)) >= (1e-9 if key == "gpu_gb" else 0):
+            raise ValueError(f"{key}={getattr(cfg, key)!r} must be a number of GB "
+                             f"{'> 0' if key == 'gpu_gb' else '>= 0'}")
+    name = cfg.model.name if hasattr(cfg.model, "name") else cfg.model
+    mm = _model_memory(str(name), dtypes[cfg.dtype])
+    head = HeadMemory(weight_bytes=int(float(cfg.head_gb) * 1e9), token_bytes=int(cfg.head_token_bytes))
+    if head.token_bytes < 0:
+        raise ValueError(f"head_token_bytes={cfg.head_token_bytes} must be >= 0")
+    return plan_memory(mm, head, gpu_bytes=int(float(cfg.gpu_gb) * 1e9), batch=int(cfg.batch),
+                       input_len=int(cfg.input_len), output_len=int(cfg.output_len), budget=int(cfg.budget),
+                       reserve_bytes=int(float(cfg.reserve_gb) * 1e9))

@@ -1,0 +1,74 @@
+"""The SpeContext memory model (arXiv 2512.00722 §6, Eq. 6–8): thresholds and largest batch for Llama-3-8B on an
+80 GiB GPU against a hand calculation, and the plan-memory command."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from kvtransform.runtime.memory import HeadMemory, ModelMemory, plan_memory
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                 tie_word_embeddings=False)
+
+
+def test_llama3_8b_on_80gib_matches_hand_calculation():
+    """Hand calculation (Llama-3-8B, bf16, 80 GiB GPU, batch 32, [2048 in, 32768 out] so S = 34816, budget 2048, a
+    head of 1 GiB weights with its own one-layer key+value cache c_h = 2·8·128·2 = 4096 B/token, reserve 4 GiB).
+
+    Parameters: embedding and LM head 2 × 128256·4096 = 1,050,673,152; per layer q/o 2 × 4096² = 33,554,432, k/v
+    2 × 4096·1024 = 8,388,608, MLP 3 × 4096·14336 = 176,160,768, norms 8,192: 218,112,000 × 32 = 6,979,584,000; final
+    norm 4,096; total 8,030,261,248 → W = 16,060,522,496 B.
+
+    M − W − P − R = 85,899,345,920 − 16,060,522,496 − 1,073,741,824 − 4,294,967,296 = 64,470,114,304 B.
+    c = 2·8·128·2 = 4096 B per token, layer and row; L·c + c_h = 135,168.
+
+    T_1 = ⌊64,470,114,304 / (32 · 135,168)⌋ + 1 = ⌊14,905.1⌋ + 1 = 14,906 (layer 31);
+    T_2 = ⌊(64,470,114,304 − 32·1·2048·4096) / (32 · (31·4096 + 4096))⌋ + 1 = ⌊64,201,678,848 / 4,194,304⌋ + 1
+        = 15,307 (layer 30);
+    T_21 = ⌊(64,470,114,304 − 32·20·2048·4096) / (32 · (12·4096 + 4096))⌋ + 1 = ⌊59,101,405,184 / 1,703,936⌋ + 1
+        = 34,686 (layer 11), ≤ 34,816; T_22 = ⌊58,832,969,728 / 1,572,864⌋ + 1 = 37,405 > S: 21 layers move.
+    Largest batch without offload: ⌊64,470,114,304 / (34,816 · 135,168)⌋ = ⌊13.7⌋ = 13; with offload
+    ⌊64,470,114,304 / max(2048 · 135,168, 32·2048·4096 + 34,816·4096)⌋ = ⌊64,470,114,304 / 411,041,792⌋ = 156.
+    """
+    mm = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)
+    assert mm.weight_bytes == 16_060_522_496 and mm.kv_token_bytes == 4096
+    plan = plan_memory(mm, HeadMemory(weight_bytes=2 ** 30, token_bytes=4096), gpu_bytes=80 * 2 ** 30, batch=32,
+                       input_len=2048, output_len=32768, budget=2048, reserve_bytes=4 * 2 ** 30)
+    assert plan.max_batch_resident == 13 and plan.max_batch == 156
+    assert plan.thresholds[31] == 14_906 and plan.thresholds[30] == 15_307 and plan.thresholds[11] == 34_686
+    assert plan.thresholds[:11] == [None] * 11
+    moved = [plan.thresholds[l] for l in range(31, 10, -1)]
+    assert moved == sorted(moved)  # last layer first, thresholds non-decreasing
+    assert plan.offloaded_at(34_816) == list(range(11, 32)) and plan.offloaded_at(14_905) == []
+    assert plan.peak_bytes <= 80 * 2 ** 30 < plan.resident_bytes
+    for n in (14_905, 20_000, 34_816):  # the plan keeps every length inside the GPU
+        assert plan.gpu_bytes_at(n) <= 80 * 2 ** 30
+
+
+def test_small_request_needs_no_offload_and_too_large_batch_is_refused():
+    mm = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)
+    plan = plan_memory(mm, HeadMemory(), gpu_bytes=80 * 2 ** 30, batch=1, input_len=2048, output_len=4096,
+                       budget=2048)
+    assert not plan.needs_offload and plan.offloaded_at(6144) == []
+    with pytest.raises(ValueError, match="lower the batch to 2"):  # 2 rows: ⌊(85.9e9 − 16.06e9) / (2048·131072)⌋
+        plan_memory(mm, HeadMemory(), gpu_bytes=80 * 2 ** 30, batch=400, input_len=2048 * 128, output_len=16,
+                    budget=2048)
+    with pytest.raises(ValueError, match="positive integer sizes"):
+        plan_memory(mm, HeadMemory(), gpu_bytes=80 * 2 ** 30, batch=0, input_len=1, output_len=1, budget=1)
+
+
+def test_plan_memory_cli(tmp_path):
+    cfg = dict(LLAMA3_8B, architectures=["LlamaForCausalLM"], model_type="llama")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "kvtransform.cli", "plan-memory", str(tmp_path), "gpu_gb=85.89934592", "batch=32",
+           "head_gb=1.073741824", "head_token_bytes=4096", "reserve_gb=4.294967296"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "| 1 | 31 | 14906 |" in p.stdout and "| 21 | 11 | 34686 |" in p.stdout
+    assert "largest batch 13 resident, 156 with offload" in p.stdout
+    p = subprocess.run(cmd[:5] + ["batch=9000"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.count("error:") == 1 and "lower the batch" in p.stderr
