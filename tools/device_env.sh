@@ -5,6 +5,6 @@
 # uses the working tree that travelled with it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /tmp/site . >/tmp/kvt_install.log 2>&1 || { cat /tmp/kvt_install.log; return 1; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade --target /tmp/site . >/tmp/kvt_install.log 2>&1 || { cat /tmp/kvt_install.log; return 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, triton, transformers; print('device env: torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
