@@ -326,7 +326,7 @@ class SpeContextRuntime:
             if self._split is None:
                 self._split = split_decode_inputs(self.decode_fn, self.info.num_layers)
             engine = OffloadEngine(cache, plan, int(self.head.budget), chunk, self._split)
-            engine.record_timing = self.offload_timing and not (self.cuda_graphs and cache.device.type == "cuda")
+            engine.record_timing = self.offload_timing
             engine.preallocate()
         else:
             cache, logits = self.prefill(rows, longest + max_new_tokens, device)
@@ -341,7 +341,10 @@ class SpeContextRuntime:
         stats.kv_bytes, stats.cache_max_length = cache.nbytes, cache.max_length
         stats.prefill_s = t1 - t0
 
-        use_graph = self.cuda_graphs and torch.device(device).type == "cuda"
+        # CUDA graphs stop where offload begins: capturing the offload side stream's fork/join (elastic copies,
+        # per-layer waits) fails on the H200 (cudaErrorStreamCaptureIsolation), so an offloaded request decodes
+        # eagerly (the copies still overlap compute on the side stream).
+        use_graph = self.cuda_graphs and torch.device(device).type == "cuda" and engine is None
         stepper = _GraphStep(self, cache, engine) if use_graph else None
         stats.cuda_graph = use_graph
         overlap = torch.zeros((), device=device)

@@ -22,8 +22,10 @@ side stream waits for it, copies the entering entries of every offloaded layer, 
 the LLM step (resident layers compute while the copies run; the offloaded layers are the last ones, so their
 waits come last) → append: new K/V of resident layers into their GPU cache, of offloaded layers into pinned CPU
 memory (written by a GPU kernel through the unified-address view) → the compute stream joins the side stream.
-Under CUDA graphs the fork/join and the per-layer waits are captured in the graph; the graph is recaptured when a
-layer moves or the resident capacity grows (:meth:`OffloadEngine.version`).
+CUDA graphs stop where offload begins: an offloaded request decodes eagerly (the runtime does not capture it),
+because capturing the side stream's fork/join and per-layer waits failed on the H200 with
+``cudaErrorStreamCaptureIsolation``; :class:`~kvtransform.runtime.generate._GraphStep` keeps the recapture-on-move
+logic (:meth:`OffloadEngine.version`) for when that is fixed.
 
 **Layer moves** (:meth:`OffloadEngine.before_step`): resident layers are allocated for ``capacity`` tokens and grow
 by ``chunk`` tokens; before growing to ``n`` the layers the :class:`~kvtransform.runtime.memory.MemoryPlan` puts
