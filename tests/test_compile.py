@@ -16,6 +16,19 @@ def _batch(model, b=2, s=11, seed=0):
     return ids, am
 
 
+def _train_step_vs_eager(model, ids, am):
+    """One training step of ``model`` under ``compile_backend("canonical")`` and of an eager deep copy made first;
+    returns ``(loss, eager loss, backend, compiled, eager copy)`` with the gradients of both in ``.grad``."""
+    ref = copy.deepcopy(model)
+    be = compile_backend("canonical", inner="aot_eager")
+    compiled = torch.compile(model, backend=be)
+    loss = compiled(input_ids=ids, attention_mask=am, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, attention_mask=am, labels=ids).loss
+    ref_loss.backward()
+    return loss, ref_loss, be, compiled, ref
+
+
 def _grads_rel(a, b):
     return max(float((x.grad - y.grad).abs().max() / y.grad.abs().max()) for x, y in
                zip(a.parameters(), b.parameters()) if y.grad is not None)
@@ -29,14 +42,7 @@ def test_backend_training_matches_eager(family, checkpointing):
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref = copy.deepcopy(model)
-    be = compile_backend("canonical", inner="aot_eager")
-    compiled = torch.compile(model, backend=be)
-    ids, am = _batch(model)
-    loss = compiled(input_ids=ids, attention_mask=am, labels=ids).loss
-    loss.backward()
-    ref_loss = ref(input_ids=ids, attention_mask=am, labels=ids).loss
-    ref_loss.backward()
+    loss, ref_loss, be, compiled, ref = _train_step_vs_eager(model, *_batch(model))
     assert be.rewritten == model.config.num_hidden_layers and not be.skipped
     assert type(model).__name__.endswith("ForCausalLM") and compiled._orig_mod is model
     assert abs(float(loss) - float(ref_loss)) < 1e-5
@@ -122,14 +128,7 @@ def test_backend_with_peft_lora_adapters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     model.train()
-    ref = copy.deepcopy(model)
-    be = compile_backend("canonical", inner="aot_eager")
-    compiled = torch.compile(model, backend=be)
-    ids, am = _batch(base)
-    loss = compiled(input_ids=ids, attention_mask=am, labels=ids).loss
-    loss.backward()
-    ref_loss = ref(input_ids=ids, attention_mask=am, labels=ids).loss
-    ref_loss.backward()
+    loss, ref_loss, be, compiled, ref = _train_step_vs_eager(model, *_batch(base))
     assert be.rewritten == base.config.num_hidden_layers and not be.skipped
     assert isinstance(compiled._orig_mod, peft.PeftModel)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]

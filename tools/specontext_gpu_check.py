@@ -19,7 +19,6 @@ Needs no Hydra; works with torch 2.11 / triton 3.6 / transformers 5.17. Exit sta
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import gc
 import os
@@ -29,6 +28,7 @@ import time
 import torch
 
 import kvtransform as kvt
+from kvtransform.bench.report import save_rows
 from kvtransform.runtime.cache import KVCache
 from kvtransform.runtime.generate import _GraphStep
 
@@ -249,16 +249,8 @@ def main():
             log(f"  ctx {ctx:6d} {label:22s} {ms:8.2f} ms/step  floor {floor:7.2f} ms  ({ms / floor:.2f}x)  "
                 f"[{time.perf_counter() - t_start:.0f} s]")
     log(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; weights read per step {weight_bytes / 1e9:.2f} GB\n")
-    cols = list(rows[0])
-    log("| " + " | ".join(cols) + " |")
-    log("|" + "---|" * len(cols))
-    for r in rows:
-        log("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    out = os.path.join(os.environ.get("OUT", "."), "specontext_gpu_check.csv")
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
+    table, out = save_rows(rows, "specontext_gpu_check.csv")
+    log(table)
     log(f"\nwrote {out}; total {time.perf_counter() - t_start:.0f} s")
     log("SPECONTEXT GPU CHECK " + ("OK" if ok else "FAILED (graph != eager)"))
     sys.exit(0 if ok else 1)

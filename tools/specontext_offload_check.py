@@ -22,7 +22,6 @@ Prints a markdown table and writes ``specontext_offload_check.csv`` (into ``$OUT
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from specontext_gpu_check import random_llama  # noqa: E402
 
 import kvtransform as kvt  # noqa: E402
+from kvtransform.bench.report import save_rows  # noqa: E402
 
 
 def log(*a):
@@ -94,24 +94,16 @@ def main() -> int:
                      peak_gib_offload=peak_off / 2**30))
     rows.append(dict(check="eager timing (b8, 2048+96)", tokens_equal=same_eager,
                      copy_hidden=eag.stats.offload_copy_hidden, ms_per_step=eag.stats.ms_per_step))
-    rows.append(dict(check=f"graphs (b16, 2048+{args.new})", ms_per_step_resident=res.stats.ms_per_step,
+    rows.append(dict(check=f"b16, 2048+{args.new} (resident: graph; offloaded: eager)", ms_per_step_resident=res.stats.ms_per_step,
                      ms_per_step=st.ms_per_step, overlap=st.selection_overlap,
                      bytes_per_step_mib=sum(moved) / max(len(moved), 1) / 2**20,
                      full_bytes_per_step_mib=sum(full) / max(len(full), 1) / 2**20, bytes_ratio=ratio,
                      max_layers_offloaded=max(layers) if layers else 0, moves=len(st.offload_moves),
                      peak_gib_resident=pr / 2**30, peak_gib_offload=po / 2**30,
                      tokens_equal=torch.equal(res.sequences, gr.sequences)))
-    keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "check", k))
-    log("| " + " | ".join(keys) + " |")
-    log("|" + "---|" * len(keys))
-    for r in rows:
-        log("| " + " | ".join(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys)
-            + " |")
-    path = os.path.join(os.environ.get("OUT", "."), "specontext_offload_check.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
+    table, path = save_rows(rows, "specontext_offload_check.csv",
+                            fmt=lambda v: f"{v:.4g}" if isinstance(v, float) else str(v))
+    log(table)
     log(f"wrote {path}; total {time.perf_counter() - t0:.0f} s; {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 

@@ -59,6 +59,24 @@ def row_line(r: dict) -> str:
             f"   # {r.get('cmd', '')}")
 
 
+def save_rows(rows: List[dict], filename: str, fmt=str) -> tuple:
+    """For check scripts (``tools/*_check.py``): ``rows`` (dicts; the union of their keys, in first-seen order, are the
+    columns) as a markdown table (cells through ``fmt``; a missing cell is empty) and as ``filename`` (CSV) in
+    ``$OUT`` when set, else the current directory. Returns ``(markdown, csv_path)``."""
+    import csv
+    import os
+
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) if c in r else "" for c in cols) + " |" for r in rows]
+    path = os.path.join(os.environ.get("OUT", "."), filename)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    return "\n".join(lines), path
+
+
 # ---------------------------------------------------------------------------------------------------------------- CSV
 
 
