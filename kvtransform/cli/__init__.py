@@ -118,9 +118,9 @@ def run_optimize(cfg: DictConfig) -> dict:
     from ..models import load_model
 
     console = _console()
-    out = Path(cfg.out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.overwrite:
-        raise FileExistsError(f"output directory {out} exists and is not empty; pass overwrite=true or out=<new dir>")
+    from ..transforms.base import check_output_dir
+
+    out = check_output_dir(cfg.out, cfg.overwrite)  # before loading the model: never replace what is not an artifact
     tcfg = _transform_config(cfg)
     emit = _emit_kinds(cfg)
 

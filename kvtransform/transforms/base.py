@@ -190,12 +190,11 @@ class OptimizedModule(torch.nn.Module):
         (transform name, maximum sequence length, torch version).
 
         Raises:
-            FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is false.
+            FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is false; or ``path`` is a file, the
+                current directory or one of its parents, or a non-empty directory that is not a kvtransform artifact
+                (never replaced, whatever ``overwrite`` says).
         """
-        path = Path(path)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
-            raise FileExistsError(f"output directory {str(path)!r} exists and is not empty; choose another "
-                                  f"directory or pass overwrite=true")
+        path = check_output_dir(path, overwrite)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
@@ -205,17 +204,55 @@ class OptimizedModule(torch.nn.Module):
             meta = {"transform": self.config.name, "max_seq_len": self.max_seq_len, "torch": torch.__version__,
                     **extra}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; an artifact is as readable as any new directory
             if path.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
                 os.replace(path, old / "x")
-                os.replace(tmp, path)
-                shutil.rmtree(old, ignore_errors=True)
+                try:
+                    os.replace(tmp, path)
+                except BaseException:
+                    os.replace(old / "x", path)  # put the previous artifact back
+                    raise
+                finally:
+                    shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return path
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
+    """Check that an artifact may be written to directory ``path``; returns it as a ``Path``.
+
+    A new or empty directory is fine. An existing artifact (a directory holding ``meta.json`` or ``config.yaml``) is
+    replaced only with ``overwrite``. Anything else is never replaced.
+
+    Raises:
+        FileExistsError: ``path`` is a file; the current directory or one of its parents; a non-empty directory that
+            is not a kvtransform artifact; or an artifact and ``overwrite`` is false.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        return path
+    if not path.is_dir():
+        raise FileExistsError(f"{str(path)!r} is a file, not an artifact directory: choose a directory path")
+    if not any(path.iterdir()):
+        return path
+    resolved, cwd = path.resolve(), Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise FileExistsError(f"{str(path)!r} is the current directory or one of its parents: write the artifact to "
+                              f"a new directory (e.g. out/<name>)")
+    if not overwrite:
+        raise FileExistsError(f"output directory {str(path)!r} exists and is not empty; choose another directory or "
+                              f"pass overwrite=true")
+    if not ((path / "meta.json").is_file() or (path / "config.yaml").is_file()):
+        raise FileExistsError(f"{str(path)!r} is a non-empty directory but not a kvtransform artifact (no meta.json "
+                              f"or config.yaml): overwrite replaces only artifacts; choose another directory")
+    return path
 
 
 class _ExportWrapper(torch.nn.Module):
