@@ -79,6 +79,14 @@ class TransformConfig:
         if self.version > CONFIG_VERSION:
             raise ValueError(f"config version {self.version} is newer than this kvtransform understands "
                              f"({CONFIG_VERSION}): upgrade kvtransform")
+        if isinstance(self.verify, dict):  # verify={"enabled": False}: the same strict keys as config_from_dict
+            unknown = sorted(set(self.verify) - {f.name for f in dataclasses.fields(VerifyConfig)})
+            if unknown:
+                raise ValueError(f"unknown verify key(s) {unknown}; valid keys: "
+                                 f"{[f.name for f in dataclasses.fields(VerifyConfig)]}")
+            self.verify = VerifyConfig(**self.verify)
+        if not isinstance(self.verify, VerifyConfig):
+            raise ValueError(f"verify must be a VerifyConfig (or a dict of its keys); got {type(self.verify).__name__}")
         self.verify.validate()
 
     # ---- serialisation -------------------------------------------------------------------------------------------

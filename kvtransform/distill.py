@@ -23,6 +23,7 @@ fingerprint), :func:`kvtransform.runtime.distilled.save_head_dir`.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,13 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         raise ValueError(f"loss must be 'attn' or 'kl'; got {cfg.loss!r}")
     if not 0 < cfg.budget_fraction <= 1:
         raise ValueError(f"budget_fraction must be in (0, 1]; got {cfg.budget_fraction}")
+    for key, low in (("lr", 0.0), ("temperature", 0.0), ("weight_decay", None)):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                (v <= low if low is not None else v < 0):
+            raise ValueError(f"{key} must be a finite number {'> 0' if low is not None else '>= 0'}; got {v!r}")
+    if isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 0:
+        raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     from tqdm.auto import tqdm

@@ -308,6 +308,16 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
             raise ValueError(f"{key} must be an integer >= 2 tokens; got {v!r}")
     if any(b < 1 for b in budgets):
         raise ValueError(f"budget must be >= 1 token per KV head; got {budgets}")
+    ns = cfg.num_sink
+    if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns <= min(budgets):
+        raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
+    if isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 0:
+        raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
+    docs = _as_list(cfg.documents, str, "documents")
+    from .textdata import stdlib_path
+
+    for d in docs:  # a missing document fails before the model loads and before any run
+        stdlib_path(d)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     name = cfg.model.name if hasattr(cfg.model, "name") else str(cfg.model)
@@ -319,7 +329,7 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
     from tqdm.auto import tqdm
 
     rows = []
-    jobs = [(d, h, b) for d in cfg.documents for h in heads for b in budgets]
+    jobs = [(d, h, b) for d in docs for h in heads for b in budgets]
     bar = tqdm(jobs, desc="eval-sparse", unit="run")
     for doc, head_name, budget in bar:
         bar.set_postfix_str(f"{doc} {head_name} B={budget}")

@@ -280,3 +280,20 @@ def test_capture_refusal_is_one_error_line(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("error: torch.export cannot capture"), err
     assert "dynamic-NTK RoPE" in err and "rope_type" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("arg,msg", [
+    ("do_sample=maybe", "do_sample must be true or false"),
+    ("chat=2", "chat must be true or false"),
+    ("seed=abc", "seed must be an integer >= 0"),
+    ("temperature=0", "temperature must be a number > 0"),
+    ("temperature=.inf", "temperature must be a number > 0"),
+    ("top_k=-1", "top_k must be an integer >= 0"),
+    ("top_p=0", "top_p must be a number in (0, 1]"),
+    ("max_new_tokens=abc", "max_new_tokens must be an integer >= 1"),
+])
+def test_generate_bad_option_before_loading(capsys, arg, msg):
+    """Generation options are checked before the model loads (an unknown model would fail later)."""
+    rc, _, err = _run(["generate", "no-such-model", "prompt=hi", arg], capsys)
+    assert rc == 2 and err.count("error:") == 1 and msg in err, err
+    assert "Traceback" not in err and _cwd_is_empty()

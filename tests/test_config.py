@@ -100,3 +100,15 @@ def test_hydra_typo_is_a_composition_error():
             compose(config_name="config", overrides=["transform=specontext", "transform.budgt=4"])
         with pytest.raises(ConfigCompositionException):
             compose(config_name="config", overrides=["transform.verify.batch_size=two"])
+
+
+def test_verify_given_as_dict():
+    """``SpeContextConfig(verify={"enabled": False})`` used to raise AttributeError ('dict' has no 'validate')."""
+    from kvtransform.config import resolve_config
+
+    cfg = resolve_config(SpeContextConfig(verify={"enabled": False}))
+    assert isinstance(cfg.verify, VerifyConfig) and cfg.verify.enabled is False
+    with pytest.raises(ValueError, match="unknown verify key"):
+        resolve_config(CanonicalConfig(verify={"enabeld": False}))
+    with pytest.raises(ValueError, match="verify must be a VerifyConfig"):
+        resolve_config(CanonicalConfig(verify=False))

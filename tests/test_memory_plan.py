@@ -72,3 +72,15 @@ def test_plan_memory_cli(tmp_path):
     assert "largest batch 13 resident, 156 with offload" in p.stdout
     p = subprocess.run(cmd[:5] + ["batch=9000"], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("error:") == 1 and "lower the batch" in p.stderr
+
+
+@pytest.mark.parametrize("arg,msg", [("gpu_gb=inf", "gpu_gb=inf must be a finite number of GB > 0"),
+                                     ("reserve_gb=nan", "reserve_gb=nan must be a finite number of GB >= 0"),
+                                     ("batch=0", "batch=0 must be an integer >= 1"),
+                                     ("input_len=-5", "input_len=-5 must be an integer >= 1")])
+def test_plan_memory_cli_bad_values(tmp_path, arg, msg):
+    """One error line and exit 2 (no OverflowError traceback for inf), checked before the model is read."""
+    cmd = [sys.executable, "-m", "kvtransform.cli", "plan-memory", str(tmp_path / "no-model"), arg]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

@@ -184,9 +184,18 @@ def test_distilled_head_in_the_runtime_and_its_artifact(tmp_path):
     (["eval-sparse", "prefix=1", "out=OUT"], "prefix must be an integer >= 2"),
     (["distill-retrieval-head", "loss=foo", "out=OUT"], "loss must be 'attn' or 'kl'"),
     (["distill-retrieval-head", "steps=0", "out=OUT"], "steps must be an integer >= 1"),
+    (["distill-retrieval-head", "lr=-1", "out=OUT"], "lr must be a finite number > 0"),
+    (["distill-retrieval-head", "weight_decay=nan", "out=OUT"], "weight_decay must be a finite number >= 0"),
+    (["distill-retrieval-head", "threads=-1", "out=OUT"], "threads must be an integer >= 0"),
+    (["eval-sparse", "documents=[]", "out=OUT"], "documents must be a name or a list"),
+    (["eval-sparse", "documents=[nosuch.txt]", "out=OUT"], "missing from this Python installation"),
+    (["eval-sparse", "threads=-2", "out=OUT"], "threads must be an integer >= 0"),
+    (["eval-sparse", "num_sink=-3", "out=OUT"], "num_sink must be an integer in [0, smallest budget"),
 ])
 def test_cli_bad_input(tmp_path, capsys, args, msg):
     with pytest.raises(SystemExit) as e:
         main([a.replace("OUT", str(tmp_path / "o")) for a in args])
     assert e.value.code == 2
-    assert msg in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert msg in err and err.count("error:") == 1 and "Traceback" not in err
+    assert not (tmp_path / "o").exists()  # refused before anything is written

@@ -186,6 +186,7 @@ def test_unknown_head_lists_valid_ones(llama):
     (dict(eos_token_id=128), "eos_token_id 128 is outside the vocabulary"),
     (dict(eos_token_id=[2, -1]), "outside the vocabulary"),
     (dict(do_sample=True, temperature=0.0), "temperature must be a number > 0"),
+    (dict(attention_mask=[[1] * 10] * 2), "attention_mask must be a 0/1 tensor"),  # was AttributeError
 ])
 def test_bad_generate_arguments(sp_llama, kwargs, match):
     ids = torch.randint(3, 128, (2, 10))

@@ -298,7 +298,32 @@ def _parse_generate_args(args: Sequence[str]) -> tuple[Optional[str], dict, dict
             raise UsageError(f"unknown key {key!r}{hint}; keys: {', '.join(opts)}, transform.<key>")
     if not opts["prompt"]:
         raise UsageError('give the prompt: kvtransform generate MODEL prompt="..."')
+    _check_generate_options(opts)
     return model, opts, tcfg
+
+
+def _check_generate_options(opts: dict) -> None:
+    """Generation options checked before the model loads (UsageError names the key and what it accepts)."""
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    n = opts["max_new_tokens"]
+    if not is_int(n) or n < 1:
+        raise UsageError(f"max_new_tokens must be an integer >= 1; got {n!r}")
+    for key in ("chat", "do_sample"):
+        if opts[key] is not None and not isinstance(opts[key], bool):
+            raise UsageError(f"{key} must be true or false; got {opts[key]!r}")
+    t = opts["temperature"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
+        raise UsageError(f"temperature must be a number > 0; got {t!r}")
+    if opts["top_k"] is not None and (not is_int(opts["top_k"]) or opts["top_k"] < 0):
+        raise UsageError(f"top_k must be an integer >= 0 (0 or null = off); got {opts['top_k']!r}")
+    p = opts["top_p"]
+    if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+        raise UsageError(f"top_p must be a number in (0, 1] (1 or null = off); got {p!r}")
+    if opts["seed"] is not None and (not is_int(opts["seed"]) or opts["seed"] < 0):
+        raise UsageError(f"seed must be an integer >= 0; got {opts['seed']!r}")
 
 
 def _generate(args: Sequence[str]) -> int:
@@ -318,8 +343,6 @@ def _generate(args: Sequence[str]) -> int:
         except ValueError as e:
             raise UsageError(f"invalid transform setting: {e}") from None
         n = opts["max_new_tokens"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise UsageError(f"max_new_tokens must be an integer >= 1; got {n!r}")
         model, tok = load_model(name or "smollm2-135m", dtype=opts["model.dtype"])
         if tok is None:
             raise UsageError(f"{name} has no tokenizer: kvtransform generate needs one to encode the prompt")

@@ -179,6 +179,9 @@ class SpeContextRuntime:
             raise ValueError("input_ids has no rows: pass at least one prompt")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        elif not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(f"attention_mask must be a 0/1 tensor of shape {tuple(input_ids.shape)} like input_ids; "
+                             f"got {type(attention_mask).__name__}")
         elif tuple(attention_mask.shape) != tuple(input_ids.shape) or attention_mask.dtype.is_floating_point or \
                 not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError(f"attention_mask must be 0/1 (int or bool) of shape {tuple(input_ids.shape)} like "

@@ -37,6 +37,7 @@ capacity ``n``, the layers whose threshold is ``≤ n`` (:meth:`MemoryPlan.offlo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,9 +290,14 @@ def run_plan_memory(cfg) -> MemoryPlan:
     if cfg.dtype not in dtypes:
         raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(dtypes)}")
     for key in ("gpu_gb", "head_gb", "reserve_gb"):
-        if not float(getattr(cfg, key)) >= (1e-9 if key == "gpu_gb" else 0):
-            raise ValueError(f"{key}={getattr(cfg, key)!r} must be a number of GB "
+        gb = float(getattr(cfg, key))
+        if not (math.isfinite(gb) and gb >= (1e-9 if key == "gpu_gb" else 0)):
+            raise ValueError(f"{key}={getattr(cfg, key)!r} must be a finite number of GB "
                              f"{'> 0' if key == 'gpu_gb' else '>= 0'}")
+    for key in ("batch", "input_len", "output_len", "budget"):  # before the model loads
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{key}={v!r} must be an integer >= 1")
     name = cfg.model.name if hasattr(cfg.model, "name") else cfg.model
     mm = _model_memory(str(name), dtypes[cfg.dtype])
     head = HeadMemory(weight_bytes=int(float(cfg.head_gb) * 1e9), token_bytes=int(cfg.head_token_bytes))
