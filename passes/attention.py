@@ -73,19 +73,36 @@ def layer_of(node: torch.fx.Node) -> Optional[int]:
     return None
 
 
+def noop_slice(node) -> bool:
+    """``x[..., 0:MAX]`` (what ``x[:, :, None]`` and friends can export as): a view equal to ``x``."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is aten.slice.Tensor):
+        return False
+    a = list(node.args) + [None] * (5 - len(node.args))
+    start, end, step = a[2], a[3], a[4]
+    return start in (0, None) and (end is None or (isinstance(end, int) and end >= 1 << 62)) and step in (1, None)
+
+
+def _skip_noop_slices(node):
+    while noop_slice(node):
+        node = node.args[0]
+    return node
+
+
 def unrepeat_kv(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
     """Walk back through transformers' ``repeat_kv`` (``x[:, :, None].expand(B, H_kv, n, S, D).reshape(B, H_kv*n,
-    S, D)``). Returns ``(kv_node, n_rep)``; ``(node, 1)`` when the pattern is absent."""
+    S, D)``), through the no-op slices torch.export can leave between those steps. Returns ``(kv_node, n_rep)``;
+    ``(node, 1)`` when the pattern is absent."""
+    node = _skip_noop_slices(node)
     if node.op != "call_function" or node.target not in (aten.reshape.default, aten.view.default,
                                                            aten._unsafe_view.default):
         return node, 1
-    exp = node.args[0]
+    exp = _skip_noop_slices(node.args[0])
     if not isinstance(exp, torch.fx.Node) or exp.target is not aten.expand.default:
         return node, 1
-    uns = exp.args[0]
+    uns = _skip_noop_slices(exp.args[0])
     if not isinstance(uns, torch.fx.Node) or uns.target is not aten.unsqueeze.default or uns.args[1] != 2:
         return node, 1
-    base = uns.args[0]
+    base = _skip_noop_slices(uns.args[0])
     bs, es, rs = _shape(base), _shape(exp), _shape(node)
     if bs is None or es is None or rs is None or len(bs) != 4 or len(es) != 5 or len(rs) != 4:
         return node, 1

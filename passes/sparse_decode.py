@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_structure
 
 from .attention import _PASSTHROUGH, _keep_mask, _shape, describe, extract_subgraph, find_attention, \
-    probe_lengths, unrepeat_kv
+    noop_slice, probe_lengths, unrepeat_kv
 from .manager import KVPass, PassContext
 
 aten = torch.ops.aten
@@ -46,40 +46,18 @@ def _placeholder(gm: torch.fx.GraphModule, name: str) -> Optional[torch.fx.Node]
     return next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == name), None)
 
 
-def _noop_slice(node: torch.fx.Node) -> bool:
-    """``x[..., 0:MAX]`` (what ``x[:, :, None]`` and friends export as): a view equal to ``x``."""
-    if node.target is not aten.slice.Tensor:
-        return False
-    a = list(node.args) + [None] * (5 - len(node.args))
-    start, end, step = a[2], a[3], a[4]
-    return start in (0, None) and (end is None or (isinstance(end, int) and end >= 1 << 62)) and step in (1, None)
-
-
 def _skip_up(node):
     """Walk up through dtype/alias passthroughs and no-op slices."""
     while isinstance(node, torch.fx.Node) and node.op == "call_function" and (node.target in _PASSTHROUGH
-                                                                               or _noop_slice(node)):
+                                                                               or noop_slice(node)):
         node = node.args[0]
     return node
 
 
 def unrepeat(node: torch.fx.Node) -> torch.fx.Node:
-    """The un-repeated ``(B, H_kv, S, D)`` K/V behind transformers' ``repeat_kv`` (``x[:, :, None].expand(B, H_kv,
-    n, S, D).reshape(B, H_kv * n, S, D)``), tolerating the no-op slices torch.export leaves between the steps;
-    ``node`` itself (after passthroughs) when the pattern is absent."""
-    r = _skip_up(node)
-    if r.target not in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
-        return unrepeat_kv(r)[0]
-    e = _skip_up(r.args[0])
-    u = _skip_up(e.args[0]) if e.target is aten.expand.default else None
-    if u is None or u.target is not aten.unsqueeze.default or u.args[1] != 2:
-        return r
-    base = _skip_up(u.args[0])
-    bs, rs = _shape(base), _shape(r)
-    if bs is None or rs is None or len(bs) != 4 or len(rs) != 4 or str(bs[2]) != str(rs[2]) or \
-            str(bs[3]) != str(rs[3]):
-        return r
-    return base
+    """The un-repeated ``(B, H_kv, S, D)`` K/V behind transformers' ``repeat_kv`` (:func:`.attention.unrepeat_kv`),
+    after dtype/alias passthroughs; ``node`` itself (after them) when the pattern is absent."""
+    return unrepeat_kv(_skip_up(node))[0]
 
 
 def cache_concat(node: torch.fx.Node, cache: torch.fx.Node) -> Optional[tuple[int, torch.fx.Node, torch.fx.Node]]:
