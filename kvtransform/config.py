@@ -186,6 +186,9 @@ class SpeContextConfig(TransformConfig):
             model) or a directory (``distilled``: one written by ``kvtransform distill-retrieval-head``;
             ``eagle3``: an EAGLE-3 draft checkpoint).
         offload: keep the full KV cache of some layers on CPU with elastic loading (memory model decides which).
+        compile: on CUDA, compile the decode program with ``torch.compile`` (Inductor fuses the element-wise work
+            between the projections; the ``kvt`` ops stay opaque) before the CUDA graph is captured: faster steps
+            for a one-time compile per batch size and cache length (BENCHMARKS.md, decode throughput).
     """
 
     name: str = "specontext"
@@ -197,6 +200,7 @@ class SpeContextConfig(TransformConfig):
     cuda_graphs: bool = True
     retrieval: str = "self"
     offload: bool = False
+    compile: bool = False
 
     def validate(self) -> None:
         super().validate()

@@ -9,7 +9,8 @@ by Hydra's own override parser and basic sweeper into the cartesian product of j
 
 Suites: ``dualkv-layer`` and ``dualkv-attn`` (DualKV, arXiv 2605.15422; runner :mod:`.runner`, methods
 :mod:`.methods`, masks :mod:`.masks`, test layer :mod:`.layer`) and ``decode-ops`` (SpeContext, arXiv 2512.00722;
-runner :mod:`.decode_ops`). One timing loop (:mod:`.timing`), one CSV format (:mod:`.report`). Where a benchmark goes
+runner :mod:`.decode_ops`) and ``decode`` (end-to-end decode throughput, SpeContext Table 5; runner :mod:`.decode`).
+One timing loop (:mod:`.timing`), one CSV format (:mod:`.report`). Where a benchmark goes
 in the package: ``docs/ARCHITECTURE.md``.
 
 Example (on a GPU)::
@@ -18,6 +19,7 @@ Example (on a GPU)::
     kvtransform bench dualkv-layer P=8192 mb=8 method=dualkv
     kvtransform bench dualkv-attn -m P=4096,8192 mb=8,16 kernel_check=true tune=true
     kvtransform bench decode-ops -m S=4096,16384,32768 kernel_check=true tune=small retrieval_tune=true
+    kvtransform bench decode -m model=llama-8b,qwen3-8b input=2048 output=16384,32768
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from typing import List, Optional
 
 __all__ = ["run", "compose_jobs", "SUITES"]
 
-SUITES = ("dualkv-layer", "dualkv-attn", "decode-ops")
+SUITES = ("dualkv-layer", "dualkv-attn", "decode-ops", "decode")
 
 _FLAGS_MULTIRUN = ("-m", "--multirun")
 
@@ -146,6 +148,8 @@ def run(suite: str, argv: List[str]) -> list:
 
     if suite == "decode-ops":
         from .decode_ops import run_job
+    elif suite == "decode":
+        from .decode import run_job
     else:
         from .runner import run_job
 

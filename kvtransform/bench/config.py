@@ -210,10 +210,80 @@ class DecodeOpsConfig:
     plot: bool = True
 
 
+class ThroughputMethod(Enum):
+    """Generation paths timed by ``decode`` (``all`` = every one, in one process)."""
+
+    all = "all"
+    hf_sdpa = "hf_sdpa"  # HF generate, DynamicCache, sdpa attention
+    hf_static = "hf_static"  # HF generate with a StaticCache (HF compiles the decode step itself)
+    dense = "dense"  # our runtime, every cached token (full attention), CUDA graphs
+    specontext = "specontext"  # our runtime, the distilled retrieval head, budget B
+    quest = "quest"  # our runtime, Quest pages, budget B
+    flashinfer = "flashinfer"  # FlashInfer batch decode (when importable)
+
+
+class ModelShape(Enum):
+    llama_8b = "llama-8b"  # DeepSeek-R1-Distill-Llama-8B (Llama-3.1-8B shape)
+    qwen3_8b = "qwen3-8b"  # Qwen3-8B
+    tiny = "tiny"  # 2-layer Llama for CPU smoke runs
+
+
+@dataclass
+class DecodeBenchConfig:
+    """One ``decode`` job: one model shape and one ``[input, output]`` request shape (``-m model=llama-8b,qwen3-8b
+    input=2048 output=16384,32768`` sweeps); SpeContext Table 5 (arXiv 2512.00722 §7). Runner and method:
+    :mod:`kvtransform.bench.decode`.
+
+    Attributes:
+        suite: suite name, recorded in the CSV and the reproduce command.
+        method: one of :class:`ThroughputMethod`; ``all`` runs every method.
+        model: the model shape (random bf16 weights; speed does not depend on their values).
+        input, output: prompt and generated tokens per request.
+        budget: SpeContext's B, tokens selected per KV head (``specontext``, ``quest``).
+        requests: concurrent requests (0: the largest count whose memory fits, per method).
+        max_requests: cap of the automatic request count.
+        reserve_gb: GiB of device memory left free when sizing the request count (activations, graphs, compile).
+        cpu_memory_gb: the memory the request count is sized for on CPU.
+        samples: context lengths at which decode steps are timed (spread over the run).
+        steps: decode steps timed per sample; n0: steps of the reference run subtracted (capture, warm-up).
+        prefill_tokens: prompt tokens per timed prefill (``ceil(prefill_tokens / input)`` requests, scaled).
+        compile: our runtime's ``torch.compile`` of the decode program (SpeContextConfig.compile).
+        cuda_graphs: our runtime's CUDA graphs.
+        validate: also run the whole generation once per method and compare it with the sampled estimate (rows
+            ``pass=validate``; for a short ``output``).
+        seed, dtype, device, out_dir, append, plot: as in the other suites.
+    """
+
+    suite: str = "decode"
+    method: ThroughputMethod = ThroughputMethod.all
+    model: ModelShape = ModelShape.llama_8b
+    input: int = 2048
+    output: int = 32768
+    budget: int = 2048
+    requests: int = 0
+    max_requests: int = 256
+    reserve_gb: float = 8.0
+    cpu_memory_gb: float = 4.0
+    samples: int = 5
+    steps: int = 16
+    n0: int = 4
+    prefill_tokens: int = 16384
+    compile: bool = True
+    cuda_graphs: bool = True
+    validate: bool = False
+    seed: int = 0
+    dtype: DType = DType.bfloat16
+    device: str = "auto"
+    out_dir: str = "out/bench/decode"
+    append: bool = False
+    plot: bool = True
+
+
 SUITES = {
     "dualkv-layer": DualKVBenchConfig,
     "dualkv-attn": DualKVAttnBenchConfig,
     "decode-ops": DecodeOpsConfig,
+    "decode": DecodeBenchConfig,
 }
 
 
@@ -271,6 +341,30 @@ def validate_decode(cfg) -> None:
     _check_device(cfg)
 
 
+def validate_throughput(cfg) -> None:
+    """Check one composed ``decode`` job before anything runs.
+
+    Raises:
+        ValueError: one line naming the setting, its value and the fix: ``input``, ``output``, ``budget``,
+            ``samples``, ``steps``, ``max_requests``, ``prefill_tokens`` below 1, negative ``requests``/``n0``/
+            ``reserve_gb``, ``output`` too short for one timed sample (``n0 + steps + 2``), ``n0 < 2`` (the
+            reference run must include the CUDA-graph capture), an unparsable ``device``.
+    """
+    _at_least(cfg, {"input": "the prompt tokens per request", "output": "the generated tokens per request",
+                    "budget": "the selected tokens per KV head", "samples": "the number of sampled contexts",
+                    "steps": "the decode steps timed per sample", "max_requests": "the cap of the request count",
+                    "prefill_tokens": "the prompt tokens per timed prefill"}, 1)
+    _at_least(cfg, {"requests": "the concurrent requests (0 = as many as fit)"}, 0)
+    _at_least(cfg, {"n0": "the steps of the reference run (it must include the CUDA-graph capture)"}, 2)
+    for key in ("reserve_gb", "cpu_memory_gb"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"{key}={getattr(cfg, key)}: {key} is GiB and must be >= 0")
+    if cfg.output < cfg.n0 + cfg.steps + 2:
+        raise ValueError(f"output={cfg.output} is shorter than one timed sample (n0 + steps + 2 = "
+                         f"{cfg.n0 + cfg.steps + 2} tokens): raise output or lower steps")
+    _check_device(cfg)
+
+
 def validate(cfg) -> None:
     """Check the values of one composed job (types are Hydra's job) before anything runs; ``decode-ops`` jobs go to
     :func:`validate_decode`.
@@ -285,6 +379,8 @@ def validate(cfg) -> None:
 
     if OmegaConf.get_type(cfg) is DecodeOpsConfig:
         return validate_decode(cfg)
+    if OmegaConf.get_type(cfg) is DecodeBenchConfig:
+        return validate_throughput(cfg)
     _at_least(cfg, {
         "P": "the prompt (shared prefix) length in tokens",
         "mb": "the number of responses sharing the prompt",

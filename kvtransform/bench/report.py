@@ -46,6 +46,15 @@ def _ratio(a, b, nd=2) -> str:
 
 def row_line(r: dict) -> str:
     """One console line for a row: method, pass, shape, times, memory, status, and the reproduce command."""
+    if r.get("suite") == "decode":
+        what = {"run": lambda: (f"{r.get('requests')} requests  prefill {_fmt(r.get('prefill_s'), 2)} s  decode "
+                                f"{_fmt(r.get('decode_s'), 1)} s  {_fmt(r.get('tokens_per_s'), 1)} tokens/s"),
+                "step": lambda: (f"{r.get('requests')} requests  ctx {r.get('context')}  {_fmt(r.get('ms_p50'), 2)} "
+                                 f"ms/step  floor {_fmt(r.get('floor_ms'), 2)} ms ({_fmt(r.get('x_floor'), 2)}×)"),
+                "validate": lambda: (f"measured {_fmt(r.get('decode_s'), 2)} s  estimate {_fmt(r.get('estimate_s'), 2)}"
+                                     f" s ({_fmt(100 * (_num(r.get('rel_err')) or 0), 1)} %)")}
+        body = what[r["pass"]]() if r.get("status") == "ok" and r.get("pass") in what else ""
+        return f"{r['method']:<11} {r.get('pass', ''):<8} {r.get('params', '')}  {body}  {r.get('status')}"
     if r.get("P") is None or r.get("pass") in ("check", "check_tuned", "tune"):
         times = (f"p50 {r['ms_p50']:.4f} ms [{r['ms_p20']:.4f}, {r['ms_p80']:.4f}]" if _num(r.get("ms_p50")) is not None
                  else f"{_fmt(r.get('check_rel_err'), 2)} of bound" if r.get("pass", "").startswith("check") else "")
@@ -283,11 +292,62 @@ def markdown_decode(df) -> str:
     return "\n".join(out)
 
 
+def _config_key(r) -> tuple:
+    return (str(r["model"]), int(r["input"]), int(r["output"]))
+
+
+def markdown_throughput(df) -> str:
+    """The ``decode`` tables: per model and ``[input, output]`` every method's end-to-end tokens/s (requests,
+    prefill and decode seconds) beside the paper's A800 number, the ratio to the best dense method of the same
+    run, and the worst sampled step against its HBM floor; then every sampled step; then the validation rows."""
+    df = df[df["suite"] == "decode"]
+    if df.empty:
+        return ""
+    first = df.iloc[0]
+    runs, steps, val = (df[df["pass"] == p] for p in ("run", "step", "validate"))
+    bw = _num(steps["copy_gbps"].dropna().iloc[0]) if "copy_gbps" in steps and steps["copy_gbps"].notna().any() else None
+    out = [f"Device: {first['device']} · commit {first['commit']} · torch {first['torch']} · {first['dtype']} · "
+           f"budget {first['budget']} · decode time = sum over all steps of the step time interpolated between the "
+           f"sampled contexts; floor = (weights + KV/retrieval bytes the step must read) / copy bandwidth "
+           f"({_fmt(bw, 0)} GB/s, same run); paper = SpeContext Table 5 on one A800.", "",
+           "| model | input | output | method | requests | prefill s | decode s | tokens/s | vs best dense | "
+           "paper tokens/s (requests) | vs paper | mean ms/step | worst step / floor | status |",
+           "|" + "---|" * 14]
+    for key in dict.fromkeys(_config_key(r) for _, r in runs.iterrows()):
+        sel = runs[runs.apply(_config_key, axis=1) == key]
+        for _, r in sel.iterrows():
+            st = steps[(steps["method"] == r["method"]) & (steps.apply(_config_key, axis=1) == key)]
+            worst = st["x_floor"].max() if not st.empty else None
+            ok = str(r["status"]) == "ok"
+            paper = (f"{_fmt(r.get('paper_tokens_per_s'), 1)} ({int(r['paper_requests'])})"
+                     if _num(r.get("paper_tokens_per_s")) is not None else "–")
+            out.append(f"| {key[0]} | {key[1]} | {key[2]} | {r['method']} | "
+                       f"{int(r['requests']) if _num(r.get('requests')) is not None else '–'} | "
+                       f"{_fmt(r.get('prefill_s'), 2)} | {_fmt(r.get('decode_s'), 1)} | "
+                       f"{_fmt(r.get('tokens_per_s'), 1) if ok else '–'} | "
+                       f"{_fmt(r.get('vs_best_dense'), 2) + '×' if ok and _num(r.get('vs_best_dense')) else '–'} | "
+                       f"{paper} | {_ratio(r.get('tokens_per_s'), r.get('paper_tokens_per_s')) if ok else '–'} | "
+                       f"{_fmt(r.get('ms_per_step_mean'), 2)} | {_fmt(worst, 2) + '×' if _num(worst) else '–'} | "
+                       f"{r['status']} |")
+    if not steps.empty:
+        out += ["", "| model | input | output | method | requests | context | ms/step | floor ms | × floor | GB read | "
+                    "GB/s |", "|" + "---|" * 11]
+        for _, r in steps.iterrows():
+            out.append(f"| {r['model']} | {int(r['input'])} | {int(r['output'])} | {r['method']} | {int(r['requests'])} "
+                       f"| {int(r['context'])} | {_fmt(r['ms_p50'], 2)} | {_fmt(r['floor_ms'], 2)} | "
+                       f"{_fmt(r['x_floor'], 2)} | {_fmt(r['bytes_gb'], 1)} | {_fmt(r.get('gbps'), 0)} |")
+    if not val.empty:
+        out += ["", "Validation (a whole generation against the sampled estimate): " + "; ".join(
+            f"{r['model']} [{int(r['input'])}, {int(r['output'])}] {r['method']}: measured {_fmt(r['decode_s'], 2)} s, "
+            f"estimate {_fmt(r['estimate_s'], 2)} s ({100 * float(r['rel_err']):+.1f} %)" for _, r in val.iterrows())]
+    return "\n".join(out)
+
+
 def markdown(df) -> str:
     """All tables for the suites and modes present in ``df`` (a DataFrame of the long CSV)."""
-    dk = df[df["suite"] != "decode-ops"] if "suite" in df.columns else df
+    dk = df[~df["suite"].isin(["decode-ops", "decode"])] if "suite" in df.columns else df
     dk = dk[~dk["pass"].isin(["tune", "check", "check_tuned"])]
-    parts = [p for p in (markdown_layer(dk), markdown_attn(dk), markdown_decode(df)) if p]
+    parts = [p for p in (markdown_layer(dk), markdown_attn(dk), markdown_decode(df), markdown_throughput(df)) if p]
     return "\n\n".join(parts)
 
 
@@ -330,6 +390,56 @@ def _plot_decode(df, path: str) -> bool:
     return True
 
 
+def _plot_throughput(df, path: str) -> bool:
+    """Left: end-to-end tokens/s per method for each (model, input, output), the paper's as black ticks. Right:
+    ms per decode step against the context for each method and configuration, its HBM floor dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = df[(df["pass"] == "run") & (df["status"] == "ok")]
+    steps = df[(df["pass"] == "step") & (df["status"] == "ok")]
+    if runs.empty:
+        return False
+    keys = list(dict.fromkeys(_config_key(r) for _, r in runs.iterrows()))
+    methods = list(dict.fromkeys(runs["method"]))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(min(20, 6 + 1.2 * len(keys) * max(1, len(methods)) / 3), 5))
+    w = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        for i, key in enumerate(keys):
+            sel = runs[(runs["method"] == m) & (runs.apply(_config_key, axis=1) == key)]
+            if sel.empty:
+                continue
+            x = i - 0.4 + w * (j + 0.5)
+            ax.bar(x, float(sel.iloc[-1]["tokens_per_s"]), w, color=f"C{j % 10}", label=m if i == 0 else None)
+            pt = _num(sel.iloc[-1].get("paper_tokens_per_s"))
+            if pt:
+                ax.hlines(pt, x - w / 2, x + w / 2, colors="black", linewidth=1.5)
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([f"{k[0]}\n[{k[1]}, {k[2]}]" for k in keys], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens/s end to end (log); black = paper (A800)")
+    ax.legend(fontsize=7)
+    for j, m in enumerate(methods):
+        for i, key in enumerate(keys):
+            sel = steps[(steps["method"] == m) & (steps.apply(_config_key, axis=1) == key)]
+            if sel.empty:
+                continue
+            ax2.plot(sel["context"], sel["ms_p50"], "o-", color=f"C{j % 10}", label=m if i == 0 else None,
+                     linewidth=1)
+            ax2.plot(sel["context"], sel["floor_ms"], "--", color=f"C{j % 10}", linewidth=0.8)
+    ax2.set_xlabel("context (tokens)")
+    ax2.set_ylabel("ms per decode step (dashed: HBM floor)")
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"decode throughput on {runs.iloc[0]['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_png(df, path: str) -> bool:
     """Grouped bars of p50 ms per method for each (P, mb), log scale, with the FLOP floor (black tick) and the
     paper's DualKV time (red tick); for ``decode-ops`` rows, per S with the HBM floor. Returns False when nothing
@@ -341,6 +451,8 @@ def plot_png(df, path: str) -> bool:
 
     if (df["suite"] == "decode-ops").any():
         return _plot_decode(df[df["suite"] == "decode-ops"], path)
+    if (df["suite"] == "decode").any():
+        return _plot_throughput(df[df["suite"] == "decode"], path)
     df = df[(df["pass"] == "fwdbwd") & (df["status"] == "ok")]
     if df.empty:
         return False

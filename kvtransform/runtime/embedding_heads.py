@@ -224,6 +224,7 @@ class EmbeddingKeyHead(RetrievalHead):
     needs_model = True
     window = 1
     SINK = 4  # the first tokens (the attention sink) are always kept, on top of num_sink
+    PREFILL_TOKENS = 16384  # tokens per chunk of the key-cache prefill
 
     def __init__(self, config, scale=None):
         super().__init__(config, scale)
@@ -245,12 +246,22 @@ class EmbeddingKeyHead(RetrievalHead):
         return torch.where(ok, self.embed[idx].float(), torch.zeros((), device=pos.device))
 
     def prefill(self, cache) -> None:
+        """Keys of every cache position, ``PREFILL_TOKENS`` tokens (over all rows) at a time, so the window's
+        ``(tokens, window, hidden)`` fp32 temporary stays bounded at any batch and cache length. The key cache is
+        kept in the embedding's dtype (bf16 for a bf16 model: half the bytes every step reads)."""
         if cache.token_ids is None:
             raise ValueError("this retrieval head needs the cache's token_ids (KVCache.allocate makes them)")
         b, s_max = cache.token_ids.shape
-        pos = torch.arange(s_max, device=cache.k.device).expand(b, s_max)
-        _, k = self.qk(self._window(cache.token_ids, pos), pos, s_max)
-        self.keys = k.transpose(1, 2).contiguous()                        # (b, H_kv, S_max, D)
+        dev = cache.k.device
+        dtype = self.embed.dtype if self.embed.dtype.is_floating_point else torch.float32
+        chunk = max(1, self.PREFILL_TOKENS // b)
+        self.keys = None
+        for lo in range(0, s_max, chunk):
+            pos = torch.arange(lo, min(lo + chunk, s_max), device=dev).expand(b, -1)
+            _, k = self.qk(self._window(cache.token_ids, pos), pos, s_max)
+            if self.keys is None:
+                self.keys = torch.empty(b, k.shape[2], s_max, k.shape[3], dtype=dtype, device=dev)
+            self.keys[:, :, lo:lo + pos.shape[1]] = k.transpose(1, 2).to(dtype)   # (b, H_kv, S_max, D)
 
     def select(self, cache, queries):
         tok, pos = current_tokens(cache)

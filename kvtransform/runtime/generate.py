@@ -148,6 +148,9 @@ class SpeContextRuntime:
         head: the :class:`~kvtransform.runtime.heads.RetrievalHead`.
         info: :class:`ModelInfo`.
         cuda_graphs: capture the decode step in a CUDA graph when the tensors are on CUDA.
+        compile: on CUDA, run the decode program through ``torch.compile`` (Inductor fuses the norms, RoPE, SwiGLU
+            and residuals around the opaque ``kvt`` ops; compiled once per batch size and cache length, before
+            the CUDA graph is captured). Offloaded steps stay eager.
         offload: move layers' KV to CPU during decoding when the memory model says so (:mod:`.offload`, §5–6).
 
     Attributes:
@@ -159,9 +162,11 @@ class SpeContextRuntime:
     """
 
     def __init__(self, prefill: Callable, decode: Callable, head: RetrievalHead, info: ModelInfo,
-                 cuda_graphs: bool = True, offload: bool = False):
+                 cuda_graphs: bool = True, offload: bool = False, compile: bool = False):
         self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
         self.cuda_graphs = bool(cuda_graphs)
+        self.compile = bool(compile)
+        self._compiled = None
         self.offload = bool(offload)
         self.gpu_memory_bytes: Optional[int] = None
         self.offload_chunk = 1024
@@ -253,7 +258,8 @@ class SpeContextRuntime:
         :class:`~.offload.OffloadEngine`: per-layer inputs, elastic copies on the side stream, offloaded layers'
         new K/V to CPU). Returns ``(logits (batch, vocab), queries (L, batch, H, D))``."""
         if engine is None:
-            logits, k_new, v_new, q = self.decode_fn(tokens[:, None], cache.cache_seqlens, indices, cache.k, cache.v)
+            logits, k_new, v_new, q = self._decode_program(cache.k.device)(tokens[:, None], cache.cache_seqlens,
+                                                                           indices, cache.k, cache.v)
         else:
             args = engine.layer_args(indices)
             logits, k_new, v_new, q = engine.graph(tokens[:, None], cache.cache_seqlens, *args)
@@ -261,6 +267,14 @@ class SpeContextRuntime:
         if engine is not None:
             engine.after_step()
         return logits, q
+
+    def _decode_program(self, device) -> Callable:
+        """The decode program, through ``torch.compile`` when :attr:`compile` is set and ``device`` is CUDA."""
+        if not (self.compile and torch.device(device).type == "cuda"):
+            return self.decode_fn
+        if self._compiled is None:
+            self._compiled = torch.compile(self.decode_fn, dynamic=False, fullgraph=True)
+        return self._compiled
 
     def _offload_engine(self, rows, max_new_tokens, device):
         """The :class:`~.offload.OffloadEngine` plan of this request, or None when no layer needs to move.
@@ -344,6 +358,82 @@ class SpeContextRuntime:
         stats.kv_bytes, stats.cache_max_length = cache.nbytes, cache.max_length
         stats.prefill_s = t1 - t0
 
+        steps, produced = self._decode_loop(cache, tok, running, max_new_tokens - 1, sample, eos_t, pad, engine,
+                                            stats, progress if progress is not None else max_new_tokens >= 256)
+        out += steps
+        sync()
+        t2 = time.perf_counter()
+        new = _trim(torch.stack(out, 1), eos)
+        stats.decode_s = t2 - t1
+        stats.new_tokens = _count_new(new, eos)
+        stats.prefill_tokens_per_s = stats.prompt_tokens / max(stats.prefill_s, 1e-9)
+        stats.decode_tokens_per_s = int(produced) / max(stats.decode_s, 1e-9)
+        stats.ms_per_step = 1000 * stats.decode_s / max(stats.decode_steps, 1)
+        if engine is not None:
+            off = engine.stats()
+            stats.offload = True
+            stats.offload_bytes_per_step = off["offload_bytes_per_step"]
+            stats.offload_full_bytes_per_step = off["offload_full_bytes_per_step"]
+            stats.offload_layers_per_step = off["offload_layers_per_step"]
+            stats.offload_moves = off["offload_moves"]
+            stats.offload_copy_hidden = off["offload_copy_hidden"]
+        new = new.to(input_ids.device)
+        return GenerateOutput(torch.cat([input_ids.to(torch.long), new], dim=1), stats)
+
+    @torch.no_grad()
+    def decode_from(self, cache: KVCache, tokens: torch.Tensor, max_new_tokens: int, *,
+                    eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: int = 0,
+                    progress: bool = False) -> GenerateOutput:
+        """Greedy decoding continued from a cache that already holds every row's context: ``tokens`` ``(batch,)``
+        int64 are the next inputs (not yet in the cache), ``max_new_tokens`` decode steps follow (the head's
+        :meth:`~.heads.RetrievalHead.prefill` runs first). What ``generate`` does after its prefill; the decode
+        benchmark times decode steps at chosen context lengths with it (``kvtransform bench decode``).
+
+        Returns:
+            :class:`GenerateOutput` whose ``sequences`` are the ``(batch, steps)`` generated ids (no prompt) and
+            whose ``stats`` have the decode fields (``decode_s``, ``decode_steps``, ``ms_per_step``, overlap).
+
+        Raises:
+            ValueError: ``tokens`` not ``(cache.batch,)`` integers, ``max_new_tokens < 1``, or a row whose
+                context plus ``max_new_tokens`` does not fit ``cache.max_length``.
+        """
+        if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != (cache.batch,) or \
+                tokens.dtype.is_floating_point:
+            raise ValueError(f"tokens must be integer ids of shape ({cache.batch},), one per cache row; got "
+                             f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        longest = int(cache.cache_seqlens.max())
+        if longest + max_new_tokens > cache.max_length:
+            raise ValueError(f"a row holds {longest} tokens; {max_new_tokens} more do not fit the cache of "
+                             f"{cache.max_length}: allocate a longer cache or decode fewer steps")
+        device = cache.k.device
+        eos = _as_eos(eos_token_id, self.info.vocab_size)
+        eos_t = torch.tensor(eos or [-1], device=device)
+        stats = GenerationStats(batch=cache.batch, head=self.head.name, budget=self.head.budget,
+                                kv_bytes=cache.nbytes, cache_max_length=cache.max_length)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.head.prefill(cache)
+        running = torch.ones(cache.batch, dtype=torch.bool, device=device)
+        sync()
+        t0 = time.perf_counter()
+        out, produced = self._decode_loop(cache, tokens.to(device=device, dtype=torch.long), running,
+                                          max_new_tokens, lambda logits: logits.argmax(dim=-1), eos_t,
+                                          int(pad_token_id), None, stats, progress)
+        sync()
+        stats.decode_s = time.perf_counter() - t0
+        stats.new_tokens = int(produced)
+        stats.decode_tokens_per_s = int(produced) / max(stats.decode_s, 1e-9)
+        stats.ms_per_step = 1000 * stats.decode_s / max(stats.decode_steps, 1)
+        return GenerateOutput(torch.stack(out, 1), stats)
+
+    def _decode_loop(self, cache: KVCache, tok: torch.Tensor, running: torch.Tensor, n_steps: int, sample: Callable,
+                     eos_t: torch.Tensor, pad: int, engine, stats: GenerationStats, show: bool) -> list:
+        """``n_steps`` decode steps from ``cache`` (the head prefilled) and the next input tokens ``tok``
+        ``(batch,)``; updates ``running`` and ``stats`` (steps, selection checksums and overlap); returns the
+        produced tokens, one ``(batch,)`` tensor per step (pad after a row's EOS). Stops early when every row has
+        finished (checked every 8 steps: a host sync)."""
+        device = tok.device
         # CUDA graphs stop where offload begins: capturing the offload side stream's fork/join (elastic copies,
         # per-layer waits) fails on the H200 (cudaErrorStreamCaptureIsolation), so an offloaded request decodes
         # eagerly (the copies still overlap compute on the side stream).
@@ -353,8 +443,8 @@ class SpeContextRuntime:
         overlap = torch.zeros((), device=device)
         produced = torch.zeros((), dtype=torch.long, device=device)
         checksums, prev_sel, q, n_overlap = [], None, None, 0
-        steps = range(1, max_new_tokens)
-        show = progress if progress is not None else max_new_tokens >= 256
+        steps = range(1, n_steps + 1)
+        out = []
         if show:
             from tqdm.auto import tqdm
 
@@ -385,26 +475,9 @@ class SpeContextRuntime:
             out.append(tok)
             running &= ~torch.isin(tok, eos_t)
             stats.decode_steps += 1
-        sync()
-        t2 = time.perf_counter()
-        new = _trim(torch.stack(out, 1), eos)
-        stats.decode_s = t2 - t1
-        stats.new_tokens = _count_new(new, eos)
-        stats.prefill_tokens_per_s = stats.prompt_tokens / max(stats.prefill_s, 1e-9)
-        stats.decode_tokens_per_s = int(produced) / max(stats.decode_s, 1e-9)
-        stats.ms_per_step = 1000 * stats.decode_s / max(stats.decode_steps, 1)
         stats.selection_overlap = float(overlap) / n_overlap if n_overlap else None
         stats.selection_checksums = torch.stack(checksums).tolist() if checksums else []
-        if engine is not None:
-            off = engine.stats()
-            stats.offload = True
-            stats.offload_bytes_per_step = off["offload_bytes_per_step"]
-            stats.offload_full_bytes_per_step = off["offload_full_bytes_per_step"]
-            stats.offload_layers_per_step = off["offload_layers_per_step"]
-            stats.offload_moves = off["offload_moves"]
-            stats.offload_copy_hidden = off["offload_copy_hidden"]
-        new = new.to(input_ids.device)
-        return GenerateOutput(torch.cat([input_ids.to(torch.long), new], dim=1), stats)
+        return out, produced
 
 
 def _first_eos(new: torch.Tensor, eos: list) -> torch.Tensor:

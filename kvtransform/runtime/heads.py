@@ -189,15 +189,19 @@ class QuestHead(RetrievalHead):
     needs_queries = True
 
     def prefill(self, cache):
+        """Page min/max keys, one layer at a time (the temporaries are one layer's cache, not all of them)."""
         L, b, h_kv, s_max, d = cache.k.shape
         ps = self.page_size
         pages = math.ceil(s_max / ps)
         pad = pages * ps - s_max
         pos = torch.arange(pages * ps, device=cache.k.device)
-        valid = (pos[None, :] < cache.cache_seqlens[:, None].long())[None, :, None, :, None]  # (1,b,1,S',1)
-        k = torch.nn.functional.pad(cache.k, (0, 0, 0, pad))
-        self.kmax = _finite(k.masked_fill(~valid, float("-inf")).view(L, b, h_kv, pages, ps, d).amax(dim=4))
-        self.kmin = _finite(k.masked_fill(~valid, float("inf")).view(L, b, h_kv, pages, ps, d).amin(dim=4))
+        valid = (pos[None, :] < cache.cache_seqlens[:, None].long())[:, None, :, None]  # (b,1,S',1)
+        self.kmax = cache.k.new_empty(L, b, h_kv, pages, d)
+        self.kmin = cache.k.new_empty(L, b, h_kv, pages, d)
+        for layer in range(L):
+            k = torch.nn.functional.pad(cache.k[layer], (0, 0, 0, pad))
+            self.kmax[layer] = _finite(k.masked_fill(~valid, float("-inf")).view(b, h_kv, pages, ps, d).amax(dim=3))
+            self.kmin[layer] = _finite(k.masked_fill(~valid, float("inf")).view(b, h_kv, pages, ps, d).amin(dim=3))
 
     def _refresh_last_page(self, cache):
         """Recompute the page holding each row's newest token (appended since the last step)."""
