@@ -1,0 +1,161 @@
+"""``kvtransform bench decode`` (SpeContext Table 5): the sampled-step integration, the byte and memory models, the
+config checks, ``SpeContextRuntime.decode_from`` against ``generate``, the bounded head prefills, and a CPU smoke
+run of the whole suite on the tiny shape."""
+import math
+
+import pytest
+import torch
+
+import kvtransform as kvt
+from kvtransform.bench.decode import (MODELS, integrate_steps, max_requests, per_request_bytes, sample_contexts,
+                                      step_bytes)
+from kvtransform.models import tiny_model
+
+SHAPE8B = dict(layers=32, kv_heads=8, heads=32, head_dim=128, vocab=128256)
+
+
+def test_sample_contexts_cover_the_run_and_leave_room_for_a_sample():
+    c = sample_contexts(2048, 32768, 5, 20)
+    assert c[0] == 2049 and c[-1] == 2048 + 32768 - 1 - 20 and len(c) == 5 and c == sorted(c)
+    assert sample_contexts(100, 30, 1, 10) == [101]
+
+
+def test_integrate_steps_is_exact_for_linear_step_times():
+    inp, out = 1000, 501
+    ctx = [1001, 1250, 1500]
+    ms = [1.0 + 0.01 * (c - 1001) for c in ctx]          # t(L) linear in the context
+    exact = sum(1.0 + 0.01 * (L - 1001) for L in range(inp + 1, inp + out)) / 1000
+    assert integrate_steps(ctx, ms, inp, out) == pytest.approx(exact, rel=1e-12)
+    # constant beyond the last sample
+    assert integrate_steps([1001], [2.0], inp, out) == pytest.approx(2.0 * (out - 1) / 1000)
+
+
+def test_step_bytes_dense_sparse_quest():
+    per_tok = 2 * 32 * 8 * 128 * 2                       # K+V, all layers, bf16: 128 KiB
+    assert per_tok == 131072
+    assert step_bytes("dense", SHAPE8B, 4, 10000, 34816, 2048) == 4 * per_tok * 10000
+    assert step_bytes("hf_sdpa", SHAPE8B, 4, 10000, 34816, 2048) == 4 * per_tok * 10000
+    head = 8 * 128 * 2 * 10000
+    assert step_bytes("specontext", SHAPE8B, 4, 10000, 34816, 2048) == 4 * (per_tok * 2048 + head)
+    assert step_bytes("specontext", SHAPE8B, 1, 1000, 34816, 2048) == per_tok * 1000 + 8 * 128 * 2 * 1000
+    q = step_bytes("quest", SHAPE8B, 1, 10000, 34816, 2048, page_size=16)
+    assert q == per_tok * 2048 + per_tok * math.ceil(34816 / 16)
+
+
+def test_max_requests_fits_memory_and_is_bounded():
+    gib = 2 ** 30
+    per = per_request_bytes("dense", SHAPE8B, 34816)
+    assert per > 2 * 32 * 8 * 34816 * 128 * 2            # more than the KV cache itself
+    n = max_requests("dense", SHAPE8B, 34816, 139 * gib, 8 * gib)
+    assert n * per <= 131 * gib < (n + 1) * per
+    assert max_requests("hf_sdpa", SHAPE8B, 34816, 139 * gib, 8 * gib) <= n + 1
+    assert max_requests("dense", SHAPE8B, 34816, 1 * gib, 8 * gib) == 1     # never 0
+    assert max_requests("dense", SHAPE8B, 256, 139 * gib, 0, cap=64) == 64
+
+
+@pytest.mark.parametrize("override,match", [
+    (["output=10"], "shorter than one timed sample"),
+    (["n0=1"], "n0=1"),
+    (["requests=-1"], "requests=-1"),
+    (["reserve_gb=-1"], "reserve_gb"),
+    (["samples=0"], "samples=0"),
+])
+def test_bad_decode_settings_are_refused(override, match):
+    from kvtransform.bench import compose_jobs
+
+    with pytest.raises(ValueError, match=match):
+        compose_jobs("decode", override)
+
+
+def test_unknown_model_shape_is_a_composition_error():
+    from hydra.errors import ConfigCompositionException
+
+    from kvtransform.bench import compose_jobs
+
+    with pytest.raises(ConfigCompositionException):
+        compose_jobs("decode", ["model=llama-70b"])
+
+
+@pytest.mark.parametrize("head", ["quest", "dense"])
+def test_decode_from_continues_exactly_like_generate(head):
+    """prefill + decode_from(next token, n) produce the tokens generate makes after its first one."""
+    model = tiny_model("llama")
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=16, head=head), progress=False)
+    rt = sp.runtime
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in (30, 41)]
+    ids = torch.stack([torch.cat([torch.zeros(41 - len(r), dtype=torch.long), r]) for r in rows])
+    am = (torch.arange(41)[None] >= torch.tensor([[41 - len(r)] for r in rows])).long()
+    ref = sp.generate(ids, am, max_new_tokens=12, eos_token_id=None)[:, 41:]
+    cache, logits = rt.prefill(rows, 41 + 12, torch.device("cpu"))
+    out = rt.decode_from(cache, logits.argmax(-1), 11)
+    assert out.sequences.shape == (2, 11) and out.stats.decode_steps == 11
+    assert torch.equal(out.sequences, ref[:, 1:])
+    assert torch.equal(cache.cache_seqlens, torch.tensor([30 + 11, 41 + 11], dtype=torch.int32))
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        rt.decode_from(cache, logits.argmax(-1), 5)
+    with pytest.raises(ValueError, match="tokens must be integer ids of shape"):
+        rt.decode_from(cache, logits.argmax(-1)[:1], 1)
+
+
+def test_head_prefills_are_chunked_and_match_the_one_shot_result():
+    """The distilled-style key cache built in chunks equals the one built at once; quest's per-layer page min/max
+    equals the all-layer reduction."""
+    from kvtransform.runtime.cache import KVCache
+    from kvtransform.runtime.heads import make_head
+
+    model = tiny_model("llama")
+    cfg = kvt.SpeContextConfig(budget=16, head="self")
+    c = model.config
+    cache = KVCache.allocate(c.num_hidden_layers, 3, c.num_key_value_heads, 37, c.hidden_size // c.num_attention_heads,
+                             torch.float32, "cpu")
+    torch.manual_seed(0)
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.token_ids.random_(3, 128)
+    cache.cache_seqlens.copy_(torch.tensor([5, 37, 20], dtype=torch.int32))
+    q = make_head("quest", cfg)
+    q.prefill(cache)
+    L, b, h, s, d = cache.k.shape
+    valid = (torch.arange(48)[None] < cache.cache_seqlens[:, None])[None, :, None, :, None]
+    k = torch.nn.functional.pad(cache.k, (0, 0, 0, 48 - 37))
+    kmax = k.masked_fill(~valid, float("-inf")).view(L, b, h, 3, 16, d).amax(4)
+    kmax = torch.where(torch.isfinite(kmax), kmax, torch.zeros_like(kmax))
+    assert torch.equal(q.kmax, kmax)
+
+    from kvtransform.runtime.distilled import DistilledBlock, DistilledHead
+
+    head = DistilledHead(cfg)
+    head.embed = model.get_input_embeddings().weight.detach()
+    torch.manual_seed(0)
+    head.block = DistilledBlock(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                c.hidden_size // c.num_attention_heads, window=3, dim=32)
+    torch.nn.init.normal_(head.block.down.weight, std=0.02)
+    head.window = 3
+    head.prefill(cache)
+    one_shot = head.keys.clone()
+    head.PREFILL_TOKENS = 7                                  # 7 // 3 rows = 2 positions per chunk
+    head.prefill(cache)
+    assert torch.allclose(head.keys, one_shot, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_suite_smoke_on_cpu(tmp_path):
+    """The whole suite on the tiny shape: a throughput row, a row per sampled step and the validation row per
+    method; every number positive; the markdown table and the CSV written."""
+    from kvtransform.bench import run
+
+    rows = run("decode", ["-m", "model=tiny", "input=32", "output=24", "samples=2", "steps=2", "n0=2",
+                          "requests=2", "validate=true", "method=dense,hf_sdpa", f"out_dir={tmp_path}", "plot=false"])
+    runs = [r for r in rows if r["pass"] == "run"]
+    assert [r["method"] for r in runs] == ["dense", "hf_sdpa"]
+    for r in runs:
+        assert r["status"] == "ok", r["status"]
+        assert r["requests"] == 2 and r["tokens_per_s"] > 0 and r["decode_s"] > 0 and r["prefill_s"] > 0
+    steps = [r for r in rows if r["pass"] == "step"]
+    assert len(steps) == 4 and all(r["ms_p50"] >= 0 for r in steps)
+    assert {r["context"] for r in steps} == set(sample_contexts(32, 24, 2, 4))
+    val = [r for r in rows if r["pass"] == "validate"]
+    assert len(val) == 2 and all(r["decode_s"] > 0 for r in val)
+    md = (tmp_path / "results.md").read_text()
+    assert "| tiny | 32 | 24 | dense | 2 |" in md and "Validation" in md
+    assert MODELS["tiny"]["layers"] == 2
