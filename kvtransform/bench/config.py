@@ -268,7 +268,7 @@ class DecodeBenchConfig:
     steps: int = 16
     n0: int = 4
     prefill_tokens: int = 16384
-    compile: bool = True
+    compile: bool = False
     cuda_graphs: bool = True
     validate: bool = False
     seed: int = 0

@@ -46,7 +46,6 @@ __all__ = ["MODELS", "PAPER", "ORDER", "build_model", "max_requests", "sample_co
 
 ORDER = [m.value for m in ThroughputMethod if m is not ThroughputMethod.all]
 OURS = {"dense": "dense", "specontext": "distilled", "quest": "quest"}  # method -> retrieval head
-DENSE = ("hf_sdpa", "hf_static", "dense", "flashinfer")
 
 #: Model shapes (random weights). ``llama-8b``: DeepSeek-R1-Distill-Llama-8B (Llama-3.1-8B); ``qwen3-8b``: Qwen3-8B;
 #: ``tiny``: a 2-layer Llama for CPU smoke runs.
@@ -470,6 +469,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                     tok = torch.randint(3, shape["vocab"], (reqs,), device=device)
                     measured = rt.decode_from(cache, tok, outl - 1).stats.decode_s
                 del cache
+                rt.head.release()
             else:
                 prefill_s, g = _prefill_hf(model, method, inp, reqs, int(cfg.prefill_tokens), max_length, device)
                 ms, first = _time_hf(model, method, reqs, contexts, max_length, int(cfg.n0), int(cfg.steps), dtype,
@@ -514,11 +514,6 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    best = max((r["tokens_per_s"] for r in rows if r.get("pass") == "run" and r.get("status") == "ok"
-                and r["method"] in DENSE), default=None)
-    for r in rows:
-        if r.get("pass") == "run" and r.get("status") == "ok" and best:
-            r["vs_best_dense"] = round(r["tokens_per_s"] / best, 3)
     del model, ours
     gc.collect()
     return rows

@@ -23,6 +23,7 @@ KEY = ["suite", "mode", "method", "pass", "params"]
 _TEXT = ["suite", "mode", "method", "op", "impl", "pass", "params", "status", "device", "commit", "torch", "dtype",
          "timestamp", "cmd", "check_vs"]
 LAYER_METHODS = ["dualkv", "flex", "flex_rebuild", "fa2", "pg", "reference", "dualkv_kernel"]
+THROUGHPUT_DENSE = ("hf_sdpa", "hf_static", "dense", "flashinfer")  # "best dense" of the decode suite
 TARGETS = {"floor": 1.25, "flex": 1.2, "fa2": 3.5}  # issue 5: dualkv <= 1.25x floor, >= 1.2x flex, >= 3.5x fa2
 
 
@@ -298,8 +299,9 @@ def _config_key(r) -> tuple:
 
 def markdown_throughput(df) -> str:
     """The ``decode`` tables: per model and ``[input, output]`` every method's end-to-end tokens/s (requests,
-    prefill and decode seconds) beside the paper's A800 number, the ratio to the best dense method of the same
-    run, and the worst sampled step against its HBM floor; then every sampled step; then the validation rows."""
+    prefill and decode seconds) beside the paper's A800 number, the ratio to the best dense method
+    (:data:`THROUGHPUT_DENSE`) measured in the same CSV, and the worst sampled step against its HBM floor; then
+    every sampled step; then the validation rows."""
     df = df[df["suite"] == "decode"]
     if df.empty:
         return ""
@@ -315,7 +317,10 @@ def markdown_throughput(df) -> str:
            "|" + "---|" * 14]
     for key in dict.fromkeys(_config_key(r) for _, r in runs.iterrows()):
         sel = runs[runs.apply(_config_key, axis=1) == key]
+        dense = sel[sel["method"].isin(THROUGHPUT_DENSE) & (sel["status"] == "ok")]["tokens_per_s"]
+        best = dense.astype(float).max() if not dense.empty else None
         for _, r in sel.iterrows():
+            r["vs_best_dense"] = float(r["tokens_per_s"]) / best if best and str(r["status"]) == "ok" else None
             st = steps[(steps["method"] == r["method"]) & (steps.apply(_config_key, axis=1) == key)]
             worst = st["x_floor"].max() if not st.empty else None
             ok = str(r["status"]) == "ok"

@@ -204,6 +204,10 @@ class DistilledHead(EmbeddingKeyHead):
         self.block.to(self.embed.device)
         self.window = int(self.block.arch["window"])
 
+    def prefill(self, cache) -> None:
+        self.block.to(cache.k.device)  # a head restored from an artifact or a state dict starts on the CPU
+        super().prefill(cache)
+
     def qk(self, emb, positions, max_length):
         return self.block(emb, positions, max_length)
 

@@ -225,6 +225,7 @@ class EmbeddingKeyHead(RetrievalHead):
     window = 1
     SINK = 4  # the first tokens (the attention sink) are always kept, on top of num_sink
     PREFILL_TOKENS = 16384  # tokens per chunk of the key-cache prefill
+    REQUEST_STATE = ("keys",)
 
     def __init__(self, config, scale=None):
         super().__init__(config, scale)

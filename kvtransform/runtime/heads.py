@@ -110,6 +110,14 @@ class RetrievalHead:
     def select(self, cache: KVCache, queries: Optional[torch.Tensor]) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Drop the per-request state :meth:`prefill` built (its memory returns to the allocator; the next
+        ``prefill`` rebuilds it)."""
+        for attr in self.REQUEST_STATE:
+            setattr(self, attr, None)
+
+    REQUEST_STATE: tuple = ()  # attributes :meth:`release` drops
+
     def state_dict(self) -> dict:
         """Tensors and values the artifact stores (``head.pt``); none for training-free heads."""
         return {}
@@ -187,6 +195,7 @@ class QuestHead(RetrievalHead):
     newest page always kept). Indices: the pages' valid positions, ``-1`` padding."""
 
     needs_queries = True
+    REQUEST_STATE = ("kmax", "kmin")
 
     def prefill(self, cache):
         """Page min/max keys, one layer at a time (the temporaries are one layer's cache, not all of them)."""
