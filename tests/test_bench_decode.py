@@ -67,12 +67,12 @@ def test_bad_decode_settings_are_refused(override, match):
         compose_jobs("decode", override)
 
 
-def test_unknown_model_shape_is_a_composition_error():
-    from hydra.errors import ConfigCompositionException
-
+def test_model_shapes_by_name():
     from kvtransform.bench import compose_jobs
 
-    with pytest.raises(ConfigCompositionException):
+    assert [str(c.model) for _, c in compose_jobs("decode", ["model=llama-8b,qwen3-8b"], multirun=True)] == \
+        ["llama-8b", "qwen3-8b"]
+    with pytest.raises(ValueError, match="model=llama-70b: choose one of llama-8b, qwen3-8b, tiny"):
         compose_jobs("decode", ["model=llama-70b"])
 
 

@@ -222,12 +222,6 @@ class ThroughputMethod(Enum):
     flashinfer = "flashinfer"  # FlashInfer batch decode (when importable)
 
 
-class ModelShape(Enum):
-    llama_8b = "llama-8b"  # DeepSeek-R1-Distill-Llama-8B (Llama-3.1-8B shape)
-    qwen3_8b = "qwen3-8b"  # Qwen3-8B
-    tiny = "tiny"  # 2-layer Llama for CPU smoke runs
-
-
 @dataclass
 class DecodeBenchConfig:
     """One ``decode`` job: one model shape and one ``[input, output]`` request shape (``-m model=llama-8b,qwen3-8b
@@ -237,7 +231,9 @@ class DecodeBenchConfig:
     Attributes:
         suite: suite name, recorded in the CSV and the reproduce command.
         method: one of :class:`ThroughputMethod`; ``all`` runs every method.
-        model: the model shape (random bf16 weights; speed does not depend on their values).
+        model: the model shape, a key of :data:`kvtransform.bench.decode.MODELS`: ``llama-8b``
+            (DeepSeek-R1-Distill-Llama-8B), ``qwen3-8b`` (Qwen3-8B) or ``tiny`` (CPU smoke); random bf16 weights
+            (speed does not depend on their values).
         input, output: prompt and generated tokens per request.
         budget: SpeContext's B, tokens selected per KV head (``specontext``, ``quest``).
         requests: concurrent requests (0: the largest count whose memory fits, per method).
@@ -256,7 +252,7 @@ class DecodeBenchConfig:
 
     suite: str = "decode"
     method: ThroughputMethod = ThroughputMethod.all
-    model: ModelShape = ModelShape.llama_8b
+    model: str = "llama-8b"
     input: int = 2048
     output: int = 32768
     budget: int = 2048
@@ -362,6 +358,10 @@ def validate_throughput(cfg) -> None:
     if cfg.output < cfg.n0 + cfg.steps + 2:
         raise ValueError(f"output={cfg.output} is shorter than one timed sample (n0 + steps + 2 = "
                          f"{cfg.n0 + cfg.steps + 2} tokens): raise output or lower steps")
+    from .decode import MODELS
+
+    if str(cfg.model) not in MODELS:
+        raise ValueError(f"model={cfg.model}: choose one of {', '.join(MODELS)}")
     _check_device(cfg)
 
 
