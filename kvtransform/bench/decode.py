@@ -203,7 +203,9 @@ def per_request_bytes(method: str, shape: dict, max_length: int, itemsize: int =
         return kv + extra
     if method == "hf_sdpa":  # DynamicCache grows by torch.cat: one layer's old and new copy coexist
         return kv + 2 * kv // L
-    return kv + 8 * max_length  # static caches (hf_static, flashinfer's pages) + ids / masks
+    if method == "hf_static":  # attention with a mask over the static cache expands one layer's K/V to all heads
+        return kv + 8 * max_length + (shape["heads"] // hk) * kv // L
+    return kv + 8 * max_length  # paged caches (flashinfer) + ids
 
 
 def max_requests(method: str, shape: dict, max_length: int, free_bytes: int, reserve_bytes: int,
@@ -279,6 +281,8 @@ def _random_cache(shape, requests, max_length, dtype, device, seed):
 def _time_ours(rt, cache, contexts, n0, steps, device) -> list:
     """ms per decode step at each context: (run of n0 + steps) − (run of n0), both from the same cache state."""
     tok = torch.randint(3, rt.info.vocab_size, (cache.batch,), device=device)
+    cache.cache_seqlens.fill_(contexts[0])
+    rt.decode_from(cache, tok, n0)  # warm-up: kernel compilation / autotuning stays out of the first sample
     out = []
     for ctx in contexts:
         runs = []
@@ -457,6 +461,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
             reqs = int(cfg.requests) or min(max_requests(m, shape, max_length, free, int(cfg.reserve_gb * 2 ** 30),
                                                          itemsize, int(cfg.max_requests)) for m in sized)
             t0 = time.perf_counter()
+            rec["mem_start_gb"] = round(torch.cuda.memory_allocated(device) / 2 ** 30, 2) \
+                if device.type == "cuda" else None
             if method in OURS:
                 rt = ours.runtime(method)
                 prefill_s, g = _prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
@@ -511,6 +517,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
             traceback.print_exc()
             emit(dict(rec, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
         finally:
+            if method in OURS and ours is not None:
+                ours.runtime(method).head.release()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -165,8 +165,8 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 def _scores(q: torch.Tensor, k: torch.Tensor, lens: torch.Tensor, scale: float, sink: int, recent: int):
     """Group-max retrieval log-probabilities ``(batch, H_kv, S_max)`` fp32 (Triton on CUDA, reference on CPU)."""
-    if q.is_cuda:
-        return retrieval_scores_triton(q.contiguous(), k, lens, scale, sink, recent)
+    if q.is_cuda:  # the kernel's dots take one dtype: the key cache's (a bf16 model's head keeps bf16 keys)
+        return retrieval_scores_triton(q.to(k.dtype).contiguous(), k, lens, scale, sink, recent)
     return retrieval_scores_reference(q, k, lens, scale, sink, recent, dtype=torch.float32)
 
 
