@@ -87,9 +87,9 @@ def _sparse_decode_split_kernel(
             valid = nmask
             live = True
         if live:
-            pos = tl.where(valid, pos, 0).to(tl.int64)
+            row_pos = tl.where(valid, pos, 0).to(tl.int64)
             kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(k_base + row_pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 domain
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -97,7 +97,7 @@ def _sparse_decode_split_kernel(
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + row_pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
 
