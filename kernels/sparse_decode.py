@@ -79,27 +79,22 @@ def _sparse_decode_split_kernel(
         if GATHER:
             pos = tl.load(i_base + offs_n, mask=nmask, other=-1)
             valid = nmask & (pos >= 0) & (pos < length)
-            # a block without one valid entry (the -1 tail of a padded selection, e.g. every position of a
-            # dense selection past the row's length) changes nothing: skip its loads and dots
-            live = tl.max(valid.to(tl.int32), axis=0) > 0
         else:
             pos = offs_n
             valid = nmask
-            live = True
-        if live:
-            row_pos = tl.where(valid, pos, 0).to(tl.int64)
-            kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(k_base + row_pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 domain
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + row_pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+        pos = tl.where(valid, pos, 0).to(tl.int64)
+        kv_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
