@@ -461,8 +461,10 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
             reqs = int(cfg.requests) or min(max_requests(m, shape, max_length, free, int(cfg.reserve_gb * 2 ** 30),
                                                          itemsize, int(cfg.max_requests)) for m in sized)
             t0 = time.perf_counter()
-            rec["mem_start_gb"] = round(torch.cuda.memory_allocated(device) / 2 ** 30, 2) \
-                if device.type == "cuda" else None
+            if device.type == "cuda":  # what the previous methods left behind (allocated, and held by the allocator)
+                rec["mem_start_gb"] = round(torch.cuda.memory_allocated(device) / 2 ** 30, 2)
+                rec["mem_reserved_gb"] = round(torch.cuda.memory_reserved(device) / 2 ** 30, 2)
+                rec["mem_free_gb"] = round(free / 2 ** 30, 2)
             if method in OURS:
                 rt = ours.runtime(method)
                 prefill_s, g = _prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
