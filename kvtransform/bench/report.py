@@ -359,6 +359,23 @@ def markdown(df) -> str:
 # --------------------------------------------------------------------------------------------------------------- plot
 
 
+def _grouped_bars(ax, df, methods: list, groups: list, in_group, value: str, tick: str) -> None:
+    """One bar of ``value`` per method in each group (``in_group(df, group)`` selects the group's rows; the last
+    row counts), a black tick at the row's ``tick`` column when it has one; x ticks at the groups."""
+    w = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        for i, g in enumerate(groups):
+            sel = df[(df["method"] == m) & in_group(df, g)]
+            if sel.empty:
+                continue
+            x = i - 0.4 + w * (j + 0.5)
+            ax.bar(x, float(sel.iloc[-1][value]), w, color=f"C{j % 10}", label=m if i == 0 else None)
+            t = _num(sel.iloc[-1].get(tick))
+            if t:
+                ax.hlines(t, x - w / 2, x + w / 2, colors="black", linewidth=1.5)
+    ax.set_xticks(range(len(groups)))
+
+
 def _plot_decode(df, path: str) -> bool:
     """Grouped bars of p50 ms per op for each S (log scale), the HBM floor of each as a black tick."""
     import matplotlib
@@ -372,18 +389,7 @@ def _plot_decode(df, path: str) -> bool:
     seqs = sorted({int(s) for s in df["S"]})
     methods = list(dict.fromkeys(df["method"]))
     fig, ax = plt.subplots(figsize=(min(18, max(6, 0.3 * len(seqs) * len(methods) + 2)), 5))
-    w = 0.8 / len(methods)
-    for j, m in enumerate(methods):
-        for i, s_ in enumerate(seqs):
-            sel = df[(df["method"] == m) & (df["S"] == s_)]
-            if sel.empty:
-                continue
-            x = i - 0.4 + w * (j + 0.5)
-            ax.bar(x, float(sel.iloc[-1]["ms_p50"]), w, color=f"C{j % 10}", label=m if i == 0 else None)
-            fl = _num(sel.iloc[-1].get("floor_ms"))
-            if fl:
-                ax.hlines(fl, x - w / 2, x + w / 2, colors="black", linewidth=1.5)
-    ax.set_xticks(range(len(seqs)))
+    _grouped_bars(ax, df, methods, seqs, lambda d, s_: d["S"] == s_, "ms_p50", "floor_ms")
     ax.set_xticklabels([f"S={s_}" for s_ in seqs])
     ax.set_yscale("log")
     ax.set_ylabel("ms, p50 (log); black = bytes / copy bandwidth")
@@ -410,18 +416,8 @@ def _plot_throughput(df, path: str) -> bool:
     keys = list(dict.fromkeys(_config_key(r) for _, r in runs.iterrows()))
     methods = list(dict.fromkeys(runs["method"]))
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(min(20, 6 + 1.2 * len(keys) * max(1, len(methods)) / 3), 5))
-    w = 0.8 / len(methods)
-    for j, m in enumerate(methods):
-        for i, key in enumerate(keys):
-            sel = runs[(runs["method"] == m) & (runs.apply(_config_key, axis=1) == key)]
-            if sel.empty:
-                continue
-            x = i - 0.4 + w * (j + 0.5)
-            ax.bar(x, float(sel.iloc[-1]["tokens_per_s"]), w, color=f"C{j % 10}", label=m if i == 0 else None)
-            pt = _num(sel.iloc[-1].get("paper_tokens_per_s"))
-            if pt:
-                ax.hlines(pt, x - w / 2, x + w / 2, colors="black", linewidth=1.5)
-    ax.set_xticks(range(len(keys)))
+    _grouped_bars(ax, runs, methods, keys, lambda d, k: d.apply(_config_key, axis=1) == k, "tokens_per_s",
+                  "paper_tokens_per_s")
     ax.set_xticklabels([f"{k[0]}\n[{k[1]}, {k[2]}]" for k in keys], fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s end to end (log); black = paper (A800)")
