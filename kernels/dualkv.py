@@ -259,10 +259,15 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 T, H, GROUP, qk_scale,
                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                EVEN_D: tl.constexpr, PREC: tl.constexpr):
+                PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """One program per (work entry, head unit): ``PACK == 1``: one query head, ``BLOCK_M`` query tokens;
+    ``PACK > 1`` (a power of two >= GROUP): every query head of one KV head (the GQA group, rows ``j * BLOCK_M + i``
+    = head ``j``, token ``i``; rows of heads ``j >= GROUP`` are padding), so K/V blocks are loaded once for the
+    group and the tile has ``PACK * BLOCK_M`` rows."""
     pid = tl.program_id(0)
-    w = pid // H
-    h = pid % H
+    n_units = H // GROUP if PACK > 1 else H
+    w = pid // n_units
+    u = pid % n_units
     seg = tl.load(WSEG + w)
     if seg < 0:
         return
@@ -271,37 +276,50 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     se = tl.load(CU + seg + 1)
     cs = tl.load(KCTX_LO + seg)
     ce = tl.load(KCTX_HI + seg)
-    hk = h // GROUP
     q_start = ss + blk * BLOCK_M
-    offs_m = q_start + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, PACK * BLOCK_M)
+    if PACK > 1:
+        hk = u
+        jh = rows // BLOCK_M
+        offs_m = q_start + rows % BLOCK_M
+        head = hk * GROUP + jh
+        rm = (offs_m < se) & (jh < GROUP)
+    else:
+        hk = u // GROUP
+        offs_m = q_start + rows
+        head = u + rows * 0
+        rm = offs_m < se
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    qm = offs_m[:, None] < se
+    qm = rm[:, None]
     if not EVEN_D:
         qm = qm & (offs_d[None, :] < D)
-    q = tl.load(Q + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qm, other=0.0)
+    q_row = offs_m.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=qm, other=0.0)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m_i = tl.full([PACK * BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([PACK * BLOCK_M], tl.float32)
+    acc = tl.zeros([PACK * BLOCK_M, D_PAD], tl.float32)
     # phase 1: the group prefix (response queries only): whole blocks unmasked, then the tail
     c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
                                cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
                                c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC)
-    # phase 2: own segment: blocks strictly below the diagonal unmasked, then the diagonal block(s)
+    # phase 2: own segment: whole key blocks strictly below the query block unmasked, then the causal rest
+    d_lo = ss + ((q_start - ss) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               ss, q_start, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+                               ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               q_start, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True,
+                               d_lo, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True,
                                True, PREC)
+    l_i = tl.where(rm, l_i, 1.0)
     out = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    tl.store(O + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=qm)
-    tl.store(LSE + h.to(tl.int64) * T + offs_m, lse, mask=offs_m < se)
+    o_row = offs_m.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(O + o_row[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=qm)
+    tl.store(LSE + head.to(tl.int64) * T + offs_m, lse, mask=rm)
 
 
 # ====================================================================================================== backward
@@ -563,8 +581,10 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
             validated here (``kvt::dualkv_attention`` does that) but clamped (:func:`_bounded_layout`): an
             inconsistent layout never makes the kernels touch memory outside q, k, v, out and lse.
         scale: softmax scale.
-        config: optional launch config ``{"fwd": {"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..}}``
-            (any subset of the keys; ``BLOCK_M % BLOCK_N == 0``); the defaults otherwise (tuned on an H200).
+        config: optional launch config ``{"fwd": {"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..,
+            "PACK": ..}}`` (any subset of the keys; ``BLOCK_M`` query tokens per program; ``PACK`` true: one program
+            covers every query head of a KV head, ``next_pow2(H/H_kv) * BLOCK_M`` tile rows); the defaults otherwise
+            (tuned on an H200).
 
     Returns:
         ``(out, lse)``: out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log.
@@ -577,15 +597,16 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
         return out, lse
     cfg = _cfg("fwd", d_pad, q.dtype, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    assert bm % bn == 0
+    group = h // h_kv
+    pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
     cu_seqlens, segment_prefix = _bounded_layout(cu_seqlens, segment_prefix, t)
     kctx_lo, kctx_hi, _, _ = _segment_tables(cu_seqlens, segment_prefix)
     wseg, wblk, w = _work_table(cu_seqlens, bm, t, kctx_hi - kctx_lo, +1)
-    _fwd_kernel[(w * h,)](
+    _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, out, lse, cu_seqlens, kctx_lo, kctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        t, h, h // h_kv, scale * LOG2E,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
+        t, h, group, scale * LOG2E,
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 

@@ -135,10 +135,13 @@ def test_kernels_match_replicated_reference(case):
      "dkdv": dict(BLOCK_M=16, BLOCK_N=32)},
     {"fwd": dict(BLOCK_M=16, BLOCK_N=16), "dq": dict(BLOCK_M=16, BLOCK_N=16),
      "dkdv": dict(BLOCK_M=16, BLOCK_N=16)},
-], ids=["blocks32-16", "blocks16"])
-def test_kernels_other_launch_configs(cfg):
-    layout = DualKVLayout.from_lengths([(17, [15, 1]), (16, [33])])
-    q, k, v = make_inputs(layout, 4, 2, 64, torch.float32)
+    {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True)},
+    {"fwd": dict(BLOCK_M=16, BLOCK_N=16, PACK=True)},
+], ids=["blocks32-16", "blocks16", "gqa-packed-16-32", "gqa-packed-16"])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (3, 3)], ids=["gqa2", "gqa3", "mha"])
+def test_kernels_other_launch_configs(cfg, heads):
+    layout = DualKVLayout.from_lengths([(17, [15, 1]), (16, [33]), (40, [70, 3])])
+    q, k, v = make_inputs(layout, heads[0], heads[1], 64, torch.float32)
     do = torch.randn_like(q)
     qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
     ref_out, ref_lse = replicated_reference(qd, kd, vd, layout, 0.125)
