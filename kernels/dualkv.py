@@ -8,8 +8,9 @@ kernel is CUDA with fp32 atomics in the backward; this one is Triton and bitwise
 
 Kernels (one launch each, covering every group and segment):
 
-* forward ``_fwd_kernel``: one program per (query block, query head), taken from a work table built on the device
-  from ``cu_seqlens`` (heaviest blocks first). Keys are visited in two phases: the group's prefix (a "context" range,
+* forward ``_fwd_kernel``: one program per (query block, query head) (or per query block and KV head with the GQA
+  group packed, config ``PACK``), taken from a work table built on the device from ``cu_seqlens`` (heaviest blocks
+  first; two small planning kernels, no host sync, no sort). Keys are visited in two phases: the group's prefix (a "context" range,
   unmasked except its last block) for response queries, then the query's own segment (unmasked blocks below the
   diagonal, masked diagonal block). Online softmax in fp32 (exp2), output and natural-log LSE.
 * backward: ``_bwd_delta_kernel`` (``Delta = rowsum(dO∘O) - dLSE``), ``_bwd_dq_kernel`` (one program per query block
@@ -146,6 +147,9 @@ def dualkv_attention_reference_backward(grad_out: torch.Tensor, grad_lse: Option
 
 
 # ====================================================================================================== work tables
+# The launchers build these tables with two small Triton kernels (`_plan_layout_kernel`, `_plan_work_kernel`): the
+# torch versions below took ~80 small launches per kernel call (0.15-0.2 ms of GPU time before the forward at
+# P=5059/mb=4 on the H200, BENCHMARKS.md) and are kept as the specification the tests compare them with.
 def _bounded_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int):
     """The layout as the kernels use it: offsets clamped into ``[0, T]`` and made non-decreasing (running max),
     prefix indices clamped into ``[-1, S-1]``; int32, on the device, no host sync. A valid layout is unchanged; for
@@ -207,6 +211,129 @@ def _work_table(cu_seqlens: torch.Tensor, block: int, total_tokens: int, extra: 
     return seg_out, blk_out, w
 
 
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _plan_layout_kernel(CU, SP, CUB, CTX, S, T, SB: tl.constexpr):
+    """One program: the layout as the kernels use it (what :func:`_bounded_layout` and :func:`_segment_tables` compute
+    with ~30 small torch ops): ``CUB`` (S+1) = running max of ``cu_seqlens`` clamped into ``[0, T]``; ``CTX`` (4, S)
+    int32 rows = ``kctx_lo, kctx_hi, qctx_lo, qctx_hi`` (row 3 first holds the group ends, a deterministic integer
+    atomic max)."""
+    carry = 0
+    for c in range(0, S + 1, SB):
+        s = c + tl.arange(0, SB)
+        m = s < S + 1
+        x = tl.minimum(tl.maximum(tl.load(CU + s, mask=m, other=0), 0), T)
+        x = tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
+        tl.store(CUB + s, x, mask=m)
+        tl.store(CTX + 3 * S + s, tl.zeros([SB], tl.int32), mask=s < S)
+        carry = tl.maximum(carry, tl.max(x, 0))
+    tl.debug_barrier()
+    for c in range(0, S, SB):
+        s = c + tl.arange(0, SB)
+        m = s < S
+        sp = tl.minimum(tl.maximum(tl.load(SP + s, mask=m, other=-1), -1), S - 1)
+        owner = tl.where(sp >= 0, sp, s)
+        tl.atomic_max(CTX + 3 * S + owner, tl.load(CUB + s + 1, mask=m, other=0), mask=m)
+    tl.debug_barrier()
+    for c in range(0, S, SB):
+        s = c + tl.arange(0, SB)
+        m = s < S
+        sp = tl.minimum(tl.maximum(tl.load(SP + s, mask=m, other=-1), -1), S - 1)
+        resp = sp >= 0
+        p = tl.maximum(sp, 0)
+        tl.store(CTX + s, tl.where(resp, tl.load(CUB + p, mask=m, other=0), 0), mask=m)
+        tl.store(CTX + S + s, tl.where(resp, tl.load(CUB + p + 1, mask=m, other=0), 0), mask=m)
+        tl.store(CTX + 2 * S + s, tl.where(resp, 0, tl.load(CUB + s + 1, mask=m, other=0)), mask=m)
+        gend = tl.load(CTX + 3 * S + s, mask=m, other=0)
+        tl.store(CTX + 3 * S + s, tl.where(resp, 0, gend), mask=m)
+
+
+@triton.jit
+def _plan_work_kernel(CUB, CTX_LO, CTX_HI, WSEG, WBLK, S, W, BLOCK, SIGN: tl.constexpr, JB: tl.constexpr,
+                      SB: tl.constexpr):
+    """The work table of :func:`_work_table` without a sort: job ``i`` (blocks of every segment in layout order) is
+    written at its rank = jobs of higher cost + jobs of equal cost and lower index, counted per segment in closed
+    form (costs within a segment are an arithmetic sequence). Each program places ``JB`` jobs; unused entries keep
+    their index and get ``seg = -1``."""
+    i = tl.program_id(0) * JB + tl.arange(0, JB)
+    seg = tl.zeros([JB], tl.int32)
+    bstart = tl.zeros([JB], tl.int32)
+    carry = 0
+    for c in range(0, S, SB):
+        s = c + tl.arange(0, SB)
+        m = s < S
+        nb = tl.where(m, (tl.load(CUB + s + 1, mask=m, other=0) - tl.load(CUB + s, mask=m, other=0) + BLOCK - 1)
+                      // BLOCK, 0)
+        incl = carry + tl.cumsum(nb, 0)
+        excl = incl - nb
+        hit = (excl[None, :] <= i[:, None]) & (i[:, None] < incl[None, :])
+        seg += tl.sum(tl.where(hit, s[None, :], 0), 1)
+        bstart += tl.sum(tl.where(hit, excl[None, :], 0), 1)
+        carry += tl.sum(nb, 0)
+    valid = i < carry
+    blk = i - bstart
+    ln = tl.load(CUB + seg + 1, mask=valid, other=0) - tl.load(CUB + seg, mask=valid, other=0)
+    ctx = tl.load(CTX_HI + seg, mask=valid, other=0) - tl.load(CTX_LO + seg, mask=valid, other=0)
+    if SIGN > 0:
+        cost = ctx + (blk + 1) * BLOCK
+    else:
+        cost = ctx + ln - blk * BLOCK
+    rank = tl.zeros([JB], tl.int32)
+    carry = 0
+    for c in range(0, S, SB):
+        s = c + tl.arange(0, SB)
+        m = s < S
+        lo = tl.load(CUB + s, mask=m, other=0)
+        hi = tl.load(CUB + s + 1, mask=m, other=0)
+        nb = tl.where(m, (hi - lo + BLOCK - 1) // BLOCK, 0)
+        excl = carry + tl.cumsum(nb, 0) - nb
+        cx = tl.load(CTX_HI + s, mask=m, other=0) - tl.load(CTX_LO + s, mask=m, other=0)
+        if SIGN > 0:  # cost(b) = cx + (b+1)*BLOCK
+            x = cost[:, None] - cx[None, :]
+            q = tl.where(x > 0, x // BLOCK, 0)
+            gt = nb[None, :] - tl.minimum(q, nb[None, :])
+            beq = q - 1
+            eq = (x > 0) & (x % BLOCK == 0) & (beq < nb[None, :]) & (excl[None, :] + beq < i[:, None])
+        else:  # cost(b) = cx + len - b*BLOCK
+            x = (cx + hi - lo)[None, :] - cost[:, None]
+            q = tl.where(x > 0, x // BLOCK, 0)
+            gt = tl.where(x > 0, tl.minimum((x + BLOCK - 1) // BLOCK, nb[None, :]), 0)
+            eq = (x >= 0) & (x % BLOCK == 0) & (q < nb[None, :]) & (excl[None, :] + q < i[:, None])
+        rank += tl.sum(tl.where(m[None, :], gt + eq.to(tl.int32), 0), 1)
+        carry += tl.sum(nb, 0)
+    rank = tl.where(valid, rank, i)
+    tl.store(WSEG + rank, tl.where(valid, seg, -1), mask=i < W)
+    tl.store(WBLK + rank, tl.where(valid, blk, 0), mask=i < W)
+
+
+def _plan_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int):
+    """``(cu_bounded, ctx)``: :func:`_bounded_layout`'s offsets and :func:`_segment_tables`' four ranges (rows of the
+    int32 ``(4, S)`` ``ctx``), in one launch."""
+    s = segment_prefix.numel()
+    cub = torch.empty(s + 1, dtype=torch.int32, device=cu_seqlens.device)
+    ctx = torch.empty((4, s), dtype=torch.int32, device=cu_seqlens.device)
+    _plan_layout_kernel[(1,)](cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), cub, ctx, s, total_tokens,
+                              SB=min(1024, next_pow2(s + 1, 16)), num_warps=4)
+    return cub, ctx
+
+
+def _plan_work(cub: torch.Tensor, ctx_lo: torch.Tensor, ctx_hi: torch.Tensor, block: int, total_tokens: int,
+               per_block_sign: int):
+    """:func:`_work_table` (same tables) in one launch, from :func:`_plan_layout`'s outputs."""
+    s = ctx_lo.numel()
+    w = triton.cdiv(total_tokens, block) + s
+    wseg = torch.empty(w, dtype=torch.int32, device=cub.device)
+    wblk = torch.empty(w, dtype=torch.int32, device=cub.device)
+    jb = 64
+    _plan_work_kernel[(triton.cdiv(w, jb),)](cub, ctx_lo, ctx_hi, wseg, wblk, s, w, block, SIGN=per_block_sign, JB=jb,
+                                              SB=min(32, next_pow2(s, 16)), num_warps=4)
+    return wseg, wblk, w
+
+
 # ====================================================================================================== forward
 @triton.jit
 def _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D: tl.constexpr,
@@ -259,10 +386,15 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 T, H, GROUP, qk_scale,
                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                EVEN_D: tl.constexpr, PREC: tl.constexpr):
+                PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """One program per (work entry, head unit): ``PACK == 1``: one query head, ``BLOCK_M`` query tokens;
+    ``PACK > 1`` (a power of two >= GROUP): every query head of one KV head (the GQA group, rows ``j * BLOCK_M + i``
+    = head ``j``, token ``i``; rows of heads ``j >= GROUP`` are padding), so K/V blocks are loaded once for the
+    group and the tile has ``PACK * BLOCK_M`` rows."""
     pid = tl.program_id(0)
-    w = pid // H
-    h = pid % H
+    n_units = H // GROUP if PACK > 1 else H
+    w = pid // n_units
+    u = pid % n_units
     seg = tl.load(WSEG + w)
     if seg < 0:
         return
@@ -271,37 +403,50 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     se = tl.load(CU + seg + 1)
     cs = tl.load(KCTX_LO + seg)
     ce = tl.load(KCTX_HI + seg)
-    hk = h // GROUP
     q_start = ss + blk * BLOCK_M
-    offs_m = q_start + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, PACK * BLOCK_M)
+    if PACK > 1:
+        hk = u
+        jh = rows // BLOCK_M
+        offs_m = q_start + rows % BLOCK_M
+        head = hk * GROUP + jh
+        rm = (offs_m < se) & (jh < GROUP)
+    else:
+        hk = u // GROUP
+        offs_m = q_start + rows
+        head = u + rows * 0
+        rm = offs_m < se
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    qm = offs_m[:, None] < se
+    qm = rm[:, None]
     if not EVEN_D:
         qm = qm & (offs_d[None, :] < D)
-    q = tl.load(Q + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qm, other=0.0)
+    q_row = offs_m.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=qm, other=0.0)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m_i = tl.full([PACK * BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([PACK * BLOCK_M], tl.float32)
+    acc = tl.zeros([PACK * BLOCK_M, D_PAD], tl.float32)
     # phase 1: the group prefix (response queries only): whole blocks unmasked, then the tail
     c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
                                cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
                                c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC)
-    # phase 2: own segment: blocks strictly below the diagonal unmasked, then the diagonal block(s)
+    # phase 2: own segment: whole key blocks strictly below the query block unmasked, then the causal rest
+    d_lo = ss + ((q_start - ss) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               ss, q_start, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+                               ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               q_start, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True,
+                               d_lo, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True,
                                True, PREC)
+    l_i = tl.where(rm, l_i, 1.0)
     out = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    tl.store(O + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=qm)
-    tl.store(LSE + h.to(tl.int64) * T + offs_m, lse, mask=offs_m < se)
+    o_row = offs_m.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(O + o_row[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=qm)
+    tl.store(LSE + head.to(tl.int64) * T + offs_m, lse, mask=rm)
 
 
 # ====================================================================================================== backward
@@ -563,8 +708,10 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
             validated here (``kvt::dualkv_attention`` does that) but clamped (:func:`_bounded_layout`): an
             inconsistent layout never makes the kernels touch memory outside q, k, v, out and lse.
         scale: softmax scale.
-        config: optional launch config ``{"fwd": {"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..}}``
-            (any subset of the keys; ``BLOCK_M % BLOCK_N == 0``); the defaults otherwise (tuned on an H200).
+        config: optional launch config ``{"fwd": {"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..,
+            "PACK": ..}}`` (any subset of the keys; ``BLOCK_M`` query tokens per program; ``PACK`` true: one program
+            covers every query head of a KV head, ``next_pow2(H/H_kv) * BLOCK_M`` tile rows); the defaults otherwise
+            (tuned on an H200).
 
     Returns:
         ``(out, lse)``: out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log.
@@ -577,15 +724,15 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
         return out, lse
     cfg = _cfg("fwd", d_pad, q.dtype, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    assert bm % bn == 0
-    cu_seqlens, segment_prefix = _bounded_layout(cu_seqlens, segment_prefix, t)
-    kctx_lo, kctx_hi, _, _ = _segment_tables(cu_seqlens, segment_prefix)
-    wseg, wblk, w = _work_table(cu_seqlens, bm, t, kctx_hi - kctx_lo, +1)
-    _fwd_kernel[(w * h,)](
-        q, k, v, out, lse, cu_seqlens, kctx_lo, kctx_hi, wseg, wblk,
+    group = h // h_kv
+    pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t)
+    wseg, wblk, w = _plan_work(cub, ctx[0], ctx[1], bm, t, +1)
+    _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
+        q, k, v, out, lse, cub, ctx[0], ctx[1], wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        t, h, h // h_kv, scale * LOG2E,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
+        t, h, group, scale * LOG2E,
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
@@ -620,11 +767,10 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
-    cu_seqlens, segment_prefix = _bounded_layout(cu_seqlens, segment_prefix, t)
-    kctx_lo, kctx_hi, qctx_lo, qctx_hi = _segment_tables(cu_seqlens, segment_prefix)
-    _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale,
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t)
+    _launch_dq(q, k, v, do, dq, lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d_pad, prec, scale,
                _cfg("dq", d_pad, q.dtype, config))
-    _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale,
+    _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale,
                  _cfg("dkdv", d_pad, q.dtype, config))
     return dq, dk, dv
 
@@ -632,7 +778,7 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale, cfg):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     assert bm % bn == 0
-    wseg, wblk, w = _work_table(cu_seqlens, bm, t, kctx_hi - kctx_lo, +1)
+    wseg, wblk, w = _plan_work(cu_seqlens, kctx_lo, kctx_hi, bm, t, +1)
     _bwd_dq_kernel[(w * h,)](
         q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
@@ -645,7 +791,7 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
                  cfg):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     assert bn % bm == 0
-    wseg, wblk, w = _work_table(cu_seqlens, bn, t, qctx_hi - qctx_lo, -1)
+    wseg, wblk, w = _plan_work(cu_seqlens, qctx_lo, qctx_hi, bn, t, -1)
     _bwd_dkdv_kernel[(w * h_kv,)](
         q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),

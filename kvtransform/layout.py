@@ -123,6 +123,15 @@ def structure_ok(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_t
             & (is_prefix | (sp == latest_prefix)).all())
 
 
+def _int32_on(values: list, device) -> torch.Tensor:
+    """An int32 tensor of ``values`` on ``device``. For a CUDA device the copy goes through pinned memory without
+    blocking (a pageable host-to-device copy waits for the stream: a per-step layout would stall the GPU queue)."""
+    t = torch.tensor(values, dtype=torch.int32)
+    if device is None or torch.device(device).type != "cuda":
+        return t if device is None else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class DualKVLayout:
     """Packed layout of ``num_groups`` (prefix, responses) groups in one token axis.
@@ -154,8 +163,7 @@ class DualKVLayout:
             ValueError: no groups, a prompt or response of length <= 0, or a non-integer length (a float or a bool).
         """
         cu, sp, prefix_lens, response_lens = _lists_from_lengths(groups)
-        return cls._trusted(torch.tensor(cu, dtype=torch.int32, device=device),
-                            torch.tensor(sp, dtype=torch.int32, device=device), prefix_lens, response_lens)
+        return cls._trusted(_int32_on(cu, device), _int32_on(sp, device), prefix_lens, response_lens)
 
     @classmethod
     def from_tensors(cls, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor) -> "DualKVLayout":

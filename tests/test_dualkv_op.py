@@ -135,10 +135,13 @@ def test_kernels_match_replicated_reference(case):
      "dkdv": dict(BLOCK_M=16, BLOCK_N=32)},
     {"fwd": dict(BLOCK_M=16, BLOCK_N=16), "dq": dict(BLOCK_M=16, BLOCK_N=16),
      "dkdv": dict(BLOCK_M=16, BLOCK_N=16)},
-], ids=["blocks32-16", "blocks16"])
-def test_kernels_other_launch_configs(cfg):
-    layout = DualKVLayout.from_lengths([(17, [15, 1]), (16, [33])])
-    q, k, v = make_inputs(layout, 4, 2, 64, torch.float32)
+    {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True)},
+    {"fwd": dict(BLOCK_M=16, BLOCK_N=16, PACK=True)},
+], ids=["blocks32-16", "blocks16", "gqa-packed-16-32", "gqa-packed-16"])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (3, 3)], ids=["gqa2", "gqa3", "mha"])
+def test_kernels_other_launch_configs(cfg, heads):
+    layout = DualKVLayout.from_lengths([(17, [15, 1]), (16, [33]), (40, [70, 3])])
+    q, k, v = make_inputs(layout, heads[0], heads[1], 64, torch.float32)
     do = torch.randn_like(q)
     qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
     ref_out, ref_lse = replicated_reference(qd, kd, vd, layout, 0.125)
@@ -319,3 +322,34 @@ def test_raw_op_rejects_unsupported_head_dim_on_the_kernel_path(monkeypatch):
         fargs = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
         fo, fl = torch.ops.kvt.dualkv_attention(*fargs)
     assert fo.shape == q.shape and fl.shape == (2, 5)
+
+
+@pytest.mark.parametrize("t, cu, sp", [
+    (None, None, None),  # random valid layouts
+    (18, [0, 8, 16], [-1, 0]), (16, [-5, 8, 99, 3], [-1, 7, -9]), (20, [0, 10, 5, 12], [-1, 0, 0]),
+])
+def test_planning_kernels_match_the_torch_tables(t, cu, sp):
+    """The Triton planning kernels give exactly the torch tables (bounded offsets, context ranges, heaviest-first
+    work order with index tie-break), also for inconsistent layouts and more segments than one chunk."""
+    import random
+    rng = random.Random(0)
+    cases = [(t, cu, sp)]
+    if t is None:
+        cases = []
+        for n_groups in (1, 3, 40):
+            lay = DualKVLayout.from_lengths([(rng.randint(1, 60), [rng.randint(1, 40) for _ in range(rng.randint(0, 5))])
+                                             for _ in range(n_groups)])
+            cases.append((lay.total_tokens, lay.cu_seqlens.tolist(), lay.segment_prefix.tolist()))
+    for t_, cu_, sp_ in cases:
+        cu_t, sp_t = torch.tensor(cu_, dtype=torch.int32), torch.tensor(sp_, dtype=torch.int32)
+        cb, spb = K._bounded_layout(cu_t, sp_t, t_)
+        ref = K._segment_tables(cb, spb)
+        cub, ctx = K._plan_layout(cu_t, sp_t, t_)
+        assert torch.equal(cub, cb)
+        for r in range(4):
+            assert torch.equal(ctx[r], ref[r])
+        for block in (16, 64):
+            for sign, lo, hi in ((+1, 0, 1), (-1, 2, 3)):
+                ws, wb, w = K._work_table(cb, block, t_, ref[hi] - ref[lo], sign)
+                ws2, wb2, w2 = K._plan_work(cub, ctx[lo], ctx[hi], block, t_, sign)
+                assert w == w2 and torch.equal(ws, ws2) and torch.equal(wb[ws >= 0], wb2[ws >= 0])

@@ -223,17 +223,24 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             dtype, H not divisible by H_kv, q/k/v dtypes or shapes that disagree, or tensors on
             different devices. The data checks (offset values) are skipped while tracing (export/compile).
     """
+    check_data = True
     if isinstance(layout, DualKVLayout):
         if segment_prefix is not None:
             raise ValueError("pass segment_prefix only with a cu_seqlens tensor, not with a DualKVLayout")
         if layout.device != q.device:
             layout = layout.to(q.device)
         cu_seqlens, segment_prefix = layout.cu_seqlens, layout.segment_prefix
+        # A DualKVLayout was checked when it was built (its tensors agree with its python lengths), so the values are
+        # checked on the host from those lengths: no device sync (the op's device-side assert still guards them).
+        check_data = False
+        if layout.total_tokens != q.shape[0]:
+            raise ValueError(f"the layout's segments sum to {layout.total_tokens} tokens but q has T={q.shape[0]} "
+                             f"(cu_seqlens must end at T)")
     else:
         cu_seqlens = layout
         if segment_prefix is None:
             raise ValueError("segment_prefix is required when layout is a cu_seqlens tensor")
-    check_inputs(q, k, v, cu_seqlens, segment_prefix, check_data=not is_tracing(q, cu_seqlens))
+    check_inputs(q, k, v, cu_seqlens, segment_prefix, check_data=check_data and not is_tracing(q, cu_seqlens))
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, scale)
     return (out, lse) if return_lse else out
