@@ -216,6 +216,10 @@ class SpeContextConfig(TransformConfig):
                              f"{self.num_sink}, {self.num_recent}, budget {self.budget}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token; got {self.page_size}")
+        for key in ("cuda_graphs", "offload", "compile"):
+            v = getattr(self, key)
+            if not isinstance(v, bool):
+                raise ValueError(f"{key} must be true or false; got {v!r}")
         from kvtransform.runtime.heads import HEADS
 
         if self.head not in HEADS and self.head != "auto":

@@ -159,3 +159,56 @@ def test_decode_suite_smoke_on_cpu(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| tiny | 32 | 24 | dense | 2 |" in md and "Validation" in md
     assert MODELS["tiny"]["layers"] == 2
+
+
+def test_context_beyond_the_models_positions_is_refused_before_running():
+    from kvtransform.bench import compose_jobs
+
+    with pytest.raises(ValueError, match="exceed the 8192 positions of model=tiny"):
+        compose_jobs("decode", ["model=tiny", "input=9000", "output=24"])
+
+
+def test_per_step_retries_noise_and_gives_nan_when_never_slower():
+    from kvtransform.bench.decode import _per_step
+
+    times = iter([1.0, 0.9, 1.0, 1.5])           # first pair: longer run faster (noise), second pair: +0.5 s
+    assert _per_step(lambda n: next(times), 4, 10) == pytest.approx(50.0)
+    assert math.isnan(_per_step(lambda n: 1.0, 4, 10, tries=2))
+
+
+def test_markdown_survives_a_job_without_results():
+    import pandas as pd
+
+    from kvtransform.bench.report import markdown
+
+    df = pd.DataFrame([dict(suite="decode", mode="decode", method="dense", **{"pass": "run"}, model="tiny",
+                            input=9000, output=24, budget=2048, status="skip: too long", device="cpu", commit="x",
+                            torch="2", dtype="bfloat16")])
+    assert "skip: too long" in markdown(df)
+
+
+@pytest.mark.parametrize("key", ["compile", "cuda_graphs", "offload"])
+def test_specontext_switches_must_be_bools(key):
+    with pytest.raises(ValueError, match=f"{key} must be true or false"):
+        kvt.SpeContextConfig(**{key: "false"}).validate()
+
+
+def test_decode_from_refuses_bad_ids_and_foreign_caches():
+    from kvtransform.runtime.cache import KVCache
+
+    model = tiny_model("llama")
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=16, head="recent"), progress=False)
+    rt, info = sp.runtime, sp.info
+    cache = KVCache.allocate(info.num_layers, 2, info.num_kv_heads, 32, info.head_dim, torch.float32, "cpu")
+    cache.cache_seqlens.fill_(4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        rt.decode_from(cache, torch.tensor([5, info.vocab_size]), 2)
+    with pytest.raises(ValueError, match="integer ids"):
+        rt.decode_from(cache, torch.tensor([True, False]), 2)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        rt.decode_from(cache, torch.tensor([5, 6]), 2, pad_token_id=-1)
+    other = KVCache.allocate(info.num_layers + 1, 2, info.num_kv_heads, 32, info.head_dim, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="allocate it with KVCache.allocate for this model"):
+        rt.decode_from(other, torch.tensor([5, 6]), 2)
+    out = rt.decode_from(cache, torch.tensor([5, 6]), torch.tensor(3))
+    assert out.sequences.shape == (2, 3)

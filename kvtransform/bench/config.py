@@ -240,8 +240,9 @@ class DecodeBenchConfig:
         budget: SpeContext's B, tokens selected per KV head (``specontext``, ``quest``).
         requests: concurrent requests (0: the largest count whose memory fits, per method).
         max_requests: cap of the automatic request count.
-        reserve_gb: GiB of device memory left free when sizing the request count (activations, graphs, compile).
-        cpu_memory_gb: the memory the request count is sized for on CPU.
+        reserve_gb: GiB of device memory left free when sizing the request count (activations, graphs, compile;
+            CUDA only).
+        cpu_memory_gb: the memory the request count is sized for on a CPU (all of it).
         samples: context lengths at which decode steps are timed (spread over the run).
         steps: decode steps timed per sample; n0: steps of the reference run subtracted (capture, warm-up).
         prefill_tokens: prompt tokens per timed prefill (``ceil(prefill_tokens / input)`` requests, scaled).
@@ -346,7 +347,8 @@ def validate_throughput(cfg) -> None:
         ValueError: one line naming the setting, its value and the fix: ``input``, ``output``, ``budget``,
             ``samples``, ``steps``, ``max_requests``, ``prefill_tokens`` below 1, negative ``requests``/``n0``/
             ``reserve_gb``, ``output`` too short for one timed sample (``n0 + steps + 2``), ``n0 < 2`` (the
-            reference run must include the CUDA-graph capture), an unparsable ``device``.
+            reference run must include the CUDA-graph capture), an unknown ``model``, ``input + output`` beyond the
+            model's positions, an unparsable ``device``.
     """
     _at_least(cfg, {"input": "the prompt tokens per request", "output": "the generated tokens per request",
                     "budget": "the selected tokens per KV head", "samples": "the number of sampled contexts",
@@ -364,6 +366,10 @@ def validate_throughput(cfg) -> None:
 
     if str(cfg.model) not in MODELS:
         raise ValueError(f"model={cfg.model}: choose one of {', '.join(MODELS)}")
+    positions = MODELS[str(cfg.model)]["positions"]
+    if cfg.input + cfg.output > positions:
+        raise ValueError(f"input + output = {cfg.input + cfg.output} tokens exceed the {positions} positions of "
+                         f"model={cfg.model}: shorten input or output")
     _check_device(cfg)
 
 

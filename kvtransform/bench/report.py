@@ -312,14 +312,26 @@ def _config_key(r) -> tuple:
     return (str(r["model"]), int(r["input"]), int(r["output"]))
 
 
+def _in_config(df, key: tuple):
+    """Boolean mask of ``df``'s rows of the ``(model, input, output)`` configuration ``key``."""
+    import pandas as pd
+
+    return pd.Series([_config_key(r) == key for _, r in df.iterrows()], index=df.index, dtype=bool)
+
+
 def markdown_throughput(df) -> str:
     """The ``decode`` tables: per model and ``[input, output]`` every method's end-to-end tokens/s (requests,
     prefill and decode seconds) beside the paper's A800 number, the ratio to the best dense method
     (:data:`THROUGHPUT_DENSE`) measured in the same CSV, and the worst sampled step against its HBM floor; then
     every sampled step; then the validation rows."""
-    df = df[df["suite"] == "decode"]
+    df = df[df["suite"] == "decode"].copy()
     if df.empty:
         return ""
+    for col in ("requests", "tokens_per_s", "prefill_s", "decode_s", "ms_per_step_mean", "paper_tokens_per_s",
+                "paper_requests", "context", "ms_p50", "floor_ms", "x_floor", "bytes_gb", "gbps", "copy_gbps",
+                "estimate_s", "rel_err"):
+        if col not in df.columns:  # a job whose every method was skipped or failed has none of these
+            df[col] = None
     first = df.iloc[0]
     runs, steps, val = (df[df["pass"] == p] for p in ("run", "step", "validate"))
     bw = _num(steps["copy_gbps"].dropna().iloc[0]) if "copy_gbps" in steps and steps["copy_gbps"].notna().any() else None
@@ -331,12 +343,12 @@ def markdown_throughput(df) -> str:
            "paper tokens/s (requests) | vs paper | mean ms/step | worst step / floor | status |",
            "|" + "---|" * 14]
     for key in dict.fromkeys(_config_key(r) for _, r in runs.iterrows()):
-        sel = runs[runs.apply(_config_key, axis=1) == key]
+        sel = runs[_in_config(runs, key)]
         dense = sel[sel["method"].isin(THROUGHPUT_DENSE) & (sel["status"] == "ok")]["tokens_per_s"]
         best = dense.astype(float).max() if not dense.empty else None
         for _, r in sel.iterrows():
             r["vs_best_dense"] = float(r["tokens_per_s"]) / best if best and str(r["status"]) == "ok" else None
-            st = steps[(steps["method"] == r["method"]) & (steps.apply(_config_key, axis=1) == key)]
+            st = steps[(steps["method"] == r["method"]) & _in_config(steps, key)]
             worst = st["x_floor"].max() if not st.empty else None
             ok = str(r["status"]) == "ok"
             paper = (f"{_fmt(r.get('paper_tokens_per_s'), 1)} ({int(r['paper_requests'])})"
@@ -426,12 +438,12 @@ def _plot_throughput(df, path: str) -> bool:
 
     runs = df[(df["pass"] == "run") & (df["status"] == "ok")]
     steps = df[(df["pass"] == "step") & (df["status"] == "ok")]
-    if runs.empty:
+    if runs.empty or "tokens_per_s" not in runs.columns:
         return False
     keys = list(dict.fromkeys(_config_key(r) for _, r in runs.iterrows()))
     methods = list(dict.fromkeys(runs["method"]))
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(min(20, 6 + 1.2 * len(keys) * max(1, len(methods)) / 3), 5))
-    _grouped_bars(ax, runs, methods, keys, lambda d, k: d.apply(_config_key, axis=1) == k, "tokens_per_s",
+    _grouped_bars(ax, runs, methods, keys, _in_config, "tokens_per_s",
                   "paper_tokens_per_s")
     ax.set_xticklabels([f"{k[0]}\n[{k[1]}, {k[2]}]" for k in keys], fontsize=7)
     ax.set_yscale("log")
@@ -439,7 +451,7 @@ def _plot_throughput(df, path: str) -> bool:
     ax.legend(fontsize=7)
     for j, m in enumerate(methods):
         for i, key in enumerate(keys):
-            sel = steps[(steps["method"] == m) & (steps.apply(_config_key, axis=1) == key)]
+            sel = steps[(steps["method"] == m) & _in_config(steps, key)]
             if sel.empty:
                 continue
             ax2.plot(sel["context"], sel["ms_p50"], "o-", color=f"C{j % 10}", label=m if i == 0 else None,

@@ -382,33 +382,57 @@ class SpeContextRuntime:
 
     @torch.no_grad()
     def decode_from(self, cache: KVCache, tokens: torch.Tensor, max_new_tokens: int, *,
-                    eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: int = 0,
+                    eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: Optional[int] = None,
                     progress: bool = False) -> GenerateOutput:
         """Greedy decoding continued from a cache that already holds every row's context: ``tokens`` ``(batch,)``
         int64 are the next inputs (not yet in the cache), ``max_new_tokens`` decode steps follow (the head's
         :meth:`~.heads.RetrievalHead.prefill` runs first). What ``generate`` does after its prefill; the decode
         benchmark times decode steps at chosen context lengths with it (``kvtransform bench decode``).
 
+        Rows that reach an EOS of ``eos_token_id`` get ``pad_token_id`` (default: the model's pad id, else the first
+        EOS, else 0) after it; decoding stops when every row has finished, checked every 8 steps (as ``generate``),
+        so up to 7 pad steps may follow the last EOS: they are in ``sequences`` and in the cache
+        (``cache.cache_seqlens`` advances by ``stats.decode_steps``).
+
         Returns:
             :class:`GenerateOutput` whose ``sequences`` are the ``(batch, steps)`` generated ids (no prompt) and
             whose ``stats`` have the decode fields (``decode_s``, ``decode_steps``, ``ms_per_step``, overlap).
 
         Raises:
-            ValueError: ``tokens`` not ``(cache.batch,)`` integers, ``max_new_tokens < 1``, or a row whose
-                context plus ``max_new_tokens`` does not fit ``cache.max_length``.
+            ValueError: ``tokens`` not ``(cache.batch,)`` integer ids inside the vocabulary, a cache of another
+                model's shape or with a negative length, ``max_new_tokens < 1``, a row whose context plus
+                ``max_new_tokens`` does not fit ``cache.max_length``, an EOS or pad id outside the vocabulary.
         """
+        info = self.info
         if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != (cache.batch,) or \
-                tokens.dtype.is_floating_point:
+                tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must be integer ids of shape ({cache.batch},), one per cache row; got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= info.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {info.vocab_size})")
+        max_new_tokens = int(max_new_tokens) if isinstance(max_new_tokens, torch.Tensor) and \
+            max_new_tokens.dim() == 0 and not max_new_tokens.dtype.is_floating_point else max_new_tokens
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        want = (info.num_layers, cache.batch, info.num_kv_heads, cache.max_length, info.head_dim)
+        if tuple(cache.k.shape) != want or tuple(cache.v.shape) != want:
+            raise ValueError(f"the cache is (layers, batch, H_kv, max_length, head_dim) = {tuple(cache.k.shape)} but "
+                             f"this model needs ({info.num_layers}, batch, {info.num_kv_heads}, max_length, "
+                             f"{info.head_dim}): allocate it with KVCache.allocate for this model")
+        if int(cache.cache_seqlens.min()) < 0:
+            raise ValueError("cache_seqlens has a negative entry: every row holds >= 0 tokens")
         longest = int(cache.cache_seqlens.max())
         if longest + max_new_tokens > cache.max_length:
             raise ValueError(f"a row holds {longest} tokens; {max_new_tokens} more do not fit the cache of "
                              f"{cache.max_length}: allocate a longer cache or decode fewer steps")
         device = cache.k.device
-        eos = _as_eos(eos_token_id, self.info.vocab_size)
+        eos = _as_eos(eos_token_id, info.vocab_size)
+        if pad_token_id is None:
+            pad_token_id = info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0)
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or \
+                not 0 <= pad_token_id < info.vocab_size:
+            raise ValueError(f"pad_token_id must be an id in [0, {info.vocab_size}) or None; got {pad_token_id!r}")
         eos_t = torch.tensor(eos or [-1], device=device)
         stats = GenerationStats(batch=cache.batch, head=self.head.name, budget=self.head.budget,
                                 kv_bytes=cache.nbytes, cache_max_length=cache.max_length)
@@ -419,7 +443,7 @@ class SpeContextRuntime:
         t0 = time.perf_counter()
         out, produced = self._decode_loop(cache, tokens.to(device=device, dtype=torch.long), running,
                                           max_new_tokens, lambda logits: logits.argmax(dim=-1), eos_t,
-                                          int(pad_token_id), None, stats, progress)
+                                          pad_token_id, None, stats, progress)
         sync()
         stats.decode_s = time.perf_counter() - t0
         stats.new_tokens = int(produced)
