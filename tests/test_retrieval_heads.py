@@ -13,6 +13,8 @@ from kvtransform.eval_sparse import DocumentTeacher, Trace, keep_mask, recall_pe
 from kvtransform.models import tiny_model
 from kvtransform.runtime.distilled import DistilledBlock, fingerprint, load_head_dir, save_head_dir
 from kvtransform.runtime.eagle3 import load_eagle3
+from kvtransform.runtime.embedding_heads import copy_sources
+from kvtransform.runtime.cache import KVCache
 from kvtransform.runtime.heads import make_head
 
 
@@ -87,6 +89,46 @@ def test_training_lowers_the_loss():
             opt.step()
             hist.append((loss.item(), cap.item()))
         assert hist[-1][0] < 0.5 * hist[0][0] and hist[-1][1] > hist[0][1] + 0.2, (kind, hist[0], hist[-1])
+
+
+def test_teacher_aggregates():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (48,), generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor([20, 33, 47])
+    mean, mx = teacher_targets(model, ids, pos, "mean"), teacher_targets(model, ids, pos, "max")
+    assert torch.allclose(mx.sum(-1), torch.ones(2, 3), atol=1e-5) and (mx[:, torch.arange(3), pos] == 0).all()
+    # the max over layers of the per-layer group-max attention, renormalised, from the model's own probabilities
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        att = model(input_ids=ids[None], output_attentions=True, use_cache=False).attentions  # L x (1, H, T, T)
+    gm = torch.stack([a[0, :, pos].unflatten(0, (2, -1)).amax(1) for a in att])              # (L, H_kv, P, T)
+    gm = gm.masked_fill(torch.arange(48)[None, None, None] >= pos[None, None, :, None], 0)
+    for agg, got in (("max", mx), ("mean", mean)):
+        ref = gm.amax(0) if agg == "max" else gm.mean(0)
+        assert torch.allclose(got, ref / ref.sum(-1, keepdim=True), atol=1e-4), agg
+    with pytest.raises(ValueError, match="teacher must be one of"):
+        teacher_targets(model, ids, pos, "median")
+
+
+def test_copy_sources_and_the_distilled_selection():
+    ids = torch.tensor([[5, 7, 8, 5, 9, 3, 5], [1, 2, 3, 4, 5, 6, 2]])
+    want = torch.tensor([[1, 1, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0, 1]], dtype=torch.float32)
+    assert torch.equal(copy_sources(ids, torch.tensor([5, 2])), want)
+    # the head keeps the earlier occurrence of the current token and its successor (the copy source)
+    model = tiny_model("llama")
+    ids = torch.randint(10, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    ids[0, 12], ids[0, 39] = 7, 7                                                  # 7 at 12, decoded again at 39
+    L, c = model.config.num_hidden_layers, model.config
+    k = torch.randn(L, 1, c.num_key_value_heads, 40, c.head_dim)
+    cache = KVCache(k, k.clone(), torch.tensor([39], dtype=torch.int32), ids.clone())
+    head = make_head("distilled", kvt.SpeContextConfig(head="distilled", budget=8), None)
+    head.block, head.embed, head.window = _block(model), model.model.embed_tokens.weight.detach(), 4
+    head.prefill(cache)
+    cache.set_current(ids[:, 39])
+    sel = head.step(cache, None)[0]
+    assert head.COPY_BONUS > 0 and all(((sel == j).any(-1)).all() for j in (12, 13))
+    head.COPY_BONUS = 0.0
+    assert not all(((head.step(cache, None)[0] == j).any(-1)).all() for j in (12, 13))
 
 
 def test_foreign_head_is_refused(tmp_path):
@@ -183,6 +225,7 @@ def test_distilled_head_in_the_runtime_and_its_artifact(tmp_path):
     (["eval-sparse", "head=nope", "out=OUT"], "unknown retrieval head 'nope'"),
     (["eval-sparse", "prefix=1", "out=OUT"], "prefix must be an integer >= 2"),
     (["distill-retrieval-head", "loss=foo", "out=OUT"], "loss must be 'attn' or 'kl'"),
+    (["distill-retrieval-head", "teacher=median", "out=OUT"], "teacher must be one of"),
     (["distill-retrieval-head", "steps=0", "out=OUT"], "steps must be an integer >= 1"),
     (["distill-retrieval-head", "lr=-1", "out=OUT"], "lr must be a finite number > 0"),
     (["distill-retrieval-head", "weight_decay=nan", "out=OUT"], "weight_decay must be a finite number >= 0"),

@@ -176,9 +176,18 @@ class DistilledHead(EmbeddingKeyHead):
     ``kvtransform distill-retrieval-head``. The artifact stores the block's weights (``head.pt``), never the
     embedding.
 
+    Copy rule (:attr:`COPY_BONUS`): the earlier occurrences of the current token and the token after each
+    (:func:`~.embedding_heads.copy_sources`, what the target's induction heads read when it continues a repeated
+    span) get ``COPY_BONUS`` added to their scores. The block alone ranks them poorly: on SmolLM2-135M the NLL
+    increase of the head concentrates on copied tokens (the 10 worst of 128 steps make 97 % of it), whose source
+    the deep layers 20-24 attend to and the trained block misses. Measured (budget 1024, 3 unseen documents,
+    128-token continuations): NLL increase +0.113 → +0.020 nats/token, recall unchanged (0.912 → 0.913).
+
     Raises (at ``bind``):
         ValueError: no packaged head for this model, or a head trained for another model.
     """
+
+    COPY_BONUS = 20.0
 
     def __init__(self, config, scale=None):
         super().__init__(config, scale)

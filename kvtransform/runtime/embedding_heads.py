@@ -26,7 +26,8 @@ from kvtransform.kernels.retrieval import select_topk
 
 from .heads import RetrievalHead, _scores, register_head
 
-__all__ = ["find_param", "rope", "yarn_inv_freq", "rms_norm", "current_tokens", "SelfHead", "EmbeddingKeyHead"]
+__all__ = ["find_param", "rope", "yarn_inv_freq", "rms_norm", "current_tokens", "copy_sources", "SelfHead",
+           "EmbeddingKeyHead"]
 
 
 def find_param(module, suffix: str) -> torch.Tensor:
@@ -102,6 +103,21 @@ def current_tokens(cache) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("this retrieval head needs the cache's token_ids (KVCache.allocate makes them)")
     pos = cache.cache_seqlens.long().clamp(max=cache.max_length - 1)
     return cache.token_ids.gather(1, pos[:, None])[:, 0], pos
+
+
+def copy_sources(token_ids: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """The positions a copy (induction) step reads: every earlier occurrence ``i`` of the current token and the
+    token after it, ``i + 1`` (what an induction head attends to when the model continues a repeated span).
+
+    Args:
+        token_ids: int64 ``(batch, S)`` the row's ids; tok: int64 ``(batch,)`` the token being decoded.
+
+    Returns:
+        fp32 ``(batch, S)``: 1 at ``i`` and ``i + 1`` for every ``i`` with ``token_ids[b, i] == tok[b]``, else 0
+        (the current position itself is among them; callers mask positions ``>= cache_seqlens``).
+    """
+    eq = (token_ids == tok[:, None]).float()
+    return torch.maximum(eq, torch.nn.functional.pad(eq[:, :-1], (1, 0)))
 
 
 def _model_config(model):
@@ -226,6 +242,8 @@ class EmbeddingKeyHead(RetrievalHead):
     SINK = 4  # the first tokens (the attention sink) are always kept, on top of num_sink
     PREFILL_TOKENS = 16384  # tokens per chunk of the key-cache prefill
     REQUEST_STATE = ("keys",)
+    COPY_BONUS = 0.0  # added to the scores of copy_sources (earlier occurrences of the current token and their
+    # successors); 0: off
 
     def __init__(self, config, scale=None):
         super().__init__(config, scale)
@@ -271,6 +289,8 @@ class EmbeddingKeyHead(RetrievalHead):
         self.keys[rows, :, pos] = k[:, 0].to(self.keys.dtype)
         scale = self.scale_override() or q.shape[-1] ** -0.5
         s = _scores(q[:, 0], self.keys, cache.cache_seqlens, scale, max(self.num_sink, self.SINK), self.num_recent)
+        if self.COPY_BONUS:  # a class constant: no data-dependent branch
+            s = s + self.COPY_BONUS * copy_sources(cache.token_ids, tok)[:, None, :].to(s.dtype)
         return select_topk(s, self.budget)
 
     def scale_override(self) -> Optional[float]:
