@@ -242,3 +242,14 @@ def test_cli_bad_input(tmp_path, capsys, args, msg):
     err = capsys.readouterr().err
     assert msg in err and err.count("error:") == 1 and "Traceback" not in err
     assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+def test_copy_sources_cap_and_lengths():
+    from kvtransform.runtime.embedding_heads import copy_sources
+
+    ids = torch.tensor([[5, 1, 2, 5, 1, 2, 3, 5, 1, 5]])
+    full = copy_sources(ids, torch.tensor([5]))
+    assert full[0].tolist() == [1, 1, 0, 1, 1, 0, 0, 1, 1, 1]
+    # positions >= 9 are not cached: the occurrence at 9 does not count; the 2 most recent kept are 3 and 7
+    capped = copy_sources(ids, torch.tensor([5]), lengths=torch.tensor([9]), max_occurrences=2)
+    assert capped[0].tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1, 0]
