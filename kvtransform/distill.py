@@ -88,7 +88,7 @@ TEACHERS = {"mean": "mean over layers of per-KV-head group-max attention",
 
 
 @torch.no_grad()
-def teacher_targets(model, ids: torch.Tensor, positions: torch.Tensor, aggregate: str = "mean") -> torch.Tensor:
+def teacher_targets(model, ids: torch.Tensor, positions: torch.Tensor, aggregate: str = "max") -> torch.Tensor:
     """The per-KV-head group-max attention over ``[0, t)`` aggregated over layers (``aggregate``: ``mean`` or
     ``max``, :data:`TEACHERS`), renormalised.
 
@@ -245,7 +245,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     step, hist = 0, []
     ckpt = out / "checkpoint.pt"
     train_key = {k: getattr(cfg, k) for k in ("loss", "budget_fraction", "temperature", "steps", "lr", "window",
-                                                "dim", "seed")}
+                                                "dim", "seed", "teacher")}  # another teacher: train from scratch
     if ckpt.is_file():
         st = torch.load(ckpt, weights_only=False)
         if st.get("key") == train_key:

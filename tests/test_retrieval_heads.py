@@ -125,6 +125,13 @@ def test_copy_sources_and_the_distilled_selection():
     head.block, head.embed, head.window = _block(model), model.model.embed_tokens.weight.detach(), 4
     head.prefill(cache)
     cache.set_current(ids[:, 39])
+    # the most recent RECENT tokens are always kept: with budget 24 they are in the selection, with the copy source
+    assert head.RECENT == 16
+    head.budget = 24
+    sel = head.step(cache, None)[0]
+    assert all(((sel == j).any(-1)).all() for j in range(39 - 16, 39))
+    assert all(((sel == j).any(-1)).all() for j in (12, 13))
+    head.budget, head.RECENT = 8, 0   # the copy rule alone, at a budget of 8
     sel = head.step(cache, None)[0]
     assert head.COPY_BONUS > 0 and all(((sel == j).any(-1)).all() for j in (12, 13))
     head.COPY_BONUS = 0.0

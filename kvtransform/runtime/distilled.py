@@ -188,6 +188,9 @@ class DistilledHead(EmbeddingKeyHead):
     """
 
     COPY_BONUS = 20.0
+    # the line being written is always kept: copy positions (+20) would otherwise push it out when the current token
+    # is frequent and the budget small ("x = 1\n" * 30 at budget 64: 60 copy positions + 4 sinks filled it)
+    RECENT = 16
 
     def __init__(self, config, scale=None):
         super().__init__(config, scale)

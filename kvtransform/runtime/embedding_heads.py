@@ -258,6 +258,7 @@ class EmbeddingKeyHead(RetrievalHead):
     # NLL increase from +0.020 to +0.062 (argparse.py: +0.005 -> +0.130; the copy source was further back), measured
     # with `kvtransform eval-sparse` on the 3 evaluation documents, 128-token continuations, budget 1024
     COPY_MAX_OCCURRENCES = 0
+    RECENT = 0  # the most recent tokens always kept, on top of num_recent
 
     def __init__(self, config, scale=None):
         super().__init__(config, scale)
@@ -302,7 +303,8 @@ class EmbeddingKeyHead(RetrievalHead):
         rows = torch.arange(cache.batch, device=pos.device)
         self.keys[rows, :, pos] = k[:, 0].to(self.keys.dtype)
         scale = self.scale_override() or q.shape[-1] ** -0.5
-        s = _scores(q[:, 0], self.keys, cache.cache_seqlens, scale, max(self.num_sink, self.SINK), self.num_recent)
+        s = _scores(q[:, 0], self.keys, cache.cache_seqlens, scale, max(self.num_sink, self.SINK),
+                    max(self.num_recent, self.RECENT))
         if self.COPY_BONUS:  # a class constant: no data-dependent branch
             src = copy_sources(cache.token_ids, tok, cache.cache_seqlens, self.COPY_MAX_OCCURRENCES)
             s = s + self.COPY_BONUS * src[:, None, :].to(s.dtype)
