@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import sys
 import time
 
 import torch
 
 import kvtransform as kvt
+from kvtransform.bench.decode import copy_bandwidth, weight_bytes as step_weight_bytes
 from kvtransform.bench.report import save_rows
 from kvtransform.runtime.cache import KVCache
 from kvtransform.runtime.generate import _GraphStep
@@ -168,22 +168,6 @@ def time_hf(model, batch, ctx, steps) -> float:
     return 1000 * (long - short) / steps
 
 
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s (read + write of a 4 GiB buffer, best of 5)."""
-    a = torch.empty(1 << 31, dtype=torch.int16, device=DEV)
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(6):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    n = 2 * a.numel() * a.element_size()
-    del a, b
-    return n / best
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller shapes (a fast smoke of the script itself)")
@@ -218,10 +202,8 @@ def main():
     log(f"  elapsed {time.perf_counter() - t_start:.0f} s")
 
     log("[3] decode ms/step vs HBM floor")
-    bw = copy_bandwidth()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.config.tie_word_embeddings:
-        weight_bytes -= model.model.embed_tokens.weight.numel() * 2  # the step reads one embedding row per token
+    bw = copy_bandwidth(DEV)
+    weight_bytes = step_weight_bytes(model)  # every weight but the input embedding (one row per token)
     info = sp.info
     dense = with_head(sp, "dense")
     rows = []

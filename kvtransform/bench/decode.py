@@ -228,7 +228,6 @@ class _Ours:
         import kvtransform as kvt
         from kvtransform.transforms.specontext import SpeContextModule
 
-        self.cfg = cfg
         base = kvt.SpeContextConfig(head="quest", budget=int(cfg.budget), cuda_graphs=bool(cfg.cuda_graphs),
                                     compile=bool(cfg.compile))
         self.sp = kvt.transform(model, base, progress=False)
@@ -307,19 +306,25 @@ def _per_step(run: Callable, n0: int, steps: int, tries: int = 3) -> float:
     return float("nan")
 
 
-def _prefill_ours(rt, input_len, requests, prefill_tokens, vocab, device) -> tuple:
-    """(seconds to prefill all ``requests``, requests per timed prefill): ``g`` prompts packed per prefill, timed
-    after one warm-up, scaled by ``requests / g``."""
+def _timed_prefill(prefill: Callable, input_len: int, requests: int, prefill_tokens: int, device) -> tuple:
+    """(seconds to prefill all ``requests``, requests per timed prefill): ``prefill(g)`` runs ``g`` prompts of
+    ``input_len`` tokens (``g = prefill_tokens // input_len``, 1 to ``requests``); the second of two calls is timed
+    (the first warms up) and scaled by ``requests / g``."""
     g = max(1, min(requests, prefill_tokens // input_len))
-    rows = [torch.randint(3, vocab, (input_len,)) for _ in range(g)]
-    rt.prefill(rows, input_len, device)  # warm-up
-    sync(device)
-    t0 = time.perf_counter()
-    cache, _ = rt.prefill(rows, input_len, device)
-    sync(device)
-    dt = time.perf_counter() - t0
-    del cache
-    return dt * requests / g, g
+    for _ in range(2):
+        sync(device)
+        t0 = time.perf_counter()
+        prefill(g)
+        sync(device)
+    return (time.perf_counter() - t0) * requests / g, g
+
+
+def _prefill_ours(rt, input_len, requests, prefill_tokens, vocab, device) -> tuple:
+    """:func:`_timed_prefill` of the runtime's packed prefill (the cache it builds is dropped)."""
+    def prefill(g):
+        rt.prefill([torch.randint(3, vocab, (input_len,)) for _ in range(g)], input_len, device)
+
+    return _timed_prefill(prefill, input_len, requests, prefill_tokens, device)
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face
@@ -352,9 +357,19 @@ def _hf_cache(model, method, requests, ctx, max_length, dtype, device, seed):
     return cache
 
 
-def _hf_generate(model, cache, ids, n):
+def _hf_seconds(model, method, ids, ctx, n, max_length, dtype, device, seed) -> float:
+    """Seconds of ``generate`` producing ``n`` tokens per row of ``ids`` ``(requests, ctx + 1)`` from a cache
+    pre-filled with ``ctx`` random tokens (the cache is built outside the timed part)."""
+    cache = _hf_cache(model, method, ids.shape[0], ctx, max_length, dtype, device, seed)
+    sync(device)
+    t0 = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
                    min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    sync(device)
+    dt = time.perf_counter() - t0
+    del cache
+    gc.collect()
+    return dt
 
 
 def _time_hf(model, method, requests, contexts, max_length, n0, steps, dtype, device, seed) -> tuple:
@@ -366,15 +381,7 @@ def _time_hf(model, method, requests, contexts, max_length, n0, steps, dtype, de
         ids = torch.randint(3, vocab, (requests, ctx + 1), device=device)
 
         def run(n, ctx=ctx, ids=ids):
-            cache = _hf_cache(model, method, requests, ctx, max_length, dtype, device, seed)
-            sync(device)
-            t0 = time.perf_counter()
-            _hf_generate(model, cache, ids, n)
-            sync(device)
-            dt = time.perf_counter() - t0
-            del cache
-            gc.collect()
-            return dt
+            return _hf_seconds(model, method, ids, ctx, n, max_length, dtype, device, seed)
 
         if first is None:
             first = run(n0)  # warm-up (HF compiles a static-cache decode step here)
@@ -384,21 +391,16 @@ def _time_hf(model, method, requests, contexts, max_length, n0, steps, dtype, de
 
 
 def _prefill_hf(model, method, input_len, requests, prefill_tokens, max_length, device) -> tuple:
+    """:func:`_timed_prefill` of the model's forward into a fresh DynamicCache / StaticCache, last logits only."""
     from transformers import DynamicCache, StaticCache
 
-    g = max(1, min(requests, prefill_tokens // input_len))
-    ids = torch.randint(3, model.config.vocab_size, (g, input_len), device=device)
-    times = []
-    for _ in range(2):
+    def prefill(g):
+        ids = torch.randint(3, model.config.vocab_size, (g, input_len), device=device)
         cache = DynamicCache() if method == "hf_sdpa" else StaticCache(config=model.config, max_cache_len=max_length)
-        sync(device)
-        t0 = time.perf_counter()
         with torch.no_grad():
             model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        del cache
-    return times[-1] * requests / g, g
+
+    return _timed_prefill(prefill, input_len, requests, prefill_tokens, device)
 
 
 # ------------------------------------------------------------------------------------------------------ the job
@@ -502,13 +504,9 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                 note, head_isz = f"first generate call {first:.1f} s (warm-up{', compile' if method == 'hf_static' else ''})", itemsize
                 if cfg.validate:
                     ids = torch.randint(3, shape["vocab"], (reqs, inp + 1), device=device)
-                    cache = _hf_cache(model, method, reqs, inp, max_length, dtype, device, cfg.seed)
-                    sync(device)
-                    tv = time.perf_counter()
-                    _hf_generate(model, cache, ids, outl)
-                    sync(device)
-                    measured = (time.perf_counter() - tv) * (outl - 1) / outl  # generate ran outl steps
-                    del cache, ids
+                    measured = _hf_seconds(model, method, ids, inp, outl, max_length, dtype, device, cfg.seed) \
+                        * (outl - 1) / outl  # generate ran outl steps
+                    del ids
             good = [(c, m) for c, m in zip(contexts, ms) if m == m]
             if not good:
                 raise RuntimeError("every sampled step was noisy (the longer run never slower): raise steps")

@@ -112,7 +112,8 @@ def copy_sources(token_ids: torch.Tensor, tok: torch.Tensor, lengths: Optional[t
 
     Args:
         token_ids: int64 ``(batch, S)`` the row's ids; tok: int64 ``(batch,)`` the token being decoded.
-        lengths: ``(batch,)`` valid positions per row (occurrences at ``>= lengths[b]`` are ignored); None: all.
+        lengths: ``(batch,)`` valid positions per row: occurrences at ``>= lengths[b]`` do not count towards
+            ``max_occurrences`` (without a cap they are marked, and the caller's mask drops them); None: all.
         max_occurrences: keep only the most recent this many occurrences (0: all). A frequent current token (a
             newline in 32K tokens of code) would otherwise mark thousands of positions and crowd the budget.
 
@@ -121,9 +122,9 @@ def copy_sources(token_ids: torch.Tensor, tok: torch.Tensor, lengths: Optional[t
         (the current position itself is among them; callers mask positions ``>= cache_seqlens``).
     """
     eq = token_ids == tok[:, None]
-    if lengths is not None:
-        eq = eq & (torch.arange(token_ids.shape[1], device=token_ids.device)[None] < lengths.long()[:, None])
     if max_occurrences > 0:  # occurrences at or after i, counted from the row's end: static shapes, no sync
+        if lengths is not None:
+            eq = eq & (torch.arange(token_ids.shape[1], device=token_ids.device)[None] < lengths.long()[:, None])
         later = eq.flip(-1).to(torch.int32).cumsum(-1).flip(-1)
         eq = eq & (later <= max_occurrences)
     eq = eq.float()

@@ -123,6 +123,12 @@ class ModelInfo:
                    pad_token_id=None if pad is None else int(pad))
 
 
+def _check_steps(max_new_tokens) -> None:
+    """Raises ValueError unless ``max_new_tokens`` is an int >= 1 (not a bool)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+
+
 def _as_eos(eos, vocab: int) -> list:
     if eos is None:
         return []
@@ -207,8 +213,7 @@ class SpeContextRuntime:
         return rows
 
     def _check_request(self, rows, max_new_tokens, temperature, top_k, top_p):
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        _check_steps(max_new_tokens)
         longest = max(r.numel() for r in rows)
         if longest + max_new_tokens > self.info.max_positions:
             raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
@@ -228,7 +233,6 @@ class SpeContextRuntime:
         tokens per row (an :class:`~.offload.OffloadedKVCache` with resident layers of ``capacity`` tokens when
         given). Returns ``(cache, logits (batch, vocab))`` of each prompt's last token."""
         info = self.info
-        lens = [int(r.numel()) for r in rows]
         seqs = list(rows)
         if len(seqs) == 1:  # the captured prefill takes >= 2 segments: add a 1-token dummy prompt
             seqs.append(torch.zeros(1, dtype=torch.long))
@@ -413,8 +417,7 @@ class SpeContextRuntime:
             raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {info.vocab_size})")
         max_new_tokens = int(max_new_tokens) if isinstance(max_new_tokens, torch.Tensor) and \
             max_new_tokens.dim() == 0 and not max_new_tokens.dtype.is_floating_point else max_new_tokens
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        _check_steps(max_new_tokens)
         want = (info.num_layers, cache.batch, info.num_kv_heads, cache.max_length, info.head_dim)
         if tuple(cache.k.shape) != want or tuple(cache.v.shape) != want:
             raise ValueError(f"the cache is (layers, batch, H_kv, max_length, head_dim) = {tuple(cache.k.shape)} but "
@@ -586,7 +589,7 @@ class _GraphStep:
         self.graph = None
 
     def _capture(self):
-        cache, rt = self.cache, self.rt
+        cache = self.cache
         self.graph = None  # release the previous graph (and its memory pool) before capturing again
         saved = cache.cache_seqlens.clone()
         saved_q = self.q.clone()
