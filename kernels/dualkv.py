@@ -361,18 +361,27 @@ def _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q_idx, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi, kbound,
                qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
-               CAUSAL: tl.constexpr, PREC: tl.constexpr):
+               CAUSAL: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr):
+    """Online-softmax steps over key blocks ``[lo, hi)``. With ``SCALE_POS`` (a positive scale) the scale is applied
+    after the row max and fused into the exponent's argument (one FMA per score instead of a multiply and a
+    subtraction, as Triton's fused-attention tutorial does); otherwise the scores are scaled first."""
     for start in range(lo, hi, BLOCK_N):
         k_idx = start + offs_n
         k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if not SCALE_POS:
+            qk = qk * qk_scale
         if MASK_K:
             keep = k_idx[None, :] < kbound
             if CAUSAL:
                 keep = keep & (k_idx[None, :] <= q_idx[:, None])
             qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
+        if SCALE_POS:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -386,7 +395,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 T, H, GROUP, qk_scale,
                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+                PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr = False):
     """One program per (work entry, head unit): ``PACK == 1``: one query head, ``BLOCK_M`` query tokens;
     ``PACK > 1`` (a power of two >= GROUP): every query head of one KV head (the GQA group, rows ``j * BLOCK_M + i``
     = head ``j``, token ``i``; rows of heads ``j >= GROUP`` are padding), so K/V blocks are loaded once for the
@@ -431,16 +440,16 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     # phase 1: the group prefix (response queries only): whole blocks unmasked, then the tail
     c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+                               cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC)
+                               c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC, SCALE_POS)
     # phase 2: own segment: whole key blocks strictly below the query block unmasked, then the causal rest
     d_lo = ss + ((q_start - ss) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+                               ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
                                d_lo, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True,
-                               True, PREC)
+                               True, PREC, SCALE_POS)
     l_i = tl.where(rm, l_i, 1.0)
     out = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
@@ -732,7 +741,7 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
         q, k, v, out, lse, cub, ctx[0], ctx[1], wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         t, h, group, scale * LOG2E,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec,
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec, SCALE_POS=scale > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 

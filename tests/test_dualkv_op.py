@@ -353,3 +353,14 @@ def test_planning_kernels_match_the_torch_tables(t, cu, sp):
                 ws, wb, w = K._work_table(cb, block, t_, ref[hi] - ref[lo], sign)
                 ws2, wb2, w2 = K._plan_work(cub, ctx[lo], ctx[hi], block, t_, sign)
                 assert w == w2 and torch.equal(ws, ws2) and torch.equal(wb[ws >= 0], wb2[ws >= 0])
+
+
+@pytest.mark.parametrize("scale", [0.125, -0.3, 0.0])
+def test_forward_any_softmax_scale(scale):
+    """The forward folds a positive scale into the exponent after the row max; zero and negative scales take the
+    scale-first path. Both match the reference."""
+    layout = DualKVLayout.from_lengths([(19, [7, 1]), (5, [9])])
+    q, k, v = make_inputs(layout, 4, 2, 32, torch.float32)
+    ref_out, ref_lse = K.dualkv_attention_reference(q, k, v, layout.cu_seqlens, layout.segment_prefix, scale)
+    out, lse = K.dualkv_fwd(q, k, v, layout.cu_seqlens, layout.segment_prefix, scale)
+    assert maxerr(out, ref_out) < 1e-5 and maxerr(lse, ref_lse) < 1e-5
