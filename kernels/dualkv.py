@@ -361,13 +361,20 @@ def _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q_idx, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi, kbound,
                qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
-               CAUSAL: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr):
+               CAUSAL: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr, KD, VD, kcol,
+               TMA: tl.constexpr):
     """Online-softmax steps over key blocks ``[lo, hi)``. With ``SCALE_POS`` (a positive scale) the scale is applied
     after the row max and fused into the exponent's argument (one FMA per score instead of a multiply and a
-    subtraction, as Triton's fused-attention tutorial does); otherwise the scores are scaled first."""
+    subtraction, as Triton's fused-attention tutorial does); otherwise the scores are scaled first. With ``TMA``
+    the K/V blocks come through the tensor descriptors ``KD``/``VD`` (rows past ``kbound`` are then real rows of the
+    next segment, or zeros past T: their scores are masked to -inf, so they add nothing)."""
     for start in range(lo, hi, BLOCK_N):
         k_idx = start + offs_n
-        k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
+        if TMA:
+            k = KD.load([start, kcol])
+            v = VD.load([start, kcol])
+        else:
+            k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if not SCALE_POS:
             qk = qk * qk_scale
@@ -395,11 +402,13 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 T, H, GROUP, qk_scale,
                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr = False):
+                PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr = False,
+                KD=None, VD=None, TMA: tl.constexpr = False):
     """One program per (work entry, head unit): ``PACK == 1``: one query head, ``BLOCK_M`` query tokens;
     ``PACK > 1`` (a power of two >= GROUP): every query head of one KV head (the GQA group, rows ``j * BLOCK_M + i``
     = head ``j``, token ``i``; rows of heads ``j >= GROUP`` are padding), so K/V blocks are loaded once for the
-    group and the tile has ``PACK * BLOCK_M`` rows."""
+    group and the tile has ``PACK * BLOCK_M`` rows. ``TMA``: K/V blocks through the host-built tensor descriptors
+    ``KD``/``VD`` (2-D ``(T, H_kv*D)`` views, blocks ``(BLOCK_N, D)``)."""
     pid = tl.program_id(0)
     n_units = H // GROUP if PACK > 1 else H
     w = pid // n_units
@@ -440,16 +449,16 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     # phase 1: the group prefix (response queries only): whole blocks unmasked, then the tail
     c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS)
+                               cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS, KD, VD, hk * D, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC, SCALE_POS)
+                               c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC, SCALE_POS, KD, VD, hk * D, TMA)
     # phase 2: own segment: whole key blocks strictly below the query block unmasked, then the causal rest
     d_lo = ss + ((q_start - ss) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS)
+                               ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS, KD, VD, hk * D, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
                                d_lo, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True,
-                               True, PREC, SCALE_POS)
+                               True, PREC, SCALE_POS, KD, VD, hk * D, TMA)
     l_i = tl.where(rm, l_i, 1.0)
     out = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
@@ -707,6 +716,24 @@ def _lastdim_contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
+    """Host tensor descriptors of K and V as 2-D ``(T, H_kv*D)`` views with ``(block_n, D)`` blocks, or ``(None,
+    None)`` where the bulk tensor copy cannot address them (head dim not a power of two >= 16, heads not contiguous,
+    rows or the base not 16-byte aligned, or no descriptor support in this Triton)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - older Triton
+        return None, None
+    t, h_kv, d = k.shape
+    es = k.element_size()
+    for x in (k, v):
+        if (d != next_pow2(d, 16) or x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * es) % 16
+                or x.data_ptr() % 16):
+            return None, None
+    return tuple(TensorDescriptor(x.as_strided((t, h_kv * d), (x.stride(0), 1)), [t, h_kv * d], [x.stride(0), 1],
+                                  [block_n, d]) for x in (k, v))
+
+
 def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                segment_prefix: torch.Tensor, scale: float, *, config: Optional[dict] = None):
     """Triton DualKV forward (one launch for every group and segment).
@@ -718,9 +745,10 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
             inconsistent layout never makes the kernels touch memory outside q, k, v, out and lse.
         scale: softmax scale.
         config: optional launch config ``{"fwd": {"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..,
-            "PACK": ..}}`` (any subset of the keys; ``BLOCK_M`` query tokens per program; ``PACK`` true: one program
-            covers every query head of a KV head, ``next_pow2(H/H_kv) * BLOCK_M`` tile rows); the defaults otherwise
-            (tuned on an H200).
+            "PACK": .., "TMA": ..}}`` (any subset of the keys; ``BLOCK_M`` query tokens per program; ``PACK`` true:
+            one program covers every query head of a KV head, ``next_pow2(H/H_kv) * BLOCK_M`` tile rows; ``TMA``
+            true: K/V blocks through tensor descriptors where :func:`_kv_descriptors` allows); the defaults
+            otherwise (tuned on an H200).
 
     Returns:
         ``(out, lse)``: out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log.
@@ -737,12 +765,13 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
     pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
     cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t)
     wseg, wblk, w = _plan_work(cub, ctx[0], ctx[1], bm, t, +1)
+    kd, vd = _kv_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
     _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, out, lse, cub, ctx[0], ctx[1], wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         t, h, group, scale * LOG2E,
         D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec, SCALE_POS=scale > 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        KD=kd, VD=vd, TMA=kd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
 
