@@ -217,20 +217,31 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _plan_layout_kernel(CU, SP, CUB, CTX, S, T, SB: tl.constexpr):
+def _plan_layout_kernel(CU, SP, CUB, CTX, OK, S, T, SB: tl.constexpr):
     """One program: the layout as the kernels use it (what :func:`_bounded_layout` and :func:`_segment_tables` compute
     with ~30 small torch ops): ``CUB`` (S+1) = running max of ``cu_seqlens`` clamped into ``[0, T]``; ``CTX`` (4, S)
     int32 rows = ``kctx_lo, kctx_hi, qctx_lo, qctx_hi`` (row 3 first holds the group ends, a deterministic integer
-    atomic max)."""
+    atomic max); ``OK`` (1,) = :func:`kvtransform.layout.structure_ok` of the raw offsets (1 or 0)."""
     carry = 0
+    latest = -1
+    bad = 0
     for c in range(0, S + 1, SB):
         s = c + tl.arange(0, SB)
         m = s < S + 1
-        x = tl.minimum(tl.maximum(tl.load(CU + s, mask=m, other=0), 0), T)
+        raw = tl.load(CU + s, mask=m, other=0)
+        ms = s < S
+        nxt = tl.load(CU + s + 1, mask=ms, other=0)
+        sp = tl.load(SP + s, mask=ms, other=-1)
+        own = tl.maximum(tl.associative_scan(tl.where(ms & (sp == -1), s, -1), 0, _max_combine), latest)
+        wrong = (ms & (nxt <= raw)) | ((s == 0) & (raw != 0)) | ((s == S) & (raw != T)) | (ms & (sp != -1) & (sp != own))
+        bad = tl.maximum(bad, tl.max(wrong.to(tl.int32), 0))
+        latest = tl.maximum(latest, tl.max(own, 0))
+        x = tl.minimum(tl.maximum(raw, 0), T)
         x = tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
         tl.store(CUB + s, x, mask=m)
-        tl.store(CTX + 3 * S + s, tl.zeros([SB], tl.int32), mask=s < S)
+        tl.store(CTX + 3 * S + s, tl.zeros([SB], tl.int32), mask=ms)
         carry = tl.maximum(carry, tl.max(x, 0))
+    tl.store(OK, 1 - bad)
     tl.debug_barrier()
     for c in range(0, S, SB):
         s = c + tl.arange(0, SB)
@@ -310,14 +321,23 @@ def _plan_work_kernel(CUB, CTX_LO, CTX_HI, WSEG, WBLK, S, W, BLOCK, SIGN: tl.con
     tl.store(WBLK + rank, tl.where(valid, blk, 0), mask=i < W)
 
 
-def _plan_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int):
+LAYOUT_ASSERT_MSG = ("kvt::dualkv_attention: inconsistent cu_seqlens/segment_prefix (cu_seqlens must start at 0, "
+                     "increase and end at T = q.shape[0]; segment_prefix must be -1 or the group's prefix)")
+
+
+def _plan_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int,
+                 assert_layout: bool = False):
     """``(cu_bounded, ctx)``: :func:`_bounded_layout`'s offsets and :func:`_segment_tables`' four ranges (rows of the
-    int32 ``(4, S)`` ``ctx``), in one launch."""
+    int32 ``(4, S)`` ``ctx``), in one launch. ``assert_layout``: also ``torch._assert_async`` that the raw layout is
+    consistent (:func:`kvtransform.layout.structure_ok`, computed in the same launch; no host sync on CUDA)."""
     s = segment_prefix.numel()
     cub = torch.empty(s + 1, dtype=torch.int32, device=cu_seqlens.device)
     ctx = torch.empty((4, s), dtype=torch.int32, device=cu_seqlens.device)
-    _plan_layout_kernel[(1,)](cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), cub, ctx, s, total_tokens,
-                              SB=min(1024, next_pow2(s + 1, 16)), num_warps=4)
+    ok = torch.empty(1, dtype=torch.int32, device=cu_seqlens.device)
+    _plan_layout_kernel[(1,)](cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), cub, ctx, ok, s,
+                              total_tokens, SB=min(1024, next_pow2(s + 1, 16)), num_warps=4)
+    if assert_layout:
+        torch._assert_async(ok[0], LAYOUT_ASSERT_MSG)
     return cub, ctx
 
 
@@ -735,7 +755,8 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
 
 
 def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-               segment_prefix: torch.Tensor, scale: float, *, config: Optional[dict] = None):
+               segment_prefix: torch.Tensor, scale: float, *, config: Optional[dict] = None,
+               assert_layout: bool = False):
     """Triton DualKV forward (one launch for every group and segment).
 
     Args:
@@ -749,6 +770,8 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
             one program covers every query head of a KV head, ``next_pow2(H/H_kv) * BLOCK_M`` tile rows; ``TMA``
             true: K/V blocks through tensor descriptors where :func:`_kv_descriptors` allows); the defaults
             otherwise (tuned on an H200).
+        assert_layout: ``torch._assert_async`` the layout's consistency (``kvt::dualkv_attention`` on CUDA: the check
+            comes from the planning kernel, no extra launches).
 
     Returns:
         ``(out, lse)``: out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log.
@@ -763,7 +786,7 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     group = h // h_kv
     pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
-    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t)
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
     wseg, wblk, w = _plan_work(cub, ctx[0], ctx[1], bm, t, +1)
     kd, vd = _kv_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
     _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
@@ -777,7 +800,7 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
 
 def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, scale: float,
-               dlse: Optional[torch.Tensor] = None, *, config: Optional[dict] = None):
+               dlse: Optional[torch.Tensor] = None, *, config: Optional[dict] = None, assert_layout: bool = False):
     """Triton DualKV backward, bitwise deterministic (no atomics; every gradient element has one owner program).
 
     Args:
@@ -786,6 +809,7 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dlse: optional fp32 ``(H, T)`` gradient of ``lse`` (enters as ``Delta = rowsum(dO∘O) - dLSE``).
         config: optional launch configs ``{"dq": {...}, "dkdv": {...}}`` as :func:`dualkv_fwd`'s (dq:
             ``BLOCK_M % BLOCK_N == 0``; dkdv: ``BLOCK_N`` keys per program, ``BLOCK_N % BLOCK_M == 0``).
+        assert_layout: as :func:`dualkv_fwd`'s.
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v; the shared prefix's dK/dV include the contributions of
@@ -805,7 +829,7 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
-    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t)
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
     _launch_dq(q, k, v, do, dq, lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d_pad, prec, scale,
                _cfg("dq", d_pad, q.dtype, config))
     _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale,
