@@ -358,3 +358,22 @@ def test_time_steps_marks_on_cpu():
     assert len(calls) == 5 and len(out) == 3 and all(len(t) == 2 for t in out)
     q = timing.quantiles([1.0, 2.0, 3.0])
     assert (q["ms_p50"], q["ms_mean"]) == (2.0, 2.0)
+
+
+def test_compiled_layer_rows_on_cpu(tmp_path):
+    """``dualkv_compiled`` runs the whole layer under torch.compile (aot_eager on CPU) around the opaque kvt op and
+    agrees with the eager ``dualkv`` row; ``flex_compiled`` is unavailable on CPU; neither is in ``all`` on CPU or in
+    the attn mode."""
+    rows = run("dualkv-layer", ["-m", "P=11", "mb=2", "method=dualkv,dualkv_compiled,flex_compiled",
+                                f"out_dir={tmp_path}", "plot=false"] + TINY)
+    by = {r["method"]: r for r in rows}
+    assert by["dualkv_compiled"]["status"] == "ok", by["dualkv_compiled"]["status"]
+    assert by["dualkv_compiled"]["check_vs"] == "dualkv" and by["dualkv_compiled"]["check_rel_err"] < 1e-5
+    assert "torch.compile(layer, aot_eager" in by["dualkv_compiled"]["impl"]
+    assert by["flex_compiled"]["status"].startswith("unavailable")
+    assert "Whole layer under torch.compile" in (tmp_path / "results.md").read_text()
+    (_, cfg), = compose_jobs("dualkv-layer", ["P=11", "mb=2"] + TINY)
+    assert not set(methods.COMPILED) & set(methods.methods_for(cfg, torch.device("cpu"), 20))
+    assert set(methods.COMPILED) <= set(methods.methods_for(cfg, torch.device("cuda"), 20))
+    (_, acfg), = compose_jobs("dualkv-attn", ["P=11", "mb=2"] + TINY)
+    assert not set(methods.COMPILED) & set(methods.methods_for(acfg, torch.device("cuda"), 20))

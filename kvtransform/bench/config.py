@@ -33,6 +33,8 @@ class Method(Enum):
     flex_rebuild = "flex_rebuild"  # the same, block mask rebuilt inside every step (layout changes per micro-batch)
     dualkv = "dualkv"  # ours: kvt.dualkv_attention on the packed tokens
     dualkv_kernel = "dualkv_kernel"  # ours: the Triton kernels called directly (attn mode; tune=true's best config)
+    dualkv_compiled = "dualkv_compiled"  # layer mode: the whole layer under torch.compile, kvt ops opaque
+    flex_compiled = "flex_compiled"  # layer mode: the whole layer under torch.compile around flex_attention
 
 
 class Mode(Enum):

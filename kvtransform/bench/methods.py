@@ -7,6 +7,9 @@ Every adapter takes ``q (T, H, D)``, ``k, v (T, H_kv, D)`` on its token axis and
   ``dualkv_kernel``;
 * replicated ``[P R_1][P R_2]..`` (``T_rep = sum (P + R_i)``, ``replicated = True``): ``fa2``.
 
+``dualkv_compiled`` and ``flex_compiled`` (layer mode) run the whole decoder layer under ``torch.compile`` (static
+shapes per T) around the same attention (``layer_forward``); the other methods run the layer eagerly.
+
 ``setup`` (untimed) gets the :class:`~kvtransform.layout.DualKVLayout` on the device; ``per_step`` runs inside each
 timed step before the forward (what training must redo per micro-batch); ``attn_step`` is one timed forward
 (``mark()``) backward.
@@ -24,7 +27,7 @@ from . import masks
 from .config import Method
 
 __all__ = ["Unavailable", "AttnMethod", "Reference", "FA2", "PrefixGrouper", "Flex", "FlexRebuild", "DualKV",
-           "DualKVKernel", "METHODS", "ORDER", "methods_for"]
+           "DualKVKernel", "DualKVCompiled", "FlexCompiled", "METHODS", "ORDER", "COMPILED", "methods_for"]
 
 
 class Unavailable(RuntimeError):
@@ -47,6 +50,10 @@ class AttnMethod:
 
     def __call__(self, q, k, v):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def layer_forward(self, layer, x):
+        """The ``layer`` mode's forward with this attention: ``(out, attention output)``."""
+        return layer(x, self, return_attn=True)
 
     def attn_step(self, q, k, v, do, mark) -> None:
         """One timed step of the ``attn`` mode: forward, ``mark()``, backward of ``do`` into q/k/v ``.grad``."""
@@ -200,6 +207,18 @@ class PrefixGrouper(AttnMethod):
 _FLEX_FN: dict = {}
 
 
+def _static_compiled(key: str, fn, T: int, backend: str = "inductor"):
+    """``torch.compile(fn, dynamic=False)`` for token count ``T``, shared by the static-shape methods of a job: when
+    ``T`` changes, dynamo is reset and every cached compile dropped (a full compile per shape, no recompile limit)."""
+    if _FLEX_FN.get("static_T") != T:
+        torch._dynamo.reset()
+        _FLEX_FN.clear()
+        _FLEX_FN["static_T"] = T
+    if key not in _FLEX_FN:
+        _FLEX_FN[key] = torch.compile(fn, dynamic=False, backend=backend)
+    return _FLEX_FN[key]
+
+
 def _flex_fn(compile_: bool, static_T: int = 0):
     """flex_attention, compiled once for the sweep, or (``static_T``) compiled with static shapes for one length T
     (dynamo reset when T changes: a full compile per shape, the fastest kernels)."""
@@ -208,12 +227,7 @@ def _flex_fn(compile_: bool, static_T: int = 0):
     if not compile_:
         return flex_attention
     if static_T:
-        if _FLEX_FN.get("static_T") != static_T:
-            torch._dynamo.reset()
-            _FLEX_FN.clear()
-            _FLEX_FN["static_T"] = static_T
-            _FLEX_FN["static"] = torch.compile(flex_attention, dynamic=False)
-        return _FLEX_FN["static"]
+        return _static_compiled("static", flex_attention, static_T)
     if "compiled" not in _FLEX_FN:
         # one compiled flex for every shape of a sweep: the second shape makes dynamo mark the lengths dynamic; a
         # higher recompile limit keeps it from silently falling back to eager flex (which materialises T^2 scores)
@@ -348,22 +362,85 @@ class DualKVKernel(AttnMethod):
                           q.shape[-1] ** -0.5, config=self.launch_config)
 
 
+def _dualkv_layer(layer, x, cu_seqlens, segment_prefix):
+    """The layer with ``kvt::dualkv_attention`` (an opaque custom op for torch.compile) as its attention."""
+    def attn(q, k, v):
+        return torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, q.shape[-1] ** -0.5)[0]
+
+    return layer(x, attn, return_attn=True)
+
+
+def _flex_layer(layer, x, block_mask):
+    """The layer with flex_attention (GQA, the shared-prefix block mask) as its attention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def attn(q, k, v):
+        o = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                           block_mask=block_mask, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    return layer(x, attn, return_attn=True)
+
+
+def _compiled_setup(meth, kind: str, fn):
+    """Common setup of the whole-layer compiled methods (layer mode only): static shapes per T; Inductor on CUDA,
+    ``aot_eager`` on CPU (tests: same graph capture, no C++ build)."""
+    mode = meth.cfg.mode.value if hasattr(meth.cfg.mode, "value") else str(meth.cfg.mode)
+    if mode != "layer":
+        raise Unavailable(f"{meth.name} compiles the whole decoder layer (layer mode only)")
+    backend = "inductor" if meth.device.type == "cuda" else "aot_eager"
+    meth.layer_fn = _static_compiled(kind, fn, int(meth.layout.total_tokens), backend)
+    meth.impl = f"torch.compile(layer, {backend}, static) + {meth.impl}"
+
+
+class DualKVCompiled(DualKV):
+    """The whole decoder layer under ``torch.compile`` (Inductor fuses the norms, SwiGLU and residuals) with
+    ``kvt::dualkv_attention`` opaque inside; the layout tensors are graph inputs (rebuilt per step as ``dualkv``)."""
+
+    name = "dualkv_compiled"
+
+    def setup(self, layout, cfg, device):
+        super().setup(layout, cfg, device)
+        _compiled_setup(self, "dualkv_layer", _dualkv_layer)
+
+    def layer_forward(self, layer, x):
+        return self.layer_fn(layer, x, self.layout.cu_seqlens, self.layout.segment_prefix)
+
+
+class FlexCompiled(Flex):
+    """The whole decoder layer under ``torch.compile`` around flex_attention (block mask built once, a graph input)."""
+
+    name = "flex_compiled"
+
+    def setup(self, layout, cfg, device):
+        super().setup(layout, cfg, device)
+        _compiled_setup(self, "flex_layer", _flex_layer)
+
+    def layer_forward(self, layer, x):
+        return self.layer_fn(layer, x, self.block_mask)
+
+
 def _config_str(config: dict) -> str:
     return " ".join(f"{kind}:{c['BLOCK_M']}/{c['BLOCK_N']}/{c['num_warps']}/{c['num_stages']}"
                     + ("/pack" if c.get("PACK") else "") + ("/tma" if c.get("TMA") else "")
                     for kind, c in sorted(config.items()))
 
 
-METHODS = {m.name: m for m in (Reference, FA2, PrefixGrouper, Flex, FlexRebuild, DualKV, DualKVKernel)}
-ORDER = ["reference", "fa2", "pg", "flex", "flex_rebuild", "dualkv", "dualkv_kernel"]
+METHODS = {m.name: m for m in (Reference, FA2, PrefixGrouper, Flex, FlexRebuild, DualKV, DualKVKernel, DualKVCompiled,
+                                FlexCompiled)}
+ORDER = ["reference", "fa2", "pg", "flex", "flex_rebuild", "dualkv", "dualkv_kernel", "flex_compiled",
+         "dualkv_compiled"]
+COMPILED = ("flex_compiled", "dualkv_compiled")
 
 
 def methods_for(cfg, device, T: int) -> list:
     """Method names a job runs: the one asked for, or with ``all`` every method that applies (``reference`` only on
-    CPU or at small T, since it materialises a (T, T) mask; ``dualkv_kernel`` only in the attn mode)."""
+    CPU or at small T, since it materialises a (T, T) mask; ``dualkv_kernel`` only in the attn mode; the whole-layer
+    compiled methods only in the layer mode on CUDA)."""
     m = cfg.method.value if isinstance(cfg.method, Method) else str(cfg.method)
     if m != "all":
         return [m]
     mode = cfg.mode.value if hasattr(cfg.mode, "value") else str(cfg.mode)
     return [n for n in ORDER if (n != "reference" or device.type == "cpu" or T <= 4096)
-            and (n != "dualkv_kernel" or mode == "attn")]
+            and (n != "dualkv_kernel" or mode == "attn")
+            and (n not in COMPILED or (mode == "layer" and device.type == "cuda"))]

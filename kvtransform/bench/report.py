@@ -22,8 +22,10 @@ COLUMNS = ["suite", "mode", "method", "op", "impl", "pass", "params", "P", "mb",
 KEY = ["suite", "mode", "method", "pass", "params"]
 _TEXT = ["suite", "mode", "method", "op", "impl", "pass", "params", "status", "device", "commit", "torch", "dtype",
          "timestamp", "cmd", "check_vs"]
-LAYER_METHODS = ["dualkv", "flex", "flex_rebuild", "fa2", "pg", "reference", "dualkv_kernel"]
+LAYER_METHODS = ["dualkv", "flex", "flex_rebuild", "fa2", "pg", "reference", "dualkv_kernel", "dualkv_compiled",
+                 "flex_compiled"]
 TARGETS = {"floor": 1.25, "flex": 1.2, "fa2": 3.5}  # issue 5: dualkv <= 1.25x floor, >= 1.2x flex, >= 3.5x fa2
+COMPILED_TARGETS = {"floor": 1.35, "flex": 1.15}  # issue 14: dualkv_compiled <= 1.35x floor, >= 1.15x flex_compiled
 
 
 def _num(x) -> Optional[float]:
@@ -192,6 +194,9 @@ def markdown_layer(df) -> str:
            "|" + "---|" * 6]
     cal = ["| P | mb | fa2 ms (ours / calib) | flex ms (ours / calib) | fa2 GB (ours / calib) | flex GB (ours / calib) |",
            "|" + "---|" * 6]
+    comp = ["| P | mb | floor ms | dualkv_compiled ms | /floor (≤ 1.35×) | flex_compiled ms | flex_compiled/dualkv_compiled "
+            "(≥ 1.15×) | dualkv eager/compiled | flex eager/compiled | GB dualkv_compiled / flex_compiled |",
+            "|" + "---|" * 10]
     for P, mb in _shapes(df):
         r = {m: _get(df, m, P, mb) for m in LAYER_METHODS}
         any_row = next(x for x in r.values() if x is not None)
@@ -212,6 +217,14 @@ def markdown_layer(df) -> str:
         t_mem = None if dg is None or pp.get("dualkv_gb") is None else dg <= pp["dualkv_gb"]
         tgt.append(f"| {P} | {mb} | {_tick(t_floor)} {_ratio(d, floor)} | {_tick(t_flex)} {_ratio(fl, d)} | "
                    f"{_tick(t_fa2)} {_ratio(fa, d)} | {_tick(t_mem)} {_fmt(dg)} / {_fmt(pp.get('dualkv_gb'))} |")
+        dc, fc = _ms(r["dualkv_compiled"]), _ms(r["flex_compiled"])
+        if r["dualkv_compiled"] is not None or r["flex_compiled"] is not None:
+            tf = None if dc is None or floor is None else dc <= COMPILED_TARGETS["floor"] * floor
+            tx = None if dc is None or fc is None else fc >= COMPILED_TARGETS["flex"] * dc
+            comp.append(f"| {P} | {mb} | {_fmt(floor)} | {_cell_ms(r['dualkv_compiled'])} | {_tick(tf)} "
+                        f"{_ratio(dc, floor)} | {_cell_ms(r['flex_compiled'])} | {_tick(tx)} {_ratio(fc, dc)} | "
+                        f"{_ratio(d, dc)} | {_ratio(fl, fc)} | {_cell_gb(r['dualkv_compiled'])} / "
+                        f"{_cell_gb(r['flex_compiled'])} |")
         c = calib.get((P, mb))
         if c:
             cal.append(f"| {P} | {mb} | {_cell_ms(r['fa2'])} / {_fmt(c['fa2_ms'])} | {_cell_ms(r['flex'])} / "
@@ -219,6 +232,8 @@ def markdown_layer(df) -> str:
                        f"{_fmt(c['flex_gb'])} |")
     out += ["", "Peak memory (GiB, torch.cuda.max_memory_allocated):", ""] + mem
     out += ["", "Targets of issue 5 (✓ met, ✗ missed, – not measured):", ""] + tgt
+    if len(comp) > 2:
+        out += ["", "Whole layer under torch.compile (issue 14 targets; ✓ met, ✗ missed, – not measured):", ""] + comp
     if len(cal) > 2:
         out += ["", "Harness check against ../shared/seed_tables/h200_calibration.csv (same H200 setup):", ""] + cal
     bad = df[df["status"] != "ok"]

@@ -155,14 +155,14 @@ def run_method(cfg, shape: Shape, name: str, device, launch_config: Optional[dic
 
             def forward_attn():  # grad mode as in the step, so compiled flex is not recompiled for no_grad
                 meth.per_step()
-                return layer(x, meth, return_attn=True)[1].detach()
+                return meth.layer_forward(layer, x)[1].detach()
 
             def step(mark):
                 x.grad = None
                 for p in params:
                     p.grad = None
                 meth.per_step()
-                out = layer(x, meth)
+                out = meth.layer_forward(layer, x)[0]
                 out.sum().backward()
         else:
             q = leaf(shape.T, cfg.heads, cfg.head_dim)
