@@ -217,20 +217,31 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _plan_layout_kernel(CU, SP, CUB, CTX, S, T, SB: tl.constexpr):
+def _plan_layout_kernel(CU, SP, CUB, CTX, OK, S, T, SB: tl.constexpr):
     """One program: the layout as the kernels use it (what :func:`_bounded_layout` and :func:`_segment_tables` compute
     with ~30 small torch ops): ``CUB`` (S+1) = running max of ``cu_seqlens`` clamped into ``[0, T]``; ``CTX`` (4, S)
     int32 rows = ``kctx_lo, kctx_hi, qctx_lo, qctx_hi`` (row 3 first holds the group ends, a deterministic integer
-    atomic max)."""
+    atomic max); ``OK`` (1,) = :func:`kvtransform.layout.structure_ok` of the raw offsets (1 or 0)."""
     carry = 0
+    latest = -1
+    bad = 0
     for c in range(0, S + 1, SB):
         s = c + tl.arange(0, SB)
         m = s < S + 1
-        x = tl.minimum(tl.maximum(tl.load(CU + s, mask=m, other=0), 0), T)
+        raw = tl.load(CU + s, mask=m, other=0)
+        ms = s < S
+        nxt = tl.load(CU + s + 1, mask=ms, other=0)
+        sp = tl.load(SP + s, mask=ms, other=-1)
+        own = tl.maximum(tl.associative_scan(tl.where(ms & (sp == -1), s, -1), 0, _max_combine), latest)
+        wrong = (ms & (nxt <= raw)) | ((s == 0) & (raw != 0)) | ((s == S) & (raw != T)) | (ms & (sp != -1) & (sp != own))
+        bad = tl.maximum(bad, tl.max(wrong.to(tl.int32), 0))
+        latest = tl.maximum(latest, tl.max(own, 0))
+        x = tl.minimum(tl.maximum(raw, 0), T)
         x = tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
         tl.store(CUB + s, x, mask=m)
-        tl.store(CTX + 3 * S + s, tl.zeros([SB], tl.int32), mask=s < S)
+        tl.store(CTX + 3 * S + s, tl.zeros([SB], tl.int32), mask=ms)
         carry = tl.maximum(carry, tl.max(x, 0))
+    tl.store(OK, 1 - bad)
     tl.debug_barrier()
     for c in range(0, S, SB):
         s = c + tl.arange(0, SB)
@@ -310,14 +321,23 @@ def _plan_work_kernel(CUB, CTX_LO, CTX_HI, WSEG, WBLK, S, W, BLOCK, SIGN: tl.con
     tl.store(WBLK + rank, tl.where(valid, blk, 0), mask=i < W)
 
 
-def _plan_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int):
+LAYOUT_ASSERT_MSG = ("kvt::dualkv_attention: inconsistent cu_seqlens/segment_prefix (cu_seqlens must start at 0, "
+                     "increase and end at T = q.shape[0]; segment_prefix must be -1 or the group's prefix)")
+
+
+def _plan_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int,
+                 assert_layout: bool = False):
     """``(cu_bounded, ctx)``: :func:`_bounded_layout`'s offsets and :func:`_segment_tables`' four ranges (rows of the
-    int32 ``(4, S)`` ``ctx``), in one launch."""
+    int32 ``(4, S)`` ``ctx``), in one launch. ``assert_layout``: also ``torch._assert_async`` that the raw layout is
+    consistent (:func:`kvtransform.layout.structure_ok`, computed in the same launch; no host sync on CUDA)."""
     s = segment_prefix.numel()
     cub = torch.empty(s + 1, dtype=torch.int32, device=cu_seqlens.device)
     ctx = torch.empty((4, s), dtype=torch.int32, device=cu_seqlens.device)
-    _plan_layout_kernel[(1,)](cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), cub, ctx, s, total_tokens,
-                              SB=min(1024, next_pow2(s + 1, 16)), num_warps=4)
+    ok = torch.empty(1, dtype=torch.int32, device=cu_seqlens.device)
+    _plan_layout_kernel[(1,)](cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), cub, ctx, ok, s,
+                              total_tokens, SB=min(1024, next_pow2(s + 1, 16)), num_warps=4)
+    if assert_layout:
+        torch._assert_async(ok[0], LAYOUT_ASSERT_MSG)
     return cub, ctx
 
 
@@ -361,18 +381,34 @@ def _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q_idx, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi, kbound,
                qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
-               CAUSAL: tl.constexpr, PREC: tl.constexpr):
+               CAUSAL: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr, KD, VD, kcol,
+               TMA: tl.constexpr):
+    """Online-softmax steps over key blocks ``[lo, hi)``. With ``SCALE_POS`` (a positive scale) the scale is applied
+    after the row max and fused into the exponent's argument (one FMA per score instead of a multiply and a
+    subtraction, as Triton's fused-attention tutorial does); otherwise the scores are scaled first. With ``TMA``
+    the K/V blocks come through the tensor descriptors ``KD``/``VD`` (rows past ``kbound`` are then real rows of the
+    next segment, or zeros past T: their scores are masked to -inf, so they add nothing)."""
     for start in range(lo, hi, BLOCK_N):
         k_idx = start + offs_n
-        k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if TMA:
+            k = KD.load([start, kcol])
+            v = VD.load([start, kcol])
+        else:
+            k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if not SCALE_POS:
+            qk = qk * qk_scale
         if MASK_K:
             keep = k_idx[None, :] < kbound
             if CAUSAL:
                 keep = keep & (k_idx[None, :] <= q_idx[:, None])
             qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
+        if SCALE_POS:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -386,11 +422,13 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 T, H, GROUP, qk_scale,
                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+                PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr = False,
+                KD=None, VD=None, TMA: tl.constexpr = False):
     """One program per (work entry, head unit): ``PACK == 1``: one query head, ``BLOCK_M`` query tokens;
     ``PACK > 1`` (a power of two >= GROUP): every query head of one KV head (the GQA group, rows ``j * BLOCK_M + i``
     = head ``j``, token ``i``; rows of heads ``j >= GROUP`` are padding), so K/V blocks are loaded once for the
-    group and the tile has ``PACK * BLOCK_M`` rows."""
+    group and the tile has ``PACK * BLOCK_M`` rows. ``TMA``: K/V blocks through the host-built tensor descriptors
+    ``KD``/``VD`` (2-D ``(T, H_kv*D)`` views, blocks ``(BLOCK_N, D)``)."""
     pid = tl.program_id(0)
     n_units = H // GROUP if PACK > 1 else H
     w = pid // n_units
@@ -431,16 +469,16 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     # phase 1: the group prefix (response queries only): whole blocks unmasked, then the tail
     c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+                               cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS, KD, VD, hk * D, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC)
+                               c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC, SCALE_POS, KD, VD, hk * D, TMA)
     # phase 2: own segment: whole key blocks strictly below the query block unmasked, then the causal rest
     d_lo = ss + ((q_start - ss) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+                               ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS, KD, VD, hk * D, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
                                d_lo, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True,
-                               True, PREC)
+                               True, PREC, SCALE_POS, KD, VD, hk * D, TMA)
     l_i = tl.where(rm, l_i, 1.0)
     out = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
@@ -698,8 +736,27 @@ def _lastdim_contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
+    """Host tensor descriptors of K and V as 2-D ``(T, H_kv*D)`` views with ``(block_n, D)`` blocks, or ``(None,
+    None)`` where the bulk tensor copy cannot address them (head dim not a power of two >= 16, heads not contiguous,
+    rows or the base not 16-byte aligned, or no descriptor support in this Triton)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - older Triton
+        return None, None
+    t, h_kv, d = k.shape
+    es = k.element_size()
+    for x in (k, v):
+        if (d != next_pow2(d, 16) or x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * es) % 16
+                or x.data_ptr() % 16):
+            return None, None
+    return tuple(TensorDescriptor(x.as_strided((t, h_kv * d), (x.stride(0), 1)), [t, h_kv * d], [x.stride(0), 1],
+                                  [block_n, d]) for x in (k, v))
+
+
 def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-               segment_prefix: torch.Tensor, scale: float, *, config: Optional[dict] = None):
+               segment_prefix: torch.Tensor, scale: float, *, config: Optional[dict] = None,
+               assert_layout: bool = False):
     """Triton DualKV forward (one launch for every group and segment).
 
     Args:
@@ -709,9 +766,12 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
             inconsistent layout never makes the kernels touch memory outside q, k, v, out and lse.
         scale: softmax scale.
         config: optional launch config ``{"fwd": {"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..,
-            "PACK": ..}}`` (any subset of the keys; ``BLOCK_M`` query tokens per program; ``PACK`` true: one program
-            covers every query head of a KV head, ``next_pow2(H/H_kv) * BLOCK_M`` tile rows); the defaults otherwise
-            (tuned on an H200).
+            "PACK": .., "TMA": ..}}`` (any subset of the keys; ``BLOCK_M`` query tokens per program; ``PACK`` true:
+            one program covers every query head of a KV head, ``next_pow2(H/H_kv) * BLOCK_M`` tile rows; ``TMA``
+            true: K/V blocks through tensor descriptors where :func:`_kv_descriptors` allows); the defaults
+            otherwise (tuned on an H200).
+        assert_layout: ``torch._assert_async`` the layout's consistency (``kvt::dualkv_attention`` on CUDA: the check
+            comes from the planning kernel, no extra launches).
 
     Returns:
         ``(out, lse)``: out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log.
@@ -726,20 +786,21 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     group = h // h_kv
     pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
-    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t)
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
     wseg, wblk, w = _plan_work(cub, ctx[0], ctx[1], bm, t, +1)
+    kd, vd = _kv_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
     _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, out, lse, cub, ctx[0], ctx[1], wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         t, h, group, scale * LOG2E,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec, SCALE_POS=scale > 0,
+        KD=kd, VD=vd, TMA=kd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
 
 def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, scale: float,
-               dlse: Optional[torch.Tensor] = None, *, config: Optional[dict] = None):
+               dlse: Optional[torch.Tensor] = None, *, config: Optional[dict] = None, assert_layout: bool = False):
     """Triton DualKV backward, bitwise deterministic (no atomics; every gradient element has one owner program).
 
     Args:
@@ -748,6 +809,7 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dlse: optional fp32 ``(H, T)`` gradient of ``lse`` (enters as ``Delta = rowsum(dO∘O) - dLSE``).
         config: optional launch configs ``{"dq": {...}, "dkdv": {...}}`` as :func:`dualkv_fwd`'s (dq:
             ``BLOCK_M % BLOCK_N == 0``; dkdv: ``BLOCK_N`` keys per program, ``BLOCK_N % BLOCK_M == 0``).
+        assert_layout: as :func:`dualkv_fwd`'s.
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v; the shared prefix's dK/dV include the contributions of
@@ -767,7 +829,7 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
-    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t)
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
     _launch_dq(q, k, v, do, dq, lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d_pad, prec, scale,
                _cfg("dq", d_pad, q.dtype, config))
     _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale,

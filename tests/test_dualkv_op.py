@@ -137,7 +137,9 @@ def test_kernels_match_replicated_reference(case):
      "dkdv": dict(BLOCK_M=16, BLOCK_N=16)},
     {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True)},
     {"fwd": dict(BLOCK_M=16, BLOCK_N=16, PACK=True)},
-], ids=["blocks32-16", "blocks16", "gqa-packed-16-32", "gqa-packed-16"])
+    {"fwd": dict(BLOCK_M=32, BLOCK_N=16, TMA=True)},
+    {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True, TMA=True)},
+], ids=["blocks32-16", "blocks16", "gqa-packed-16-32", "gqa-packed-16", "tma", "tma-packed"])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 2), (3, 3)], ids=["gqa2", "gqa3", "mha"])
 def test_kernels_other_launch_configs(cfg, heads):
     layout = DualKVLayout.from_lengths([(17, [15, 1]), (16, [33]), (40, [70, 3])])
@@ -353,3 +355,14 @@ def test_planning_kernels_match_the_torch_tables(t, cu, sp):
                 ws, wb, w = K._work_table(cb, block, t_, ref[hi] - ref[lo], sign)
                 ws2, wb2, w2 = K._plan_work(cub, ctx[lo], ctx[hi], block, t_, sign)
                 assert w == w2 and torch.equal(ws, ws2) and torch.equal(wb[ws >= 0], wb2[ws >= 0])
+
+
+@pytest.mark.parametrize("scale", [0.125, -0.3, 0.0])
+def test_forward_any_softmax_scale(scale):
+    """The forward folds a positive scale into the exponent after the row max; zero and negative scales take the
+    scale-first path. Both match the reference."""
+    layout = DualKVLayout.from_lengths([(19, [7, 1]), (5, [9])])
+    q, k, v = make_inputs(layout, 4, 2, 32, torch.float32)
+    ref_out, ref_lse = K.dualkv_attention_reference(q, k, v, layout.cu_seqlens, layout.segment_prefix, scale)
+    out, lse = K.dualkv_fwd(q, k, v, layout.cu_seqlens, layout.segment_prefix, scale)
+    assert maxerr(out, ref_out) < 1e-5 and maxerr(lse, ref_lse) < 1e-5

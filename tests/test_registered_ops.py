@@ -61,6 +61,16 @@ def test_dualkv_ops_refuse_inconsistent_layouts(path, t, cu, sp, msg):
         dualkv_ops.assert_layout_async(_i32(cu), _i32(sp), t)
 
 
+@pytest.mark.parametrize("t, cu, sp, msg", BAD_LAYOUTS)
+def test_planning_kernel_check_agrees_with_structure_ok(t, cu, sp, msg):
+    """The kernels' planning launch asserts what :func:`structure_ok` checks (the CUDA op path relies on it)."""
+    assert not bool(structure_ok(_i32(cu), _i32(sp), t))
+    with pytest.raises(RuntimeError, match="inconsistent cu_seqlens/segment_prefix"):
+        K._plan_layout(_i32(cu), _i32(sp), t, assert_layout=True)
+    for lay in (DualKVLayout.from_lengths(g) for g in ([(3, [2, 1])], [(5, [])], [(2, [1]), (4, []), (1, [3, 3])])):
+        K._plan_layout(lay.cu_seqlens, lay.segment_prefix, lay.total_tokens, assert_layout=True)
+
+
 def test_device_check_agrees_with_host_check():
     good = [DualKVLayout.from_lengths(g) for g in ([(3, [2, 1])], [(5, [])], [(2, [1]), (4, []), (1, [3, 3])])]
     for lay in good:

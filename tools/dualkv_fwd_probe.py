@@ -20,14 +20,16 @@ from kvtransform.layout import DualKVLayout
 from kvtransform.ops.dualkv import dualkv_attention
 
 H, HKV, D = 32, 8, 128
-# (BLOCK_M query tokens, BLOCK_N, warps, stages, PACK)
+# (BLOCK_M query tokens, BLOCK_N, warps, stages, PACK[, TMA]); indices 0-10 are run 1's sweep (BENCHMARKS.md)
 VARIANTS = [(128, 128, 8, 3, 0), (128, 64, 8, 3, 0), (64, 128, 4, 3, 0), (32, 128, 8, 3, 1), (32, 64, 4, 3, 1),
             (32, 64, 8, 3, 1), (32, 128, 8, 2, 1), (64, 64, 8, 3, 1), (64, 64, 16, 2, 1), (64, 128, 16, 2, 1),
-            (16, 128, 4, 3, 1)]
+            (16, 128, 4, 3, 1), (128, 128, 8, 3, 0, 1), (128, 128, 8, 2, 0, 1), (128, 64, 8, 4, 0, 1),
+            (32, 128, 8, 3, 1, 1)]
 
 
 def cfg_of(c):
-    return dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3], PACK=bool(c[4]))
+    return dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3], PACK=bool(c[4]),
+                TMA=bool(c[5]) if len(c) > 5 else False)
 
 
 def lengths(p, mb, seed=42):
@@ -39,7 +41,7 @@ def med(step, iters=20, warmup=3):
     return [quantiles([t[i] for t in ts])["ms_p50"] for i in range(len(ts[0]))]
 
 
-def fwd_kernel_only(q, k, v, cu, sp, c):
+def fwd_kernel_only(q, k, v, cu, sp, c, scale_pos=True):
     """A launcher of the forward kernel alone with the tables prebuilt; returns (run, compiled kernel)."""
     t, h, d = q.shape
     h_kv = k.shape[1]
@@ -51,6 +53,7 @@ def fwd_kernel_only(q, k, v, cu, sp, c):
     wseg, wblk, w = K._work_table(cu_b, cfg["BLOCK_M"], t, khi - klo, +1)
     out = torch.empty_like(q)
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
+    kd, vd = K._kv_descriptors(k, v, cfg["BLOCK_N"]) if cfg["TMA"] else (None, None)
     holder = {}
 
     def run(mark=None):
@@ -58,7 +61,7 @@ def fwd_kernel_only(q, k, v, cu, sp, c):
             q, k, v, out, lse, cu_b, klo, khi, wseg, wblk, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), t, h, grp, d ** -0.5 * K.LOG2E,
             D=d, D_PAD=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PACK=pack, EVEN_D=True, PREC="tf32",
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            SCALE_POS=scale_pos, KD=kd, VD=vd, TMA=kd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return run, holder
 
 
@@ -69,6 +72,8 @@ def main():
     ap.add_argument("--variants", default="all")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--scale-first", action="store_true", help="kernel-only rows: the softmax that scales the scores "
+                    "before the row max (the forward before the FMA form)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -139,7 +144,7 @@ def main():
                                  gpu_kernel_ms_per_step=tot / 3, top=[(k_[:60], n // 3, ms / 3) for k_, n, ms in kern[:8]]))
         for c in variants:
             try:
-                run, holder = fwd_kernel_only(q, k, v, cu, sp, c)
+                run, holder = fwd_kernel_only(q, k, v, cu, sp, c, scale_pos=not a.scale_first)
                 run()
                 torch.cuda.synchronize()
                 ms = med(lambda mark: run(), iters=30)[0]

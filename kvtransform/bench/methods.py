@@ -422,7 +422,8 @@ class FlexCompiled(Flex):
 
 def _config_str(config: dict) -> str:
     return " ".join(f"{kind}:{c['BLOCK_M']}/{c['BLOCK_N']}/{c['num_warps']}/{c['num_stages']}"
-                    + ("/pack" if c.get("PACK") else "") for kind, c in sorted(config.items()))
+                    + ("/pack" if c.get("PACK") else "") + ("/tma" if c.get("TMA") else "")
+                    for kind, c in sorted(config.items()))
 
 
 METHODS = {m.name: m for m in (Reference, FA2, PrefixGrouper, Flex, FlexRebuild, DualKV, DualKVKernel, DualKVCompiled,

@@ -18,10 +18,12 @@ from .timing import quantiles, time_steps
 
 __all__ = ["FWD_CANDS", "DQ_CANDS", "DKDV_CANDS", "sweep", "tune_dualkv", "gather_grid", "retrieval_grid"]
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages[, PACK]); the first of each list is the default. Round 1 swept 6 fwd / 5 dq /
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, PACK[, TMA]]); the first of each list is the default. Round 1 swept 6 fwd / 5 dq /
 # 8 dkdv configs; these are round 2, around round 1's best (BENCHMARKS.md, DualKV op section); the forward's round 3
-# (issue 14) added the GQA-packed program (PACK: 32 query tokens x 4 heads = the same 128 tile rows).
-FWD_CANDS = [(128, 128, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3, True), (32, 64, 8, 3, True)]
+# (issue 14) added the GQA-packed program (PACK: 32 query tokens x 4 heads = the same 128 tile rows) and K/V through
+# tensor descriptors (TMA; not yet timed on the device).
+FWD_CANDS = [(128, 128, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3, True), (32, 64, 8, 3, True),
+             (128, 128, 8, 3, False, True), (128, 64, 8, 4, False, True)]
 DQ_CANDS = [(128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 3)]
 DKDV_CANDS = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 
@@ -50,8 +52,9 @@ def sweep(method: str, candidates: list, step_for: Callable, device, warmup: int
 
 def _as_cfg(c) -> dict:
     cfg = dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3])
-    if len(c) > 4:
-        cfg["PACK"] = bool(c[4])
+    for i, key in ((4, "PACK"), (5, "TMA")):
+        if len(c) > i:
+            cfg[key] = bool(c[i])
     return cfg
 
 

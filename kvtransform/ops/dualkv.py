@@ -69,31 +69,33 @@ def assert_layout_async(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, 
     """Device-side check of the layout's values (:func:`kvtransform.layout.structure_ok`) with
     ``torch._assert_async``: no host sync on CUDA (a failure is a device-side assert, seen at the next
     synchronisation); on CPU tensors it raises ``RuntimeError`` at once."""
-    torch._assert_async(structure_ok(cu_seqlens, segment_prefix, total_tokens),
-                        "kvt::dualkv_attention: inconsistent cu_seqlens/segment_prefix (cu_seqlens must start at 0, "
-                        "increase and end at T = q.shape[0]; segment_prefix must be -1 or the group's prefix)")
+    torch._assert_async(structure_ok(cu_seqlens, segment_prefix, total_tokens), _k.LAYOUT_ASSERT_MSG)
 
 
-def _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels: bool) -> None:
+def _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels: bool) -> bool:
     """What both registered ops check before computing (see the module docstring): shapes always, the supported
     dtypes and head dims on the kernel path, the offsets' values on the host for CPU tensors and on the device for
-    CUDA ones."""
+    CUDA ones. Returns whether the kernels must assert the layout themselves (CUDA kernel path: their planning
+    kernel computes the same check, so no separate launches here)."""
     check_shapes(q, k, v, cu_seqlens, segment_prefix)
     if kernels:
         check_kernel_support(q)
     if cu_seqlens.device.type == "cpu":
         _check_layout_values(cu_seqlens, segment_prefix, q.shape[0])
-    else:
-        assert_layout_async(cu_seqlens, segment_prefix, q.shape[0])
+        return False
+    if kernels:
+        return True
+    assert_layout_async(cu_seqlens, segment_prefix, q.shape[0])
+    return False
 
 
 @torch.library.custom_op("kvt::dualkv_attention", mutates_args=())
 def _dualkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                segment_prefix: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = _use_triton(q)
-    _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels)
+    in_kernel_check = _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels)
     if kernels:
-        return _k.dualkv_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale)
+        return _k.dualkv_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale, assert_layout=in_kernel_check)
     with torch.no_grad():
         return _reference_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale)
 
@@ -115,9 +117,10 @@ def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
                           ("lse", lse, (h, t)), ("grad_lse", grad_lse, (h, t))):
         if x is not None and tuple(x.shape) != want:
             raise ValueError(f"kvt::dualkv_attention_backward: {name} must have shape {want}; got {tuple(x.shape)}")
-    _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels)
+    in_kernel_check = _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels)
     if kernels:
-        return _k.dualkv_bwd(grad_out, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale, grad_lse)
+        return _k.dualkv_bwd(grad_out, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale, grad_lse,
+                             assert_layout=in_kernel_check)
     dq, dk, dv = _k.dualkv_attention_reference_backward(grad_out, grad_lse, q, k, v, cu_seqlens, segment_prefix,
                                                         softmax_scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
