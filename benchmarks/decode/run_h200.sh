@@ -1,32 +1,44 @@
 #!/usr/bin/env bash
 # The decode-throughput table (BENCHMARKS.md, "Decode throughput"; SpeContext Table 5) on one H200, in parts that each
-# fit one device call (< 600 s; model build + transform ~35 s per part). On the lent device:
+# fit one device call (< 600 s; model build + transform ~35 s per process, ~30 s of torch.compile per method and
+# configuration of our runtime). On the lent device:
 #   source tools/device_env.sh && bash benchmarks/decode/run_h200.sh PART "$OUT/decode"
-# PART: llama-gen (Llama-8B [2k,16k], [2k,32k]: every method but hf_static), llama-long (Llama-8B [16k,2k], [32k,2k]),
-# qwen-gen, qwen-long (the same for Qwen3-8B), static (hf_static at [2k,32k], both models: HF compiles there),
-# validate (a whole [2k, 512] run per method against the sampled estimate). Parts append to the same out_dir, so the
-# "vs best dense" column compares methods of one part (the same process and machine state).
+# PART: llama-gen (Llama-8B [2k,16k], [2k,32k]: dense, specontext, quest), llama-long (Llama-8B [16k,2k], [32k,2k]),
+# qwen-gen, qwen-long (the same for Qwen3-8B), hf-llama, hf-qwen (hf_sdpa at every configuration of the model),
+# static (hf_static at [2k,32k], both models: HF compiles there), validate (a whole [2k, 512] run per method against
+# the sampled estimate; INPUTS="32768" limits the long parts). Each configuration of a long part runs in its own process (a 32K-token prefill after a
+# 49-request job ran out of memory in one process). Parts append to the same out_dir; "vs best dense" compares every
+# dense row of the CSV at the same model and configuration.
 set -o pipefail
-PART=${1:?part: llama-gen, llama-long, qwen-gen, qwen-long, static or validate}
+PART=${1:?part: llama-gen, llama-long, qwen-gen, qwen-long, hf-llama, hf-qwen, static or validate}
 OUT_DIR=${2:-out/bench/decode}
-python3 -P - "$PART" "$OUT_DIR" <<'PY'
+bench() {
+    python3 -P - "$OUT_DIR" "$@" <<'PY'
 import sys
 
 from kvtransform.bench import run
 
-part, out = sys.argv[1], sys.argv[2]
-common = ["samples=4", "steps=16", f"out_dir={out}", "append=true", "plot=false"]
-methods = "method=hf_sdpa,dense,specontext,quest"
-model = "model=qwen3-8b" if part.startswith("qwen") else "model=llama-8b"
-if part.endswith("-gen"):
-    run("decode", ["-m", model, "input=2048", "output=32768,16384", methods] + common)
-elif part.endswith("-long"):
-    run("decode", ["-m", model, "input=16384,32768", "output=2048", methods] + common)
-elif part == "static":
-    run("decode", ["-m", "model=llama-8b,qwen3-8b", "input=2048", "output=32768", "method=hf_static"] + common)
-elif part == "validate":
-    run("decode", ["-m", "model=llama-8b", "input=2048", "output=512", "requests=16", "steps=48", "validate=true",
-                   "method=dense,specontext,hf_sdpa"] + common[:1] + common[2:])
-else:
-    sys.exit(f"unknown part {part!r}")
+out, args = sys.argv[1], sys.argv[2:]
+run("decode", ["-m"] + args + ["samples=4", "steps=16", f"out_dir={out}", "append=true", "plot=false"])
 PY
+}
+ours="method=dense,specontext,quest"
+case "$PART" in
+    llama-gen|qwen-gen)
+        model=$([ "$PART" = qwen-gen ] && echo qwen3-8b || echo llama-8b)
+        bench "model=$model" input=2048 output=32768,16384 "$ours" ;;
+    llama-long|qwen-long)
+        model=$([ "$PART" = qwen-long ] && echo qwen3-8b || echo llama-8b)
+        for inp in ${INPUTS:-16384 32768}; do bench "model=$model" input=$inp output=2048 method=dense,specontext || exit; done ;;
+    hf-llama|hf-qwen)
+        model=$([ "$PART" = hf-qwen ] && echo qwen3-8b || echo llama-8b)
+        bench "model=$model" input=2048 output=32768,16384 method=hf_sdpa &&
+            bench "model=$model" input=16384,32768 output=2048 method=hf_sdpa ;;
+    static)
+        bench model=llama-8b,qwen3-8b input=2048 output=32768 method=hf_static ;;
+    validate)
+        python3 -P -c "from kvtransform.bench import run; import sys; run('decode', ['-m', 'model=llama-8b', \
+'input=2048', 'output=512', 'requests=16', 'steps=48', 'validate=true', 'method=dense,specontext,hf_sdpa', \
+'out_dir=$OUT_DIR', 'append=true', 'plot=false'])" ;;
+    *) echo "unknown part $PART" >&2; exit 2 ;;
+esac

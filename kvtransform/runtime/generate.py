@@ -167,6 +167,8 @@ class SpeContextRuntime:
             ``GenerationStats.offload_copy_hidden``.
     """
 
+    RECOMPILE_LIMIT = 64  # static compiles kept per decode program (see _decode_program)
+
     def __init__(self, prefill: Callable, decode: Callable, head: RetrievalHead, info: ModelInfo,
                  cuda_graphs: bool = True, offload: bool = False, compile: bool = False):
         self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
@@ -277,6 +279,13 @@ class SpeContextRuntime:
         if not (self.compile and torch.device(device).type == "cuda"):
             return self.decode_fn
         if self._compiled is None:
+            # one static compile per (batch, cache length, indices width): a sweep or a server sees more than
+            # dynamo's default 8 per code object, and past it dynamo would silently run the program eagerly
+            from torch._dynamo import config as cfg
+
+            for key in ("recompile_limit", "cache_size_limit"):
+                if hasattr(cfg, key):
+                    setattr(cfg, key, max(int(getattr(cfg, key)), self.RECOMPILE_LIMIT))
             self._compiled = torch.compile(self.decode_fn, dynamic=False, fullgraph=True)
         return self._compiled
 
