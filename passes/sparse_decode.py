@@ -269,3 +269,40 @@ def count_cache_copies(gm: torch.fx.GraphModule) -> int:
 
 
 __all__ = ["SparseDecodePass", "prove_cache_mask", "cache_concat", "append_outputs", "count_cache_copies"]
+
+
+def slot_mode_program(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The decode program a pass run produced, with every ``kvt::sparse_decode_attention`` in slot mode
+    (``indices=None``): each layer attends to its whole cache up to ``cache_seqlens[b]`` (plus the new token), the
+    kernel's loop bounded by the row's length. Full attention without an index per cached token: what the
+    ``dense`` head selects, at the cost of the tokens actually cached rather than of ``S_max`` (gather mode walks
+    every index, ``-1`` padding included).
+
+    The result shares ``gm``'s parameters (no weight copy) and keeps its signature; the ``indices`` input is
+    unused, so the captured input guards (``_guards_fn``) are dropped with it: callers pass any tensor there.
+
+    Raises:
+        ValueError: ``gm`` holds no ``kvt::sparse_decode_attention`` (not a program of this pass).
+    """
+    graph = torch.fx.Graph()
+    env: dict = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    sites = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.kvt.sparse_decode_attention.default]
+    if not sites:
+        raise ValueError("slot_mode_program needs a decode program rewritten by the sparse-decode pass (no "
+                         "kvt::sparse_decode_attention in it)")
+    for n in sites:
+        args = list(n.args)
+        args[3] = None
+        n.args = tuple(args)
+    for n in list(graph.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
+            graph.erase_node(n)
+    graph.lint()
+    new = torch.fx.GraphModule(gm, graph)
+    if hasattr(gm, "_in_spec"):  # an unlifted torch.export module flattens its inputs with these specs
+        new._in_spec, new._out_spec = gm._in_spec, gm._out_spec
+        new.graph._codegen = gm.graph._codegen
+        new.recompile()
+    return new

@@ -225,3 +225,29 @@ def test_real_model_exact_5_200_1500():
         out = m.generate(ids, am, max_new_tokens=64, eos_token_id=None)
         for b, ref in enumerate(refs):
             assert torch.equal(out[b, ids.shape[1]:], ref), (m.head.name, b)
+
+
+def test_dense_head_runs_the_slot_mode_program_with_gather_mode_logits(llama):
+    """The dense head decodes through the slot-mode variant of the program (each layer reads its cache up to
+    cache_seqlens); its logits equal the gather-mode program's over all_positions, step by step on a ragged batch."""
+    from kvtransform.passes.sparse_decode import slot_mode_program
+    from kvtransform.runtime.heads import all_positions
+
+    sp = _transform(llama, budget=64, head="dense")
+    rt = sp.runtime
+    assert rt.head.slot_mode
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in (3, 30, 11)]
+    cache, logits = rt.prefill(rows, 40, torch.device("cpu"))
+    tok = logits.argmax(-1)
+    rt.head.prefill(cache)
+    for _ in range(4):
+        cache.set_current(tok)
+        idx = all_positions(cache)
+        ref = rt.decode_fn(tok[:, None], cache.cache_seqlens, idx, cache.k, cache.v)
+        got, _ = rt.decode(cache, tok, rt.head.step(cache, None))
+        assert rt._slot is not None
+        torch.testing.assert_close(got, ref[0], rtol=1e-5, atol=1e-5)
+        tok = got.argmax(-1)
+    with pytest.raises(ValueError, match="sparse-decode pass"):
+        slot_mode_program(sp.core["prefill"])

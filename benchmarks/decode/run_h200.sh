@@ -6,7 +6,7 @@
 # PART: llama-gen (Llama-8B [2k,16k], [2k,32k]: dense, specontext, quest), llama-long (Llama-8B [16k,2k], [32k,2k]),
 # qwen-gen, qwen-long (the same for Qwen3-8B), hf-llama, hf-qwen (hf_sdpa at every configuration of the model),
 # static (hf_static at [2k,32k], both models: HF compiles there), validate (a whole [2k, 512] run per method against
-# the sampled estimate; INPUTS="32768" limits the long parts). Each configuration of a long part runs in its own process (a 32K-token prefill after a
+# the sampled estimate; INPUTS="32768" limits the long parts, METHODS="dense,specontext" the -gen parts). Each configuration of a long part runs in its own process (a 32K-token prefill after a
 # 49-request job ran out of memory in one process). Parts append to the same out_dir; "vs best dense" compares every
 # dense row of the CSV at the same model and configuration.
 set -o pipefail
@@ -22,7 +22,7 @@ out, args = sys.argv[1], sys.argv[2:]
 run("decode", ["-m"] + args + ["samples=4", "steps=16", f"out_dir={out}", "append=true", "plot=false"])
 PY
 }
-ours="method=dense,specontext,quest"
+ours="method=${METHODS:-dense,specontext,quest}"
 case "$PART" in
     llama-gen|qwen-gen)
         model=$([ "$PART" = qwen-gen ] && echo qwen3-8b || echo llama-8b)

@@ -32,6 +32,7 @@ import gc
 import math
 import time
 import traceback
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -45,6 +46,7 @@ __all__ = ["MODELS", "PAPER", "ORDER", "build_model", "max_requests", "sample_co
            "step_bytes", "run_job"]
 
 ORDER = [m.value for m in ThroughputMethod if m is not ThroughputMethod.all]
+OOM_RETRIES = 3  # automatic request counts: retries at -10 % after an out-of-memory error
 VALIDATE_TOL = 0.05  # a sampled estimate within 5 % of the whole run (issue 17)
 OURS = {"dense": "dense", "specontext": "distilled", "quest": "quest"}  # method -> retrieval head
 
@@ -414,6 +416,13 @@ def _flashinfer_available() -> bool:
     return True
 
 
+def _oom_where(e: BaseException) -> str:
+    """The innermost kvtransform function on the traceback of ``e`` (where the memory ran out)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "kvtransform" in f.filename or "/passes/" in
+              f.filename or "/kernels/" in f.filename]
+    return f"{frames[-1].name} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else "?"
+
+
 def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     """Run one ``decode`` job (one model shape, one ``[input, output]``); returns its CSV rows (one ``pass=run`` row
     per method with the throughput, one ``pass=step`` row per sampled context with ms/step and the HBM floor, and
@@ -484,30 +493,56 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                 rec["mem_start_gb"] = round(torch.cuda.memory_allocated(device) / 2 ** 30, 2)
                 rec["mem_reserved_gb"] = round(torch.cuda.memory_reserved(device) / 2 ** 30, 2)
                 rec["mem_free_gb"] = round(free / 2 ** 30, 2)
-            if method in OURS:
-                rt = ours.runtime(method)
-                prefill_s, g = _prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
-                cache = _random_cache(shape, reqs, max_length, dtype, device, cfg.seed)
-                ms = _time_ours(rt, cache, contexts, int(cfg.n0), int(cfg.steps), device)
-                note = ours.notes[method] + ("; decode program under torch.compile" if rt.compile and
-                                             device.type == "cuda" else "")
-                head_isz = rt.head.keys.element_size() if getattr(rt.head, "keys", None) is not None else itemsize
-                if cfg.validate:
-                    cache.cache_seqlens.fill_(inp)
-                    tok = torch.randint(3, shape["vocab"], (reqs,), device=device)
-                    measured = rt.decode_from(cache, tok, outl - 1).stats.decode_s
-                del cache
-                rt.head.release()
-            else:
-                prefill_s, g = _prefill_hf(model, method, inp, reqs, int(cfg.prefill_tokens), max_length, device)
-                ms, first = _time_hf(model, method, reqs, contexts, max_length, int(cfg.n0), int(cfg.steps), dtype,
-                                     device, cfg.seed)
-                note, head_isz = f"first generate call {first:.1f} s (warm-up{', compile' if method == 'hf_static' else ''})", itemsize
-                if cfg.validate:
-                    ids = torch.randint(3, shape["vocab"], (reqs, inp + 1), device=device)
-                    measured = _hf_seconds(model, method, ids, inp, outl, max_length, dtype, device, cfg.seed) \
-                        * (outl - 1) / outl  # generate ran outl steps
-                    del ids
+            def measure(reqs):
+                """(prefill_s, g, ms per sample, note, head key itemsize, validate seconds or None)."""
+                measured = None
+                if method in OURS:
+                    rt = ours.runtime(method)
+                    prefill_s, g = _prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
+                    cache = _random_cache(shape, reqs, max_length, dtype, device, cfg.seed)
+                    ms = _time_ours(rt, cache, contexts, int(cfg.n0), int(cfg.steps), device)
+                    note = ours.notes[method] + ("; decode program under torch.compile" if rt.compile and
+                                                 device.type == "cuda" else "")
+                    head_isz = rt.head.keys.element_size() if getattr(rt.head, "keys", None) is not None else itemsize
+                    if cfg.validate:
+                        cache.cache_seqlens.fill_(inp)
+                        tok = torch.randint(3, shape["vocab"], (reqs,), device=device)
+                        measured = rt.decode_from(cache, tok, outl - 1).stats.decode_s
+                    del cache
+                    rt.head.release()
+                else:
+                    prefill_s, g = _prefill_hf(model, method, inp, reqs, int(cfg.prefill_tokens), max_length, device)
+                    ms, first = _time_hf(model, method, reqs, contexts, max_length, int(cfg.n0), int(cfg.steps), dtype,
+                                         device, cfg.seed)
+                    note, head_isz = f"first generate call {first:.1f} s (warm-up{', compile' if method == 'hf_static' else ''})", itemsize
+                    if cfg.validate:
+                        ids = torch.randint(3, shape["vocab"], (reqs, inp + 1), device=device)
+                        measured = _hf_seconds(model, method, ids, inp, outl, max_length, dtype, device, cfg.seed) \
+                            * (outl - 1) / outl  # generate ran outl steps
+                        del ids
+                return prefill_s, g, ms, note, head_isz, measured
+
+            retries = 0
+            while True:
+                try:
+                    prefill_s, g, ms, note, head_isz, measured = measure(reqs)
+                    break
+                except torch.cuda.OutOfMemoryError as e:
+                    # the memory model misses a temporary: the largest count that fits is found by trying (an
+                    # explicit request count is the user's and is not changed)
+                    if int(cfg.requests) or reqs <= 1 or retries >= OOM_RETRIES:
+                        raise
+                    print(f"  {method}: out of memory at {reqs} requests in {_oom_where(e)}: retrying with fewer",
+                          flush=True)
+                # outside the handler: the failed attempt's tensors (held by the traceback) are released
+                retries += 1
+                reqs = max(1, int(reqs * 0.9))
+                if method in OURS:
+                    ours.runtime(method).head.release()
+                gc.collect()
+                torch.cuda.empty_cache()
+            if retries:
+                note += f"; {retries} out-of-memory retr{'y' if retries == 1 else 'ies'} (-10% requests each)"
             good = [(c, m) for c, m in zip(contexts, ms) if m == m]
             if not good:
                 raise RuntimeError("every sampled step was noisy (the longer run never slower): raise steps")
@@ -538,7 +573,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                           status="ok" if abs(err) <= VALIDATE_TOL else
                           f"outside {VALIDATE_TOL:.0%}: raise steps/samples (on a CPU: OMP_NUM_THREADS=1)"))
         except torch.cuda.OutOfMemoryError as e:
-            emit(dict(rec, status=f"oom: {str(e).splitlines()[0][:160]}"))
+            emit(dict(rec, requests=reqs, status=f"oom in {_oom_where(e)}: {str(e).splitlines()[0][:160]}"))
         except Exception as e:  # one method failing must not lose the others' rows
             traceback.print_exc()
             emit(dict(rec, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
@@ -548,7 +583,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    del model, ours
+    model = ours = None  # (closures above read these names: rebinding, not del)
     gc.collect()
     return rows
 

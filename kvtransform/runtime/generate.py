@@ -174,7 +174,8 @@ class SpeContextRuntime:
         self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
         self.cuda_graphs = bool(cuda_graphs)
         self.compile = bool(compile)
-        self._compiled = None
+        self._compiled: dict = {}  # slot mode -> the compiled program
+        self._slot = None  # the slot-mode variant of decode_fn (built on first use)
         self.offload = bool(offload)
         self.gpu_memory_bytes: Optional[int] = None
         self.offload_chunk = 1024
@@ -264,8 +265,9 @@ class SpeContextRuntime:
         :class:`~.offload.OffloadEngine`: per-layer inputs, elastic copies on the side stream, offloaded layers'
         new K/V to CPU). Returns ``(logits (batch, vocab), queries (L, batch, H, D))``."""
         if engine is None:
-            logits, k_new, v_new, q = self._decode_program(cache.k.device)(tokens[:, None], cache.cache_seqlens,
-                                                                           indices, cache.k, cache.v)
+            slot = bool(getattr(self.head, "slot_mode", False))
+            logits, k_new, v_new, q = self._decode_program(cache.k.device, slot)(
+                tokens[:, None], cache.cache_seqlens, cache.cache_seqlens if slot else indices, cache.k, cache.v)
         else:
             args = engine.layer_args(indices)
             logits, k_new, v_new, q = engine.graph(tokens[:, None], cache.cache_seqlens, *args)
@@ -274,11 +276,20 @@ class SpeContextRuntime:
             engine.after_step()
         return logits, q
 
-    def _decode_program(self, device) -> Callable:
-        """The decode program, through ``torch.compile`` when :attr:`compile` is set and ``device`` is CUDA."""
+    def _decode_program(self, device, slot: bool = False) -> Callable:
+        """The decode program (``slot``: its slot-mode variant, :func:`~kvtransform.passes.sparse_decode.
+        slot_mode_program`, whose ``indices`` input is unused), through ``torch.compile`` when :attr:`compile` is
+        set and ``device`` is CUDA."""
+        fn = self.decode_fn
+        if slot:
+            if self._slot is None:
+                from kvtransform.passes.sparse_decode import slot_mode_program
+
+                self._slot = slot_mode_program(self.decode_fn)
+            fn = self._slot
         if not (self.compile and torch.device(device).type == "cuda"):
-            return self.decode_fn
-        if self._compiled is None:
+            return fn
+        if self._compiled.get(slot) is None:
             # one static compile per (batch, cache length, indices width): a sweep or a server sees more than
             # dynamo's default 8 per code object, and past it dynamo would silently run the program eagerly
             from torch._dynamo import config as cfg
@@ -286,8 +297,8 @@ class SpeContextRuntime:
             for key in ("recompile_limit", "cache_size_limit"):
                 if hasattr(cfg, key):
                     setattr(cfg, key, max(int(getattr(cfg, key)), self.RECOMPILE_LIMIT))
-            self._compiled = torch.compile(self.decode_fn, dynamic=False, fullgraph=True)
-        return self._compiled
+            self._compiled[slot] = torch.compile(fn, dynamic=False, fullgraph=True)
+        return self._compiled[slot]
 
     def _offload_engine(self, rows, max_new_tokens, device):
         """The :class:`~.offload.OffloadEngine` plan of this request, or None when no layer needs to move.

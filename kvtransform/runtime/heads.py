@@ -78,6 +78,10 @@ class RetrievalHead:
     name = "abstract"
     needs_queries = False  # scores with the previous step's queries (dense on the first decode step)
     needs_model = False  # reads the target's weights: bind(model) before prefill
+    # every cached token: the runtime may run the decode program in slot mode (each layer reads its cache up to
+    # cache_seqlens, no index per token; kvtransform.passes.sparse_decode.slot_mode_program) and its selection
+    # (all_positions) only feeds the statistics
+    slot_mode = False
 
     def __init__(self, config, scale: Optional[float] = None):
         self.budget = int(config.budget)
@@ -136,7 +140,10 @@ def all_positions(cache: KVCache) -> torch.Tensor:
 
 @register_head("dense")
 class DenseHead(RetrievalHead):
-    """Every cached token (budget ignored): full attention through the sparse runtime."""
+    """Every cached token (budget ignored): full attention through the sparse runtime, in slot mode (the kernel
+    reads each row's cache up to its length instead of walking ``S_max`` indices)."""
+
+    slot_mode = True
 
     def select(self, cache, queries):
         return all_positions(cache)
