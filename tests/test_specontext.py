@@ -238,7 +238,9 @@ def test_dense_head_runs_the_slot_mode_program_with_gather_mode_logits(llama):
     assert rt.head.slot_mode
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, 128, (n,), generator=g) for n in (3, 30, 11)]
+    assert any(p.requires_grad for p in llama.parameters())
     cache, logits = rt.prefill(rows, 40, torch.device("cpu"))
+    assert not logits.requires_grad and not cache.k.requires_grad  # inference only: no activations kept
     tok = logits.argmax(-1)
     rt.head.prefill(cache)
     for _ in range(4):

@@ -230,11 +230,14 @@ class SpeContextRuntime:
             raise ValueError(f"top_p must be in (0, 1] (1 or None = off); got {top_p!r}")
 
     # ---- the two programs ------------------------------------------------------------------------------------
+    @torch.no_grad()
     def prefill(self, rows: Sequence[torch.Tensor], max_length: int, device, capacity: Optional[int] = None
                 ) -> tuple[KVCache, torch.Tensor]:
         """Run the packed prefill of ``rows`` (1-D prompts), write their K/V into a new cache of ``max_length``
         tokens per row (an :class:`~.offload.OffloadedKVCache` with resident layers of ``capacity`` tokens when
-        given). Returns ``(cache, logits (batch, vocab))`` of each prompt's last token."""
+        given). Returns ``(cache, logits (batch, vocab))`` of each prompt's last token. Inference only (no autograd:
+        a model whose weights require grad would otherwise keep every layer's activations, ~3.5 MB per token at
+        Llama-8B shapes)."""
         info = self.info
         seqs = list(rows)
         if len(seqs) == 1:  # the captured prefill takes >= 2 segments: add a 1-token dummy prompt
@@ -260,6 +263,7 @@ class SpeContextRuntime:
         cache.write_prompts(k, v, cu, ids)
         return cache, logits[0, :len(rows)]
 
+    @torch.no_grad()
     def decode(self, cache: KVCache, tokens: torch.Tensor, indices: torch.Tensor, engine=None):
         """One decode step for ``tokens`` ``(batch,)``: the LLM step over ``indices``, then append K/V (with an
         :class:`~.offload.OffloadEngine`: per-layer inputs, elastic copies on the side stream, offloaded layers'
