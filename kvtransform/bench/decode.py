@@ -501,8 +501,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                     prefill_s, g = _prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
                     cache = _random_cache(shape, reqs, max_length, dtype, device, cfg.seed)
                     ms = _time_ours(rt, cache, contexts, int(cfg.n0), int(cfg.steps), device)
-                    note = ours.notes[method] + ("; decode program under torch.compile" if rt.compile and
-                                                 device.type == "cuda" else "")
+                    note = "; ".join(n for n in (ours.notes[method], "decode program under torch.compile" if
+                                                 rt.compile and device.type == "cuda" else "") if n)
                     head_isz = rt.head.keys.element_size() if getattr(rt.head, "keys", None) is not None else itemsize
                     if cfg.validate:
                         cache.cache_seqlens.fill_(inp)
