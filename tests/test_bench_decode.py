@@ -212,3 +212,15 @@ def test_decode_from_refuses_bad_ids_and_foreign_caches():
         rt.decode_from(other, torch.tensor([5, 6]), 2)
     out = rt.decode_from(cache, torch.tensor([5, 6]), torch.tensor(3))
     assert out.sequences.shape == (2, 3)
+
+
+def test_build_model_overrides_a_shape_and_refuses_unknown_keys():
+    from kvtransform.bench.decode import MODELS, build_model
+
+    m = build_model("tiny", torch.float32, torch.device("cpu"), layers=1, vocab=100)
+    assert m.config.num_hidden_layers == 1 and m.config.vocab_size == 100
+    assert MODELS["smollm2-135m"]["tie"] and MODELS["smollm2-135m"]["vocab"] == 49152
+    with pytest.raises(ValueError, match="unknown shape key"):
+        build_model("tiny", torch.float32, torch.device("cpu"), layerz=1)
+    with pytest.raises(ValueError, match="unknown model shape"):
+        build_model("llama-9b", torch.float32, torch.device("cpu"))

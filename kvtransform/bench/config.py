@@ -234,7 +234,8 @@ class DecodeBenchConfig:
         suite: suite name, recorded in the CSV and the reproduce command.
         method: one of :class:`ThroughputMethod`; ``all`` runs every method.
         model: the model shape, a key of :data:`kvtransform.bench.decode.MODELS`: ``llama-8b``
-            (DeepSeek-R1-Distill-Llama-8B), ``qwen3-8b`` (Qwen3-8B) or ``tiny`` (CPU smoke); random bf16 weights
+            (DeepSeek-R1-Distill-Llama-8B), ``qwen3-8b`` (Qwen3-8B), ``smollm2-135m`` (the default model's shape) or
+            ``tiny`` (CPU smoke); random bf16 weights
             (speed does not depend on their values).
         input, output: prompt and generated tokens per request.
         budget: SpeContext's B, tokens selected per KV head (``specontext``, ``quest``).

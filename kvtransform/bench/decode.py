@@ -51,12 +51,15 @@ VALIDATE_TOL = 0.05  # a sampled estimate within 5 % of the whole run (issue 17)
 OURS = {"dense": "dense", "specontext": "distilled", "quest": "quest"}  # method -> retrieval head
 
 #: Model shapes (random weights). ``llama-8b``: DeepSeek-R1-Distill-Llama-8B (Llama-3.1-8B); ``qwen3-8b``: Qwen3-8B;
-#: ``tiny``: a 2-layer Llama for CPU smoke runs.
+#: ``smollm2-135m``: SmolLM2-135M (tied embeddings; the default model's shape, for quick GPU checks); ``tiny``: a
+#: 2-layer Llama for CPU smoke runs.
 MODELS = {
     "llama-8b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336,
                      vocab=128256, rope_theta=500000.0, positions=131072, paper="DeepSeek-R1-Distill-Llama-8B"),
     "qwen3-8b": dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=12288,
                      vocab=151936, rope_theta=1000000.0, positions=40960, paper="Qwen3-8B"),
+    "smollm2-135m": dict(arch="llama", layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, inter=1536,
+                         vocab=49152, rope_theta=100000.0, positions=8192, tie=True, paper=None),
     "tiny": dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=512,
                  rope_theta=10000.0, positions=8192, paper=None),
 }
@@ -89,21 +92,26 @@ def _value(x) -> str:
 # ------------------------------------------------------------------------------------------------------- the model
 
 
-def build_model(name: str, dtype: torch.dtype, device, seed: int = 0):
+def build_model(name: str, dtype: torch.dtype, device, seed: int = 0, **overrides):
     """A random-weight causal LM of the shape :data:`MODELS` ``[name]`` (weights ``N(0, 0.02)``, which keeps
-    activations finite through 36 layers), ``sdpa`` attention, in ``dtype`` on ``device``.
+    activations finite through 36 layers), ``sdpa`` attention, in ``dtype`` on ``device``. ``overrides`` replace
+    entries of the shape (``layers=4, hidden=1024, ...``: a smaller model of the same family).
 
     Raises:
-        ValueError: an unknown shape name.
+        ValueError: an unknown shape name or override key.
     """
     import transformers
 
     if name not in MODELS:
         raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(MODELS)}")
-    m = MODELS[name]
+    unknown = set(overrides) - set(MODELS[name])
+    if unknown:
+        raise ValueError(f"unknown shape key(s) {sorted(unknown)}; a shape has {', '.join(MODELS[name])}")
+    m = dict(MODELS[name], **overrides)
     common = dict(num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
                   head_dim=m["head_dim"], hidden_size=m["hidden"], intermediate_size=m["inter"],
-                  vocab_size=m["vocab"], max_position_embeddings=m["positions"], tie_word_embeddings=False,
+                  vocab_size=m["vocab"], max_position_embeddings=m["positions"],
+                  tie_word_embeddings=bool(m.get("tie", False)),
                   rope_theta=m["rope_theta"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if m["arch"] == "qwen3":
         cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
