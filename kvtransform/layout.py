@@ -59,6 +59,26 @@ def _lists_from_lengths(groups) -> tuple:
     return cu, sp, prefix_lens, response_lens
 
 
+def _offsets(name: str, t) -> list:
+    """The values of a layout offset tensor as python ints (a host read). Raises ValueError unless ``t`` is a 1-D
+    integer tensor with data (not meta / fake) whose values fit int32 (the kernels' index type): a float tensor
+    would be truncated and an int64 above 2**31-1 would wrap when the layout is stored as int32."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D int32 tensor; got {type(t).__name__} "
+                         f"{tuple(getattr(t, 'shape', ()))}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer offsets (int32); got {t.dtype}: build it with "
+                         f"dtype=torch.int32, or use DualKVLayout.from_lengths")
+    if not _has_data(t):
+        raise ValueError(f"{name} has no data to read ({t.device} device, a fake tensor, or inside torch.compile): "
+                         f"build the layout from real tensors before compiling, or with DualKVLayout.from_lengths")
+    vals = [int(x) for x in t.tolist()]
+    if vals and (min(vals) < -2 ** 31 or max(vals) > 2 ** 31 - 1):
+        raise ValueError(f"{name} holds {max(vals) if max(vals) > 0 else min(vals)}, outside int32: the DualKV "
+                         f"kernels index tokens with int32 (at most 2**31 - 1 tokens per batch)")
+    return vals
+
+
 def _has_data(t) -> bool:
     """A real tensor whose values can be read (not a fake / meta tensor, not while compiling)."""
     if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -168,9 +188,10 @@ class DualKVLayout:
 
     @classmethod
     def from_tensors(cls, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor) -> "DualKVLayout":
-        """Layout from the two offset tensors (host sync: reads them). Raises ValueError if they are inconsistent."""
-        cu = [int(x) for x in cu_seqlens.tolist()]
-        sp = [int(x) for x in segment_prefix.tolist()]
+        """Layout from the two offset tensors (host sync: reads them). Raises ValueError if they are inconsistent,
+        not 1-D integer tensors with values in the int32 range, or hold no data (meta / fake tensors)."""
+        cu = _offsets("cu_seqlens", cu_seqlens)
+        sp = _offsets("segment_prefix", segment_prefix)
         _check_structure(cu, sp, None)
         prefix_lens, response_lens = [], []
         for i, s in enumerate(sp):
@@ -215,8 +236,8 @@ class DualKVLayout:
     def _check_agree(self, total_tokens: Optional[int] = None) -> None:
         if self.cu_seqlens.dim() != 1 or self.segment_prefix.dim() != 1:
             raise ValueError("cu_seqlens and segment_prefix must be 1-D")
-        cu = [int(x) for x in self.cu_seqlens.tolist()]
-        sp = [int(x) for x in self.segment_prefix.tolist()]
+        cu = _offsets("cu_seqlens", self.cu_seqlens)
+        sp = _offsets("segment_prefix", self.segment_prefix)
         _check_structure(cu, sp, total_tokens)
         ecu, esp, _, _ = _lists_from_lengths(list(zip(self.prefix_lens, self.response_lens)))
         if ecu != cu or esp != sp:

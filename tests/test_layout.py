@@ -122,3 +122,16 @@ def test_direct_construction_must_agree():
     # meta tensors carry no data: nothing to compare, accepted as before
     DualKVLayout(ok.cu_seqlens.to("meta"), ok.segment_prefix.to("meta"), [3], [[2, 3]])
     assert ok.to("meta").prefix_lens == [3]
+
+
+@pytest.mark.parametrize("cu,sp,match", [
+    (torch.tensor([0., 3., 5.]), torch.tensor([-1, 0], dtype=torch.int32), "integer offsets"),
+    (torch.tensor([0, 3, 2 ** 31 + 5]), torch.tensor([-1, 0]), "outside int32"),
+    (torch.tensor([0, 3, 5], device="meta"), torch.tensor([-1, 0], device="meta"), "no data to read"),
+    (torch.tensor([[0, 3, 5]]), torch.tensor([-1, 0]), "1-D"),
+])
+def test_from_tensors_refuses_offsets_it_would_misread(cu, sp, match):
+    """A float offset would be truncated, an int64 above int32 would wrap in the kernels' int32 copy, a meta tensor
+    cannot be read: each is a ValueError naming the fix."""
+    with pytest.raises(ValueError, match=match):
+        DualKVLayout.from_tensors(cu, sp)
