@@ -72,7 +72,7 @@ def test_model_shapes_by_name():
 
     assert [str(c.model) for _, c in compose_jobs("decode", ["model=llama-8b,qwen3-8b"], multirun=True)] == \
         ["llama-8b", "qwen3-8b"]
-    with pytest.raises(ValueError, match="model=llama-70b: choose one of llama-8b, qwen3-8b, tiny"):
+    with pytest.raises(ValueError, match="model=llama-70b: choose one of llama-8b, qwen3-8b, smollm2-135m, tiny"):
         compose_jobs("decode", ["model=llama-70b"])
 
 
@@ -224,3 +224,41 @@ def test_build_model_overrides_a_shape_and_refuses_unknown_keys():
         build_model("tiny", torch.float32, torch.device("cpu"), layerz=1)
     with pytest.raises(ValueError, match="unknown model shape"):
         build_model("llama-9b", torch.float32, torch.device("cpu"))
+
+
+def _oom_job(monkeypatch, where, fail_times, **cfg):
+    """run_job on the tiny shape with ``where`` (a bench.decode function) raising CUDA OOM ``fail_times`` times."""
+    from kvtransform.bench import decode as D
+    from kvtransform.bench.config import DecodeBenchConfig, DType
+
+    real, calls = getattr(D, where), []
+
+    def failing(*a, **k):
+        calls.append(a)
+        if len(calls) <= fail_times:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*a, **k)
+
+    c = DecodeBenchConfig(model="tiny", input=16, output=12, method="dense", device="cpu", samples=1, steps=2, n0=2,
+                          compile=False, dtype=DType.float32, cpu_memory_gb=0.0005, **cfg)
+    with monkeypatch.context() as m:
+        m.setattr(D, where, failing)
+        m.setattr(D, "_KEEP", {})  # a fresh model and transform (the sweep cache would skip _Ours)
+        return [r for r in D.run_job(c) if r["pass"] == "run"][0], calls
+
+
+def test_oom_in_decode_retries_with_fewer_requests(monkeypatch):
+    row, calls = _oom_job(monkeypatch, "_time_ours", 2)
+    assert row["status"] == "ok" and "2 out-of-memory retries" in row["note"]
+    first = calls[0][1].batch  # the cache each attempt timed
+    assert [c[1].batch for c in calls] == [first, max(1, int(first * 0.9)), max(1, int(int(first * 0.9) * 0.9))]
+    assert row["requests"] == calls[-1][1].batch
+
+
+def test_oom_in_prefill_or_before_sizing_is_reported_not_retried(monkeypatch):
+    row, calls = _oom_job(monkeypatch, "_prefill_ours", 5)
+    assert len(calls) == 1 and row["status"].startswith("oom in ") and row["requests"] >= 1
+    row, calls = _oom_job(monkeypatch, "_Ours", 5)  # the transform itself: no request count chosen yet
+    assert len(calls) == 1 and row["status"].startswith("oom in ") and row["requests"] is None
+    row, calls = _oom_job(monkeypatch, "_time_ours", 1, requests=3)  # an explicit count is never changed
+    assert len(calls) == 1 and row["status"].startswith("oom")

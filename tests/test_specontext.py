@@ -253,3 +253,14 @@ def test_dense_head_runs_the_slot_mode_program_with_gather_mode_logits(llama):
         tok = got.argmax(-1)
     with pytest.raises(ValueError, match="sparse-decode pass"):
         slot_mode_program(sp.core["prefill"])
+    # a runtime around a plain callable keeps gather mode: the head's indices are honoured
+    from kvtransform.runtime.generate import SpeContextRuntime
+
+    plain = SpeContextRuntime(rt.prefill_fn, lambda *a: rt.decode_fn(*a), rt.head, rt.info)
+    assert not plain._slot_mode()
+    cache.set_current(tok)
+    few = all_positions(cache).clone()
+    few[:, :, 3:] = -1  # only the first 3 positions
+    ref = rt.decode_fn(tok[:, None], cache.cache_seqlens, few, cache.k, cache.v)[0]
+    got, _ = plain.decode(cache, tok, few)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

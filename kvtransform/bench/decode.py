@@ -426,8 +426,13 @@ def _flashinfer_available() -> bool:
 
 def _oom_where(e: BaseException) -> str:
     """The innermost kvtransform function on the traceback of ``e`` (where the memory ran out)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "kvtransform" in f.filename or "/passes/" in
-              f.filename or "/kernels/" in f.filename]
+    import kvtransform
+    import kvtransform.kernels
+    import kvtransform.passes
+
+    ours = tuple(str(Path(m.__file__).resolve().parent) for m in (kvtransform, kvtransform.kernels,
+                                                                    kvtransform.passes))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if str(Path(f.filename).resolve()).startswith(ours)]
     return f"{frames[-1].name} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else "?"
 
 
@@ -473,6 +478,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     paper = PAPER.get((mshape["paper"], inp, outl), {})
     for method in methods:
         rec = dict(method=method, **{"pass": "run"})
+        reqs = None  # set once the request count is chosen (an OOM before that has no count)
         try:
             if method == "flashinfer" and not _flashinfer_available():
                 emit(dict(rec, status="skip: flashinfer is not installed on this machine"))
@@ -501,12 +507,17 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                 rec["mem_start_gb"] = round(torch.cuda.memory_allocated(device) / 2 ** 30, 2)
                 rec["mem_reserved_gb"] = round(torch.cuda.memory_reserved(device) / 2 ** 30, 2)
                 rec["mem_free_gb"] = round(free / 2 ** 30, 2)
+            stage = {"name": "prefill"}
+
             def measure(reqs):
-                """(prefill_s, g, ms per sample, note, head key itemsize, validate seconds or None)."""
+                """(prefill_s, g, ms per sample, note, head key itemsize, validate seconds or None); ``stage`` says
+                whether the prefill (``g`` prompts, whatever ``reqs``) or the decode of ``reqs`` requests runs."""
                 measured = None
+                stage["name"] = "prefill"
                 if method in OURS:
                     rt = ours.runtime(method)
                     prefill_s, g = _prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
+                    stage["name"] = "decode"
                     cache = _random_cache(shape, reqs, max_length, dtype, device, cfg.seed)
                     ms = _time_ours(rt, cache, contexts, int(cfg.n0), int(cfg.steps), device)
                     note = "; ".join(n for n in (ours.notes[method], "decode program under torch.compile" if
@@ -520,6 +531,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                     rt.head.release()
                 else:
                     prefill_s, g = _prefill_hf(model, method, inp, reqs, int(cfg.prefill_tokens), max_length, device)
+                    stage["name"] = "decode"
                     ms, first = _time_hf(model, method, reqs, contexts, max_length, int(cfg.n0), int(cfg.steps), dtype,
                                          device, cfg.seed)
                     note, head_isz = f"first generate call {first:.1f} s (warm-up{', compile' if method == 'hf_static' else ''})", itemsize
@@ -537,8 +549,9 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                     break
                 except torch.cuda.OutOfMemoryError as e:
                     # the memory model misses a temporary: the largest count that fits is found by trying (an
-                    # explicit request count is the user's and is not changed)
-                    if int(cfg.requests) or reqs <= 1 or retries >= OOM_RETRIES:
+                    # explicit request count is the user's and is not changed; the prefill runs the same prompts
+                    # at any count, so fewer requests cannot help it)
+                    if int(cfg.requests) or reqs <= 1 or retries >= OOM_RETRIES or stage["name"] == "prefill":
                         raise
                     print(f"  {method}: out of memory at {reqs} requests in {_oom_where(e)}: retrying with fewer",
                           flush=True)
@@ -550,7 +563,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                 gc.collect()
                 torch.cuda.empty_cache()
             if retries:
-                note += f"; {retries} out-of-memory retr{'y' if retries == 1 else 'ies'} (-10% requests each)"
+                note = "; ".join(n for n in (note, f"{retries} out-of-memory retr{'y' if retries == 1 else 'ies'} "
+                                                   f"(-10% requests each)") if n)
             good = [(c, m) for c, m in zip(contexts, ms) if m == m]
             if not good:
                 raise RuntimeError("every sampled step was noisy (the longer run never slower): raise steps")

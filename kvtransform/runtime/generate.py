@@ -267,9 +267,11 @@ class SpeContextRuntime:
     def decode(self, cache: KVCache, tokens: torch.Tensor, indices: torch.Tensor, engine=None):
         """One decode step for ``tokens`` ``(batch,)``: the LLM step over ``indices``, then append K/V (with an
         :class:`~.offload.OffloadEngine`: per-layer inputs, elastic copies on the side stream, offloaded layers'
-        new K/V to CPU). Returns ``(logits (batch, vocab), queries (L, batch, H, D))``."""
+        new K/V to CPU). With a head whose ``slot_mode`` is set (``dense``) and no engine, ``indices`` is not read:
+        every layer attends to each row's whole cache (the slot-mode program, :meth:`_decode_program`). Returns
+        ``(logits (batch, vocab), queries (L, batch, H, D))``."""
         if engine is None:
-            slot = bool(getattr(self.head, "slot_mode", False))
+            slot = self._slot_mode()
             logits, k_new, v_new, q = self._decode_program(cache.k.device, slot)(
                 tokens[:, None], cache.cache_seqlens, cache.cache_seqlens if slot else indices, cache.k, cache.v)
         else:
@@ -279,6 +281,11 @@ class SpeContextRuntime:
         if engine is not None:
             engine.after_step()
         return logits, q
+
+    def _slot_mode(self) -> bool:
+        """Whether the step runs the slot-mode program: the head asks for it and the decode program is a graph the
+        sparse-decode pass rewrote (a plain callable ``decode`` keeps gather mode over the head's indices)."""
+        return bool(getattr(self.head, "slot_mode", False)) and isinstance(self.decode_fn, torch.fx.GraphModule)
 
     def _decode_program(self, device, slot: bool = False) -> Callable:
         """The decode program (``slot``: its slot-mode variant, :func:`~kvtransform.passes.sparse_decode.
