@@ -264,14 +264,17 @@ class SpeContextRuntime:
         return cache, logits[0, :len(rows)]
 
     @torch.no_grad()
-    def decode(self, cache: KVCache, tokens: torch.Tensor, indices: torch.Tensor, engine=None):
+    def decode(self, cache: KVCache, tokens: torch.Tensor, indices: torch.Tensor, engine=None,
+               slot: Optional[bool] = None):
         """One decode step for ``tokens`` ``(batch,)``: the LLM step over ``indices``, then append K/V (with an
         :class:`~.offload.OffloadEngine`: per-layer inputs, elastic copies on the side stream, offloaded layers'
         new K/V to CPU). With a head whose ``slot_mode`` is set (``dense``) and no engine, ``indices`` is not read:
-        every layer attends to each row's whole cache (the slot-mode program, :meth:`_decode_program`). Returns
+        every layer attends to each row's whole cache (the slot-mode program, :meth:`_decode_program`); ``slot``
+        False forces the gather program over ``indices`` (True: slot mode where the program allows it). Returns
         ``(logits (batch, vocab), queries (L, batch, H, D))``."""
         if engine is None:
-            slot = self._slot_mode()
+            slot = self._slot_mode() if slot is None else bool(slot) and isinstance(self.decode_fn,
+                                                                                    torch.fx.GraphModule)
             logits, k_new, v_new, q = self._decode_program(cache.k.device, slot)(
                 tokens[:, None], cache.cache_seqlens, cache.cache_seqlens if slot else indices, cache.k, cache.v)
         else:

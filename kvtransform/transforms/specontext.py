@@ -216,19 +216,21 @@ def verify_decode(model, opt: SpeContextModule, cfg: SpeContextConfig, tokenizer
     with stage(progress, "verifying prefill + decode steps on real text"), timed(report.timings, "verify"):
         rt = opt.runtime
         prompts = [s[:n] for s, n in zip(seqs, lengths)]
-        cache, logits = rt.prefill(prompts, max(lengths) + new_tokens, param.device)
-        ours = [logits]
-        for t in range(new_tokens):
-            tok = torch.stack([s[n + t] for s, n in zip(seqs, lengths)]).to(param.device)
-            logits, _ = rt.decode(cache, tok, all_positions(cache))
-            ours.append(logits)
-        ours = torch.stack(ours, 1).float()  # (batch, new_tokens + 1, vocab)
+        runs = []  # the gather program (what decode.pt2 holds); also the slot-mode variant when the head uses it
+        for slot in (False, True) if rt._slot_mode() else (False,):
+            cache, logits = rt.prefill(prompts, max(lengths) + new_tokens, param.device)
+            ours = [logits]
+            for t in range(new_tokens):
+                tok = torch.stack([s[n + t] for s, n in zip(seqs, lengths)]).to(param.device)
+                logits, _ = rt.decode(cache, tok, all_positions(cache), slot=slot)
+                ours.append(logits)
+            runs.append(torch.stack(ours, 1).float())  # (batch, new_tokens + 1, vocab)
         was_training = model.training
         model.eval()
         try:
             for i, (s, n) in enumerate(zip(seqs, lengths)):
                 ref = model(input_ids=s[None].to(param.device), use_cache=False).logits[0, n - 1:].float()
-                abs_err = float((ours[i] - ref).abs().max())
+                abs_err = max(float((ours[i] - ref).abs().max()) for ours in runs)
                 rel = abs_err / max(float(ref.abs().max()), 1e-30)
                 v.cases.append({"name": f"len{n}+{new_tokens}", "shape": [1, n + new_tokens],
                                 "max_abs_error": abs_err, "max_rel_error": rel})
