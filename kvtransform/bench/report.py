@@ -371,7 +371,8 @@ def markdown_throughput(df) -> str:
     if not val.empty:
         out += ["", "Validation (a whole generation against the sampled estimate): " + "; ".join(
             f"{r['model']} [{int(r['input'])}, {int(r['output'])}] {r['method']}: measured {_fmt(r['decode_s'], 2)} s, "
-            f"estimate {_fmt(r['estimate_s'], 2)} s ({100 * float(r['rel_err']):+.1f} %)" for _, r in val.iterrows())]
+            f"estimate {_fmt(r['estimate_s'], 2)} s ({100 * float(r['rel_err']):+.1f} %"
+            f"{'' if str(r['status']) == 'ok' else ', ' + str(r['status']).split(':')[0]})" for _, r in val.iterrows())]
     return "\n".join(out)
 
 
