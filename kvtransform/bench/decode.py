@@ -21,10 +21,11 @@ the selected ``budget`` tokens of every layer plus the retrieval head's key cach
 every page's min/max keys.
 
 Methods: ``hf_sdpa`` (HF ``generate``, DynamicCache, sdpa), ``hf_static`` (HF ``generate`` with a StaticCache: HF
-compiles the decode step itself), ``dense`` (our runtime, every token, CUDA graphs), ``specontext`` (our runtime, the
-``distilled`` head: the packaged one when it fits the model, else a randomly initialised head of the same
-architecture, which costs the same), ``quest`` (our runtime, Quest pages), ``flashinfer`` (FlashInfer's batch decode
-with a paged cache, when the package is importable).
+compiles the decode step itself), ``dense`` (our runtime, every token: the slot-mode program, each layer reading its
+cache up to the row's length), ``specontext`` (our runtime, the ``distilled`` head: the packaged one when it fits the
+model, else a randomly initialised head of the same architecture, which costs the same), ``quest`` (our runtime,
+Quest pages), ``flashinfer`` (reported as a skip: no FlashInfer decode path is wired yet). Our runtime replays each
+step as a CUDA graph, its decode program under ``torch.compile`` (``compile=true``, CUDA only).
 """
 from __future__ import annotations
 
