@@ -262,3 +262,14 @@ def test_oom_in_prefill_or_before_sizing_is_reported_not_retried(monkeypatch):
     assert len(calls) == 1 and row["status"].startswith("oom in ") and row["requests"] is None
     row, calls = _oom_job(monkeypatch, "_time_ours", 1, requests=3)  # an explicit count is never changed
     assert len(calls) == 1 and row["status"].startswith("oom")
+
+
+def test_suite_help_explains_every_key_and_lists_choices(capsys):
+    from kvtransform.bench import SUITES, run, suite_help
+
+    text = suite_help("decode")
+    assert "budget: SpeContext's B" in text and "method: all, hf_sdpa, hf_static, dense" in text
+    assert ":func:" not in text and "``" not in text and "model: llama-8b" in text  # plain text, then the defaults
+    assert run("decode", ["--help"]) == [] and "Choices:" in capsys.readouterr().out
+    for suite in SUITES:
+        assert suite_help(suite).startswith(f"kvtransform bench {suite} ")

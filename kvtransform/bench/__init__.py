@@ -155,11 +155,7 @@ def run(suite: str, argv: List[str]) -> list:
 
     argv = list(argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        from . import config as _config
-
-        if suite in _config.SUITES:
-            print(OmegaConf.to_yaml(OmegaConf.structured(_config.SUITES[suite])))
+        print(suite_help(suite))
         return []
     multirun = any(a in _FLAGS_MULTIRUN for a in argv)
     show_cfg = "--cfg" in argv
@@ -214,6 +210,28 @@ def run(suite: str, argv: List[str]) -> list:
     if failed:
         raise RuntimeError(f"kernel checks failed: {', '.join(r['method'] + ' ' + r['impl'] for r in failed)}")
     return all_rows
+
+
+def suite_help(suite: str) -> str:
+    """``kvtransform bench SUITE --help``: what every key of the suite means (its config's docstring, as plain text),
+    the choices of each enumerated key, and the defaults."""
+    import dataclasses
+    import inspect
+    import re
+    from enum import Enum
+
+    from omegaconf import OmegaConf
+
+    from . import config as _config
+
+    cls = _config.SUITES[suite]
+    doc = inspect.getdoc(cls) or ""
+    doc = re.sub(r":\w+:`~?\.?([^`]+)`", r"\1", doc).replace("``", "`")
+    choices = [f"  {f.name}: {', '.join(str(e.value) for e in type(f.default))}" for f in dataclasses.fields(cls)
+               if isinstance(f.default, Enum)]
+    return "\n".join([f"kvtransform bench {suite} [key=value ...] [-m]   (-m: sweep comma lists, e.g. method=a,b)", "",
+                      doc, "", "Choices:", *choices, "", "Defaults:",
+                      OmegaConf.to_yaml(OmegaConf.structured(cls)).rstrip()])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
