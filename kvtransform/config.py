@@ -182,8 +182,8 @@ class SpeContextConfig(TransformConfig):
         num_recent: always-kept most recent tokens (0 = off, as in the paper).
         page_size: tokens per page of the ``quest`` head.
         cuda_graphs: on CUDA, capture the whole decode step (retrieval head + LLM) in a CUDA graph and replay it.
-        retrieval: where a trained head's weights come from: ``"self"`` (``distilled``: the packaged head for this
-            model) or a directory (``distilled``: one written by ``kvtransform distill-retrieval-head``;
+        retrieval: where a trained head's weights come from (not a head name: ``retrieval="self"`` is unrelated to
+            ``head="self"``): ``"self"`` (``distilled``: the packaged head for this model) or a directory (``distilled``: one written by ``kvtransform distill-retrieval-head``;
             ``eagle3``: an EAGLE-3 draft checkpoint).
         offload: keep the full KV cache of some layers on CPU with elastic loading (memory model decides which).
         compile: on CUDA, compile the decode program with ``torch.compile`` (Inductor fuses the element-wise work
