@@ -268,8 +268,6 @@ def count_cache_copies(gm: torch.fx.GraphModule) -> int:
     return n
 
 
-__all__ = ["SparseDecodePass", "prove_cache_mask", "cache_concat", "append_outputs", "count_cache_copies"]
-
 
 def slot_mode_program(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The decode program a pass run produced, with every ``kvt::sparse_decode_attention`` in slot mode
@@ -288,7 +286,8 @@ def slot_mode_program(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     env: dict = {}
     out = graph.graph_copy(gm.graph, env)
     graph.output(out)
-    sites = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.kvt.sparse_decode_attention.default]
+    op = torch.ops.kvt.sparse_decode_attention.default
+    sites = [n for n in graph.nodes if n.op == "call_function" and n.target is op]
     if not sites:
         raise ValueError("slot_mode_program needs a decode program rewritten by the sparse-decode pass (no "
                          "kvt::sparse_decode_attention in it)")
@@ -306,3 +305,7 @@ def slot_mode_program(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         new.graph._codegen = gm.graph._codegen
         new.recompile()
     return new
+
+
+__all__ = ["SparseDecodePass", "prove_cache_mask", "cache_concat", "append_outputs", "count_cache_copies",
+           "slot_mode_program"]

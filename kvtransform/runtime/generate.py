@@ -273,8 +273,7 @@ class SpeContextRuntime:
         False forces the gather program over ``indices`` (True: slot mode where the program allows it). Returns
         ``(logits (batch, vocab), queries (L, batch, H, D))``."""
         if engine is None:
-            slot = self._slot_mode() if slot is None else bool(slot) and isinstance(self.decode_fn,
-                                                                                    torch.fx.GraphModule)
+            slot = self._slot_mode(slot)
             logits, k_new, v_new, q = self._decode_program(cache.k.device, slot)(
                 tokens[:, None], cache.cache_seqlens, cache.cache_seqlens if slot else indices, cache.k, cache.v)
         else:
@@ -285,10 +284,12 @@ class SpeContextRuntime:
             engine.after_step()
         return logits, q
 
-    def _slot_mode(self) -> bool:
-        """Whether the step runs the slot-mode program: the head asks for it and the decode program is a graph the
-        sparse-decode pass rewrote (a plain callable ``decode`` keeps gather mode over the head's indices)."""
-        return bool(getattr(self.head, "slot_mode", False)) and isinstance(self.decode_fn, torch.fx.GraphModule)
+    def _slot_mode(self, want: Optional[bool] = None) -> bool:
+        """Whether the step runs the slot-mode program: ``want`` (None: the head's ``slot_mode``) and the decode
+        program is a graph the sparse-decode pass rewrote (a plain callable ``decode`` keeps gather mode over the
+        head's indices)."""
+        want = getattr(self.head, "slot_mode", False) if want is None else want
+        return bool(want) and isinstance(self.decode_fn, torch.fx.GraphModule)
 
     def _decode_program(self, device, slot: bool = False) -> Callable:
         """The decode program (``slot``: its slot-mode variant, :func:`~kvtransform.passes.sparse_decode.
