@@ -508,10 +508,15 @@ def _bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dt, strid
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, q_idx, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi,
                   kbound, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-                  MASK_K: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+                  MASK_K: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
+    """dQ steps over key blocks ``[lo, hi)`` (``TMA``: K/V blocks through the descriptors, as :func:`_fwd_inner`)."""
     for start in range(lo, hi, BLOCK_N):
         k_idx = start + offs_n
-        k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
+        if TMA:
+            k = KD.load([start, kcol])
+            v = VD.load([start, kcol])
+        else:
+            k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.math.exp2(qk - lse2[:, None])
         if MASK_K:
@@ -530,10 +535,15 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                    stride_dqt, stride_dqh, T, H, GROUP, qk_scale, sm_scale,
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   EVEN_D: tl.constexpr, PREC: tl.constexpr):
+                   EVEN_D: tl.constexpr, PREC: tl.constexpr, PACK: tl.constexpr = 1, KD=None, VD=None,
+                   TMA: tl.constexpr = False):
+    """One program per (work entry, head unit), the forward's tiling (:func:`_fwd_kernel`: ``PACK > 1`` packs the
+    GQA group's query heads into one tile so K/V blocks are loaded once for the group; ``TMA`` loads them through
+    tensor descriptors). Each dQ row has one owner program: no atomics."""
     pid = tl.program_id(0)
-    w = pid // H
-    h = pid % H
+    n_units = H // GROUP if PACK > 1 else H
+    w = pid // n_units
+    u = pid % n_units
     seg = tl.load(WSEG + w)
     if seg < 0:
         return
@@ -542,45 +552,74 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
     se = tl.load(CU + seg + 1)
     cs = tl.load(KCTX_LO + seg)
     ce = tl.load(KCTX_HI + seg)
-    hk = h // GROUP
     q_start = ss + blk * BLOCK_M
-    offs_m = q_start + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, PACK * BLOCK_M)
+    if PACK > 1:
+        hk = u
+        jh = rows // BLOCK_M
+        offs_m = q_start + rows % BLOCK_M
+        head = hk * GROUP + jh
+        rm = (offs_m < se) & (jh < GROUP)
+    else:
+        hk = u // GROUP
+        offs_m = q_start + rows
+        head = u + rows * 0
+        rm = offs_m < se
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    rm = offs_m < se
     qm = rm[:, None]
     if not EVEN_D:
         qm = qm & (offs_d[None, :] < D)
-    row = offs_m.to(tl.int64)[:, None]
-    q = tl.load(Q + row * stride_qt + h * stride_qh + offs_d[None, :], mask=qm, other=0.0)
-    do = tl.load(DO + row * stride_dot + h * stride_doh + offs_d[None, :], mask=qm, other=0.0)
-    lse2 = tl.load(LSE + h.to(tl.int64) * T + offs_m, mask=rm, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + h.to(tl.int64) * T + offs_m, mask=rm, other=0.0)
+    row = offs_m.to(tl.int64)
+    hrow = head.to(tl.int64)
+    q = tl.load(Q + (row * stride_qt + hrow * stride_qh)[:, None] + offs_d[None, :], mask=qm, other=0.0)
+    do = tl.load(DO + (row * stride_dot + hrow * stride_doh)[:, None] + offs_d[None, :], mask=qm, other=0.0)
+    lse2 = tl.load(LSE + hrow * T + offs_m, mask=rm, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + hrow * T + offs_m, mask=rm, other=0.0)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
-    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    kcol = hk * D
+    dq = tl.zeros([PACK * BLOCK_M, D_PAD], tl.float32)
+    # the group prefix (response queries only): whole blocks unmasked, then the tail
     c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                       cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+                       cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, KD, VD, kcol, TMA)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                       c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC)
+                       c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC, KD, VD, kcol, TMA)
+    # own segment: whole key blocks strictly below the query block unmasked, then the causal rest
+    d_lo = ss + ((q_start - ss) // BLOCK_N) * BLOCK_N
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                       ss, q_start, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC)
+                       ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, KD, VD, kcol, TMA)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                       q_start, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True, True,
-                       PREC)
+                       d_lo, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True, True,
+                       PREC, KD, VD, kcol, TMA)
     dq = dq * sm_scale
-    tl.store(DQ + row * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qm)
+    tl.store(DQ + (row * stride_dqt + hrow * stride_dqh)[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=qm)
 
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                     offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+                    EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+                    QD, DOD, qcol, TMA: tl.constexpr):
+    """dK/dV steps over query blocks ``[lo, hi)`` of one query head. ``TMA``: the Q/dO blocks through the tensor
+    descriptors ``QD``/``DOD`` at column ``qcol`` (rows past ``qbound`` are then real rows of other segments, or
+    zeros past T: their probabilities are masked to 0)."""
     for start in range(lo, hi, BLOCK_M):
         q_idx = start + offs_m
         q_off = q_idx.to(tl.int64)
-        if MASK_Q:
+        if TMA:
+            q = QD.load([start, qcol])
+            do = DOD.load([start, qcol])
+            if MASK_Q:
+                rm = q_idx < qbound
+                lse2 = tl.load(lse_base + q_idx, mask=rm, other=0.0) * 1.4426950408889634
+                delta = tl.load(delta_base + q_idx, mask=rm, other=0.0)
+            else:
+                lse2 = tl.load(lse_base + q_idx) * 1.4426950408889634
+                delta = tl.load(delta_base + q_idx)
+        elif MASK_Q:
             rm = q_idx < qbound
             lm = rm[:, None]
             if not EVEN_D:
@@ -619,7 +658,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh, T, H_KV, GROUP, qk_scale, sm_scale,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     EVEN_D: tl.constexpr, PREC: tl.constexpr):
+                     EVEN_D: tl.constexpr, PREC: tl.constexpr, QD=None, DOD=None, TMA: tl.constexpr = False):
+    """One program per (work entry = BLOCK_N keys of one segment, KV head): dK/dV over every query head of the GQA
+    group and every query that sees these keys; each dK/dV row has one owner program (no atomics). ``TMA``: the
+    Q/dO blocks through host tensor descriptors (2-D ``(T, H*D)`` views, blocks ``(BLOCK_M, D)``)."""
     pid = tl.program_id(0)
     w = pid // H_KV
     g = pid % H_KV
@@ -654,17 +696,21 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
         delta_base = DELTA + h.to(tl.int64) * T
         # own segment: the diagonal (causal, masked), then the queries after it (whole blocks, then the tail)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC)
+                                 offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC,
+                                 QD, DOD, h * D, TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D, False, False,
-                                 PREC)
+                                 PREC, QD, DOD, h * D, TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC)
+                                 offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC,
+                                 QD, DOD, h * D, TMA)
         # a prefix key block: every response query of its group (contiguous after the prefix), unmasked
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False, False, PREC)
+                                 offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False, False, PREC,
+                                 QD, DOD, h * D, TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC)
+                                 offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC,
+                                 QD, DOD, h * D, TMA)
     dk = dk * sm_scale
     tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
     tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
@@ -747,10 +793,11 @@ def _lastdim_contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
-    """Host tensor descriptors of K and V as 2-D ``(T, H_kv*D)`` views with ``(block_n, D)`` blocks, or ``(None,
-    None)`` where the bulk tensor copy cannot address them (head dim not a power of two >= 16, heads not contiguous,
-    rows or the base not 16-byte aligned, or no descriptor support in this Triton)."""
+def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
+    """Host tensor descriptors of two ``(T, heads, D)`` tensors (K and V, or Q and dO) as 2-D ``(T, heads*D)`` views
+    with ``(block_n, D)`` blocks, or ``(None, None)`` where the bulk tensor copy cannot address them (head dim not a
+    power of two >= 16, heads not contiguous, rows or the base not 16-byte aligned, or no descriptor support in this
+    Triton)."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # pragma: no cover - older Triton
@@ -799,7 +846,7 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
     pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
     cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
     wseg, wblk, w = _plan_work(cub, ctx[0], ctx[1], bm, t, +1)
-    kd, vd = _kv_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
+    kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
     _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, out, lse, cub, ctx[0], ctx[1], wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -818,8 +865,8 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         do: ``(T, H, D)`` gradient of ``out``; q, k, v, out as in :func:`dualkv_fwd`; lse: fp32 ``(H, T)`` from the
             forward; cu_seqlens, segment_prefix, scale as in :func:`dualkv_fwd`.
         dlse: optional fp32 ``(H, T)`` gradient of ``lse`` (enters as ``Delta = rowsum(dO∘O) - dLSE``).
-        config: optional launch configs ``{"dq": {...}, "dkdv": {...}}`` as :func:`dualkv_fwd`'s (dq:
-            ``BLOCK_M % BLOCK_N == 0``; dkdv: ``BLOCK_N`` keys per program, ``BLOCK_N % BLOCK_M == 0``).
+        config: optional launch configs ``{"dq": {...}, "dkdv": {...}}`` as :func:`dualkv_fwd`'s (dq: the forward's
+            tiling, ``PACK`` and ``TMA`` included; dkdv: ``BLOCK_N`` keys per program, ``BLOCK_N % BLOCK_M == 0``).
         assert_layout: as :func:`dualkv_fwd`'s.
 
     Returns:
@@ -850,14 +897,16 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale, cfg):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    assert bm % bn == 0
+    group = h // h_kv
+    pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
     wseg, wblk, w = _plan_work(cu_seqlens, kctx_lo, kctx_hi, bm, t, +1)
-    _bwd_dq_kernel[(w * h,)](
+    kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
+    _bwd_dq_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1), t, h, h // h_kv, scale * LOG2E, scale,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        dq.stride(0), dq.stride(1), t, h, group, scale * LOG2E, scale,
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, PACK=pack, KD=kd, VD=vd,
+        TMA=kd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale,
@@ -865,12 +914,13 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     assert bn % bm == 0
     wseg, wblk, w = _plan_work(cu_seqlens, qctx_lo, qctx_hi, bn, t, -1)
+    qd, dod = _tma_descriptors(q, do, bm) if cfg.get("TMA") else (None, None)
     _bwd_dkdv_kernel[(w * h_kv,)](
         q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, QD=qd, DOD=dod,
+        TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 __all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",

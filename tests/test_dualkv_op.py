@@ -139,7 +139,12 @@ def test_kernels_match_replicated_reference(case):
     {"fwd": dict(BLOCK_M=16, BLOCK_N=16, PACK=True)},
     {"fwd": dict(BLOCK_M=32, BLOCK_N=16, TMA=True)},
     {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True, TMA=True)},
-], ids=["blocks32-16", "blocks16", "gqa-packed-16-32", "gqa-packed-16", "tma", "tma-packed"])
+    {"dq": dict(BLOCK_M=16, BLOCK_N=32, PACK=True)},
+    {"dq": dict(BLOCK_M=16, BLOCK_N=32, PACK=True, TMA=True)},
+    {"dq": dict(BLOCK_M=32, BLOCK_N=16, TMA=True)},
+    {"dkdv": dict(BLOCK_M=16, BLOCK_N=32, TMA=True)},
+], ids=["blocks32-16", "blocks16", "gqa-packed-16-32", "gqa-packed-16", "tma", "tma-packed", "dq-packed-16-32",
+        "dq-tma-packed", "dq-tma", "dkdv-tma"])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 2), (3, 3)], ids=["gqa2", "gqa3", "mha"])
 def test_kernels_other_launch_configs(cfg, heads):
     layout = DualKVLayout.from_lengths([(17, [15, 1]), (16, [33]), (40, [70, 3])])

@@ -27,6 +27,13 @@ VARIANTS = [(128, 128, 8, 3, 0), (128, 64, 8, 3, 0), (64, 128, 4, 3, 0), (32, 12
             (32, 128, 8, 3, 1, 1)]
 
 
+# backward kernel variants (same tuple form; dK/dV: BLOCK_M queries per step, BLOCK_N keys per program); 0 = default
+DQ_VARIANTS = [(128, 64, 8, 3, 0), (128, 64, 8, 3, 0, 1), (32, 64, 8, 3, 1), (32, 64, 8, 3, 1, 1),
+               (32, 128, 8, 3, 1, 1), (32, 64, 8, 2, 1, 1), (16, 64, 4, 3, 1, 1), (64, 64, 8, 3, 0, 1)]
+DKDV_VARIANTS = [(64, 128, 8, 3, 0), (64, 128, 8, 3, 0, 1), (64, 128, 8, 2, 0, 1), (32, 128, 8, 3, 0, 1),
+                 (64, 128, 8, 4, 0, 1)]
+
+
 def cfg_of(c):
     return dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3], PACK=bool(c[4]),
                 TMA=bool(c[5]) if len(c) > 5 else False)
@@ -53,7 +60,7 @@ def fwd_kernel_only(q, k, v, cu, sp, c, scale_pos=True):
     wseg, wblk, w = K._work_table(cu_b, cfg["BLOCK_M"], t, khi - klo, +1)
     out = torch.empty_like(q)
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
-    kd, vd = K._kv_descriptors(k, v, cfg["BLOCK_N"]) if cfg["TMA"] else (None, None)
+    kd, vd = K._tma_descriptors(k, v, cfg["BLOCK_N"]) if cfg["TMA"] else (None, None)
     holder = {}
 
     def run(mark=None):
@@ -65,12 +72,57 @@ def fwd_kernel_only(q, k, v, cu, sp, c, scale_pos=True):
     return run, holder
 
 
+def bwd_rows(q, k, v, do, cu, sp, p, mb, tf, dq_variants, dkdv_variants, check):
+    """The dQ and the dK/dV kernels alone (tables prebuilt): launch variants of each, their difference from the
+    kind's first variant, and (``check``) the bf16 kernel checks with that config. ``matmul_tflops``: the kernel's
+    own matmuls (dQ 3, dK/dV 4) per second."""
+    t, h, d = q.shape
+    h_kv = k.shape[1]
+    scale = d ** -0.5
+    out, lse = K.dualkv_fwd(q, k, v, cu, sp, scale)
+    delta = (out.float() * do.float()).sum(-1).t().contiguous()
+    cub, ctx = K._plan_layout(cu, sp, t)
+    rows = []
+    for kind, variants, n_mm in (("dq", dq_variants, 3), ("dkdv", dkdv_variants, 4)):
+        ref = None
+        for c in variants:
+            cfg = cfg_of(c)
+            try:
+                if kind == "dq":
+                    outs = (torch.empty_like(q),)
+                    run = lambda mark=None, cfg=cfg, o=outs: K._launch_dq(  # noqa: E731
+                        q, k, v, do, o[0], lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d, "tf32", scale, cfg)
+                else:
+                    outs = (torch.empty_like(k), torch.empty_like(v))
+                    run = lambda mark=None, cfg=cfg, o=outs: K._launch_dkdv(  # noqa: E731
+                        q, k, v, do, o[0], o[1], lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d, "tf32", scale,
+                        cfg)
+                run()
+                torch.cuda.synchronize()
+                ms = med(run, iters=20)[0]
+                got = torch.cat([x.float().flatten() for x in outs])
+                ref = got if ref is None else ref
+                row = dict(what=f"{kind}_kernel_only", P=p, mb=mb, cfg=str(c), ms=ms,
+                           matmul_tflops=tf(ms * 2 / n_mm), maxdiff_vs_first=(got - ref).abs().max().item())
+                if check:
+                    from kvtransform.bench.checks import check_dualkv_kernels
+                    row["check_ok"], row["check_worst"] = check_dualkv_kernels(q.device, {kind: cfg}, cases=[0, 1, 2])
+            except Exception as e:  # noqa: BLE001
+                row = dict(what=f"{kind}_kernel_only", P=p, mb=mb, cfg=str(c), error=f"{type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:150] if str(e) else ''}")
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="5059:4,8192:16")
     ap.add_argument("--out", default="out/probe")
     ap.add_argument("--variants", default="all")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--dq-variants", default="", help="comma-separated DQ_VARIANTS indices: the dQ kernel alone")
+    ap.add_argument("--dkdv-variants", default="", help="comma-separated DKDV_VARIANTS indices: the dK/dV kernel")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--scale-first", action="store_true", help="kernel-only rows: the softmax that scales the scores "
                     "before the row max (the forward before the FMA form)")
@@ -160,6 +212,10 @@ def main():
                 rows.append(dict(what="fwd_kernel_only", P=p, mb=mb, cfg=str(c), error=f"{type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:150] if str(e) else ''}"))
             print(rows[-1], flush=True)
+        if a.dq_variants or a.dkdv_variants:
+            pick = lambda arg, table: [table[int(i)] for i in arg.split(",")] if arg else []  # noqa: E731
+            rows.extend(bwd_rows(q, k, v, do, cu, sp, p, mb, tf, pick(a.dq_variants, DQ_VARIANTS),
+                                 pick(a.dkdv_variants, DKDV_VARIANTS), a.check))
         del q, k, v, do, qg, kg, vg
         torch.cuda.empty_cache()
     with open(os.path.join(a.out, "probe.json"), "w") as f:
