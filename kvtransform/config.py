@@ -191,6 +191,11 @@ class SpeContextConfig(TransformConfig):
             for a one-time compile of ~30 s per batch size and cache length (H200, Llama-8B shape, 25 requests,
             8K context: 10.3 → 8.0 ms per step; BENCHMARKS.md, decode throughput). Off by default because each new
             (batch, prompt + max_new_tokens) compiles again; worth it for long generations of a fixed shape.
+        fuse_projections: the decode program's sibling projections as one GEMM each
+            (:mod:`kvtransform.passes.fuse_projections`): ``"qkv"`` (default: the attention's q/k/v projections; the
+            narrow GQA k/v GEMMs stream their weights slowly at decode batch sizes), ``"all"`` (SwiGLU's gate/up
+            too) or ``"none"``. The fused weights are a copy (Llama-8B shape, ``"qkv"``: 1.5 GiB of device memory),
+            copied again when the model's parameters change in place between steps.
     """
 
     name: str = "specontext"
@@ -203,6 +208,7 @@ class SpeContextConfig(TransformConfig):
     retrieval: str = "self"
     offload: bool = False
     compile: bool = False
+    fuse_projections: str = "qkv"
 
     def validate(self) -> None:
         super().validate()
@@ -222,8 +228,11 @@ class SpeContextConfig(TransformConfig):
             v = getattr(self, key)
             if not isinstance(v, bool):
                 raise ValueError(f"{key} must be true or false; got {v!r}")
+        from kvtransform.passes.fuse_projections import CHOICES
         from kvtransform.runtime.heads import HEADS
 
+        if self.fuse_projections not in CHOICES:
+            raise ValueError(f"fuse_projections must be one of {list(CHOICES)}; got {self.fuse_projections!r}")
         if self.head not in HEADS and self.head != "auto":
             raise ValueError(f"unknown retrieval head {self.head!r}; choose one of {sorted(HEADS)}")
 

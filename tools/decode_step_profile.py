@@ -5,8 +5,8 @@ of BENCHMARKS.md). Run on the device from the repository root:
         [--context 16384]
 
 For ``dense`` and ``specontext`` (random distilled head) on a random-weight model of the shape: the CUDA-graph step
-time (eager program and ``torch.compile``d program), its HBM floor, and a ``torch.profiler`` table of one eager step
-(kernel count and the kernels that take the time).
+time (eager program and ``torch.compile``d program), its HBM floor, and ``torch.profiler`` tables of one step of each
+(kernel count and time of the retrieval head's step and of the decode program, and the kernels that take it).
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--methods", default="dense,specontext")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--fuse", default="qkv", help="fuse_projections values to time, comma-separated (qkv, all, none); "
+                    "the profile uses the first")
     a = ap.parse_args()
     dev = torch.device("cuda")
     model = build_model(a.model, torch.bfloat16, dev)
@@ -35,7 +37,8 @@ def main():
     bw = copy_bandwidth(dev)
     wb = weight_bytes(model)
     t0 = time.perf_counter()
-    ours = _Ours(model, SimpleNamespace(budget=a.budget, cuda_graphs=True, compile=False))
+    ours = _Ours(model, SimpleNamespace(budget=a.budget, cuda_graphs=True, compile=False,
+                                                 fuse_projections=a.fuse.split(",")[0]))
     print(f"transform {time.perf_counter() - t0:.1f} s; copy bandwidth {bw / 1e12:.2f} TB/s; weights {wb / 1e9:.2f} GB",
           flush=True)
     max_len = a.context + 64
@@ -44,34 +47,44 @@ def main():
         rt = ours.runtime(method)
         read = wb + step_bytes(method, shape, a.requests, a.context, max_len, a.budget)
         floor = 1000 * read / bw
-        for comp in ((False,) if a.no_compile else (False, True)):
-            rt.compile, rt._compiled = comp, {}
-            t0 = time.perf_counter()
-            _time_ours(rt, cache, [a.context], 4, 4, dev)  # warm-up (compile)
-            warm = time.perf_counter() - t0
-            ms = _time_ours(rt, cache, [a.context], 4, 32, dev)[0]
-            print(f"{method:10s} compile={comp!s:5s} {ms:7.2f} ms/step  floor {floor:6.2f} ms ({ms / floor:.2f}x)  "
-                  f"warm-up {warm:.1f} s", flush=True)
-        rt.compile, rt._compiled = False, {}
-        # one eager step under the profiler: kernels and their time
+        for fuse in reversed(a.fuse.split(",")):  # the first (profiled) setting last
+            for comp in ((False,) if a.no_compile else (False, True)):
+                rt.compile, rt._compiled, rt._slot, rt.fuse_projections = comp, {}, None, fuse
+                t0 = time.perf_counter()
+                _time_ours(rt, cache, [a.context], 4, 4, dev)  # warm-up (compile)
+                warm = time.perf_counter() - t0
+                ms = _time_ours(rt, cache, [a.context], 4, 32, dev)[0]
+                print(f"{method:10s} fuse={fuse:4s} compile={comp!s:5s} {ms:7.2f} ms/step  floor {floor:6.2f} ms "
+                      f"({ms / floor:.2f}x)  warm-up {warm:.1f} s", flush=True)
+        # one step under the profiler (eager program, then the compiled one, both outside CUDA graphs): the kernel
+        # time of the retrieval head's step and of the decode program, and the kernels that take it
         from torch.profiler import ProfilerActivity, profile
 
         cache.cache_seqlens.fill_(a.context)
         rt.head.prefill(cache)
         tok = torch.randint(3, shape["vocab"], (a.requests,), device=dev)
-        with torch.no_grad():
-            sel = rt.head.step(cache, None)
-            rt.decode(cache, tok, sel)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                cache.set_current(tok)
+        for comp in ((False,) if a.no_compile else (False, True)):
+            rt.compile = comp  # the compiled program of the timing above is kept in rt._compiled
+            with torch.no_grad():
                 sel = rt.head.step(cache, None)
                 rt.decode(cache, tok, sel)
                 torch.cuda.synchronize()
-        ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        total = sum(e.device_time for e in ev) / 1000
-        print(f"{method}: eager step {len(ev)} kernels, {total:.2f} ms of kernel time", flush=True)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70), flush=True)
+                parts = {}
+                for part in ("head", "decode", "step"):
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        cache.set_current(tok)
+                        if part != "decode":
+                            sel = rt.head.step(cache, None)
+                        if part != "head":
+                            rt.decode(cache, tok, sel)
+                        torch.cuda.synchronize()
+                    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                    parts[part] = (len(ev), sum(e.device_time for e in ev) / 1000)
+            print(f"{method} compile={comp}: kernels/ms of kernel time: " + ", ".join(
+                f"{k} {n} / {ms:.2f}" for k, (n, ms) in parts.items()), flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70),
+                  flush=True)
+        rt.compile, rt._compiled = False, {}
 
 
 if __name__ == "__main__":

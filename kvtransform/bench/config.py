@@ -251,6 +251,8 @@ class DecodeBenchConfig:
             default: on the H200 it took the Llama-8B step (25 requests, 8K context) from 10.29 to 7.96 ms
             (specontext) and 15.86 to 12.76 ms (dense), for ~30 s of compile per method and configuration.
         cuda_graphs: our runtime's CUDA graphs.
+        fuse_projections: our runtime's projection fusion of the decode program (SpeContextConfig.fuse_projections:
+            ``qkv``, ``all`` or ``none``); the fused copies are made before the request count is sized.
         validate: also run the whole generation once per method and compare it with the sampled estimate (rows
             ``pass=validate``; for a short ``output``).
         seed, dtype, device, out_dir, append, plot: as in the other suites.
@@ -272,6 +274,7 @@ class DecodeBenchConfig:
     prefill_tokens: int = 16384
     compile: bool = True
     cuda_graphs: bool = True
+    fuse_projections: str = "qkv"
     validate: bool = False
     seed: int = 0
     dtype: DType = DType.bfloat16
@@ -293,6 +296,7 @@ _CHOICES = {
     "fa2_impl": ("auto", "varlen", "sdpa"),
     "flex_compile": ("auto", "true", "false", "1", "0", "yes", "no"),
     "flex_mask": ("blocks", "eager", "compiled"),
+    "fuse_projections": ("none", "qkv", "all"),
 }
 
 

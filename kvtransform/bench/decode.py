@@ -240,7 +240,8 @@ class _Ours:
         from kvtransform.transforms.specontext import SpeContextModule
 
         base = kvt.SpeContextConfig(head="quest", budget=int(cfg.budget), cuda_graphs=bool(cfg.cuda_graphs),
-                                    compile=bool(cfg.compile))
+                                    compile=bool(cfg.compile),
+                                    fuse_projections=str(getattr(cfg, "fuse_projections", "qkv")))
         self.sp = kvt.transform(model, base, progress=False)
         self.modules, self.notes = {}, {}
         for method, head in OURS.items():
@@ -251,6 +252,7 @@ class _Ours:
                                                     self.sp.report, self.sp.info, self.sp.head.scale, model=model,
                                                     head_name=head, head_state=state)
             self.notes[method] = note
+        self.sp.runtime._fused()  # the fused projection copies exist before the request count is sized
 
     def runtime(self, method):
         return self.modules[method].runtime
@@ -488,7 +490,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                 emit(dict(rec, status="skip: flashinfer decode path not wired (see BENCHMARKS.md)"))
                 continue
             if method in OURS and ours is None:
-                okey = (int(cfg.budget), bool(cfg.cuda_graphs), bool(cfg.compile))
+                okey = (int(cfg.budget), bool(cfg.cuda_graphs), bool(cfg.compile), str(cfg.fuse_projections))
                 if okey not in _KEEP["ours"]:
                     _KEEP["ours"][okey] = _Ours(model, cfg)
                 ours = _KEEP["ours"][okey]

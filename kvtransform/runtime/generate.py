@@ -157,6 +157,9 @@ class SpeContextRuntime:
         compile: on CUDA, run the decode program through ``torch.compile`` (Inductor fuses the norms, RoPE, SwiGLU
             and residuals around the opaque ``kvt`` ops; compiled once per batch size and cache length, before
             the CUDA graph is captured). Offloaded steps stay eager.
+        fuse_projections: ``"qkv"``, ``"all"`` or ``"none"``: the decode program's sibling projections fused into
+            one GEMM each (:mod:`kvtransform.passes.fuse_projections`; a copy of those weights in device memory,
+            refreshed when the originals change).
         offload: move layers' KV to CPU during decoding when the memory model says so (:mod:`.offload`, §5–6).
 
     Attributes:
@@ -170,8 +173,14 @@ class SpeContextRuntime:
     RECOMPILE_LIMIT = 64  # static compiles kept per decode program (see _decode_program)
 
     def __init__(self, prefill: Callable, decode: Callable, head: RetrievalHead, info: ModelInfo,
-                 cuda_graphs: bool = True, offload: bool = False, compile: bool = False):
+                 cuda_graphs: bool = True, offload: bool = False, compile: bool = False,
+                 fuse_projections: str = "none"):
+        from kvtransform.passes.fuse_projections import CHOICES
+
+        if fuse_projections not in CHOICES:
+            raise ValueError(f"fuse_projections must be one of {CHOICES}; got {fuse_projections!r}")
         self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
+        self.fuse_projections = fuse_projections
         self.cuda_graphs = bool(cuda_graphs)
         self.compile = bool(compile)
         self._compiled: dict = {}  # slot mode -> the compiled program
@@ -291,16 +300,26 @@ class SpeContextRuntime:
         want = getattr(self.head, "slot_mode", False) if want is None else want
         return bool(want) and isinstance(self.decode_fn, torch.fx.GraphModule)
 
+    def _fused(self):
+        """The decode program's :class:`~kvtransform.passes.fuse_projections.FusedProjections` (None: not fused)."""
+        from kvtransform.passes.fuse_projections import fused_program
+
+        return fused_program(self.decode_fn, self.fuse_projections)
+
     def _decode_program(self, device, slot: bool = False) -> Callable:
-        """The decode program (``slot``: its slot-mode variant, :func:`~kvtransform.passes.sparse_decode.
-        slot_mode_program`, whose ``indices`` input is unused), through ``torch.compile`` when :attr:`compile` is
-        set and ``device`` is CUDA."""
-        fn = self.decode_fn
+        """The decode program (its sibling projections fused per :attr:`fuse_projections`, the fused weights
+        refreshed from the originals outside CUDA-graph captures; ``slot``: its slot-mode variant,
+        :func:`~kvtransform.passes.sparse_decode.slot_mode_program`, whose ``indices`` input is unused), through
+        ``torch.compile`` when :attr:`compile` is set and ``device`` is CUDA."""
+        fused = self._fused()
+        fn = self.decode_fn if fused is None else fused.program
+        if fused is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            fused.refresh()
         if slot:
             if self._slot is None:
                 from kvtransform.passes.sparse_decode import slot_mode_program
 
-                self._slot = slot_mode_program(self.decode_fn)
+                self._slot = slot_mode_program(fn)
             fn = self._slot
         if not (self.compile and torch.device(device).type == "cuda"):
             return fn

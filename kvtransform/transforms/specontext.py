@@ -74,7 +74,8 @@ class SpeContextModule(OptimizedModule):
             self.head.load_state_dict(head_state)
         self.head.bind(model if model is not None else decode)
         self.runtime = SpeContextRuntime(prefill, decode, self.head, info, cuda_graphs=config.cuda_graphs,
-                                          offload=config.offload, compile=config.compile)
+                                          offload=config.offload, compile=config.compile,
+                                          fuse_projections=config.fuse_projections)
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,223 @@
+"""Projection fusion of a decode program: sibling linears -- ``aten.linear`` nodes that read the same input with
+parameter weights -- become one GEMM over their concatenated weights, split back along the last dim. Which groups:
+
+* ``"qkv"``: the groups whose linears feed an attention site (``kvt::sparse_decode_attention``'s query, new key or
+  new value, walking up through RoPE, per-head norms, views): the q/k/v projections;
+* ``"all"``: every sibling group (SwiGLU's gate/up as well);
+* ``"none"``: no fusion.
+
+Why: a decode step multiplies a few rows by every weight, so each projection is a skinny GEMM that streams its
+weight once, and the narrow GQA k/v projections (``N = H_kv * head_dim``) stream it slowly (H200, Llama-8B shape,
+25 requests: k/v projections at ~1.5 TB/s, q at ~2.9, the wide MLP GEMMs at ~3.8, copy bandwidth 4.2; BENCHMARKS.md,
+decode throughput). vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` fuse the same way at load time.
+
+The fused weight is a **copy**: the original parameters stay, because the prefill program and the user's model read
+them. It costs those weights' bytes once more of device memory (Llama-8B shape, ``"qkv"``: 32 x 48 MiB = 1.5 GiB;
+``"all"`` adds 7.3 GiB), and it must follow the originals: :meth:`FusedProjections.refresh` copies a group again
+when one of its parameters changed since (an in-place update bumps ``Tensor._version``; a replaced parameter has
+another data pointer), so a policy updated between ``generate`` calls decodes with its new weights.
+
+The result is numerically the unfused program up to the GEMM's summation order (a wider GEMM may pick another
+kernel): not bitwise equal, within the rounding of the dtype.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Optional
+
+import torch
+
+aten = torch.ops.aten
+LINEAR = aten.linear.default
+CHOICES = ("none", "qkv", "all")
+
+
+def _attr(root: torch.nn.Module, target: str) -> torch.Tensor:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _attention_projections(graph: torch.fx.Graph) -> set:
+    """The linear nodes whose outputs reach an attention site's query, new key or new value without passing through
+    another linear."""
+    site = torch.ops.kvt.sparse_decode_attention.default
+    found: set = set()
+    for node in graph.nodes:
+        if not (node.op == "call_function" and node.target is site):
+            continue
+        stack, seen = [node.args[i] for i in (0, 5, 6)], set()
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, torch.fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if n.op == "call_function" and n.target is LINEAR:
+                found.add(n)
+            elif n.op == "call_function":
+                stack.extend(n.all_input_nodes)
+    return found
+
+
+def _sibling_groups(gm: torch.fx.GraphModule, which: str) -> list:
+    """Groups (in graph order, >= 2 members) of linears with the same input and parameter weights (``get_attr``) of
+    one dtype and device, all with a bias or none."""
+    groups: dict = {}
+    for n in gm.graph.nodes:
+        if not (n.op == "call_function" and n.target is LINEAR and not n.kwargs):
+            continue
+        x, w = n.args[0], n.args[1]
+        b = n.args[2] if len(n.args) > 2 else None
+        if not (isinstance(w, torch.fx.Node) and w.op == "get_attr") or \
+                (b is not None and not (isinstance(b, torch.fx.Node) and b.op == "get_attr")):
+            continue
+        wt = _attr(gm, w.target)
+        if not isinstance(wt, torch.Tensor) or wt.dim() != 2:
+            continue
+        groups.setdefault((x, wt.dtype, wt.device, wt.shape[1], b is None), []).append(n)
+    out = [g for g in groups.values() if len(g) >= 2]
+    if which == "qkv":
+        attn = _attention_projections(gm.graph)
+        out = [g for g in out if all(n in attn for n in g)]
+    return out
+
+
+class FusedProjections:
+    """A decode program with its sibling projections fused (see the module docstring), and what keeps the fused
+    weights equal to the originals.
+
+    Attributes:
+        program: the fused ``GraphModule`` (same signature and outputs as the source program; shares its other
+            parameters); ``None`` members of ``groups`` mean nothing was fused and ``program`` is the source.
+        groups: per fused group ``(buffer name, weight targets, bias targets or None)``; targets are attribute paths
+            in the source program.
+        extra_bytes: device memory the fused copies take.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, which: str = "qkv"):
+        if which not in CHOICES:
+            raise ValueError(f"fuse_projections must be one of {CHOICES}; got {which!r}")
+        self._source, self.which = weakref.ref(gm), which  # weak: the cache of fused_program is keyed by gm
+        self.groups: list = []
+        self.extra_bytes = 0
+        self._seen: list = []
+        found = _sibling_groups(gm, which) if which != "none" else []
+        if not found:
+            self.program = gm
+            return
+        graph = torch.fx.Graph()
+        env: dict = {}
+        graph.output(graph.graph_copy(gm.graph, env))
+        buffers = {}
+        for i, members in enumerate(found):
+            name = f"_kvt_fused_proj_{i}"
+            wts = [m.args[1].target for m in members]
+            bts = [m.args[2].target for m in members] if len(members[0].args) > 2 and members[0].args[2] is not None \
+                else None
+            with torch.no_grad():
+                buffers[name] = (torch.cat([_attr(gm, t) for t in wts]),
+                                 torch.cat([_attr(gm, t) for t in bts]) if bts else None)
+            self.groups.append((name, wts, bts))
+            self.extra_bytes += sum(x.numel() * x.element_size() for x in buffers[name] if x is not None)
+            sizes = [int(_attr(gm, t).shape[0]) for t in wts]
+            new = [env[m] for m in members]
+            with graph.inserting_before(new[0]):
+                w = graph.get_attr(name + "_w")
+                args = (new[0].args[0], w) + ((graph.get_attr(name + "_b"),) if bts else ())
+                fused = graph.call_function(LINEAR, args)
+                parts = graph.call_function(aten.split_with_sizes.default, (fused, sizes, -1))
+                for j, m in enumerate(new):
+                    piece = graph.call_function(operator.getitem, (parts, j))
+                    m.replace_all_uses_with(piece)
+            for m in new:
+                attrs = [a for a in m.args[1:] if isinstance(a, torch.fx.Node)]
+                graph.erase_node(m)
+                for a in attrs:  # the original weight's get_attr, unless something else reads it
+                    if not a.users:
+                        graph.erase_node(a)
+        graph.lint()
+        attrs = {}  # what the new graph reads: the source program's parameters and modules, then the fused weights
+        for name, (w, b) in buffers.items():
+            attrs[name + "_w"] = w
+            if b is not None:
+                attrs[name + "_b"] = b
+        for n in graph.nodes:
+            if n.op in ("get_attr", "call_module") and n.target not in attrs:
+                attrs[n.target] = _attr(gm, n.target)
+        program = torch.fx.GraphModule(attrs, graph)
+        if hasattr(gm, "_in_spec"):  # an unlifted torch.export module flattens its inputs with these specs
+            program._in_spec, program._out_spec = gm._in_spec, gm._out_spec
+            program.graph._codegen = gm.graph._codegen
+            program.recompile()
+        self.program = program
+        self._seen = [self._stamp(g) for g in self.groups]
+
+    @property
+    def source(self) -> torch.fx.GraphModule:
+        """The source program (alive as long as a runtime uses it)."""
+        gm = self._source()
+        if gm is None:  # pragma: no cover - the runtime holds its decode program
+            raise RuntimeError("the source decode program of these fused projections was released")
+        return gm
+
+    def _stamp(self, group) -> tuple:
+        _, wts, bts = group
+        return tuple((t._version, t.data_ptr()) for t in (_attr(self.source, n) for n in wts + (bts or [])))
+
+    def refresh(self) -> int:
+        """Copy again the groups whose source parameters changed since the last copy (in place: CUDA graphs and
+        compiled programs that hold the fused buffers see the new values). Not during a CUDA graph capture.
+        Returns the number of groups copied.
+
+        Raises:
+            ValueError: a source parameter changed shape, dtype or device (fuse the program again:
+                build a new :class:`FusedProjections`).
+        """
+        done = 0
+        for i, group in enumerate(self.groups):
+            stamp = self._stamp(group)
+            if stamp == self._seen[i]:
+                continue
+            name, wts, bts = group
+            with torch.no_grad():
+                for suffix, targets in (("_w", wts), ("_b", bts)):
+                    if not targets:
+                        continue
+                    src = [_attr(self.source, t) for t in targets]
+                    dst = getattr(self.program, name + suffix)
+                    if sum(s.shape[0] for s in src) != dst.shape[0] or any(
+                            s.shape[1:] != dst.shape[1:] or s.dtype != dst.dtype or s.device != dst.device
+                            for s in src):
+                        raise ValueError(f"the parameters of fused projection group {name} ({targets[0]}, ...) "
+                                         f"changed shape, dtype or device since they were fused; build the runtime's "
+                                         f"decode program again (a new transform, or fuse_projections='none')")
+                    torch.cat(src, out=dst)
+            self._seen[i] = stamp
+            done += 1
+        return done
+
+
+_FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # source program -> {which: FusedProjections}
+
+
+def fused_program(gm: torch.fx.GraphModule, which: str) -> Optional[FusedProjections]:
+    """The :class:`FusedProjections` of ``gm`` for ``which``, built once per source program (runtimes that share a
+    decode program share its fused weights; kept only while ``gm`` lives); None for ``"none"`` or a program that is
+    not a ``GraphModule``.
+
+    Raises:
+        ValueError: ``which`` not in :data:`CHOICES`.
+    """
+    if which not in CHOICES:
+        raise ValueError(f"fuse_projections must be one of {CHOICES}; got {which!r}")
+    if which == "none" or not isinstance(gm, torch.fx.GraphModule):
+        return None
+    per = _FUSED.setdefault(gm, {})
+    if which not in per:
+        per[which] = FusedProjections(gm, which)
+    return per[which]
+
+
+__all__ = ["FusedProjections", "fused_program", "CHOICES"]

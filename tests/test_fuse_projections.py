@@ -1,0 +1,110 @@
+"""Projection fusion of the decode program (passes/fuse_projections.py): which groups fuse, the fused program equals
+the unfused one, the fused copies follow in-place parameter updates, bad input."""
+import pytest
+import torch
+
+import kvtransform as kvt
+from kvtransform.models import tiny_model
+from kvtransform.passes.fuse_projections import FusedProjections, fused_program
+
+
+def _sp(family, fuse="qkv"):
+    torch.manual_seed(0)
+    model = tiny_model(family)
+    return model, kvt.transform(model, kvt.SpeContextConfig(budget=256, head="dense", fuse_projections=fuse),
+                                progress=False)
+
+
+def _step(rt, program_fn, seed=0):
+    """One decode step of ``program_fn`` over a random cache: the program's outputs."""
+    info = rt.info
+    g = torch.Generator().manual_seed(seed)
+    layers, h_kv, d = info.num_layers, info.num_kv_heads, info.head_dim
+    k = torch.randn(layers, 3, h_kv, 40, d, generator=g)
+    v = torch.randn(layers, 3, h_kv, 40, d, generator=g)
+    seqlens = torch.tensor([5, 39, 17], dtype=torch.int32)
+    idx = torch.arange(40, dtype=torch.int32).expand(3, h_kv, 40).contiguous()
+    ids = torch.randint(3, 100, (3, 1), generator=g)
+    with torch.no_grad():
+        return program_fn(ids, seqlens, idx, k, v)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_qkv_groups_fused_and_equal(family):
+    model, sp = _sp(family)
+    dec = sp.runtime.decode_fn
+    layers = model.config.num_hidden_layers
+    f = fused_program(dec, "qkv")
+    assert len(f.groups) == layers
+    for _, wts, bts in f.groups:
+        assert [t.rsplit(".", 2)[-2] for t in wts] == ["q_proj", "k_proj", "v_proj"]
+        assert (bts is not None) == (family == "qwen2")  # Qwen2's q/k/v have biases: fused too
+    code = f.program.code
+    assert code.count("aten.split_with_sizes.default(") == layers and "k_proj" not in code
+    assert len(fused_program(dec, "all").groups) == 2 * layers  # + gate/up
+    assert fused_program(dec, "none") is None
+    assert fused_program(dec, "qkv") is f  # built once per program
+    want, got = _step(sp.runtime, dec), _step(sp.runtime, f.program)
+    assert len(want) == len(got)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert f.extra_bytes == sum(_.numel() * 4 for _ in (getattr(f.program, n + "_w") for n, _, _ in f.groups)) + \
+        sum(getattr(f.program, n + "_b").numel() * 4 for n, _, b in f.groups if b)
+
+
+def test_fused_weights_follow_in_place_updates():
+    model, sp = _sp("llama")
+    rt = sp.runtime
+    f = rt._fused()
+    assert f.refresh() == 0  # nothing changed since the copy
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.mul_(-2.0)
+    assert f.refresh() == 1 and f.refresh() == 0  # the changed layer's group only, once
+    for a, b in zip(_step(rt, rt.decode_fn), _step(rt, f.program)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # generate reads the new weights (the runtime refreshes before eager steps)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(3.0)
+    ids = torch.randint(3, 100, (2, 9))
+    out = sp.generate(ids, max_new_tokens=6, eos_token_id=None)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_shape_change_is_refused():
+    _, sp = _sp("llama")
+    f = sp.runtime._fused()
+    k_proj = sp.runtime.decode_fn.get_submodule("model.model.layers.0.self_attn.k_proj")  # what the program reads
+    k_proj.weight = torch.nn.Parameter(k_proj.weight[:-1].clone())
+    with pytest.raises(ValueError, match="changed shape"):
+        f.refresh()
+
+
+def test_bad_choice():
+    with pytest.raises(ValueError, match="fuse_projections must be one of"):
+        kvt.SpeContextConfig(fuse_projections="qk").validate()
+    _, sp = _sp("llama", fuse="none")
+    assert sp.runtime._fused() is None
+    with pytest.raises(ValueError, match="fuse_projections must be one of"):
+        FusedProjections(sp.runtime.decode_fn, "gate")
+
+
+def test_program_without_attention_fuses_nothing_for_qkv():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 6, bias=False)
+
+        def forward(self, x):
+            return self.a(x) * 2, self.b(x)
+
+    gm = torch.export.export(Two(), (torch.randn(3, 8),)).module()
+    assert FusedProjections(gm, "qkv").program is gm  # no attention site: nothing is q/k/v
+    f = FusedProjections(gm, "all")
+    assert len(f.groups) == 1
+    x = torch.randn(3, 8)
+    for a, b in zip(gm(x), f.program(x)):
+        torch.testing.assert_close(b, a)
+
