@@ -736,12 +736,18 @@ def _default_fwd_cfg(d_pad: int, dtype: torch.dtype, group: int = 1):
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
 
 
-def _default_dq_cfg(d_pad: int, dtype: torch.dtype):
+def _default_dq_cfg(d_pad: int, dtype: torch.dtype, group: int = 1):
+    """dQ launch config (``group``: query heads per KV head)."""
     if _interpreting():
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1) if d_pad <= 128 else \
             dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    if d_pad == 128 and group == 4 and dtype == torch.bfloat16:
+        # issue 14 probe (H200, bf16, GQA 32/8, kernel alone, commit 4e10b4d): the forward's packed GQA-4 tiling
+        # with TMA K/V, 1.523 / 8.761 ms at P=5059 mb=4 / P=8192 mb=16 against 1.812 / 9.872 for 128/64/8/3 (dQ
+        # bitwise equal to it); measured for this group, head_dim and dtype only
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=3, PACK=True, TMA=True)
     if d_pad <= 128:  # H200 sweep: 128/64/8/3 best of 8
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
@@ -757,6 +763,10 @@ def _default_bwd_cfg(d_pad: int, dtype: torch.dtype):
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    if d_pad == 128 and dtype == torch.bfloat16:
+        # issue 14 probe (commit 4e10b4d, GQA 32/8): Q/dO through tensor descriptors, 2 stages: 2.945 / 14.98 ms at
+        # P=5059 mb=4 / P=8192 mb=16 against 3.197 / 15.59 for 64/128/8/3 without (dK/dV bitwise equal)
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2, TMA=True)
     if d_pad <= 128:  # H200 sweep (P=8K, N=16, D=128): 64/128/8/3 best of 13
         return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
@@ -767,12 +777,16 @@ KERNELS = ("fwd", "dq", "dkdv")
 
 def _cfg(kind: str, d_pad: int, dtype: torch.dtype, config: Optional[dict] = None, group: int = 1) -> dict:
     """Launch config of one kernel (``kind`` in :data:`KERNELS`): the default for ``(d_pad, dtype)`` (the forward's
-    also for the GQA ``group``), updated with ``config[kind]`` (keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
-    ``num_stages``, forward also ``PACK``, ``TMA``) when given. A given forward config starts from the unpacked
-    default (``PACK``/``TMA`` off unless it sets them: a 128-token tile packed 4× would be 512 rows)."""
+    and dQ's also for the GQA ``group``), updated with ``config[kind]`` (keys ``BLOCK_M``, ``BLOCK_N``,
+    ``num_warps``, ``num_stages``, ``TMA``, forward and dQ also ``PACK``) when given. A given config starts from the
+    unpacked default without TMA (``PACK``/``TMA`` off unless it sets them: a 128-token tile packed 4× would be 512
+    rows)."""
     own = bool(config and config.get(kind))
     base = dict(_default_fwd_cfg(d_pad, dtype, 1 if own else group) if kind == "fwd" else
-                {"dq": _default_dq_cfg, "dkdv": _default_bwd_cfg}[kind](d_pad, dtype))
+                _default_dq_cfg(d_pad, dtype, 1 if own else group) if kind == "dq" else
+                _default_bwd_cfg(d_pad, dtype))
+    if own:
+        base.pop("TMA", None)
     if config:
         unknown = set(config) - set(KERNELS)
         if unknown:
@@ -889,7 +903,7 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
     cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
     _launch_dq(q, k, v, do, dq, lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d_pad, prec, scale,
-               _cfg("dq", d_pad, q.dtype, config))
+               _cfg("dq", d_pad, q.dtype, config, h // h_kv))
     _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale,
                  _cfg("dkdv", d_pad, q.dtype, config))
     return dq, dk, dv

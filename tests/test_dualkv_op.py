@@ -373,18 +373,29 @@ def test_forward_any_softmax_scale(scale):
     assert maxerr(out, ref_out) < 1e-5 and maxerr(lse, ref_lse) < 1e-5
 
 
-def test_forward_default_config_packs_gqa4_only_and_a_given_config_starts_unpacked(monkeypatch):
-    """The device default (not the interpreter's): GQA 4 at D=128 in bf16 runs the packed program with TMA K/V
-    (measured fastest on the H200); other groups, head dims and dtypes keep 128x128; a user's forward config starts
-    unpacked."""
+@pytest.mark.parametrize("kind", ["fwd", "dq"])
+def test_default_config_packs_gqa4_only_and_a_given_config_starts_unpacked(monkeypatch, kind):
+    """The device default (not the interpreter's): GQA 4 at D=128 in bf16 runs the packed forward / dQ with TMA K/V
+    (measured fastest on the H200); other groups, head dims and dtypes keep the unpacked tiles; a user's config
+    starts unpacked, without TMA."""
     from kvtransform.kernels import dualkv as K
 
     monkeypatch.setattr(K, "_interpreting", lambda: False)
-    packed = K._cfg("fwd", 128, torch.bfloat16, None, 4)
+    packed = K._cfg(kind, 128, torch.bfloat16, None, 4)
     assert packed["PACK"] and packed["TMA"] and packed["BLOCK_M"] * 4 == 128
     for group, d_pad, dtype in ((1, 128, torch.bfloat16), (8, 128, torch.bfloat16), (4, 64, torch.bfloat16),
                                 (4, 128, torch.float32), (4, 128, torch.float16)):
-        assert not K._cfg("fwd", d_pad, dtype, None, group).get("PACK")
-    own = K._cfg("fwd", 128, torch.bfloat16, {"fwd": {"BLOCK_M": 128}}, 4)
+        assert not K._cfg(kind, d_pad, dtype, None, group).get("PACK")
+    own = K._cfg(kind, 128, torch.bfloat16, {kind: {"BLOCK_M": 128}}, 4)
     assert own["BLOCK_M"] == 128 and not own.get("PACK") and not own.get("TMA")
-    assert K._cfg("fwd", 128, torch.bfloat16, {"fwd": {"BLOCK_M": 32, "PACK": True}}, 4)["PACK"]
+    assert K._cfg(kind, 128, torch.bfloat16, {kind: {"BLOCK_M": 32, "PACK": True}}, 4)["PACK"]
+
+
+def test_dkdv_default_uses_tma_in_bf16_at_d128_only(monkeypatch):
+    from kvtransform.kernels import dualkv as K
+
+    monkeypatch.setattr(K, "_interpreting", lambda: False)
+    assert K._cfg("dkdv", 128, torch.bfloat16)["TMA"]
+    for d_pad, dtype in ((64, torch.bfloat16), (128, torch.float16), (128, torch.float32)):
+        assert not K._cfg("dkdv", d_pad, dtype).get("TMA")
+    assert not K._cfg("dkdv", 128, torch.bfloat16, {"dkdv": {"num_stages": 3}}).get("TMA")
