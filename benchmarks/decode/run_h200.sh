@@ -19,7 +19,7 @@ import sys
 from kvtransform.bench import run
 
 out, args = sys.argv[1], sys.argv[2:]
-run("decode", ["-m"] + args + ["samples=4", "steps=16", f"out_dir={out}", "append=true", "plot=false"])
+run("decode", ["-m"] + args + ["samples=4", "steps=64", f"out_dir={out}", "append=true", "plot=false"])
 PY
 }
 ours="method=${METHODS:-dense,specontext,quest}"

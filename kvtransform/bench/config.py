@@ -245,7 +245,9 @@ class DecodeBenchConfig:
             CUDA only).
         cpu_memory_gb: the memory the request count is sized for on a CPU (all of it).
         samples: context lengths at which decode steps are timed (spread over the run).
-        steps: decode steps timed per sample; n0: steps of the reference run subtracted (capture, warm-up).
+        steps: decode steps timed per sample; n0: steps of the reference run subtracted (capture, warm-up). The two
+            runs' fixed costs (CUDA-graph capture, the head's prefill) vary by tens of ms between runs, which 16
+            steps of ~10 ms did not average out (H200, specontext samples 8.3-12.6 ms for the same work): 64.
         prefill_tokens: prompt tokens per timed prefill (``ceil(prefill_tokens / input)`` requests, scaled).
         compile: our runtime's ``torch.compile`` of the decode program (SpeContextConfig.compile; CUDA only). On by
             default: on the H200 it took the Llama-8B step (25 requests, 8K context) from 10.29 to 7.96 ms
@@ -269,7 +271,7 @@ class DecodeBenchConfig:
     reserve_gb: float = 8.0
     cpu_memory_gb: float = 4.0
     samples: int = 5
-    steps: int = 16
+    steps: int = 64
     n0: int = 4
     prefill_tokens: int = 16384
     compile: bool = True
