@@ -418,6 +418,27 @@ def _fwd_inner(acc, l_i, m_i, q, q_idx, k_base, v_base, stride_kt, stride_vt, of
 
 
 @triton.jit
+def _query_rows(u, blk, ss, se, GROUP, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
+    """The query tile of head unit ``u``, query block ``blk`` of the segment ``[ss, se)``: ``(KV head, first query
+    token, token per row, query head per row, row valid)``. ``PACK > 1``: rows ``j * BLOCK_M + i`` = query head ``j``
+    of KV head ``u``'s group, token ``i`` (heads ``j >= GROUP`` are padding); else ``u`` is the query head."""
+    q_start = ss + blk * BLOCK_M
+    rows = tl.arange(0, PACK * BLOCK_M)
+    if PACK > 1:
+        hk = u
+        jh = rows // BLOCK_M
+        offs_m = q_start + rows % BLOCK_M
+        head = hk * GROUP + jh
+        rm = (offs_m < se) & (jh < GROUP)
+    else:
+        hk = u // GROUP
+        offs_m = q_start + rows
+        head = u + rows * 0
+        rm = offs_m < se
+    return hk, q_start, offs_m, head, rm
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 T, H, GROUP, qk_scale,
@@ -441,19 +462,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     se = tl.load(CU + seg + 1)
     cs = tl.load(KCTX_LO + seg)
     ce = tl.load(KCTX_HI + seg)
-    q_start = ss + blk * BLOCK_M
-    rows = tl.arange(0, PACK * BLOCK_M)
-    if PACK > 1:
-        hk = u
-        jh = rows // BLOCK_M
-        offs_m = q_start + rows % BLOCK_M
-        head = hk * GROUP + jh
-        rm = (offs_m < se) & (jh < GROUP)
-    else:
-        hk = u // GROUP
-        offs_m = q_start + rows
-        head = u + rows * 0
-        rm = offs_m < se
+    hk, q_start, offs_m, head, rm = _query_rows(u, blk, ss, se, GROUP, BLOCK_M, PACK)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     qm = rm[:, None]
@@ -552,19 +561,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
     se = tl.load(CU + seg + 1)
     cs = tl.load(KCTX_LO + seg)
     ce = tl.load(KCTX_HI + seg)
-    q_start = ss + blk * BLOCK_M
-    rows = tl.arange(0, PACK * BLOCK_M)
-    if PACK > 1:
-        hk = u
-        jh = rows // BLOCK_M
-        offs_m = q_start + rows % BLOCK_M
-        head = hk * GROUP + jh
-        rm = (offs_m < se) & (jh < GROUP)
-    else:
-        hk = u // GROUP
-        offs_m = q_start + rows
-        head = u + rows * 0
-        rm = offs_m < se
+    hk, q_start, offs_m, head, rm = _query_rows(u, blk, ss, se, GROUP, BLOCK_M, PACK)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     qm = rm[:, None]
