@@ -86,7 +86,15 @@ def test_bad_choice():
     with pytest.raises(ValueError, match="fuse_projections must be one of"):
         kvt.SpeContextConfig(fuse_projections="qk").validate()
     _, sp = _sp("llama", fuse="none")
-    assert sp.runtime._fused() is None
+    rt = sp.runtime
+    assert rt._fused() is None
+    rt._decode_program("cpu", slot=True)
+    assert rt._slot is not None
+    rt.fuse_projections = "qkv"  # switching drops the derived programs: the slot variant is rebuilt from the fused one
+    assert rt._slot is None and rt._fused() is not None
+    assert "aten.split_with_sizes.default(" in rt._decode_program("cpu", slot=True).code
+    with pytest.raises(ValueError, match="fuse_projections must be one of"):
+        rt.fuse_projections = "yes"
     with pytest.raises(ValueError, match="fuse_projections must be one of"):
         FusedProjections(sp.runtime.decode_fn, "gate")
 

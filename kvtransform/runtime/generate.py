@@ -174,17 +174,13 @@ class SpeContextRuntime:
 
     def __init__(self, prefill: Callable, decode: Callable, head: RetrievalHead, info: ModelInfo,
                  cuda_graphs: bool = True, offload: bool = False, compile: bool = False,
-                 fuse_projections: str = "none"):
-        from kvtransform.passes.fuse_projections import CHOICES
-
-        if fuse_projections not in CHOICES:
-            raise ValueError(f"fuse_projections must be one of {CHOICES}; got {fuse_projections!r}")
+                 fuse_projections: str = "qkv"):
         self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
-        self.fuse_projections = fuse_projections
         self.cuda_graphs = bool(cuda_graphs)
         self.compile = bool(compile)
+        self.fuse_projections = fuse_projections  # validated; resets the derived programs below
         self._compiled: dict = {}  # slot mode -> the compiled program
-        self._slot = None  # the slot-mode variant of decode_fn (built on first use)
+        self._slot = None  # the slot-mode variant of the (fused) decode program (built on first use)
         self.offload = bool(offload)
         self.gpu_memory_bytes: Optional[int] = None
         self.offload_chunk = 1024
@@ -299,6 +295,21 @@ class SpeContextRuntime:
         head's indices)."""
         want = getattr(self.head, "slot_mode", False) if want is None else want
         return bool(want) and isinstance(self.decode_fn, torch.fx.GraphModule)
+
+    @property
+    def fuse_projections(self) -> str:
+        """``"qkv"``, ``"all"`` or ``"none"`` (see the class docstring); setting it drops the derived programs (slot
+        variant, compiled programs), which are rebuilt on the next step."""
+        return self._fuse
+
+    @fuse_projections.setter
+    def fuse_projections(self, which: str) -> None:
+        from kvtransform.passes.fuse_projections import CHOICES
+
+        if which not in CHOICES:
+            raise ValueError(f"fuse_projections must be one of {CHOICES}; got {which!r}")
+        self._fuse = which
+        self._compiled, self._slot = {}, None
 
     def _fused(self):
         """The decode program's :class:`~kvtransform.passes.fuse_projections.FusedProjections` (None: not fused)."""
