@@ -195,7 +195,7 @@ class SpeContextConfig(TransformConfig):
             (:mod:`kvtransform.passes.fuse_projections`): ``"qkv"`` (default: the attention's q/k/v projections; the
             narrow GQA k/v GEMMs stream their weights slowly at decode batch sizes), ``"all"`` (SwiGLU's gate/up
             too) or ``"none"``. The fused weights are a copy (Llama-8B shape, ``"qkv"``: 1.5 GiB of device memory),
-            copied again when the model's parameters change in place between steps.
+            copied again at the start of every ``generate`` and when a parameter changes between eager steps.
     """
 
     name: str = "specontext"

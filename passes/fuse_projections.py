@@ -13,9 +13,13 @@ decode throughput). vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`
 
 The fused weight is a **copy**: the original parameters stay, because the prefill program and the user's model read
 them. It costs those weights' bytes once more of device memory (Llama-8B shape, ``"qkv"``: 32 x 48 MiB = 1.5 GiB;
-``"all"`` adds 7.3 GiB), and it must follow the originals: :meth:`FusedProjections.refresh` copies a group again
-when one of its parameters changed since (an in-place update bumps ``Tensor._version``; a replaced parameter has
-another data pointer), so a policy updated between ``generate`` calls decodes with its new weights.
+``"all"`` adds 7.3 GiB), and it must follow the originals. :meth:`FusedProjections.refresh` copies a group again
+when one of its parameters changed since the last copy (an in-place update under ``no_grad`` bumps
+``Tensor._version``; a replaced parameter has another data pointer); ``refresh(force=True)`` copies every group,
+because an update through ``param.data`` (``p.data.copy_(new)``, common in weight-sync code) bumps nothing. The
+runtime forces a copy at the start of every ``generate`` / ``decode_from`` (1.5 GiB read and written: under a
+millisecond on an H200) and checks the stamps before every eager step, so a policy updated between ``generate``
+calls decodes with its new weights however it was updated.
 
 The result is numerically the unfused program up to the GEMM's summation order (a wider GEMM may pick another
 kernel): not bitwise equal, within the rounding of the dtype.
@@ -166,10 +170,11 @@ class FusedProjections:
         _, wts, bts = group
         return tuple((t._version, t.data_ptr()) for t in (_attr(self.source, n) for n in wts + (bts or [])))
 
-    def refresh(self) -> int:
-        """Copy again the groups whose source parameters changed since the last copy (in place: CUDA graphs and
-        compiled programs that hold the fused buffers see the new values). Not during a CUDA graph capture.
-        Returns the number of groups copied.
+    def refresh(self, force: bool = False) -> int:
+        """Copy again the groups whose source parameters changed since the last copy (``force``: every group; an
+        update through ``param.data`` is invisible to the check), in place: CUDA graphs and compiled programs that
+        hold the fused buffers see the new values. Not during a CUDA graph capture. Returns the number of groups
+        copied.
 
         Raises:
             ValueError: a source parameter changed shape, dtype or device (fuse the program again:
@@ -178,7 +183,7 @@ class FusedProjections:
         done = 0
         for i, group in enumerate(self.groups):
             stamp = self._stamp(group)
-            if stamp == self._seen[i]:
+            if stamp == self._seen[i] and not force:
                 continue
             name, wts, bts = group
             with torch.no_grad():

@@ -62,9 +62,12 @@ def test_fused_weights_follow_in_place_updates():
     assert f.refresh() == 1 and f.refresh() == 0  # the changed layer's group only, once
     for a, b in zip(_step(rt, rt.decode_fn), _step(rt, f.program)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    # generate reads the new weights (the runtime refreshes before eager steps)
-    with torch.no_grad():
-        model.model.layers[0].self_attn.q_proj.weight.mul_(3.0)
+    # generate reads the new weights, also after an update through .data (which bumps no version counter)
+    w = model.model.layers[0].self_attn.q_proj.weight
+    v0 = w._version
+    w.data.copy_(w.data * 3.0)
+    assert w._version == v0 and f.refresh() == 0 and f.refresh(force=True) == model.config.num_hidden_layers
+    w.data.mul_(0.5)
     ids = torch.randint(3, 100, (2, 9))
     out = sp.generate(ids, max_new_tokens=6, eos_token_id=None)
     with torch.no_grad():

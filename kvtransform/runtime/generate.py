@@ -530,6 +530,9 @@ class SpeContextRuntime:
         # per-layer waits) fails on the H200 (cudaErrorStreamCaptureIsolation), so an offloaded request decodes
         # eagerly (the copies still overlap compute on the side stream).
         use_graph = self.cuda_graphs and torch.device(device).type == "cuda" and engine is None
+        fused = self._fused()
+        if fused is not None:  # the fused projection weights = the model's now, however it was updated
+            fused.refresh(force=True)
         stepper = _GraphStep(self, cache, engine) if use_graph else None
         stats.cuda_graph = use_graph
         overlap = torch.zeros((), device=device)
