@@ -225,4 +225,10 @@ def fused_program(gm: torch.fx.GraphModule, which: str) -> Optional[FusedProject
     return per[which]
 
 
-__all__ = ["FusedProjections", "fused_program", "CHOICES"]
+def fused_bytes(gm) -> int:
+    """Memory held by the fused copies already built for ``gm`` (any ``which``), without building any."""
+    per = _FUSED.get(gm, {}) if isinstance(gm, torch.fx.GraphModule) else {}
+    return sum(f.extra_bytes for f in per.values())
+
+
+__all__ = ["FusedProjections", "fused_program", "fused_bytes", "CHOICES"]

@@ -161,11 +161,26 @@ def test_decode_suite_smoke_on_cpu(tmp_path):
     assert MODELS["tiny"]["layers"] == 2
 
 
+def test_sweep_over_a_runtime_setting_keeps_every_jobs_rows(tmp_path):
+    """A non-default runtime setting is part of a row's params, so a -m sweep over it does not de-duplicate the
+    jobs' rows into the last one."""
+    import pandas as pd
+
+    from kvtransform.bench import run
+
+    run("decode", ["-m", "model=tiny", "input=32", "output=12", "samples=2", "steps=2", "n0=2", "requests=2",
+                   "method=dense", "fuse_projections=none,qkv", f"out_dir={tmp_path}", "plot=false"])
+    df = pd.read_csv(tmp_path / "results.csv")
+    params = sorted(df[df["pass"] == "run"]["params"])
+    assert params == ["model=tiny input=32 output=12", "model=tiny input=32 output=12 fuse_projections=none"]
+    assert (df["pass"] == "step").sum() == 4
+
+
 def test_context_beyond_the_models_positions_is_refused_before_running():
     from kvtransform.bench import compose_jobs
 
     with pytest.raises(ValueError, match="exceed the 8192 positions of model=tiny"):
-        compose_jobs("decode", ["model=tiny", "input=9000", "output=24"])
+        compose_jobs("decode", ["model=tiny", "input=9000", "output=100"])
 
 
 def test_per_step_retries_noise_and_gives_nan_when_never_slower():

@@ -69,7 +69,11 @@ def test_fused_weights_follow_in_place_updates():
     assert w._version == v0 and f.refresh() == 0 and f.refresh(force=True) == model.config.num_hidden_layers
     w.data.mul_(0.5)
     ids = torch.randint(3, 100, (2, 9))
-    out = sp.generate(ids, max_new_tokens=6, eos_token_id=None)
+    res = sp.generate(ids, max_new_tokens=6, eos_token_id=None, return_dict_in_generate=True)
+    out = res.sequences
+    assert res.stats.fused_weight_bytes == f.extra_bytes > 0
+    from kvtransform.passes.fuse_projections import fused_bytes
+    assert fused_bytes(rt.decode_fn) == f.extra_bytes  # what the offload memory plan adds to the weights
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                              eos_token_id=None, pad_token_id=0)

@@ -11,7 +11,12 @@ from kvtransform.runtime.offload import SlotMap
 
 
 def _weights(rt):
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in rt.decode_fn.parameters()}.values())
+    """The weights the memory plan counts: the decode program's parameters plus the fused projection copies the
+    resident run built (fuse_projections)."""
+    from kvtransform.passes.fuse_projections import fused_bytes
+
+    params = {id(p): p for p in rt.decode_fn.parameters()}.values()
+    return sum(p.numel() * p.element_size() for p in params) + fused_bytes(rt.decode_fn)
 
 
 @pytest.mark.parametrize("head,layers,tokens", [("recent", 2, 21), ("self", 4, 26)])

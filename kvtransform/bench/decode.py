@@ -451,11 +451,18 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     inp, outl = int(cfg.input), int(cfg.output)
     max_length = inp + outl
     rows = []
+    # runtime settings that differ from the suite's defaults are part of a row's identity (params): a -m sweep over
+    # them keeps every job's rows, and a row says how it was made when a default changes later
+    from .config import DecodeBenchConfig
+
+    ident = f"model={model_name} input={inp} output={outl}" + "".join(
+        f" {k}={str(getattr(cfg, k)).lower()}" for k in ("budget", "compile", "cuda_graphs", "fuse_projections")
+        if getattr(cfg, k) != getattr(DecodeBenchConfig, k))
 
     def emit(r):
         r.setdefault("status", "ok")
         base = dict(suite=cfg.suite, mode="decode", op="generate", model=model_name, input=inp, output=outl,
-                    budget=int(cfg.budget), params=f"model={model_name} input={inp} output={outl}")
+                    budget=int(cfg.budget), params=ident)
         base.update(r)
         rows.append(base)
         if on_row:
@@ -579,7 +586,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                 emit(dict(method=method, **{"pass": "step"}, requests=reqs, context=ctx,
                           ms_p50=round(m, 4) if m == m else None,
                           status="ok" if m == m else "noisy: the longer run was never slower (left out; raise steps)",
-                          params=f"model={model_name} input={inp} output={outl} context={ctx}",
+                          params=f"{ident} context={ctx}",
                           floor_ms=round(floor, 4), x_floor=round(m / floor, 3) if floor == floor and m == m else None,
                           bytes_gb=round(read / 1e9, 3), gbps=round(read / m / 1e6, 1) if m > 0 else None,
                           copy_gbps=round(bw / 1e9, 1) if bw == bw else None))

@@ -39,6 +39,8 @@ class GenerationStats:
         cache_max_length: ``max_length`` of the cache (longest prompt + ``max_new_tokens``).
         head, budget: the retrieval head and the budget (tokens per KV head; ignored by ``dense``).
         cuda_graph: whether the decode steps replayed a CUDA graph.
+        fused_weight_bytes: memory (on the model's device) of the decode program's fused projection weights, a copy
+            of the q/k/v (``fuse_projections``) weights; 0 when nothing is fused.
         offload: whether layers' KV moved to CPU (``SpeContextConfig.offload`` and a plan that needs it).
         offload_bytes_per_step: per decode step with an offloaded layer, bytes copied to the GPU by elastic loading
             (entries that entered the selection × offloaded layers × K+V bytes of one entry).
@@ -69,6 +71,7 @@ class GenerationStats:
     head: str = ""
     budget: int = 0
     cuda_graph: bool = False
+    fused_weight_bytes: int = 0
     offload: bool = False
     offload_bytes_per_step: list = field(default_factory=list, repr=False)
     offload_full_bytes_per_step: list = field(default_factory=list, repr=False)
@@ -530,9 +533,10 @@ class SpeContextRuntime:
         # per-layer waits) fails on the H200 (cudaErrorStreamCaptureIsolation), so an offloaded request decodes
         # eagerly (the copies still overlap compute on the side stream).
         use_graph = self.cuda_graphs and torch.device(device).type == "cuda" and engine is None
-        fused = self._fused()
+        fused = self._fused() if engine is None else None  # offloaded steps run the unfused program
         if fused is not None:  # the fused projection weights = the model's now, however it was updated
             fused.refresh(force=True)
+            stats.fused_weight_bytes = fused.extra_bytes
         stepper = _GraphStep(self, cache, engine) if use_graph else None
         stats.cuda_graph = use_graph
         overlap = torch.zeros((), device=device)

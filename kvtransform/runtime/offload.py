@@ -481,15 +481,19 @@ class OffloadEngine:
 
 
 def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: Optional[int]) -> MemoryPlan:
-    """The :class:`MemoryPlan` for a generation: model facts from the decode program's parameters, the head's
+    """The :class:`MemoryPlan` for a generation: model facts from the decode program's parameters (and its fused
+    projection copies, when built), the head's
     state as its weights, ``gpu_bytes`` (default on CUDA: free memory now plus what is already allocated).
 
     Raises:
         ValueError: no ``gpu_bytes`` on the CPU stand-in, or a batch that does not fit (see :func:`plan_memory`).
     """
     info = runtime.info
+    from kvtransform.passes.fuse_projections import fused_bytes
+
     params = {id(p): p for p in runtime.decode_fn.parameters()} if hasattr(runtime.decode_fn, "parameters") else {}
-    weight = sum(p.numel() * p.element_size() for p in params.values())
+    # + fused projection copies a non-offloaded generate may have built (they stay allocated)
+    weight = sum(p.numel() * p.element_size() for p in params.values()) + fused_bytes(runtime.decode_fn)
     e = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
     mm = ModelMemory(weight, info.num_layers, info.num_kv_heads, info.head_dim, e)
     state = runtime.head.state_dict()
