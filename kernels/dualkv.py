@@ -923,7 +923,9 @@ def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, 
 def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale,
                  cfg):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    assert bn % bm == 0
+    if bn % bm:
+        raise ValueError(f"dkdv launch config: BLOCK_N ({bn} keys per program) must be a multiple of BLOCK_M ({bm} "
+                         f"queries per step); e.g. BLOCK_M={bm} BLOCK_N={bm * max(1, bn // bm)}")
     wseg, wblk, w = _plan_work(cu_seqlens, qctx_lo, qctx_hi, bn, t, -1)
     qd, dod = _tma_descriptors(q, do, bm) if cfg.get("TMA") else (None, None)
     _bwd_dkdv_kernel[(w * h_kv,)](

@@ -103,7 +103,7 @@ class FusedProjections:
     def __init__(self, gm: torch.fx.GraphModule, which: str = "qkv"):
         if which not in CHOICES:
             raise ValueError(f"fuse_projections must be one of {CHOICES}; got {which!r}")
-        self._source, self.which = weakref.ref(gm), which  # weak: the cache of fused_program is keyed by gm
+        self._source, self.which = weakref.ref(gm), which  # weak: gm holds this object (fused_program's cache)
         self.groups: list = []
         self.extra_bytes = 0
         self._seen: list = []
@@ -204,13 +204,31 @@ class FusedProjections:
         return done
 
 
-_FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # source program -> {which: FusedProjections}
+class _Cache(dict):
+    """``{which: FusedProjections}`` kept on the source program (so the fused copies die in the same garbage
+    collection as the program); copying or pickling the program carries an empty one, not the fused weights."""
+
+    def __reduce__(self):
+        return (_Cache, ())
+
+    def __deepcopy__(self, memo):
+        return _Cache()
+
+
+_ATTR = "_kvt_fused_projections"
+
+
+def _cache(gm, create: bool = False) -> dict:
+    per = gm.__dict__.get(_ATTR)
+    if per is None and create:
+        per = gm.__dict__[_ATTR] = _Cache()
+    return per if per is not None else {}
 
 
 def fused_program(gm: torch.fx.GraphModule, which: str) -> Optional[FusedProjections]:
-    """The :class:`FusedProjections` of ``gm`` for ``which``, built once per source program (runtimes that share a
-    decode program share its fused weights; kept only while ``gm`` lives); None for ``"none"`` or a program that is
-    not a ``GraphModule``.
+    """The :class:`FusedProjections` of ``gm`` for ``which``, built once per source program and kept on it (runtimes
+    that share a decode program share its fused weights; they are freed with ``gm``); None for ``"none"`` or a
+    program that is not a ``GraphModule``.
 
     Raises:
         ValueError: ``which`` not in :data:`CHOICES`.
@@ -219,7 +237,7 @@ def fused_program(gm: torch.fx.GraphModule, which: str) -> Optional[FusedProject
         raise ValueError(f"fuse_projections must be one of {CHOICES}; got {which!r}")
     if which == "none" or not isinstance(gm, torch.fx.GraphModule):
         return None
-    per = _FUSED.setdefault(gm, {})
+    per = _cache(gm, create=True)
     if which not in per:
         per[which] = FusedProjections(gm, which)
     return per[which]
@@ -227,7 +245,7 @@ def fused_program(gm: torch.fx.GraphModule, which: str) -> Optional[FusedProject
 
 def fused_bytes(gm) -> int:
     """Memory held by the fused copies already built for ``gm`` (any ``which``), without building any."""
-    per = _FUSED.get(gm, {}) if isinstance(gm, torch.fx.GraphModule) else {}
+    per = _cache(gm) if isinstance(gm, torch.fx.GraphModule) else {}
     return sum(f.extra_bytes for f in per.values())
 
 

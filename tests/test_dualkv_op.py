@@ -399,3 +399,12 @@ def test_dkdv_default_uses_tma_in_bf16_at_d128_only(monkeypatch):
     for d_pad, dtype in ((64, torch.bfloat16), (128, torch.float16), (128, torch.float32)):
         assert not K._cfg("dkdv", d_pad, dtype).get("TMA")
     assert not K._cfg("dkdv", 128, torch.bfloat16, {"dkdv": {"num_stages": 3}}).get("TMA")
+
+
+def test_dkdv_config_with_blocks_that_do_not_tile_is_refused():
+    layout = DualKVLayout.from_lengths([(17, [5])])
+    q, k, v = make_inputs(layout, 4, 2, 32, torch.float32)
+    out, lse = K.dualkv_fwd(q, k, v, layout.cu_seqlens, layout.segment_prefix, 0.2)
+    with pytest.raises(ValueError, match="must be a multiple of BLOCK_M"):
+        K.dualkv_bwd(torch.randn_like(q), q, k, v, out, lse, layout.cu_seqlens, layout.segment_prefix, 0.2,
+                     config={"dkdv": {"BLOCK_M": 32, "BLOCK_N": 16}})

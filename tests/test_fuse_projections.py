@@ -123,3 +123,16 @@ def test_program_without_attention_fuses_nothing_for_qkv():
     for a, b in zip(gm(x), f.program(x)):
         torch.testing.assert_close(b, a)
 
+
+
+def test_fused_copies_are_freed_with_the_program():
+    """The fused weights live on the source program: one garbage collection frees them with the model."""
+    import gc
+    import weakref
+
+    model, sp = _sp("llama")
+    sp.generate(torch.randint(3, 100, (2, 7)), max_new_tokens=3, eos_token_id=None)
+    gone = [weakref.ref(sp.runtime._fused().program), weakref.ref(model.model.embed_tokens.weight)]
+    del model, sp
+    gc.collect()
+    assert all(r() is None for r in gone)
