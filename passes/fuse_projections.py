@@ -94,10 +94,10 @@ class FusedProjections:
 
     Attributes:
         program: the fused ``GraphModule`` (same signature and outputs as the source program; shares its other
-            parameters); ``None`` members of ``groups`` mean nothing was fused and ``program`` is the source.
+            parameters); the source program itself when no group was found (``groups`` empty).
         groups: per fused group ``(buffer name, weight targets, bias targets or None)``; targets are attribute paths
             in the source program.
-        extra_bytes: device memory the fused copies take.
+        extra_bytes: bytes the fused copies take (on the weights' device).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, which: str = "qkv"):
