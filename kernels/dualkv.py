@@ -202,9 +202,11 @@ def _work_table(cu_seqlens: torch.Tensor, block: int, total_tokens: int, extra: 
     blk = i - (ends[seg_c] - nblk[seg_c])
     if per_block_sign > 0:
         cost = extra.long()[seg_c] + (blk + 1) * block
-    else:
+    elif per_block_sign < 0:
         cost = extra.long()[seg_c] + lens[seg_c] - blk * block
-    cost = torch.where(valid, cost, torch.full_like(cost, -1))
+    else:  # 0: layout order (segments in order, blocks ascending), the unused entries last
+        cost = -i
+    cost = torch.where(valid, cost, torch.full_like(cost, -(w + 1)))
     order = torch.argsort(cost, descending=True, stable=True)
     seg_out = torch.where(valid, seg_c, torch.full_like(seg_c, -1))[order].to(torch.int32).contiguous()
     blk_out = blk[order].to(torch.int32).contiguous()
@@ -769,7 +771,7 @@ def _default_bwd_cfg(d_pad: int, dtype: torch.dtype):
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
-KERNELS = ("fwd", "dq", "dkdv")
+KERNELS = ("fwd", "dq", "dkdv", "fused")
 
 
 def _cfg(kind: str, d_pad: int, dtype: torch.dtype, config: Optional[dict] = None, group: int = 1) -> dict:
@@ -878,6 +880,10 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dlse: optional fp32 ``(H, T)`` gradient of ``lse`` (enters as ``Delta = rowsum(dO∘O) - dLSE``).
         config: optional launch configs ``{"dq": {...}, "dkdv": {...}}`` as :func:`dualkv_fwd`'s (dq: the forward's
             tiling, ``PACK`` and ``TMA`` included; dkdv: ``BLOCK_N`` keys per program, ``BLOCK_N % BLOCK_M == 0``).
+            ``{"fused": {...}}`` (keys as dkdv's, ``{}`` for its defaults) runs the **experimental** fused backward
+            instead: one pass per key block, 5 matmuls instead of 7, dQ added into an fp32 buffer (``T·H·D·4``
+            bytes more) in a fixed order per query tile (counters, no float atomics: still bitwise
+            deterministic). Correct under the interpreter; not yet timed on a GPU (issue 14).
         assert_layout: as :func:`dualkv_fwd`'s.
 
     Returns:
@@ -899,6 +905,12 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
     cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
+    if config and config.get("fused") is not None:
+        cfg = dict(_default_bwd_cfg(d_pad, q.dtype))
+        cfg.pop("TMA", None)
+        cfg.update(config["fused"] if isinstance(config["fused"], dict) else {})
+        _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale, cfg)
+        return dq, dk, dv
     _launch_dq(q, k, v, do, dq, lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d_pad, prec, scale,
                _cfg("dq", d_pad, q.dtype, config, h // h_kv))
     _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale,
@@ -934,6 +946,158 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
         D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, QD=qd, DOD=dod,
         TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# ============================================================================ fused backward (experimental, issue 14)
+# One pass per key block computes dK/dV (owned, as _bwd_dkdv_kernel) and adds its dQ contribution (dS @ K, the 5th
+# matmul instead of the dQ kernel's 3) into an fp32 buffer. Deterministic without float atomics: every query tile
+# (BLOCK_M rows of one segment, on the segment's own grid) has a counter per query head, and the key blocks that see
+# the tile add in a fixed order (the group prefix's blocks 0.., then the tile's own segment's blocks 0..): the block
+# of rank r waits until the counter is r, adds, and sets it to r + 1. Programs are launched in that same order
+# (segments in layout order, blocks ascending), so a program only ever waits for programs launched before it: no
+# cycle, and under the sequential interpreter no wait at all.
+@triton.jit
+def _bwd_fused_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, dq_base, lock_base, rank,
+                     stride_qt, stride_dot, stride_dqt, offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr,
+                     PREC: tl.constexpr):
+    """Query tiles ``[lo, hi)`` (``lo`` on the segment's tile grid; ``lock_base`` = the counter of the tile at
+    ``lo``) of one query head: dK/dV accumulate, the dQ contribution is added in rank order."""
+    it = 0
+    for start in range(lo, hi, BLOCK_M):
+        q_idx = start + offs_m
+        q_off = q_idx.to(tl.int64)
+        rm = q_idx < qbound
+        lm = rm[:, None]
+        if not EVEN_D:
+            lm = lm & (offs_d[None, :] < D)
+        q = tl.load(q_base + q_off[:, None] * stride_qt + offs_d[None, :], mask=lm, other=0.0)
+        do = tl.load(do_base + q_off[:, None] * stride_dot + offs_d[None, :], mask=lm, other=0.0)
+        lse2 = tl.load(lse_base + q_idx, mask=rm, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_base + q_idx, mask=rm, other=0.0)
+        qkT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        pT = tl.math.exp2(qkT - lse2[None, :])
+        if MASK_Q:
+            keep = q_idx[None, :] < qbound
+            if CAUSAL:
+                keep = keep & (q_idx[None, :] >= k_idx[:, None])
+            pT = tl.where(keep, pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+        dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PREC)  # (BLOCK_M, D): this block's share
+        lock = lock_base + it
+        while tl.atomic_cas(lock, rank, rank, sem="acquire") != rank:
+            pass
+        ptr = dq_base + q_off[:, None] * stride_dqt + offs_d[None, :]
+        old = tl.load(ptr, mask=lm, other=0.0, cache_modifier=".cg")
+        tl.store(ptr, old + dq, mask=lm)
+        tl.debug_barrier()
+        tl.atomic_xchg(lock, rank + 1, sem="release")
+        it += 1
+    return dk, dv
+
+
+@triton.jit
+def _bwd_fused_kernel(Q, K, V, DO, DK, DV, DQ, LOCK, LSE, DELTA, CU, KCTX_LO, KCTX_HI, QCTX_LO, QCTX_HI, TILE0,
+                      WSEG, WBLK, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+                      stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, T, H_KV,
+                      GROUP, NT, qk_scale, sm_scale, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """One program per (key block of one segment, KV head), launched in layout order: dK/dV of the block (every
+    query head of the group), and its dQ shares added in rank order (see the section comment)."""
+    pid = tl.program_id(0)
+    w = pid // H_KV
+    g = pid % H_KV
+    seg = tl.load(WSEG + w)
+    if seg < 0:
+        return
+    blk = tl.load(WBLK + w)
+    ss = tl.load(CU + seg)
+    se = tl.load(CU + seg + 1)
+    cs = tl.load(QCTX_LO + seg)
+    ce = tl.load(QCTX_HI + seg)
+    n_prefix_blocks = (tl.load(KCTX_HI + seg) - tl.load(KCTX_LO + seg) + BLOCK_N - 1) // BLOCK_N
+    own_rank = n_prefix_blocks + blk  # a response block comes after every block of its group's prefix
+    k_start = ss + blk * BLOCK_N
+    offs_n = k_start + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    km = offs_n[:, None] < se
+    if not EVEN_D:
+        km = km & (offs_d[None, :] < D)
+    krow = offs_n.to(tl.int64)[:, None]
+    k = tl.load(K + krow * stride_kt + g * stride_kh + offs_d[None, :], mask=km, other=0.0)
+    v = tl.load(V + krow * stride_vt + g * stride_vh + offs_d[None, :], mask=km, other=0.0)
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    diag_hi = tl.minimum(k_start + BLOCK_N, se)
+    o_full = diag_hi + ((se - diag_hi) // BLOCK_M) * BLOCK_M
+    tile_own = tl.load(TILE0 + seg)
+    for hh in range(0, GROUP):
+        h = g * GROUP + hh
+        q_base = Q + h * stride_qh
+        do_base = DO + h * stride_doh
+        dq_base = DQ + h.to(tl.int64) * stride_dqh
+        lse_base = LSE + h.to(tl.int64) * T
+        delta_base = DELTA + h.to(tl.int64) * T
+        locks = LOCK + h.to(tl.int64) * NT
+        # own segment: the diagonal tile(s), the whole tiles after them, the tail (tiles on the segment's grid)
+        dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+                                  locks + tile_own + (k_start - ss) // BLOCK_M, own_rank, stride_qt, stride_dot,
+                                  stride_dqt, offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D,
+                                  True, True, PREC)
+        dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+                                  locks + tile_own + (diag_hi - ss) // BLOCK_M, own_rank, stride_qt, stride_dot,
+                                  stride_dqt, offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D,
+                                  False, False, PREC)
+        dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+                                  locks + tile_own + (o_full - ss) // BLOCK_M, own_rank, stride_qt, stride_dot,
+                                  stride_dqt, offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D,
+                                  True, False, PREC)
+        # a prefix key block: every response segment of its group (contiguous after the prefix), each on its own
+        # tile grid; rank = the block's index in the prefix
+        s = seg + 1
+        rs = cs
+        while rs < ce:
+            re = tl.load(CU + s + 1)
+            r_full = rs + ((re - rs) // BLOCK_M) * BLOCK_M
+            tile_r = tl.load(TILE0 + s)
+            dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+                                      locks + tile_r, blk, stride_qt, stride_dot, stride_dqt, offs_m, offs_d, rs,
+                                      r_full, re, qk_scale, D, BLOCK_M, EVEN_D, False, False, PREC)
+            dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+                                      locks + tile_r + (r_full - rs) // BLOCK_M, blk, stride_qt, stride_dot,
+                                      stride_dqt, offs_m, offs_d, r_full, re, re, qk_scale, D, BLOCK_M, EVEN_D,
+                                      True, False, PREC)
+            s += 1
+            rs = re
+    dk = dk * sm_scale
+    tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
+    tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
+
+
+def _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale, cfg):
+    """The fused backward: dK/dV into ``dk``/``dv``, dQ into ``dq`` (through an fp32 buffer)."""
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if bn % bm:
+        raise ValueError(f"fused backward launch config: BLOCK_N ({bn}) must be a multiple of BLOCK_M ({bm})")
+    cu = cub.long()
+    lens = cu[1:] - cu[:-1]
+    ntiles = (lens + bm - 1) // bm
+    tile0 = (torch.cumsum(ntiles, 0) - ntiles).to(torch.int32)
+    nt = triton.cdiv(t, bm) + lens.numel()  # >= sum(ntiles), static (no host sync)
+    locks = torch.zeros((h, nt), dtype=torch.int32, device=q.device)
+    dq_acc = torch.zeros((t, h, d), dtype=torch.float32, device=q.device)
+    wseg, wblk, w = _work_table(cub, bn, t, ctx[2], 0)  # layout order: the order of the dQ additions
+    _bwd_fused_kernel[(w * h_kv,)](
+        q, k, v, do, dk, dv, dq_acc, locks, lse, delta, cub, ctx[0], ctx[1], ctx[2], ctx[3], tile0, wseg, wblk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq_acc.stride(0), dq_acc.stride(1), t, h_kv,
+        h // h_kv, nt, scale * LOG2E, scale, D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad),
+        PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    dq.copy_(dq_acc * scale)
 
 
 __all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",

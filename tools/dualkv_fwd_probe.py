@@ -30,6 +30,9 @@ VARIANTS = [(128, 128, 8, 3, 0), (128, 64, 8, 3, 0), (64, 128, 4, 3, 0), (32, 12
 # backward kernel variants (same tuple form; dK/dV: BLOCK_M queries per step, BLOCK_N keys per program); 0 = default
 DQ_VARIANTS = [(128, 64, 8, 3, 0), (128, 64, 8, 3, 0, 1), (32, 64, 8, 3, 1), (32, 64, 8, 3, 1, 1),
                (32, 128, 8, 3, 1, 1), (32, 64, 8, 2, 1, 1), (16, 64, 4, 3, 1, 1), (64, 64, 8, 3, 0, 1)]
+# the experimental fused backward (whole backward timed against the default two-kernel one): (BLOCK_M, BLOCK_N,
+# warps, stages)
+FUSED_VARIANTS = [(64, 128, 8, 2, 0), (64, 128, 8, 3, 0), (32, 128, 8, 2, 0), (64, 64, 4, 2, 0), (32, 64, 4, 2, 0)]
 DKDV_VARIANTS = [(64, 128, 8, 3, 0), (64, 128, 8, 3, 0, 1), (64, 128, 8, 2, 0, 1), (32, 128, 8, 3, 0, 1),
                  (64, 128, 8, 4, 0, 1)]
 
@@ -115,6 +118,38 @@ def bwd_rows(q, k, v, do, cu, sp, p, mb, tf, dq_variants, dkdv_variants, check):
     return rows
 
 
+def fused_rows(q, k, v, do, cu, sp, p, mb, tf, variants, check):
+    """The whole backward (``dualkv_bwd``): the default two kernels, then fused variants with their largest difference
+    from the default's gradients, run-to-run bitwise equality and (``check``) the bf16 kernel checks."""
+    scale = q.shape[-1] ** -0.5
+    out, lse = K.dualkv_fwd(q, k, v, cu, sp, scale)
+    rows, ref = [], None
+    for c in [None] + variants:
+        config = None if c is None else {"fused": dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3])}
+        try:
+            run = lambda mark=None, config=config: K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale,  # noqa: E731
+                                                                config=config)
+            got = run()
+            torch.cuda.synchronize()
+            ms = med(run, iters=10)[0]
+            again = run()
+            row = dict(what="bwd_fused" if c else "bwd_default", P=p, mb=mb, cfg=str(c), ms=ms,
+                       tflops=tf(ms / 2.5), deterministic=all(torch.equal(a, b) for a, b in zip(got, again)))
+            if ref is None:
+                ref = got
+            else:
+                row["maxdiff_vs_default"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
+            if check and c is not None:
+                from kvtransform.bench.checks import check_dualkv_kernels
+                row["check_ok"], row["check_worst"] = check_dualkv_kernels(q.device, config, cases=[0, 1, 2])
+        except Exception as e:  # noqa: BLE001
+            row = dict(what="bwd_fused", P=p, mb=mb, cfg=str(c), error=f"{type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:150] if str(e) else ''}")
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="5059:4,8192:16")
@@ -123,6 +158,8 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--dq-variants", default="", help="comma-separated DQ_VARIANTS indices: the dQ kernel alone")
     ap.add_argument("--dkdv-variants", default="", help="comma-separated DKDV_VARIANTS indices: the dK/dV kernel")
+    ap.add_argument("--fused-variants", default="", help="comma-separated FUSED_VARIANTS indices: the whole "
+                    "backward, fused (experimental) against the default")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--scale-first", action="store_true", help="kernel-only rows: the softmax that scales the scores "
                     "before the row max (the forward before the FMA form)")
@@ -212,6 +249,9 @@ def main():
                 rows.append(dict(what="fwd_kernel_only", P=p, mb=mb, cfg=str(c), error=f"{type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:150] if str(e) else ''}"))
             print(rows[-1], flush=True)
+        if a.fused_variants:
+            rows.extend(fused_rows(q, k, v, do, cu, sp, p, mb, tf,
+                                   [FUSED_VARIANTS[int(i)] for i in a.fused_variants.split(",")], a.check))
         if a.dq_variants or a.dkdv_variants:
             pick = lambda arg, table: [table[int(i)] for i in arg.split(",")] if arg else []  # noqa: E731
             rows.extend(bwd_rows(q, k, v, do, cu, sp, p, mb, tf, pick(a.dq_variants, DQ_VARIANTS),
