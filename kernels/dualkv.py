@@ -601,10 +601,14 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
 def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                     offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                    QD, DOD, qcol, TMA: tl.constexpr):
+                    QD, DOD, qcol, TMA: tl.constexpr, FUSED: tl.constexpr = False, dq_base=None, lock_base=None,
+                    rank=0, stride_dqt=0):
     """dK/dV steps over query blocks ``[lo, hi)`` of one query head. ``TMA``: the Q/dO blocks through the tensor
     descriptors ``QD``/``DOD`` at column ``qcol`` (rows past ``qbound`` are then real rows of other segments, or
-    zeros past T: their probabilities are masked to 0)."""
+    zeros past T: their probabilities are masked to 0). ``FUSED`` (``lo`` on the segment's tile grid, ``lock_base``
+    the counter of the tile at ``lo``): also each tile's dQ share ``dS @ K``, added into the fp32 ``dq_base`` when
+    the tile's counter reaches ``rank`` (then set to ``rank + 1``; see the fused-backward section)."""
+    it = 0
     for start in range(lo, hi, BLOCK_M):
         q_idx = start + offs_m
         q_off = q_idx.to(tl.int64)
@@ -649,6 +653,20 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, 
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+        if FUSED:
+            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PREC)  # (BLOCK_M, D): this block's share
+            dm = q_idx[:, None] < qbound
+            if not EVEN_D:
+                dm = dm & (offs_d[None, :] < D)
+            lock = lock_base + it
+            while tl.atomic_cas(lock, rank, rank, sem="acquire") != rank:
+                pass
+            ptr = dq_base + q_off[:, None] * stride_dqt + offs_d[None, :]
+            old = tl.load(ptr, mask=dm, other=0.0, cache_modifier=".cg")
+            tl.store(ptr, old + dq, mask=dm)
+            tl.debug_barrier()
+            tl.atomic_xchg(lock, rank + 1, sem="release")
+            it += 1
     return dk, dv
 
 
@@ -657,10 +675,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh, T, H_KV, GROUP, qk_scale, sm_scale,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     EVEN_D: tl.constexpr, PREC: tl.constexpr, QD=None, DOD=None, TMA: tl.constexpr = False):
+                     EVEN_D: tl.constexpr, PREC: tl.constexpr, QD=None, DOD=None, TMA: tl.constexpr = False,
+                     FUSED: tl.constexpr = False, DQ=None, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None,
+                     stride_dqt=0, stride_dqh=0, NT=0):
     """One program per (work entry = BLOCK_N keys of one segment, KV head): dK/dV over every query head of the GQA
     group and every query that sees these keys; each dK/dV row has one owner program (no atomics). ``TMA``: the
-    Q/dO blocks through host tensor descriptors (2-D ``(T, H*D)`` views, blocks ``(BLOCK_M, D)``)."""
+    Q/dO blocks through host tensor descriptors (2-D ``(T, H*D)`` views, blocks ``(BLOCK_M, D)``). ``FUSED``: also
+    the dQ shares, in rank order (the fused-backward section; the work table in layout order, the response queries
+    of a prefix block visited segment by segment on their own tile grids)."""
     pid = tl.program_id(0)
     w = pid // H_KV
     g = pid % H_KV
@@ -687,29 +709,65 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
     diag_hi = tl.minimum(k_start + BLOCK_N, se)
     o_full = diag_hi + ((se - diag_hi) // BLOCK_M) * BLOCK_M
     c_full = cs + ((ce - cs) // BLOCK_M) * BLOCK_M
+    own_rank = 0
+    tile_own = 0
+    if FUSED:  # a response block comes after every block of its group's prefix
+        own_rank = (tl.load(KCTX_HI + seg) - tl.load(KCTX_LO + seg) + BLOCK_N - 1) // BLOCK_N + blk
+        tile_own = tl.load(TILE0 + seg)
     for hh in range(0, GROUP):
         h = g * GROUP + hh
         q_base = Q + h * stride_qh
         do_base = DO + h * stride_doh
         lse_base = LSE + h.to(tl.int64) * T
         delta_base = DELTA + h.to(tl.int64) * T
+        dq_base = DQ + h.to(tl.int64) * stride_dqh if FUSED else DQ
+        if FUSED:  # the counters of the own segment's tiles at the diagonal, after it, at the tail
+            locks = LOCK + h.to(tl.int64) * NT + tile_own
+            lk_diag = locks + (k_start - ss) // BLOCK_M
+            lk_after = locks + (diag_hi - ss) // BLOCK_M
+            lk_tail = locks + (o_full - ss) // BLOCK_M
+        else:
+            lk_diag = LOCK
+            lk_after = LOCK
+            lk_tail = LOCK
         # own segment: the diagonal (causal, masked), then the queries after it (whole blocks, then the tail)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC,
-                                 QD, DOD, h * D, TMA)
+                                 QD, DOD, h * D, TMA, FUSED, dq_base, lk_diag, own_rank,
+                                 stride_dqt)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D, False, False,
-                                 PREC, QD, DOD, h * D, TMA)
+                                 PREC, QD, DOD, h * D, TMA, FUSED, dq_base, lk_after, own_rank,
+                                 stride_dqt)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC,
-                                 QD, DOD, h * D, TMA)
+                                 QD, DOD, h * D, TMA, FUSED, dq_base, lk_tail, own_rank,
+                                 stride_dqt)
         # a prefix key block: every response query of its group (contiguous after the prefix), unmasked
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False, False, PREC,
-                                 QD, DOD, h * D, TMA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC,
-                                 QD, DOD, h * D, TMA)
+        if FUSED:  # segment by segment, each on its own tile grid; rank = the block's index in the prefix
+            s = seg + 1
+            rs = cs
+            while rs < ce:
+                re = tl.load(CU + s + 1)
+                r_full = rs + ((re - rs) // BLOCK_M) * BLOCK_M
+                tiles = LOCK + h.to(tl.int64) * NT + tl.load(TILE0 + s)
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
+                                         stride_dot, offs_m, offs_d, rs, r_full, re, qk_scale, D, BLOCK_M, EVEN_D,
+                                         False, False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base, tiles, blk,
+                                         stride_dqt)
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
+                                         stride_dot, offs_m, offs_d, r_full, re, re, qk_scale, D, BLOCK_M, EVEN_D,
+                                         True, False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base,
+                                         tiles + (r_full - rs) // BLOCK_M, blk, stride_dqt)
+                s += 1
+                rs = re
+        else:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
+                                     stride_dot, offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False,
+                                     False, PREC, QD, DOD, h * D, TMA)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
+                                     stride_dot, offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True,
+                                     False, PREC, QD, DOD, h * D, TMA)
     dk = dk * sm_scale
     tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
     tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
@@ -956,128 +1014,6 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
 # of rank r waits until the counter is r, adds, and sets it to r + 1. Programs are launched in that same order
 # (segments in layout order, blocks ascending), so a program only ever waits for programs launched before it: no
 # cycle, and under the sequential interpreter no wait at all.
-@triton.jit
-def _bwd_fused_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, dq_base, lock_base, rank,
-                     stride_qt, stride_dot, stride_dqt, offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr,
-                     PREC: tl.constexpr):
-    """Query tiles ``[lo, hi)`` (``lo`` on the segment's tile grid; ``lock_base`` = the counter of the tile at
-    ``lo``) of one query head: dK/dV accumulate, the dQ contribution is added in rank order."""
-    it = 0
-    for start in range(lo, hi, BLOCK_M):
-        q_idx = start + offs_m
-        q_off = q_idx.to(tl.int64)
-        rm = q_idx < qbound
-        lm = rm[:, None]
-        if not EVEN_D:
-            lm = lm & (offs_d[None, :] < D)
-        q = tl.load(q_base + q_off[:, None] * stride_qt + offs_d[None, :], mask=lm, other=0.0)
-        do = tl.load(do_base + q_off[:, None] * stride_dot + offs_d[None, :], mask=lm, other=0.0)
-        lse2 = tl.load(lse_base + q_idx, mask=rm, other=0.0) * 1.4426950408889634
-        delta = tl.load(delta_base + q_idx, mask=rm, other=0.0)
-        qkT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-        pT = tl.math.exp2(qkT - lse2[None, :])
-        if MASK_Q:
-            keep = q_idx[None, :] < qbound
-            if CAUSAL:
-                keep = keep & (q_idx[None, :] >= k_idx[:, None])
-            pT = tl.where(keep, pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
-        dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PREC)  # (BLOCK_M, D): this block's share
-        lock = lock_base + it
-        while tl.atomic_cas(lock, rank, rank, sem="acquire") != rank:
-            pass
-        ptr = dq_base + q_off[:, None] * stride_dqt + offs_d[None, :]
-        old = tl.load(ptr, mask=lm, other=0.0, cache_modifier=".cg")
-        tl.store(ptr, old + dq, mask=lm)
-        tl.debug_barrier()
-        tl.atomic_xchg(lock, rank + 1, sem="release")
-        it += 1
-    return dk, dv
-
-
-@triton.jit
-def _bwd_fused_kernel(Q, K, V, DO, DK, DV, DQ, LOCK, LSE, DELTA, CU, KCTX_LO, KCTX_HI, QCTX_LO, QCTX_HI, TILE0,
-                      WSEG, WBLK, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-                      stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, T, H_KV,
-                      GROUP, NT, qk_scale, sm_scale, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
-    """One program per (key block of one segment, KV head), launched in layout order: dK/dV of the block (every
-    query head of the group), and its dQ shares added in rank order (see the section comment)."""
-    pid = tl.program_id(0)
-    w = pid // H_KV
-    g = pid % H_KV
-    seg = tl.load(WSEG + w)
-    if seg < 0:
-        return
-    blk = tl.load(WBLK + w)
-    ss = tl.load(CU + seg)
-    se = tl.load(CU + seg + 1)
-    cs = tl.load(QCTX_LO + seg)
-    ce = tl.load(QCTX_HI + seg)
-    n_prefix_blocks = (tl.load(KCTX_HI + seg) - tl.load(KCTX_LO + seg) + BLOCK_N - 1) // BLOCK_N
-    own_rank = n_prefix_blocks + blk  # a response block comes after every block of its group's prefix
-    k_start = ss + blk * BLOCK_N
-    offs_n = k_start + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    km = offs_n[:, None] < se
-    if not EVEN_D:
-        km = km & (offs_d[None, :] < D)
-    krow = offs_n.to(tl.int64)[:, None]
-    k = tl.load(K + krow * stride_kt + g * stride_kh + offs_d[None, :], mask=km, other=0.0)
-    v = tl.load(V + krow * stride_vt + g * stride_vh + offs_d[None, :], mask=km, other=0.0)
-    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    diag_hi = tl.minimum(k_start + BLOCK_N, se)
-    o_full = diag_hi + ((se - diag_hi) // BLOCK_M) * BLOCK_M
-    tile_own = tl.load(TILE0 + seg)
-    for hh in range(0, GROUP):
-        h = g * GROUP + hh
-        q_base = Q + h * stride_qh
-        do_base = DO + h * stride_doh
-        dq_base = DQ + h.to(tl.int64) * stride_dqh
-        lse_base = LSE + h.to(tl.int64) * T
-        delta_base = DELTA + h.to(tl.int64) * T
-        locks = LOCK + h.to(tl.int64) * NT
-        # own segment: the diagonal tile(s), the whole tiles after them, the tail (tiles on the segment's grid)
-        dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-                                  locks + tile_own + (k_start - ss) // BLOCK_M, own_rank, stride_qt, stride_dot,
-                                  stride_dqt, offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D,
-                                  True, True, PREC)
-        dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-                                  locks + tile_own + (diag_hi - ss) // BLOCK_M, own_rank, stride_qt, stride_dot,
-                                  stride_dqt, offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D,
-                                  False, False, PREC)
-        dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-                                  locks + tile_own + (o_full - ss) // BLOCK_M, own_rank, stride_qt, stride_dot,
-                                  stride_dqt, offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D,
-                                  True, False, PREC)
-        # a prefix key block: every response segment of its group (contiguous after the prefix), each on its own
-        # tile grid; rank = the block's index in the prefix
-        s = seg + 1
-        rs = cs
-        while rs < ce:
-            re = tl.load(CU + s + 1)
-            r_full = rs + ((re - rs) // BLOCK_M) * BLOCK_M
-            tile_r = tl.load(TILE0 + s)
-            dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-                                      locks + tile_r, blk, stride_qt, stride_dot, stride_dqt, offs_m, offs_d, rs,
-                                      r_full, re, qk_scale, D, BLOCK_M, EVEN_D, False, False, PREC)
-            dk, dv = _bwd_fused_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-                                      locks + tile_r + (r_full - rs) // BLOCK_M, blk, stride_qt, stride_dot,
-                                      stride_dqt, offs_m, offs_d, r_full, re, re, qk_scale, D, BLOCK_M, EVEN_D,
-                                      True, False, PREC)
-            s += 1
-            rs = re
-    dk = dk * sm_scale
-    tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
-    tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
-
-
 def _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale, cfg):
     """The fused backward: dK/dV into ``dk``/``dv``, dQ into ``dq`` (through an fp32 buffer)."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -1091,14 +1027,16 @@ def _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, 
     locks = torch.zeros((h, nt), dtype=torch.int32, device=q.device)
     dq_acc = torch.zeros((t, h, d), dtype=torch.float32, device=q.device)
     wseg, wblk, w = _work_table(cub, bn, t, ctx[2], 0)  # layout order: the order of the dQ additions
-    _bwd_fused_kernel[(w * h_kv,)](
-        q, k, v, do, dk, dv, dq_acc, locks, lse, delta, cub, ctx[0], ctx[1], ctx[2], ctx[3], tile0, wseg, wblk,
+    qd, dod = _tma_descriptors(q, do, bm) if cfg.get("TMA") else (None, None)
+    _bwd_dkdv_kernel[(w * h_kv,)](
+        q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq_acc.stride(0), dq_acc.stride(1), t, h_kv,
-        h // h_kv, nt, scale * LOG2E, scale, D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad),
-        PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, QD=qd, DOD=dod,
+        TMA=qd is not None, FUSED=True, DQ=dq_acc, LOCK=locks, KCTX_LO=ctx[0], KCTX_HI=ctx[1], TILE0=tile0,
+        stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1), NT=nt,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     dq.copy_(dq_acc * scale)
-
 
 __all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",
            "KERNELS", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
