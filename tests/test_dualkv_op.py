@@ -416,7 +416,8 @@ def test_dkdv_config_with_blocks_that_do_not_tile_is_refused():
     ([(33, [31, 64, 1])], (8, 2), 16),
     ([(20, [9, 40])], (6, 2), 80),
 ], ids=["three-groups-gqa2", "tiny-mha", "gqa4-d16", "gqa3-d80"])
-@pytest.mark.parametrize("blocks", [(16, 32), (16, 16), (32, 32)], ids=["16x32", "16x16", "32x32"])
+@pytest.mark.parametrize("blocks", [(16, 32, False), (16, 16, False), (32, 32, True)],
+                         ids=["16x32", "16x16", "32x32-tma"])
 def test_fused_backward_matches_reference_and_is_deterministic(groups, heads, d, blocks):
     """The experimental fused backward (``config={"fused": ...}``): dQ added in rank order per query tile. Under the
     sequential interpreter a rank that disagreed with the launch order would hang here, not pass."""
@@ -428,7 +429,7 @@ def test_fused_backward_matches_reference_and_is_deterministic(groups, heads, d,
     ref_out, _ = replicated_reference(qd, kd, vd, layout, 0.2)
     ref = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
     out, lse = K.dualkv_fwd(q, k, v, cu, sp, 0.2)
-    cfg = {"fused": dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1])}
+    cfg = {"fused": dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], TMA=blocks[2])}  # TMA: Q/dO via descriptors
     got = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
     for g, r in zip(got, ref):
         assert maxerr(g, r) < 5e-5
