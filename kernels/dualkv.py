@@ -1036,7 +1036,7 @@ def _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, 
         TMA=qd is not None, FUSED=True, DQ=dq_acc, LOCK=locks, KCTX_LO=ctx[0], KCTX_HI=ctx[1], TILE0=tile0,
         stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1), NT=nt,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    dq.copy_(dq_acc * scale)
+    dq.copy_(dq_acc.mul_(scale))  # in place: no second fp32 buffer
 
 __all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",
            "KERNELS", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
