@@ -602,7 +602,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, 
                     offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                     QD, DOD, qcol, TMA: tl.constexpr, FUSED: tl.constexpr = False, dq_base=None, lock_base=None,
-                    rank=0, stride_dqt=0):
+                    rank=0, stride_dqt=0, kend=0):
     """dK/dV steps over query blocks ``[lo, hi)`` of one query head. ``TMA``: the Q/dO blocks through the tensor
     descriptors ``QD``/``DOD`` at column ``qcol`` (rows past ``qbound`` are then real rows of other segments, or
     zeros past T: their probabilities are masked to 0). ``FUSED`` (``lo`` on the segment's tile grid, ``lock_base``
@@ -654,6 +654,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, 
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
         if FUSED:
+            # key rows past the block's segment (zeros) have pT = exp2(-lse2), up to inf: out of the dQ share
+            dsT = tl.where(k_idx[:, None] < kend, dsT, 0.0)
             dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PREC)  # (BLOCK_M, D): this block's share
             dm = q_idx[:, None] < qbound
             if not EVEN_D:
@@ -734,15 +736,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC,
                                  QD, DOD, h * D, TMA, FUSED, dq_base, lk_diag, own_rank,
-                                 stride_dqt)
+                                 stride_dqt, se)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D, False, False,
                                  PREC, QD, DOD, h * D, TMA, FUSED, dq_base, lk_after, own_rank,
-                                 stride_dqt)
+                                 stride_dqt, se)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC,
                                  QD, DOD, h * D, TMA, FUSED, dq_base, lk_tail, own_rank,
-                                 stride_dqt)
+                                 stride_dqt, se)
         # a prefix key block: every response query of its group (contiguous after the prefix), unmasked
         if FUSED:  # segment by segment, each on its own tile grid; rank = the block's index in the prefix
             s = seg + 1
@@ -754,11 +756,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
                 dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
                                          stride_dot, offs_m, offs_d, rs, r_full, re, qk_scale, D, BLOCK_M, EVEN_D,
                                          False, False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base, tiles, blk,
-                                         stride_dqt)
+                                         stride_dqt, se)
                 dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
                                          stride_dot, offs_m, offs_d, r_full, re, re, qk_scale, D, BLOCK_M, EVEN_D,
                                          True, False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base,
-                                         tiles + (r_full - rs) // BLOCK_M, blk, stride_dqt)
+                                         tiles + (r_full - rs) // BLOCK_M, blk, stride_dqt, se)
                 s += 1
                 rs = re
         else:
@@ -842,13 +844,18 @@ def _cfg(kind: str, d_pad: int, dtype: torch.dtype, config: Optional[dict] = Non
     base = dict(_default_fwd_cfg(d_pad, dtype, 1 if own else group) if kind == "fwd" else
                 _default_dq_cfg(d_pad, dtype, 1 if own else group) if kind == "dq" else
                 _default_bwd_cfg(d_pad, dtype))
-    if own:
+    if own or kind == "fused":
         base.pop("TMA", None)
     if config:
         unknown = set(config) - set(KERNELS)
         if unknown:
             raise ValueError(f"launch config: unknown kernel(s) {sorted(unknown)}; expected keys among {KERNELS}")
-        base.update(config.get(kind) or {})
+        given = config.get(kind)
+        base.update(given if isinstance(given, dict) else {})
+    for key in ("BLOCK_M", "BLOCK_N"):
+        b = base[key]
+        if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
+            raise ValueError(f"{kind} launch config: {key}={b!r} must be a power of two >= 16 (tl.dot's minimum)")
     return base
 
 
@@ -963,11 +970,14 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
     cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
-    if config and config.get("fused") is not None:
-        cfg = dict(_default_bwd_cfg(d_pad, q.dtype))
-        cfg.pop("TMA", None)
-        cfg.update(config["fused"] if isinstance(config["fused"], dict) else {})
-        _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale, cfg)
+    if config and config.get("fused") not in (None, False):
+        if config.get("dq") or config.get("dkdv"):
+            raise ValueError("launch config: 'fused' replaces the dq and dkdv kernels; give 'fused' or 'dq'/'dkdv', "
+                             "not both")
+        if not assert_layout:  # the fused kernel's ordered dQ adds would wait forever on an inconsistent layout
+            cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, True)
+        _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale,
+                      _cfg("fused", d_pad, q.dtype, config))
         return dq, dk, dv
     _launch_dq(q, k, v, do, dq, lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d_pad, prec, scale,
                _cfg("dq", d_pad, q.dtype, config, h // h_kv))

@@ -435,3 +435,31 @@ def test_fused_backward_matches_reference_and_is_deterministic(groups, heads, d,
         assert maxerr(g, r) < 5e-5
     again = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def test_fused_backward_masks_padding_keys_and_refuses_bad_input():
+    """Key rows past a partial prefix block must not reach dQ (their probability exp(-lse) overflows when every score
+    is very negative: NaN before the fix); an inconsistent layout is an error, not a kernel that waits forever; the
+    config is checked like the others."""
+    layout = DualKVLayout.from_lengths([(1, [1])])
+    cu, sp = layout.cu_seqlens, layout.segment_prefix
+    k = torch.ones(2, 1, 16)
+    v = torch.randn(2, 1, 16)
+    q = torch.full((2, 1, 16), -90.0 / 16)  # every score -90: lse < -88, exp(-lse) overflows fp32
+    out, lse = K.dualkv_fwd(q, k, v, cu, sp, 1.0)
+    do = torch.randn_like(q)
+    fused = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": {"BLOCK_M": 16, "BLOCK_N": 16}})
+    default = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0)
+    for a, b in zip(fused, default):
+        assert torch.isfinite(a).all() and maxerr(a, b) < 1e-5
+    bad_cu, bad_sp = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([-1, 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="inconsistent cu_seqlens/segment_prefix"):
+        K.dualkv_bwd(do, q, k, v, out, lse, bad_cu, bad_sp, 1.0, config={"fused": {}})
+    with pytest.raises(ValueError, match="replaces the dq and dkdv kernels"):
+        K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": {}, "dkdv": {"BLOCK_M": 16}})
+    with pytest.raises(ValueError, match="must be a power of two >= 16"):
+        K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": {"BLOCK_N": 48}})
+    with pytest.raises(ValueError, match="unknown kernel"):
+        K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": {}, "dkvd": {}})
+    off = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": False})  # False: the two kernels
+    assert all(torch.equal(a, b) for a, b in zip(off, default))
