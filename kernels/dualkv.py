@@ -1017,8 +1017,8 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
 
 
 # ============================================================================ fused backward (experimental, issue 14)
-# One pass per key block computes dK/dV (owned, as _bwd_dkdv_kernel) and adds its dQ contribution (dS @ K, the 5th
-# matmul instead of the dQ kernel's 3) into an fp32 buffer. Deterministic without float atomics: every query tile
+# _bwd_dkdv_kernel with FUSED: one pass per key block computes dK/dV (owned) and adds its dQ contribution (dS @ K,
+# the 5th matmul instead of the dQ kernel's 3) into an fp32 buffer. Deterministic without float atomics: every query tile
 # (BLOCK_M rows of one segment, on the segment's own grid) has a counter per query head, and the key blocks that see
 # the tile add in a fixed order (the group prefix's blocks 0.., then the tile's own segment's blocks 0..): the block
 # of rank r waits until the counter is r, adds, and sets it to r + 1. Programs are launched in that same order
