@@ -26,8 +26,12 @@ __all__ = ["FWD_CANDS", "DQ_CANDS", "DKDV_CANDS", "sweep", "tune_dualkv", "gathe
 # entry is the default elsewhere.
 FWD_CANDS = [(128, 128, 8, 3), (32, 128, 8, 3, True, True), (128, 64, 8, 3), (32, 128, 8, 3, True),
              (32, 64, 8, 3, True), (128, 128, 8, 3, False, True), (128, 64, 8, 4, False, True)]
-DQ_CANDS = [(128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 3)]
-DKDV_CANDS = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
+# Round 4 (issue 14, BENCHMARKS.md): the dQ kernel with the forward's packed GQA-4 + TMA program (the default at GQA 4,
+# D 128, bf16), the dK/dV kernel with TMA Q/dO loads and 2 stages (the default at D 128, bf16).
+DQ_CANDS = [(128, 64, 8, 3), (32, 64, 8, 3, True, True), (128, 64, 8, 3, False, True), (32, 64, 8, 3, True),
+            (128, 32, 8, 3), (128, 128, 8, 3)]
+DKDV_CANDS = [(64, 128, 8, 3), (64, 128, 8, 2, False, True), (64, 128, 8, 3, False, True), (64, 128, 8, 2),
+              (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 
 
 def sweep(method: str, candidates: list, step_for: Callable, device, warmup: int, iters: int, nbytes_or_flops=None,
