@@ -955,6 +955,10 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v; the shared prefix's dK/dV include the contributions of
         every response of its group plus its own causal part.
     """
+    fused = bool(config) and config.get("fused") not in (None, False)
+    if fused and (config.get("dq") or config.get("dkdv")):
+        raise ValueError("launch config: 'fused' replaces the dq and dkdv kernels; give 'fused' or 'dq'/'dkdv', not "
+                         "both")
     q, k, v, out, do = (_lastdim_contig(x) for x in (q, k, v, out, do))
     t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
     dq = torch.empty_like(q)
@@ -969,13 +973,9 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
-    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
-    if config and config.get("fused") not in (None, False):
-        if config.get("dq") or config.get("dkdv"):
-            raise ValueError("launch config: 'fused' replaces the dq and dkdv kernels; give 'fused' or 'dq'/'dkdv', "
-                             "not both")
-        if not assert_layout:  # the fused kernel's ordered dQ adds would wait forever on an inconsistent layout
-            cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, True)
+    # the fused kernel's ordered dQ adds would wait forever on an inconsistent layout: always asserted there
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout or fused)
+    if fused:
         _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale,
                       _cfg("fused", d_pad, q.dtype, config))
         return dq, dk, dv
@@ -1001,19 +1001,24 @@ def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, 
 
 
 def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale,
-                 cfg):
+                 cfg, fused: Optional[dict] = None):
+    """The dK/dV kernel over key blocks in heaviest-first order; ``fused`` (:func:`_launch_fused`'s kernel
+    arguments): the fused backward instead, its blocks in layout order (the order of the dQ additions)."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     if bn % bm:
         raise ValueError(f"dkdv launch config: BLOCK_N ({bn} keys per program) must be a multiple of BLOCK_M ({bm} "
                          f"queries per step); e.g. BLOCK_M={bm} BLOCK_N={bm * max(1, bn // bm)}")
-    wseg, wblk, w = _plan_work(cu_seqlens, qctx_lo, qctx_hi, bn, t, -1)
+    if fused is None:
+        wseg, wblk, w = _plan_work(cu_seqlens, qctx_lo, qctx_hi, bn, t, -1)
+    else:
+        wseg, wblk, w = _work_table(cu_seqlens, bn, t, qctx_lo, 0)
     qd, dod = _tma_descriptors(q, do, bm) if cfg.get("TMA") else (None, None)
     _bwd_dkdv_kernel[(w * h_kv,)](
         q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
         D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, QD=qd, DOD=dod,
-        TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **(fused or {}))
 
 
 # ============================================================================ fused backward (experimental, issue 14)
@@ -1026,9 +1031,7 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
 # cycle, and under the sequential interpreter no wait at all.
 def _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale, cfg):
     """The fused backward: dK/dV into ``dk``/``dv``, dQ into ``dq`` (through an fp32 buffer)."""
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if bn % bm:
-        raise ValueError(f"fused backward launch config: BLOCK_N ({bn}) must be a multiple of BLOCK_M ({bm})")
+    bm = cfg["BLOCK_M"]
     cu = cub.long()
     lens = cu[1:] - cu[:-1]
     ntiles = (lens + bm - 1) // bm
@@ -1036,17 +1039,11 @@ def _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, 
     nt = triton.cdiv(t, bm) + lens.numel()  # >= sum(ntiles), static (no host sync)
     locks = torch.zeros((h, nt), dtype=torch.int32, device=q.device)
     dq_acc = torch.zeros((t, h, d), dtype=torch.float32, device=q.device)
-    wseg, wblk, w = _work_table(cub, bn, t, ctx[2], 0)  # layout order: the order of the dQ additions
-    qd, dod = _tma_descriptors(q, do, bm) if cfg.get("TMA") else (None, None)
-    _bwd_dkdv_kernel[(w * h_kv,)](
-        q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], wseg, wblk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, QD=qd, DOD=dod,
-        TMA=qd is not None, FUSED=True, DQ=dq_acc, LOCK=locks, KCTX_LO=ctx[0], KCTX_HI=ctx[1], TILE0=tile0,
-        stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1), NT=nt,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale, cfg,
+                 fused=dict(FUSED=True, DQ=dq_acc, LOCK=locks, KCTX_LO=ctx[0], KCTX_HI=ctx[1], TILE0=tile0,
+                            stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1), NT=nt))
     dq.copy_(dq_acc.mul_(scale))  # in place: no second fp32 buffer
+
 
 __all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",
            "KERNELS", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

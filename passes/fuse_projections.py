@@ -32,6 +32,8 @@ from typing import Optional
 
 import torch
 
+from .manager import derived_program
+
 aten = torch.ops.aten
 LINEAR = aten.linear.default
 CHOICES = ("none", "qkv", "all")
@@ -150,12 +152,7 @@ class FusedProjections:
         for n in graph.nodes:
             if n.op in ("get_attr", "call_module") and n.target not in attrs:
                 attrs[n.target] = _attr(gm, n.target)
-        program = torch.fx.GraphModule(attrs, graph)
-        if hasattr(gm, "_in_spec"):  # an unlifted torch.export module flattens its inputs with these specs
-            program._in_spec, program._out_spec = gm._in_spec, gm._out_spec
-            program.graph._codegen = gm.graph._codegen
-            program.recompile()
-        self.program = program
+        self.program = derived_program(gm, graph, attrs)
         self._seen = [self._stamp(g) for g in self.groups]
 
     @property

@@ -84,3 +84,15 @@ def run_passes(gm: torch.fx.GraphModule, passes: Sequence[KVPass],
         if e.__cause__ is not None and type(e) is Exception:
             raise e.__cause__ from None
         raise
+
+
+def derived_program(gm: torch.fx.GraphModule, graph: torch.fx.Graph, root=None) -> torch.fx.GraphModule:
+    """A ``GraphModule`` running ``graph`` (derived from ``gm``'s) over ``root``'s attributes (default ``gm``'s; a
+    dict of target -> tensor/module also works), with ``gm``'s calling convention: an unlifted torch.export module
+    flattens its inputs and outputs with ``_in_spec``/``_out_spec``, which the new module keeps."""
+    new = torch.fx.GraphModule(gm if root is None else root, graph)
+    if hasattr(gm, "_in_spec"):
+        new._in_spec, new._out_spec = gm._in_spec, gm._out_spec
+        new.graph._codegen = gm.graph._codegen
+        new.recompile()
+    return new

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_structure
 
 from .attention import _PASSTHROUGH, _keep_mask, _shape, describe, extract_subgraph, find_attention, \
     noop_slice, probe_lengths, unrepeat_kv
-from .manager import KVPass, PassContext
+from .manager import KVPass, PassContext, derived_program
 
 aten = torch.ops.aten
 KVT_SPARSE_DECODE = torch.ops.kvt.sparse_decode_attention.default
@@ -299,12 +299,7 @@ def slot_mode_program(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
             graph.erase_node(n)
     graph.lint()
-    new = torch.fx.GraphModule(gm, graph)
-    if hasattr(gm, "_in_spec"):  # an unlifted torch.export module flattens its inputs with these specs
-        new._in_spec, new._out_spec = gm._in_spec, gm._out_spec
-        new.graph._codegen = gm.graph._codegen
-        new.recompile()
-    return new
+    return derived_program(gm, graph)
 
 
 __all__ = ["SparseDecodePass", "prove_cache_mask", "cache_concat", "append_outputs", "count_cache_copies",

@@ -241,7 +241,7 @@ class _Ours:
 
         base = kvt.SpeContextConfig(head="quest", budget=int(cfg.budget), cuda_graphs=bool(cfg.cuda_graphs),
                                     compile=bool(cfg.compile),
-                                    fuse_projections=str(getattr(cfg, "fuse_projections", "qkv")))
+                                    fuse_projections=str(cfg.fuse_projections))
         self.sp = kvt.transform(model, base, progress=False)
         self.modules, self.notes = {}, {}
         for method, head in OURS.items():
