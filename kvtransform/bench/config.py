@@ -221,7 +221,7 @@ class ThroughputMethod(Enum):
     dense = "dense"  # our runtime, every cached token (full attention), CUDA graphs
     specontext = "specontext"  # our runtime, the distilled retrieval head, budget B
     quest = "quest"  # our runtime, Quest pages, budget B
-    flashinfer = "flashinfer"  # FlashInfer batch decode (when importable)
+    flashinfer = "flashinfer"  # dense with FlashInfer's batch decode kernel as the attention (when importable)
 
 
 @dataclass
@@ -255,6 +255,8 @@ class DecodeBenchConfig:
         cuda_graphs: our runtime's CUDA graphs.
         fuse_projections: our runtime's projection fusion of the decode program (SpeContextConfig.fuse_projections:
             ``qkv``, ``all`` or ``none``); the fused copies are made before the request count is sized.
+        flashinfer_tensor_cores: the ``flashinfer`` method's FlashInfer ``use_tensor_cores`` (its prefill kernel
+            run for decode, meant for large GQA groups); off: its CUDA-core decode kernel (FlashInfer's default).
         validate: also run the whole generation once per method and compare it with the sampled estimate (rows
             ``pass=validate``; for a short ``output``).
         seed, dtype, device, out_dir, append, plot: as in the other suites.
@@ -277,6 +279,7 @@ class DecodeBenchConfig:
     compile: bool = True
     cuda_graphs: bool = True
     fuse_projections: str = "qkv"
+    flashinfer_tensor_cores: bool = False
     validate: bool = False
     seed: int = 0
     dtype: DType = DType.bfloat16

@@ -24,8 +24,9 @@ Methods: ``hf_sdpa`` (HF ``generate``, DynamicCache, sdpa), ``hf_static`` (HF ``
 compiles the decode step itself), ``dense`` (our runtime, every token: the slot-mode program, each layer reading its
 cache up to the row's length), ``specontext`` (our runtime, the ``distilled`` head: the packaged one when it fits the
 model, else a randomly initialised head of the same architecture, which costs the same), ``quest`` (our runtime,
-Quest pages), ``flashinfer`` (reported as a skip: no FlashInfer decode path is wired yet). Our runtime replays each
-step as a CUDA graph, its decode program under ``torch.compile`` (``compile=true``, CUDA only).
+Quest pages), ``flashinfer`` (``dense`` with FlashInfer's batch decode kernel as every layer's attention:
+:mod:`kvtransform.bench.flashinfer_decode`; a skip where FlashInfer does not import). Our runtime replays each step
+as a CUDA graph, its decode program under ``torch.compile`` (``compile=true``, CUDA only).
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ __all__ = ["MODELS", "PAPER", "ORDER", "build_model", "max_requests", "sample_co
 ORDER = [m.value for m in ThroughputMethod if m is not ThroughputMethod.all]
 OOM_RETRIES = 3  # automatic request counts: retries at -10 % after an out-of-memory error
 VALIDATE_TOL = 0.05  # a sampled estimate within 5 % of the whole run (issue 17)
-OURS = {"dense": "dense", "specontext": "distilled", "quest": "quest"}  # method -> retrieval head
+OURS = {"dense": "dense", "specontext": "distilled", "quest": "quest",  # method -> retrieval head
+        "flashinfer": "dense"}  # (its slot-mode program calls FlashInfer's kernel: _Ours.runtime)
 
 #: Model shapes (random weights). ``llama-8b``: DeepSeek-R1-Distill-Llama-8B (Llama-3.1-8B); ``qwen3-8b``: Qwen3-8B;
 #: ``smollm2-135m``: SmolLM2-135M (tied embeddings; the default model's shape, for quick GPU checks); ``tiny``: a
@@ -237,25 +239,49 @@ class _Ours:
 
     def __init__(self, model, cfg):
         import kvtransform as kvt
-        from kvtransform.transforms.specontext import SpeContextModule
 
-        base = kvt.SpeContextConfig(head="quest", budget=int(cfg.budget), cuda_graphs=bool(cfg.cuda_graphs),
-                                    compile=bool(cfg.compile),
-                                    fuse_projections=str(cfg.fuse_projections))
-        self.sp = kvt.transform(model, base, progress=False)
+        self.model, self.cfg = model, cfg
+        self.base = kvt.SpeContextConfig(head="quest", budget=int(cfg.budget), cuda_graphs=bool(cfg.cuda_graphs),
+                                         compile=bool(cfg.compile), fuse_projections=str(cfg.fuse_projections))
+        self.sp = kvt.transform(model, self.base, progress=False)
         self.modules, self.notes = {}, {}
-        for method, head in OURS.items():
-            state, note = None, ""
-            if head == "distilled":
-                state, note = _distilled_state(model)
-            self.modules[method] = SpeContextModule(self.sp.core["prefill"], self.sp.core["decode"], base,
-                                                    self.sp.report, self.sp.info, self.sp.head.scale, model=model,
-                                                    head_name=head, head_state=state)
-            self.notes[method] = note
         self.sp.runtime._fused()  # the fused projection copies exist before the request count is sized
 
     def runtime(self, method):
+        """The runtime of ``method`` (built at its first use; ``flashinfer``: the dense head's, its slot-mode
+        program calling FlashInfer's kernel)."""
+        if method not in self.modules:
+            from kvtransform.transforms.specontext import SpeContextModule
+
+            head, state, note = OURS[method], None, ""
+            if head == "distilled":
+                state, note = _distilled_state(self.model)
+            module = SpeContextModule(self.sp.core["prefill"], self.sp.core["decode"], self.base, self.sp.report,
+                                      self.sp.info, self.sp.head.scale, model=self.model, head_name=head,
+                                      head_state=state)
+            if method == "flashinfer":
+                note = _use_flashinfer(module.runtime, bool(self.cfg.flashinfer_tensor_cores))
+            self.modules[method], self.notes[method] = module, note
         return self.modules[method].runtime
+
+
+def _use_flashinfer(rt, tensor_cores: bool) -> str:
+    """Make ``rt`` (a dense-head runtime) decode through FlashInfer's kernel: its slot-mode program (the fused one
+    when projections are fused) with every attention site calling ``kvt_bench::flashinfer_decode``; returns the
+    row's note."""
+    import flashinfer
+
+    from kvtransform.passes.sparse_decode import slot_mode_program
+
+    from .flashinfer_decode import FlashInferDecode, flashinfer_program, register
+
+    fused = rt._fused()
+    program = rt.decode_fn if fused is None else fused.program
+    rt._slot = flashinfer_program(slot_mode_program(program), register(FlashInferDecode(tensor_cores)))
+    rt._compiled = {}
+    return (f"FlashInfer {getattr(flashinfer, '__version__', '?')} fa2 batch decode"
+            f"{' (tensor cores)' if tensor_cores else ''}, one page per request (no split-KV), in our compiled "
+            f"program and CUDA graph")
 
 
 def _distilled_state(model) -> tuple:
@@ -456,7 +482,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     from .config import DecodeBenchConfig
 
     ident = f"model={model_name} input={inp} output={outl}" + "".join(
-        f" {k}={str(getattr(cfg, k)).lower()}" for k in ("budget", "compile", "cuda_graphs", "fuse_projections")
+        f" {k}={str(getattr(cfg, k)).lower()}" for k in ("budget", "compile", "cuda_graphs", "fuse_projections",
+                                                          "flashinfer_tensor_cores")
         if getattr(cfg, k) != getattr(DecodeBenchConfig, k))
 
     def emit(r):
@@ -493,11 +520,9 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
             if method == "flashinfer" and not _flashinfer_available():
                 emit(dict(rec, status="skip: flashinfer is not installed on this machine"))
                 continue
-            if method == "flashinfer":
-                emit(dict(rec, status="skip: flashinfer decode path not wired (see BENCHMARKS.md)"))
-                continue
             if method in OURS and ours is None:
-                okey = (int(cfg.budget), bool(cfg.cuda_graphs), bool(cfg.compile), str(cfg.fuse_projections))
+                okey = (int(cfg.budget), bool(cfg.cuda_graphs), bool(cfg.compile), str(cfg.fuse_projections),
+                        bool(cfg.flashinfer_tensor_cores))
                 if okey not in _KEEP["ours"]:
                     _KEEP["ours"][okey] = _Ours(model, cfg)
                 ours = _KEEP["ours"][okey]
@@ -610,7 +635,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
             traceback.print_exc()
             emit(dict(rec, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
         finally:
-            if method in OURS and ours is not None:
+            if method in OURS and ours is not None and method in ours.modules:  # (not when building it failed)
                 ours.runtime(method).head.release()
             gc.collect()
             if device.type == "cuda":
