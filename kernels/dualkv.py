@@ -948,7 +948,8 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             ``{"fused": {...}}`` (keys as dkdv's, ``{}`` for its defaults) runs the **experimental** fused backward
             instead: one pass per key block, 5 matmuls instead of 7, dQ added into an fp32 buffer (``T·H·D·4``
             bytes more) in a fixed order per query tile (counters, no float atomics: still bitwise
-            deterministic). Correct under the interpreter; not yet timed on a GPU (issue 14).
+            deterministic). Correct on the H200 too, but 2.0-2.4x slower there than the default two kernels (the
+            ordered hand-offs set the pace: BENCHMARKS.md, issue 14); kept for experiments.
         assert_layout: as :func:`dualkv_fwd`'s.
 
     Returns:
