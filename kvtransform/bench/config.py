@@ -256,7 +256,8 @@ class DecodeBenchConfig:
         fuse_projections: our runtime's projection fusion of the decode program (SpeContextConfig.fuse_projections:
             ``qkv``, ``all`` or ``none``); the fused copies are made before the request count is sized.
         flashinfer_tensor_cores: the ``flashinfer`` method's FlashInfer ``use_tensor_cores`` (its prefill kernel
-            run for decode, meant for large GQA groups); off: its CUDA-core decode kernel (FlashInfer's default).
+            run for decode, meant for large GQA groups). On by default: FlashInfer's fastest decode here (H200,
+            Llama-8B shape, 26 requests, [2k, 32k]: 1177 tokens/s, against 524 with its CUDA-core decode kernel).
         validate: also run the whole generation once per method and compare it with the sampled estimate (rows
             ``pass=validate``; for a short ``output``).
         seed, dtype, device, out_dir, append, plot: as in the other suites.
@@ -279,7 +280,7 @@ class DecodeBenchConfig:
     compile: bool = True
     cuda_graphs: bool = True
     fuse_projections: str = "qkv"
-    flashinfer_tensor_cores: bool = False
+    flashinfer_tensor_cores: bool = True
     validate: bool = False
     seed: int = 0
     dtype: DType = DType.bfloat16
