@@ -5,12 +5,14 @@
 #   source tools/device_env.sh && bash benchmarks/decode/run_h200.sh PART "$OUT/decode"
 # PART: llama-gen (Llama-8B [2k,16k], [2k,32k]: dense, specontext, quest), llama-long (Llama-8B [16k,2k], [32k,2k]),
 # qwen-gen, qwen-long (the same for Qwen3-8B), hf-llama, hf-qwen (hf_sdpa at every configuration of the model),
-# static (hf_static at [2k,32k], both models: HF compiles there), validate (a whole [2k, 512] run per method against
+# static (hf_static at [2k,32k], both models: HF compiles there), flashinfer (dense, specontext and flashinfer at [2k,16k] and
+# [2k,32k], MODEL=llama-8b or qwen3-8b; needs the FlashInfer bundle: `python tools/flashinfer_bundle/make.py .fi` here, carry
+# .fi, and `(cd .fi && bash install.sh) && source .fi/fi_env.sh` there first), validate (a whole [2k, 512] run per method against
 # the sampled estimate; INPUTS="32768" limits the long parts, METHODS="dense,specontext" the -gen parts). Each configuration of a long part runs in its own process (a 32K-token prefill after a
 # 49-request job ran out of memory in one process). Parts append to the same out_dir; "vs best dense" compares every
 # dense row of the CSV at the same model and configuration.
 set -o pipefail
-PART=${1:?part: llama-gen, llama-long, qwen-gen, qwen-long, hf-llama, hf-qwen, static or validate}
+PART=${1:?part: llama-gen, llama-long, qwen-gen, qwen-long, hf-llama, hf-qwen, static, flashinfer or validate}
 OUT_DIR=${2:-out/bench/decode}
 bench() {
     python3 -P - "$OUT_DIR" "$@" <<'PY'
@@ -36,6 +38,9 @@ case "$PART" in
             bench "model=$model" input=16384,32768 output=2048 method=hf_sdpa ;;
     static)
         bench model=llama-8b,qwen3-8b input=2048 output=32768 method=hf_static ;;
+    flashinfer)
+        python3 -P -c "import flashinfer" || { echo "flashinfer does not import: install the bundle first" >&2; exit 2; }
+        bench "model=${MODEL:-llama-8b}" input=2048 output=32768,16384 method=dense,specontext,flashinfer ;;
     validate)
         python3 -P -c "from kvtransform.bench import run; import sys; run('decode', ['-m', 'model=llama-8b', \
 'input=2048', 'output=512', 'requests=16', 'steps=48', 'validate=true', 'method=dense,specontext,hf_sdpa', \
