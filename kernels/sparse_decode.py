@@ -16,7 +16,11 @@ Two modes share one kernel:
 
 Flash-decoding: the grid is ``(batch * H_kv, num_splits)``; each program streams its share of the selected tokens
 of one KV head, loading each gathered K/V row once for all ``G = H / H_kv`` query heads of the group (a
-``(G_pad x D) @ (D x BLOCK_N)`` dot), and writes a normalised partial output and its LSE (fp32, natural log).
+``(G_pad x D) @ (D x BLOCK_N)`` dot), and writes a normalised partial output and its LSE (fp32, natural log). In
+gather mode a split is a fixed range of the ``B`` indices; in slot mode the splits share each row's own length (the
+grid is sized for the buffer's ``S``, a static bound that CUDA graphs need, but a row's tokens spread over all its
+splits however short it is: with one range per split of ``S``, a row shorter than ``S / num_splits`` left every split
+after the first idle).
 A second kernel merges the splits and the new token's own score with the usual LSE rescaling.
 
 Rows with nothing to attend (no valid entry and no new token) output zeros.
@@ -65,10 +69,13 @@ def _sparse_decode_split_kernel(
     v_base = V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
     i_base = IDX + b64 * stride_ib + kvh.to(tl.int64) * stride_ih
 
-    start = split * TOK_PER_SPLIT
-    end = tl.minimum(start + TOK_PER_SPLIT, N_SEL)
-    if not GATHER:
-        end = tl.minimum(end, length)
+    if GATHER:
+        start = split * TOK_PER_SPLIT
+        end = tl.minimum(start + TOK_PER_SPLIT, N_SEL)
+    else:  # slot mode: the splits share this row's own length (the grid is sized for S_MAX, a static bound)
+        tok = tl.cdiv(tl.cdiv(length, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        start = split * tok
+        end = tl.minimum(start + tok, length)
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)

@@ -115,12 +115,25 @@ def test_budget_covering_length_equals_full_attention(g, d, s_max):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_gather_all_in_order_is_bitwise_slot_mode(splits):
-    """Indices 0..S_max-1 (gather) and the same cache read as a dense slot buffer give bit-identical outputs."""
-    q, k, v, kn, vn, lengths = _inputs(3, 8, 2, 97, 64, torch.float32)
+    """Indices 0..S_max-1 (gather) and the same cache read as a dense slot buffer give bit-identical outputs when
+    the splits cut the same ranges: one split, or full rows (slot mode splits a row's own length, gather mode the
+    index list)."""
+    q, k, v, kn, vn, lengths = _inputs(3, 8, 2, 97, 64, torch.float32, lengths=[97, 97, 97] if splits > 1 else None)
     idx = torch.arange(97, dtype=torch.int32).expand(3, 2, 97).contiguous()
     a = sparse_decode_triton(q, k, v, idx, lengths, kn, vn, num_splits=splits, block_n=32)
     b = sparse_decode_triton(q, k, v, None, lengths, kn, vn, num_splits=splits, block_n=32)
     assert torch.equal(a, b)
+
+
+def test_slot_mode_splits_share_each_rows_length():
+    """Rows much shorter than the buffer, with many splits: each row's tokens are split over all its programs
+    (the grid is sized for S); the result matches the fp64 reference for lengths 0, 1, < S/splits and S."""
+    q, k, v, kn, vn, lengths = _inputs(5, 12, 3, 211, 32, torch.float32, lengths=[0, 1, 19, 60, 211])
+    for splits in (2, 5, 7):
+        out = sparse_decode_triton(q, k, v, None, lengths, kn, vn, num_splits=splits, block_n=16)
+        _check_close(out, q, k, v, None, lengths, kn, vn, torch.float32)
+        again = sparse_decode_triton(q, k, v, None, lengths, kn, vn, num_splits=splits, block_n=16)
+        assert torch.equal(out, again)
 
 
 @pytest.mark.parametrize("g,d,dtype", [(4, 128, torch.float32), (7, 80, torch.float16)])
