@@ -340,8 +340,8 @@ def markdown_throughput(df) -> str:
            f"sampled contexts; floor = (weights + KV/retrieval bytes the step must read) / copy bandwidth "
            f"({_fmt(bw, 0)} GB/s, same run); paper = SpeContext Table 5 on one A800.", "",
            "| model | input | output | method | requests | prefill s | decode s | tokens/s | vs best dense | "
-           "paper tokens/s (requests) | vs paper | mean ms/step | worst step / floor | status |",
-           "|" + "---|" * 14]
+           "paper tokens/s (requests) | vs paper | mean ms/step | worst step / floor | status | commit |",
+           "|" + "---|" * 15]
     for key in dict.fromkeys(_config_key(r) for _, r in runs.iterrows()):
         sel = runs[_in_config(runs, key)]
         dense = sel[sel["method"].isin(THROUGHPUT_DENSE) & (sel["status"] == "ok")]["tokens_per_s"]
@@ -349,6 +349,10 @@ def markdown_throughput(df) -> str:
         for _, r in sel.iterrows():
             r["vs_best_dense"] = float(r["tokens_per_s"]) / best if best and str(r["status"]) == "ok" else None
             st = steps[(steps["method"] == r["method"]) & _in_config(steps, key)]
+            if "commit" in st.columns:  # a CSV gathering several runs: this row's own steps
+                st = st[st["commit"].astype(str) == str(r.get("commit"))]
+            if "params" in st.columns and isinstance(r.get("params"), str):
+                st = st[st["params"].astype(str).str.startswith(r["params"] + " context=")]
             worst = st["x_floor"].max() if not st.empty else None
             ok = str(r["status"]) == "ok"
             paper = (f"{_fmt(r.get('paper_tokens_per_s'), 1)} ({int(r['paper_requests'])})"
@@ -360,7 +364,7 @@ def markdown_throughput(df) -> str:
                        f"{_fmt(r.get('vs_best_dense'), 2) + '×' if ok and _num(r.get('vs_best_dense')) else '–'} | "
                        f"{paper} | {_ratio(r.get('tokens_per_s'), r.get('paper_tokens_per_s')) if ok else '–'} | "
                        f"{_fmt(r.get('ms_per_step_mean'), 2)} | {_fmt(worst, 2) + '×' if _num(worst) else '–'} | "
-                       f"{r['status']} |")
+                       f"{r['status']} | {r.get('commit', '–')} |")
     if not steps.empty:
         out += ["", "| model | input | output | method | requests | context | ms/step | floor ms | × floor | GB read | "
                     "GB/s |", "|" + "---|" * 11]
