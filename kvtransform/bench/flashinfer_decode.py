@@ -135,7 +135,12 @@ class FlashInferDecode:
         else:
             res = merge_new_token(out, lse2.float() * LN2, q, k_new, v_new, softmax_scale)
         if first:
-            check_row(res, q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale)
+            try:
+                for row in range(q.shape[0]):  # every row of the first call: lengths and page mapping per row
+                    check_row(res, q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale, row)
+            except RuntimeError:
+                self._plans = {k: p for k, p in self._plans.items() if p is not plan}  # never used unchecked
+                raise
         return res
 
 

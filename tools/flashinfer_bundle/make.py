@@ -43,6 +43,7 @@ FLASHINFER = ("flashinfer-python", "0.7.4")
 DEPS = [("apache-tvm-ffi", "0.1.15.post2"), ("typing_extensions", "4.16.0")]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 SCRIPTS = ["install.sh", "fi_env.sh", "smoke_test.py"]
+MARKER = "KVT_FLASHINFER_BUNDLE"  # written into every bundle: only such a folder (or an empty one) is replaced
 
 
 def keep(name: str) -> bool:
@@ -101,6 +102,9 @@ def main(argv=None) -> int:
                     help="where the wheels are downloaded (kept: a second build downloads nothing)")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
+        raise SystemExit(f"{out} exists and is not a bundle this tool wrote (no {MARKER} in it): choose a new or "
+                         f"empty folder, or remove it yourself")
     dl = Path(a.download_dir)
     dl.mkdir(parents=True, exist_ok=True)
     wheel = download(*FLASHINFER, dl)
@@ -112,9 +116,15 @@ def main(argv=None) -> int:
             shutil.copy2(w, tmp / w.name)
         for s in SCRIPTS:
             shutil.copy2(HERE / s, tmp / s)
-        if out.exists():
-            shutil.rmtree(out)
+        (tmp / MARKER).write_text(f"FlashInfer {FLASHINFER[1]} bundle written by tools/flashinfer_bundle/make.py\n")
+        tmp.chmod(0o755)
+        old = None
+        if out.exists():  # the old bundle moves aside first, so a failure never leaves it half-deleted
+            old = Path(tempfile.mkdtemp(prefix=out.name + ".old.", dir=out.parent))
+            os.replace(out, old / "bundle")
         os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
