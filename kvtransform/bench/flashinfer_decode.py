@@ -15,9 +15,9 @@ request means no split-KV: ``batch × H_kv`` thread blocks per layer (said in th
 
 The new token's K/V are not in the cache during the step (our runtime appends them after it): the kernel's output
 over the cache is merged with the new token through the kernel's log-sum-exp, which FlashInfer returns in base 2
-(``m·log2(e) + log2(d)``, ``include/flashinfer/attention/state.cuh``). The first call of each plan checks one row
-against :func:`~kvtransform.kernels.sparse_decode.sparse_decode_reference` and raises when they differ, so a change
-of either convention cannot give a silently wrong row.
+(``m·log2(e) + log2(d)``, ``include/flashinfer/attention/state.cuh``). The first call of each plan checks every row
+against :func:`~kvtransform.kernels.sparse_decode.sparse_decode_reference` and raises when one differs (the plan is
+then dropped, so the next call is checked again): a change of either convention cannot give a silently wrong row.
 """
 from __future__ import annotations
 
