@@ -150,12 +150,16 @@ def _sparse_decode_merge_kernel(
     tl.store(OUT + b64 * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
-def default_config(n_sel: int, programs: int, device: torch.device) -> dict:
+def default_config(n_sel: int, programs: int, device: torch.device, gather: bool = False, head_dim: int = 128,
+                   itemsize: int = 2) -> dict:
     """Launch config: BLOCK_N, warps, stages and the number of splits (about 2 programs per SM).
 
     Tuned on an H200 (batch 32, H 32, H_kv 8, D 128, B 2048, bf16; BENCHMARKS.md): BLOCK_N 64, 4 warps, 2 stages,
-    2 splits (512 programs) reached 90% of the copy bandwidth; 3 splits (the earlier 4-per-SM rule) 78%."""
-    block_n = 64
+    2 splits (512 programs) reached 90% of the copy bandwidth; 3 splits (the earlier 4-per-SM rule) 78%. Gather
+    mode with 16-bit K/V of ``head_dim <= 128`` takes BLOCK_N 128 (H200, H 32 / H_kv 8, B 2048, 108 configs per
+    batch, ``tools/gather_split_probe.py``; ms per layer, BLOCK_N 64 → 128 at the same split rule: batch 22 0.057 →
+    0.052, 43 0.105 → 0.092, 48 0.111 → 0.102; at 25-26 within 2 % either way)."""
+    block_n = 128 if gather and head_dim <= 128 and itemsize <= 2 else 64
     n_blocks = max(1, triton.cdiv(n_sel, block_n))
     if device.type == "cuda":
         splits = max(1, min(n_blocks, triton.cdiv(2 * num_sms(device), max(programs, 1))))
@@ -192,7 +196,7 @@ def sparse_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
     n_sel = indices.shape[-1] if gather else s_max
     scale = d ** -0.5 if scale is None else float(scale)
-    cfg = default_config(n_sel, bsz * h_kv, q.device)
+    cfg = default_config(n_sel, bsz * h_kv, q.device, gather, d, k.element_size())
     block_n = block_n or cfg["block_n"]
     n_blocks = max(1, triton.cdiv(n_sel, block_n))
     splits = min(num_splits or cfg["num_splits"], n_blocks)

@@ -192,10 +192,12 @@ class SpeContextConfig(TransformConfig):
             8K context: 10.3 → 8.0 ms per step; BENCHMARKS.md, decode throughput). Off by default because each new
             (batch, prompt + max_new_tokens) compiles again; worth it for long generations of a fixed shape.
         fuse_projections: the decode program's sibling projections as one GEMM each
-            (:mod:`kvtransform.passes.fuse_projections`): ``"qkv"`` (default: the attention's q/k/v projections; the
-            narrow GQA k/v GEMMs stream their weights slowly at decode batch sizes), ``"all"`` (SwiGLU's gate/up
-            too) or ``"none"``. The fused weights are a copy (Llama-8B shape, ``"qkv"``: 1.5 GiB of device memory),
-            copied again at the start of every ``generate`` and when a parameter changes between eager steps.
+            (:mod:`kvtransform.passes.fuse_projections`): ``"all"`` (default: the attention's q/k/v projections,
+            whose narrow GQA k/v GEMMs stream their weights slowly at decode batch sizes, and SwiGLU's gate/up),
+            ``"qkv"`` or ``"none"``. The model's parameters become views of the fused weights (no extra memory;
+            every in-place update reaches the fused program); where they cannot (tensor subclasses, weights tied
+            by storage) the fused weights are a copy (Llama-8B shape: q/k/v 1.5 GiB, gate/up 7.3 GiB), copied again
+            at the start of every ``generate`` and when a parameter changes between eager steps.
     """
 
     name: str = "specontext"
@@ -208,7 +210,7 @@ class SpeContextConfig(TransformConfig):
     retrieval: str = "self"
     offload: bool = False
     compile: bool = False
-    fuse_projections: str = "qkv"
+    fuse_projections: str = "all"
 
     def validate(self) -> None:
         super().validate()

@@ -11,15 +11,25 @@ weight once, and the narrow GQA k/v projections (``N = H_kv * head_dim``) stream
 25 requests: k/v projections at ~1.5 TB/s, q at ~2.9, the wide MLP GEMMs at ~3.8, copy bandwidth 4.2; BENCHMARKS.md,
 decode throughput). vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` fuse the same way at load time.
 
-The fused weight is a **copy**: the original parameters stay, because the prefill program and the user's model read
-them. It costs those weights' bytes once more of device memory (Llama-8B shape, ``"qkv"``: 32 x 48 MiB = 1.5 GiB;
-``"all"`` adds 7.3 GiB), and it must follow the originals. :meth:`FusedProjections.refresh` copies a group again
-when one of its parameters changed since the last copy (an in-place update under ``no_grad`` bumps
-``Tensor._version``; a replaced parameter has another data pointer); ``refresh(force=True)`` copies every group,
-because an update through ``param.data`` (``p.data.copy_(new)``, common in weight-sync code) bumps nothing. The
-runtime forces a copy at the start of every ``generate`` / ``decode_from`` (1.5 GiB read and written: under a
-millisecond on an H200) and checks the stamps before every eager step, so a policy updated between ``generate``
-calls decodes with its new weights however it was updated.
+The fused weight **takes the originals' place** where it can (``share=True``, the default): the source parameters
+(the prefill program and the user's model read the same ``Parameter`` objects) become row views of the fused
+buffer (``param.data = fused[a:b]``), so fusion costs no memory and every in-place update of a parameter -- an
+optimizer step, ``param.data.copy_(new)``, ``load_state_dict`` -- lands in the fused buffer itself. A group is shared
+only when each member is a plain tensor that owns its whole storage and no other parameter or buffer of the program
+aliases it (a tensor subclass such as a ``DTensor``, a weight tied by storage, or a parameter already shared by
+another fused program keeps the copy rule below). What changes for the user: a tensor taken from the old storage
+before the transform (``w = layer.q_proj.weight.detach()``) no longer aliases the parameter; checkpoints are
+unaffected (Hugging Face ``save_pretrained`` clones disjoint shared tensors). ``share=False`` keeps the originals.
+
+A group that is not shared is a **copy**: it costs those weights' bytes once more of device memory (Llama-8B shape:
+q/k/v 32 x 48 MiB = 1.5 GiB; gate/up 7.3 GiB), and it must follow the originals. :meth:`FusedProjections.refresh`
+copies a group again when one of its parameters changed since the last copy (an in-place update under ``no_grad``
+bumps ``Tensor._version``; a replaced parameter has another data pointer); ``refresh(force=True)`` copies every
+copied group, because an update through ``param.data`` (``p.data.copy_(new)``, common in weight-sync code) bumps
+nothing. A shared group whose parameter was replaced (``module.weight = nn.Parameter(new)``, ``model.to(...)``)
+falls back to copying. The runtime forces a copy at the start of every ``generate`` / ``decode_from`` (under a
+millisecond per GiB on an H200) and checks the stamps before every eager step, so a policy updated between
+``generate`` calls decodes with its new weights however it was updated.
 
 The result is numerically the unfused program up to the GEMM's summation order (a wider GEMM may pick another
 kernel): not bitwise equal, within the rounding of the dtype.
@@ -94,19 +104,25 @@ class FusedProjections:
     """A decode program with its sibling projections fused (see the module docstring), and what keeps the fused
     weights equal to the originals.
 
+    Args:
+        gm: the decode program; which: :data:`CHOICES`; share: the source parameters become views of the fused
+            buffers where the module docstring allows (False: every group is a copy).
+
     Attributes:
         program: the fused ``GraphModule`` (same signature and outputs as the source program; shares its other
             parameters); the source program itself when no group was found (``groups`` empty).
         groups: per fused group ``(buffer name, weight targets, bias targets or None)``; targets are attribute paths
             in the source program.
-        extra_bytes: bytes the fused copies take (on the weights' device).
+        shared: per group, whether its source parameters are views of the fused buffers (no copy to keep equal).
+        extra_bytes: bytes the fused copies take (on the weights' device); shared groups take none.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, which: str = "qkv"):
+    def __init__(self, gm: torch.fx.GraphModule, which: str = "qkv", share: bool = True):
         if which not in CHOICES:
             raise ValueError(f"fuse_projections must be one of {CHOICES}; got {which!r}")
         self._source, self.which = weakref.ref(gm), which  # weak: gm holds this object (fused_program's cache)
         self.groups: list = []
+        self.shared: list = []
         self.extra_bytes = 0
         self._seen: list = []
         found = _sibling_groups(gm, which) if which != "none" else []
@@ -117,6 +133,7 @@ class FusedProjections:
         env: dict = {}
         graph.output(graph.graph_copy(gm.graph, env))
         buffers = {}
+        owners = _storage_owners(gm) if share else {}
         for i, members in enumerate(found):
             name = f"_kvt_fused_proj_{i}"
             wts = [m.args[1].target for m in members]
@@ -126,7 +143,19 @@ class FusedProjections:
                 buffers[name] = (torch.cat([_attr(gm, t) for t in wts]),
                                  torch.cat([_attr(gm, t) for t in bts]) if bts else None)
             self.groups.append((name, wts, bts))
-            self.extra_bytes += sum(x.numel() * x.element_size() for x in buffers[name] if x is not None)
+            members_t = [_attr(gm, t) for t in wts + (bts or [])]
+            if share and all(_owns_storage(t, owners) for t in members_t):
+                with torch.no_grad():
+                    for targets, buf in zip((wts, bts), buffers[name]):
+                        row = 0
+                        for t in targets or []:
+                            p = _attr(gm, t)
+                            p.data = buf[row:row + p.shape[0]]  # same Parameter object, its storage now the buffer
+                            row += p.shape[0]
+                self.shared.append(True)
+            else:
+                self.shared.append(False)
+                self.extra_bytes += sum(x.numel() * x.element_size() for x in buffers[name] if x is not None)
             sizes = [int(_attr(gm, t).shape[0]) for t in wts]
             new = [env[m] for m in members]
             with graph.inserting_before(new[0]):
@@ -179,10 +208,13 @@ class FusedProjections:
         """
         done = 0
         for i, group in enumerate(self.groups):
+            if self.shared[i] and self._still_views(group):
+                continue  # the parameters are the buffer: nothing can differ
             stamp = self._stamp(group)
-            if stamp == self._seen[i] and not force:
+            if stamp == self._seen[i] and not force and not self.shared[i]:
                 continue
             name, wts, bts = group
+            extra = 0  # a shared group falling back: the bytes its replaced parameters now duplicate
             with torch.no_grad():
                 for suffix, targets in (("_w", wts), ("_b", bts)):
                     if not targets:
@@ -195,10 +227,52 @@ class FusedProjections:
                         raise ValueError(f"the parameters of fused projection group {name} ({targets[0]}, ...) "
                                          f"changed shape, dtype or device since they were fused; build the runtime's "
                                          f"decode program again (a new transform, or fuse_projections='none')")
-                    torch.cat(src, out=dst)
-            self._seen[i] = stamp
+                    row = 0
+                    for t in src:  # members still viewing their rows (a shared group) need no copy
+                        piece = dst[row:row + t.shape[0]]
+                        if t.data_ptr() != piece.data_ptr():
+                            piece.copy_(t)
+                            extra += t.numel() * t.element_size() if self.shared[i] else 0
+                        row += t.shape[0]
+            if self.shared[i]:  # a parameter was replaced: from now on this group follows the copy rule
+                self.shared[i] = False
+                self.extra_bytes += extra
+            self._seen[i] = self._stamp(group)
             done += 1
         return done
+
+    def _still_views(self, group) -> bool:
+        """Whether each source parameter of a shared group is still its row view of the fused buffers."""
+        name, wts, bts = group
+        for sfx, targets in (("_w", wts), ("_b", bts)):
+            if not targets:
+                continue
+            buf = getattr(self.program, name + sfx)
+            row, step = 0, buf.stride(0) * buf.element_size()
+            for t in targets:
+                p = _attr(self.source, t)
+                if p.data_ptr() != buf.data_ptr() + row * step or p.shape[1:] != buf.shape[1:] or \
+                        p.dtype != buf.dtype or p.device != buf.device:
+                    return False
+                row += p.shape[0]
+            if row != buf.shape[0]:
+                return False
+        return True
+
+
+def _storage_owners(gm: torch.nn.Module) -> dict:
+    """``{data_ptr: {id of each parameter / buffer object there}}`` over ``gm`` (duplicates included)."""
+    owners: dict = {}
+    for _, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        owners.setdefault(t.data_ptr(), set()).add(id(t))
+    return owners
+
+
+def _owns_storage(t: torch.Tensor, owners: dict) -> bool:
+    """A plain tensor, contiguous, alone in its whole storage, and no other parameter or buffer object at its
+    address (a tie by storage): re-pointing it at a fused buffer changes nothing else."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_contiguous() and t.storage_offset() == 0 and \
+        t.untyped_storage().nbytes() == t.numel() * t.element_size() and owners.get(t.data_ptr()) == {id(t)}
 
 
 class _Cache(dict):
@@ -222,10 +296,10 @@ def _cache(gm, create: bool = False) -> dict:
     return per if per is not None else {}
 
 
-def fused_program(gm: torch.fx.GraphModule, which: str) -> Optional[FusedProjections]:
-    """The :class:`FusedProjections` of ``gm`` for ``which``, built once per source program and kept on it (runtimes
-    that share a decode program share its fused weights; they are freed with ``gm``); None for ``"none"`` or a
-    program that is not a ``GraphModule``.
+def fused_program(gm: torch.fx.GraphModule, which: str, share: bool = True) -> Optional[FusedProjections]:
+    """The :class:`FusedProjections` of ``gm`` for ``which`` and ``share``, built once per source program and kept on
+    it (runtimes that share a decode program share its fused weights; they are freed with ``gm``); None for
+    ``"none"`` or a program that is not a ``GraphModule``.
 
     Raises:
         ValueError: ``which`` not in :data:`CHOICES`.
@@ -235,9 +309,10 @@ def fused_program(gm: torch.fx.GraphModule, which: str) -> Optional[FusedProject
     if which == "none" or not isinstance(gm, torch.fx.GraphModule):
         return None
     per = _cache(gm, create=True)
-    if which not in per:
-        per[which] = FusedProjections(gm, which)
-    return per[which]
+    key = which if share else (which, "copy")
+    if key not in per:
+        per[key] = FusedProjections(gm, which, share)
+    return per[key]
 
 
 def fused_bytes(gm) -> int:

@@ -28,7 +28,7 @@ the reason (the whole model must be rewritten: one dense site would read the ful
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_structure
@@ -282,19 +282,32 @@ def slot_mode_program(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     Raises:
         ValueError: ``gm`` holds no ``kvt::sparse_decode_attention`` (not a program of this pass).
     """
-    graph = torch.fx.Graph()
-    env: dict = {}
-    out = graph.graph_copy(gm.graph, env)
-    graph.output(out)
-    op = torch.ops.kvt.sparse_decode_attention.default
-    sites = [n for n in graph.nodes if n.op == "call_function" and n.target is op]
-    if not sites:
-        raise ValueError("slot_mode_program needs a decode program rewritten by the sparse-decode pass (no "
-                         "kvt::sparse_decode_attention in it)")
-    for n in sites:
+    def slot(n):
         args = list(n.args)
         args[3] = None
         n.args = tuple(args)
+
+    return rewrite_sites(gm, slot, "slot_mode_program needs a decode program rewritten by the sparse-decode pass "
+                                   "(no kvt::sparse_decode_attention in it)")
+
+
+def rewrite_sites(gm: torch.fx.GraphModule, edit: Callable[[torch.fx.Node], None], missing: str
+                  ) -> torch.fx.GraphModule:
+    """A copy of ``gm`` (sharing its parameters, same signature) in which ``edit(node)`` has changed every
+    ``kvt::sparse_decode_attention`` node in place (its ``args`` / ``target``); the captured input guards
+    (``_guards_fn``) are dropped once nothing reads them. What :func:`slot_mode_program` and the benchmark's
+    FlashInfer program derive from a decode program.
+
+    Raises:
+        ValueError: ``missing``, when ``gm`` holds no such node.
+    """
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    sites = [n for n in graph.nodes if n.op == "call_function" and n.target is KVT_SPARSE_DECODE]
+    if not sites:
+        raise ValueError(missing)
+    for n in sites:
+        edit(n)
     for n in list(graph.nodes):
         if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
             graph.erase_node(n)
@@ -303,4 +316,4 @@ def slot_mode_program(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 __all__ = ["SparseDecodePass", "prove_cache_mask", "cache_concat", "append_outputs", "count_cache_copies",
-           "slot_mode_program"]
+           "slot_mode_program", "rewrite_sites"]

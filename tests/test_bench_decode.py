@@ -169,7 +169,7 @@ def test_sweep_over_a_runtime_setting_keeps_every_jobs_rows(tmp_path):
     from kvtransform.bench import run
 
     run("decode", ["-m", "model=tiny", "input=32", "output=12", "samples=2", "steps=2", "n0=2", "requests=2",
-                   "method=dense", "fuse_projections=none,qkv", f"out_dir={tmp_path}", "plot=false"])
+                   "method=dense", "fuse_projections=none,all", f"out_dir={tmp_path}", "plot=false"])
     df = pd.read_csv(tmp_path / "results.csv")
     params = sorted(df[df["pass"] == "run"]["params"])
     assert params == ["model=tiny input=32 output=12", "model=tiny input=32 output=12 fuse_projections=none"]

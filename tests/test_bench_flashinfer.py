@@ -114,10 +114,19 @@ def test_flashinfer_program_needs_slot_mode_and_decodes_like_dense(fake_flashinf
     cache2, logits2 = sp.runtime.prefill(rows, 33 + 10, torch.device("cpu"))
     note = _use_flashinfer(sp.runtime, tensor_cores=False)
     assert "test-double" in note and "one page per request" in note
-    calls = [n for n in sp.runtime._slot.graph.nodes if n.op == "call_function" and n.target is F.OP]
-    assert len(calls) == model.config.num_hidden_layers
+    def calls():
+        prog = sp.runtime._decode_program(torch.device("cpu"), slot=True)
+        return [n for n in prog.graph.nodes if n.op == "call_function" and n.target is F.OP]
+
+    assert len(calls()) == model.config.num_hidden_layers
     out = sp.runtime.decode_from(cache2, logits2.argmax(-1), 9)
     assert torch.equal(out.sequences, ref.sequences)
+    sp.runtime.fuse_projections = "qkv"  # the derived programs are rebuilt, FlashInfer's kernel with them
+    assert len(calls()) == model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="slot_rewrite must be a callable"):
+        sp.runtime.slot_rewrite = "flashinfer"
+    sp.runtime.slot_rewrite = None
+    assert calls() == []
 
 
 def test_suite_runs_the_flashinfer_method_when_it_imports(tmp_path, fake_flashinfer, monkeypatch):

@@ -48,14 +48,93 @@ def test_qkv_groups_fused_and_equal(family):
     assert len(want) == len(got)
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    assert f.extra_bytes == sum(_.numel() * 4 for _ in (getattr(f.program, n + "_w") for n, _, _ in f.groups)) + \
-        sum(getattr(f.program, n + "_b").numel() * 4 for n, _, b in f.groups if b)
+    # the model's parameters took the fused weights' place: views of them, no extra memory
+    assert f.shared == [True] * layers and f.extra_bytes == 0
+    for name, wts, bts in f.groups:
+        buf = getattr(f.program, name + "_w")
+        for t in wts:
+            p = dec.get_parameter(t)
+            assert buf.data_ptr() <= p.data_ptr() < buf.data_ptr() + buf.numel() * 4
+    copy = fused_program(dec, "qkv", share=False)  # the copy rule: its own buffers, counted
+    assert copy is not f and copy.shared == [False] * layers
+    assert copy.extra_bytes == sum(_.numel() * 4 for _ in (getattr(copy.program, n + "_w") for n, _, _ in f.groups)) \
+        + sum(getattr(copy.program, n + "_b").numel() * 4 for n, _, b in f.groups if b)
+    for a, b in zip(want, _step(sp.runtime, copy.program)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_fusion_follows_every_update():
+    model, sp = _sp("llama", fuse="all")
+    rt = sp.runtime
+    attn = model.model.layers[0].self_attn
+    before = _step(rt, rt.decode_fn)
+    f = rt._fused()
+    assert all(f.shared) and len(f.groups) == 2 * model.config.num_hidden_layers and f.extra_bytes == 0
+    # the model's weights live once: its parameters' storages hold exactly their bytes (no copy anywhere)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert sum(storages.values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+    assert f.program.code.count("aten.split_with_sizes.default(") == len(f.groups)
+    for a, b in zip(before, _step(rt, f.program)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # every way of updating a parameter in place reaches the fused program without a copy
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(-2.0)
+    attn.q_proj.weight.data.copy_(attn.q_proj.weight.data * 3.0)
+    model.load_state_dict({k: v * 0.5 if k.endswith("v_proj.weight") else v for k, v in model.state_dict().items()})
+    assert f.refresh(force=True) == 0
+    for a, b in zip(_step(rt, rt.decode_fn), _step(rt, f.program)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    ids = torch.randint(3, 100, (2, 9))
+    res = sp.generate(ids, max_new_tokens=6, eos_token_id=None, return_dict_in_generate=True)
+    assert res.stats.fused_weight_bytes == 0
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert torch.equal(res.sequences, ref)
+    # a parameter replaced under the program (new storage): that group falls back to the copy rule
+    k0 = rt.decode_fn.get_parameter("model.model.layers.0.self_attn.k_proj.weight")
+    k0.data = k0.data.clone() * 7.0
+    assert f.refresh() == 1 and f.shared.count(False) == 1 and f.extra_bytes > 0
+    assert f.refresh() == 0
+    for a, b in zip(_step(rt, rt.decode_fn), _step(rt, f.program)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_fusion_does_not_share_tied_or_already_shared_weights():
+    model, sp = _sp("llama", fuse="none")
+    dec = sp.runtime.decode_fn
+    qkv = fused_program(dec, "qkv")
+    assert all(qkv.shared)
+    full = fused_program(dec, "all")  # q/k/v are views of the first program's buffers: copied here, gate/up shared
+    assert full.shared == [False, True] * model.config.num_hidden_layers
+    for a, b in zip(_step(sp.runtime, qkv.program), _step(sp.runtime, full.program)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+    class Tied(torch.nn.Module):  # two parameters on one storage (a tie the module does not declare)
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 6, bias=False)
+            self.c = torch.nn.Linear(8, 4, bias=False)
+            self.c.weight = torch.nn.Parameter(self.a.weight.data)  # same storage, another Parameter
+
+        def forward(self, x):
+            return self.a(x), self.b(x), self.c(x * 2)
+
+    gm = torch.export.export(Tied(), (torch.randn(3, 8),)).module()
+    f = FusedProjections(gm, "all")
+    assert f.shared == [False] and f.extra_bytes > 0
+    x = torch.randn(3, 8)
+    for a, b in zip(gm(x), f.program(x)):
+        torch.testing.assert_close(b, a)
 
 
 def test_fused_weights_follow_in_place_updates():
     model, sp = _sp("llama")
     rt = sp.runtime
+    rt.share_fused_weights = False
     f = rt._fused()
+    assert not any(f.shared)
     assert f.refresh() == 0  # nothing changed since the copy
     with torch.no_grad():
         model.model.layers[1].self_attn.v_proj.weight.mul_(-2.0)

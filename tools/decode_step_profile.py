@@ -28,7 +28,7 @@ def main():
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--methods", default="dense,specontext")
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--fuse", default="qkv", help="fuse_projections values to time, comma-separated (qkv, all, none); "
+    ap.add_argument("--fuse", default="all", help="fuse_projections values to time, comma-separated (qkv, all, none); "
                     "the profile uses the first")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -66,7 +66,7 @@ def main():
         for comp in ((False,) if a.no_compile else (False, True)):
             rt.compile = comp  # the compiled program of the timing above is kept in rt._compiled
             with torch.no_grad():
-                sel = rt.head.step(cache, None)
+                sel = rt.head_step(cache, None)
                 rt.decode(cache, tok, sel)
                 torch.cuda.synchronize()
                 parts = {}
@@ -74,7 +74,7 @@ def main():
                     with profile(activities=[ProfilerActivity.CUDA]) as prof:
                         cache.set_current(tok)
                         if part != "decode":
-                            sel = rt.head.step(cache, None)
+                            sel = rt.head_step(cache, None)
                         if part != "head":
                             rt.decode(cache, tok, sel)
                         torch.cuda.synchronize()

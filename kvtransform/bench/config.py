@@ -254,7 +254,8 @@ class DecodeBenchConfig:
             (specontext) and 15.86 to 12.76 ms (dense), for ~30 s of compile per method and configuration.
         cuda_graphs: our runtime's CUDA graphs.
         fuse_projections: our runtime's projection fusion of the decode program (SpeContextConfig.fuse_projections:
-            ``qkv``, ``all`` or ``none``); the fused copies are made before the request count is sized.
+            ``all``, ``qkv`` or ``none``); fusion happens before the request count is sized (the parameters become
+            views of the fused weights: no memory is added; BENCHMARKS.md, decode throughput, run H).
         flashinfer_tensor_cores: the ``flashinfer`` method's FlashInfer ``use_tensor_cores`` (its prefill kernel
             run for decode, meant for large GQA groups). On by default: FlashInfer's fastest decode here (H200,
             Llama-8B shape, 26 requests, [2k, 32k]: 1177 tokens/s, against 524 with its CUDA-core decode kernel).
@@ -279,7 +280,7 @@ class DecodeBenchConfig:
     prefill_tokens: int = 16384
     compile: bool = True
     cuda_graphs: bool = True
-    fuse_projections: str = "qkv"
+    fuse_projections: str = "all"
     flashinfer_tensor_cores: bool = True
     validate: bool = False
     seed: int = 0

@@ -271,17 +271,13 @@ def _use_flashinfer(rt, tensor_cores: bool) -> str:
     row's note."""
     import flashinfer
 
-    from kvtransform.passes.sparse_decode import slot_mode_program
-
     from .flashinfer_decode import FlashInferDecode, flashinfer_program, register
 
-    fused = rt._fused()
-    program = rt.decode_fn if fused is None else fused.program
-    rt._slot = flashinfer_program(slot_mode_program(program), register(FlashInferDecode(tensor_cores)))
-    rt._compiled = {}
+    handle = register(FlashInferDecode(tensor_cores))
+    rt.slot_rewrite = lambda slot_program: flashinfer_program(slot_program, handle)
     return (f"FlashInfer {getattr(flashinfer, '__version__', '?')} fa2 batch decode"
-            f"{' (tensor cores)' if tensor_cores else ''}, one page per request (no split-KV), in our compiled "
-            f"program and CUDA graph")
+            f"{' (tensor cores)' if tensor_cores else ''}, one page per request (no split-KV), in our "
+            f"{'compiled ' if rt.compile else ''}program{' and CUDA graph' if rt.cuda_graphs else ''}")
 
 
 def _distilled_state(model) -> tuple:

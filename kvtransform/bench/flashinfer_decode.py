@@ -171,19 +171,17 @@ def flashinfer_program(slot_program: torch.fx.GraphModule, handle: int) -> torch
         ValueError: no slot-mode site in ``slot_program`` (a gather-mode site reads selected tokens, which the
             FlashInfer method does not do).
     """
-    from kvtransform.passes.manager import derived_program
+    from kvtransform.passes.sparse_decode import rewrite_sites
 
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(slot_program.graph, {})
-    graph.output(out)
+    need = ("flashinfer_program needs a slot-mode decode program (every kvt::sparse_decode_attention with "
+            "indices=None): pass slot_mode_program(decode_program)")
     target = torch.ops.kvt.sparse_decode_attention.default
-    sites = [n for n in graph.nodes if n.op == "call_function" and n.target is target]
-    if not sites or any(n.args[3] is not None for n in sites):
-        raise ValueError("flashinfer_program needs a slot-mode decode program (every kvt::sparse_decode_attention "
-                         "with indices=None): pass slot_mode_program(decode_program)")
-    for n in sites:
+    if any(n.target is target and n.args[3] is not None for n in slot_program.graph.nodes):
+        raise ValueError(need)
+
+    def to_flashinfer(n):
         q, kc, vc, _, lens, kn, vn, scale = n.args
         n.target = OP
         n.args = (q, kc, vc, lens, kn, vn, scale, int(handle))
-    graph.lint()
-    return derived_program(slot_program, graph)
+
+    return rewrite_sites(slot_program, to_flashinfer, need)

@@ -39,8 +39,9 @@ class GenerationStats:
         cache_max_length: ``max_length`` of the cache (longest prompt + ``max_new_tokens``).
         head, budget: the retrieval head and the budget (tokens per KV head; ignored by ``dense``).
         cuda_graph: whether the decode steps replayed a CUDA graph.
-        fused_weight_bytes: memory (on the model's device) of the decode program's fused projection weights, a copy
-            of the q/k/v (``fuse_projections``) weights; 0 when nothing is fused.
+        fused_weight_bytes: extra memory (on the model's device) of the decode program's fused projection weights:
+            the groups kept as a copy of the model's (``fuse_projections``); 0 when nothing is fused or every group
+            took the parameters' place.
         offload: whether layers' KV moved to CPU (``SpeContextConfig.offload`` and a plan that needs it).
         offload_bytes_per_step: per decode step with an offloaded layer, bytes copied to the GPU by elastic loading
             (entries that entered the selection × offloaded layers × K+V bytes of one entry).
@@ -159,10 +160,13 @@ class SpeContextRuntime:
         cuda_graphs: capture the decode step in a CUDA graph when the tensors are on CUDA.
         compile: on CUDA, run the decode program through ``torch.compile`` (Inductor fuses the norms, RoPE, SwiGLU
             and residuals around the opaque ``kvt`` ops; compiled once per batch size and cache length, before
-            the CUDA graph is captured). Offloaded steps stay eager.
+            the CUDA graph is captured), and the retrieval head's step too (:meth:`head_step`: its block, RoPE,
+            key write and selection become a few fused kernels around the scoring kernel). Offloaded steps stay
+            eager.
         fuse_projections: ``"qkv"``, ``"all"`` or ``"none"``: the decode program's sibling projections fused into
-            one GEMM each (:mod:`kvtransform.passes.fuse_projections`; a copy of those weights in device memory,
-            refreshed when the originals change).
+            one GEMM each (:mod:`kvtransform.passes.fuse_projections`: the model's parameters become views of the
+            fused weights, or, with :attr:`share_fused_weights` off or where they cannot, a copy refreshed when the
+            originals change).
         offload: move layers' KV to CPU during decoding when the memory model says so (:mod:`.offload`, §5–6).
 
     Attributes:
@@ -171,19 +175,25 @@ class SpeContextRuntime:
         offload_chunk: tokens by which resident layers' caches grow (layer moves happen at these boundaries).
         offload_timing: record CUDA timing events around the copies and steps (eager decode only) for
             ``GenerationStats.offload_copy_hidden``.
+        share_fused_weights: fused projections take the place of the model's parameters (they become views of the
+            fused weights: no extra memory; see :mod:`kvtransform.passes.fuse_projections`) rather than being a copy
+            (default True; set it before the first step).
     """
 
     RECOMPILE_LIMIT = 64  # static compiles kept per decode program (see _decode_program)
+    share_fused_weights = True
 
     def __init__(self, prefill: Callable, decode: Callable, head: RetrievalHead, info: ModelInfo,
                  cuda_graphs: bool = True, offload: bool = False, compile: bool = False,
-                 fuse_projections: str = "qkv"):
+                 fuse_projections: str = "all"):
         self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
         self.cuda_graphs = bool(cuda_graphs)
         self.compile = bool(compile)
         self.fuse_projections = fuse_projections  # validated; resets the derived programs below
         self._compiled: dict = {}  # slot mode -> the compiled program
+        self._head_compiled = None  # head.step through torch.compile (compile on CUDA)
         self._slot = None  # the slot-mode variant of the (fused) decode program (built on first use)
+        self._slot_rewrite = None
         self.offload = bool(offload)
         self.gpu_memory_bytes: Optional[int] = None
         self.offload_chunk = 1024
@@ -292,6 +302,28 @@ class SpeContextRuntime:
             engine.after_step()
         return logits, q
 
+    def head_step(self, cache: KVCache, queries: Optional[torch.Tensor]) -> torch.Tensor:
+        """The retrieval head's selection for the coming step (:meth:`RetrievalHead.step
+        <kvtransform.runtime.heads.RetrievalHead.step>`; int32 ``(batch, H_kv, budget)``), through ``torch.compile``
+        when :attr:`compile` is set and the cache is on CUDA (one compile per batch, cache length and whether
+        ``queries`` is given; Triton kernels the head launches are traced as they are). A head with nothing to
+        compute (``dense``, slot mode) is called as it is."""
+        if not (self.compile and cache.k.is_cuda) or getattr(self.head, "slot_mode", False):
+            return self.head.step(cache, queries)
+        if self._head_compiled is None:
+            self._raise_recompile_limit()
+            self._head_compiled = torch.compile(self.head.step, dynamic=False)
+        return self._head_compiled(cache, queries)
+
+    def _raise_recompile_limit(self) -> None:
+        """One static compile per (batch, cache length, indices width): a sweep or a server sees more than dynamo's
+        default 8 per code object, and past it dynamo would silently run the program eagerly."""
+        from torch._dynamo import config as cfg
+
+        for key in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, max(int(getattr(cfg, key)), self.RECOMPILE_LIMIT))
+
     def _slot_mode(self, want: Optional[bool] = None) -> bool:
         """Whether the step runs the slot-mode program: ``want`` (None: the head's ``slot_mode``) and the decode
         program is a graph the sparse-decode pass rewrote (a plain callable ``decode`` keeps gather mode over the
@@ -314,11 +346,26 @@ class SpeContextRuntime:
         self._fuse = which
         self._compiled, self._slot = {}, None
 
+    @property
+    def slot_rewrite(self) -> Optional[Callable]:
+        """``GraphModule -> GraphModule`` applied to the slot-mode program each time it is derived (None: none),
+        e.g. the decode benchmark's ``flashinfer`` method, which swaps the attention kernel
+        (:func:`kvtransform.bench.flashinfer_decode.flashinfer_program`). Setting it drops the derived programs;
+        it survives a change of :attr:`fuse_projections`."""
+        return self._slot_rewrite
+
+    @slot_rewrite.setter
+    def slot_rewrite(self, fn: Optional[Callable]) -> None:
+        if fn is not None and not callable(fn):
+            raise ValueError(f"slot_rewrite must be a callable GraphModule -> GraphModule or None; got {fn!r}")
+        self._slot_rewrite = fn
+        self._compiled, self._slot = {}, None
+
     def _fused(self):
         """The decode program's :class:`~kvtransform.passes.fuse_projections.FusedProjections` (None: not fused)."""
         from kvtransform.passes.fuse_projections import fused_program
 
-        return fused_program(self.decode_fn, self.fuse_projections)
+        return fused_program(self.decode_fn, self.fuse_projections, self.share_fused_weights)
 
     def _decode_program(self, device, slot: bool = False) -> Callable:
         """The decode program (its sibling projections fused per :attr:`fuse_projections`, the fused weights
@@ -334,17 +381,13 @@ class SpeContextRuntime:
                 from kvtransform.passes.sparse_decode import slot_mode_program
 
                 self._slot = slot_mode_program(fn)
+                if self._slot_rewrite is not None:
+                    self._slot = self._slot_rewrite(self._slot)
             fn = self._slot
         if not (self.compile and torch.device(device).type == "cuda"):
             return fn
         if self._compiled.get(slot) is None:
-            # one static compile per (batch, cache length, indices width): a sweep or a server sees more than
-            # dynamo's default 8 per code object, and past it dynamo would silently run the program eagerly
-            from torch._dynamo import config as cfg
-
-            for key in ("recompile_limit", "cache_size_limit"):
-                if hasattr(cfg, key):
-                    setattr(cfg, key, max(int(getattr(cfg, key)), self.RECOMPILE_LIMIT))
+            self._raise_recompile_limit()
             self._compiled[slot] = torch.compile(fn, dynamic=False, fullgraph=True)
         return self._compiled[slot]
 
@@ -557,7 +600,7 @@ class SpeContextRuntime:
                 logits, sel = stepper(tok)
             else:
                 cache.set_current(tok)
-                sel = self.head.step(cache, q)
+                sel = self.head_step(cache, q)
                 logits, q = self.decode(cache, tok, sel, engine)
                 if stepper is not None:
                     stepper.q = q = q.clone()
@@ -691,7 +734,7 @@ class _GraphStep:
 
     def _body(self):
         self.cache.set_current(self.tokens)
-        sel = self.rt.head.step(self.cache, self.q)
+        sel = self.rt.head_step(self.cache, self.q)
         logits, q = self.rt.decode(self.cache, self.tokens, sel, self.engine)
         self.q.copy_(q)
         return logits, sel
