@@ -2,7 +2,7 @@
 of BENCHMARKS.md). Run on the device from the repository root:
 
     source tools/device_env.sh && python3 -P tools/decode_step_profile.py [--model llama-8b] [--requests 16]
-        [--context 16384]
+        [--context 16384] [--max-length 34816]
 
 For ``dense`` and ``specontext`` (random distilled head) on a random-weight model of the shape: the CUDA-graph step
 time (eager program and ``torch.compile``d program), its HBM floor, and ``torch.profiler`` tables of one step of each
@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--max-length", type=int, default=0, help="the cache's length S_max (default context + 64; the "
+                    "decode suite's is input + output)")
     ap.add_argument("--methods", default="dense,specontext")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--fuse", default="all", help="fuse_projections values to time, comma-separated (qkv, all, none); "
@@ -41,7 +43,7 @@ def main():
                                                  fuse_projections=a.fuse.split(",")[0]))
     print(f"transform {time.perf_counter() - t0:.1f} s; copy bandwidth {bw / 1e12:.2f} TB/s; weights {wb / 1e9:.2f} GB",
           flush=True)
-    max_len = a.context + 64
+    max_len = a.max_length or a.context + 64
     cache = _random_cache(shape, a.requests, max_len, torch.bfloat16, dev, 0)
     for method in a.methods.split(","):
         rt = ours.runtime(method)
