@@ -1,13 +1,15 @@
 """SpeContext on CUDA (arXiv 2512.00722 §4–5): the CUDA-graph decode equals the eager decode. Run on the device
 (bf16, greedy), from the repository root:
 
-    source tools/device_env.sh && python3 -P tools/specontext_gpu_check.py [--quick] [--skip-default]
+    source tools/device_env.sh && python3 -P tools/specontext_gpu_check.py [--quick] [--skip-default] [--compile]
 
 1. **Graph == eager** for the default model (SmolLM2-135M via ``kvt.load_model``; a random-weight model of the same
    shape, ``kvtransform.bench.decode.build_model("smollm2-135m")``, when the GGUF loader is unavailable) and
 2. for a random-weight 8B-shaped Llama (``build_model("llama-8b")``): batch 8, prompt 2048, 256 new tokens, heads
    ``quest`` (budget 2048, selection active past 2048 tokens) and ``dense`` (the slot-mode program). Tokens and
    per-step selection checksums must match.
+3. With ``--compile``: the same for ``compile=True`` and the ``distilled`` head (random weights of its architecture):
+   the compiled decode program and the compiled head step, in the graph and eagerly.
 
 Decode speed against the HBM floor is the decode suite's job (``kvtransform bench decode``, BENCHMARKS.md "Decode
 throughput"); this tool's earlier timing section moved there. Needs no Hydra; works with torch 2.11 / triton 3.6 /
@@ -53,9 +55,10 @@ def transform(model, **cfg):
     return sp
 
 
-def with_head(sp, head):
-    cfg = dataclasses.replace(sp.config, head=head)
-    return type(sp)(sp.core["prefill"], sp.core["decode"], cfg, sp.report, sp.info, sp.head.scale)
+def with_head(sp, head, model=None, state=None, **cfg):
+    cfg = dataclasses.replace(sp.config, head=head, **cfg)
+    return type(sp)(sp.core["prefill"], sp.core["decode"], cfg, sp.report, sp.info, sp.head.scale, model=model,
+                    head_state=state)
 
 
 def graph_vs_eager(sp, name, batch, prompt, new, tok=None) -> bool:
@@ -87,6 +90,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller shapes (a fast smoke of the script itself)")
     ap.add_argument("--skip-default", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also [3]: compile=True with the distilled head (random "
+                    "weights), whose step runs through torch.compile")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("specontext_gpu_check needs CUDA")
@@ -114,6 +119,13 @@ def main():
     log(f"  elapsed {time.perf_counter() - t_start:.0f} s")
 
     ok &= graph_vs_eager(with_head(sp, "dense"), "llama-8b-shape dense", batch, prompt, new)
+    if args.compile:  # the compiled decode program and the compiled head step (SpeContextRuntime.head_step)
+        from kvtransform.bench.decode import _distilled_state
+
+        state, note = _distilled_state(model)
+        log(f"[3] compile=True, distilled head ({note}): CUDA graph vs eager")
+        ok &= graph_vs_eager(with_head(sp, "distilled", model, state, compile=True), "llama-8b-shape distilled "
+                             "compiled", batch, prompt, new)
     log(f"total {time.perf_counter() - t_start:.0f} s")
     log("SPECONTEXT GPU CHECK " + ("OK" if ok else "FAILED (graph != eager)"))
     sys.exit(0 if ok else 1)

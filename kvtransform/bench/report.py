@@ -182,6 +182,14 @@ def _cell_gb(row) -> str:
     return _fmt(row.get("gb"), 1)
 
 
+def _commits(df) -> str:
+    """``commit X`` for rows of one commit, else ``commits X, Y (per row: the commit column)``."""
+    commits = list(dict.fromkeys(str(c) for c in df["commit"].dropna())) if "commit" in df else []
+    if len(commits) <= 1:
+        return f"commit {commits[0] if commits else '–'}"
+    return f"commits {', '.join(commits)} (per row: the commit column)"
+
+
 def _tick(ok: Optional[bool]) -> str:
     return "–" if ok is None else ("✓" if ok else "✗")
 
@@ -192,7 +200,7 @@ def markdown_layer(df) -> str:
         return ""
     paper, calib = seed.table("paper_layer"), seed.table("h200_layer")
     first = df.iloc[0]
-    out = [f"Device: {first['device']} · commit {first['commit']} · torch {first['torch']} · {first['dtype']} · "
+    out = [f"Device: {first['device']} · {_commits(df)} · torch {first['torch']} · {first['dtype']} · "
            f"median (p50) ms of fwd+bwd of one Qwen3-8B-shaped layer; paper = DualKV App. F.4 on an H100; "
            f"floor = useful FLOPs at {790} TFLOP/s.", ""]
     out += ["| P | mb | T packed | floor ms | dualkv ms | dualkv/floor | flex ms | flex/dualkv | flex rebuild ms | "
@@ -262,7 +270,7 @@ def markdown_attn(df) -> str:
         return ""
     calib = seed.table("h200_attn")
     first = df.iloc[0]
-    out = [f"Device: {first['device']} · commit {first['commit']} · torch {first['torch']} · {first['dtype']} · "
+    out = [f"Device: {first['device']} · {_commits(df)} · torch {first['torch']} · {first['dtype']} · "
            "attention op alone, H=32, H_kv=8, D=128 unless overridden; useful TFLOP/s = 4·D·H·visible pairs "
            "(×2.5 backward) over p50.", "",
            "| P | N | T | method | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | vs flex (fwd+bwd) | GB | "
@@ -288,7 +296,7 @@ def markdown_decode(df) -> str:
     first = df.iloc[0]
     bw = df[df["op"] == "memcpy"]
     bws = ", ".join(f"{m} {_fmt(g, 0)} GB/s (S={s})" for m, g, s in zip(bw["method"], bw["gbps"], bw["S"]))
-    out = [f"Device: {first['device']} · commit {first['commit']} · torch {first['torch']} · {first['dtype']} · "
+    out = [f"Device: {first['device']} · {_commits(df)} · torch {first['torch']} · {first['dtype']} · "
            f"p50 (CUDA-graph replays on CUDA); bandwidth measured in the same run: {bws or '–'}; floor = bytes / copy "
            "bandwidth.", "",
            "| S | method | op | mode | p50 ms | p20–p80 ms | GB/s | % copy | % read | floor ms | p50/floor | status |",
@@ -334,11 +342,12 @@ def markdown_throughput(df) -> str:
             df[col] = None
     first = df.iloc[0]
     runs, steps, val = (df[df["pass"] == p] for p in ("run", "step", "validate"))
-    bw = _num(steps["copy_gbps"].dropna().iloc[0]) if "copy_gbps" in steps and steps["copy_gbps"].notna().any() else None
-    out = [f"Device: {first['device']} · commit {first['commit']} · torch {first['torch']} · {first['dtype']} · "
+    bws = sorted({round(float(g)) for g in steps["copy_gbps"].dropna()}) if "copy_gbps" in steps else []
+    out = [f"Device: {first['device']} · {_commits(df)} · torch {first['torch']} · {first['dtype']} · "
            f"budget {first['budget']} · decode time = sum over all steps of the step time interpolated between the "
            f"sampled contexts; floor = (weights + KV/retrieval bytes the step must read) / copy bandwidth "
-           f"({_fmt(bw, 0)} GB/s, same run); paper = SpeContext Table 5 on one A800.", "",
+           f"({'–' if not bws else bws[0] if len(bws) == 1 else f'{bws[0]}–{bws[-1]}'} GB/s, measured in each row's "
+           f"run); paper = SpeContext Table 5 on one A800.", "",
            "| model | input | output | method | requests | prefill s | decode s | tokens/s | vs best dense | "
            "paper tokens/s (requests) | vs paper | mean ms/step | worst step / floor | status | commit |",
            "|" + "---|" * 15]
@@ -396,12 +405,14 @@ def _grouped_bars(ax, df, methods: list, groups: list, in_group, value: str, tic
     row counts), a black tick at the row's ``tick`` column when it has one; x ticks at the groups."""
     w = 0.8 / len(methods)
     for j, m in enumerate(methods):
+        labelled = False  # one legend entry per method, on its first group with a row
         for i, g in enumerate(groups):
             sel = df[(df["method"] == m) & in_group(df, g)]
             if sel.empty:
                 continue
             x = i - 0.4 + w * (j + 0.5)
-            ax.bar(x, float(sel.iloc[-1][value]), w, color=f"C{j % 10}", label=m if i == 0 else None)
+            ax.bar(x, float(sel.iloc[-1][value]), w, color=f"C{j % 10}", label=None if labelled else m)
+            labelled = True
             t = _num(sel.iloc[-1].get(tick))
             if t:
                 ax.hlines(t, x - w / 2, x + w / 2, colors="black", linewidth=1.5)
@@ -455,12 +466,14 @@ def _plot_throughput(df, path: str) -> bool:
     ax.set_ylabel("tokens/s end to end (log); black = paper (A800)")
     ax.legend(fontsize=7)
     for j, m in enumerate(methods):
-        for i, key in enumerate(keys):
+        labelled = False  # one legend entry per method, on its first configuration with steps
+        for key in keys:
             sel = steps[(steps["method"] == m) & _in_config(steps, key)]
             if sel.empty:
                 continue
-            ax2.plot(sel["context"], sel["ms_p50"], "o-", color=f"C{j % 10}", label=m if i == 0 else None,
+            ax2.plot(sel["context"], sel["ms_p50"], "o-", color=f"C{j % 10}", label=None if labelled else m,
                      linewidth=1)
+            labelled = True
             ax2.plot(sel["context"], sel["floor_ms"], "--", color=f"C{j % 10}", linewidth=0.8)
     ax2.set_xlabel("context (tokens)")
     ax2.set_ylabel("ms per decode step (dashed: HBM floor)")
