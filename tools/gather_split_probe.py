@@ -1,6 +1,7 @@
 """Probe: the gather-mode ``kvt::sparse_decode_attention`` kernel (SpeContext's per-layer attention over the selected
 tokens) over launch configs at decode-suite shapes. Run on the device:
-``source tools/device_env.sh && python3 -P tools/gather_split_probe.py``."""
+``source tools/device_env.sh && python3 -P tools/gather_split_probe.py [BATCHES [OUT.json]] [--order]``
+(``--order``: only the default config, over one selection in score order and sorted by position)."""
 import itertools
 import json
 import sys
@@ -29,6 +30,11 @@ def bench(fn, reps=20):
     return ts[len(ts) // 2]
 
 
+ORDER = "--order" in sys.argv
+if ORDER:
+    sys.argv.remove("--order")
+
+
 def main():
     dev = torch.device("cuda")
     h, hk, d, s, bud = 32, 8, 128, 34816, 2048
@@ -45,6 +51,19 @@ def main():
         ref = sparse_decode_triton(q, ks[0], vs[0], idx, lens, kn, vn)
         default = default_config(bud, b * hk, dev, True, d, 2)
         res = {"batch": b, "default": default}
+        if ORDER:  # the default config over the same selection in score (random) order and in position order
+            srt = torch.sort(idx, -1).values.contiguous()
+            for name, ix in (("random_order", idx), ("position_order", srt)):
+                i = [0]
+
+                def run_ix(ix=ix):
+                    i[0] ^= 1
+                    sparse_decode_triton(q, ks[i[0]], vs[i[0]], ix, lens, kn, vn)
+                res[name + "_ms"] = bench(run_ix)
+            print(json.dumps(res), flush=True)
+            out.append(res)
+            del ks, vs
+            continue
         best = []
         for bn, sp, w, st in itertools.product((32, 64, 128), (1, 2, 3, 4, 6, 8), (4, 8), (2, 3, 4)):
             try:
