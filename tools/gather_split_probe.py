@@ -11,7 +11,7 @@ import torch
 from kvtransform.kernels.sparse_decode import default_config, sparse_decode_triton
 
 
-def bench(fn, reps=20):
+def bench(fn, reps=40):
     for _ in range(3):
         fn()
     g = torch.cuda.CUDAGraph()
@@ -30,9 +30,12 @@ def bench(fn, reps=20):
     return ts[len(ts) // 2]
 
 
-ORDER = "--order" in sys.argv
-if ORDER:
-    sys.argv.remove("--order")
+ORDER = "--order" in sys.argv      # only the default config, score order against position order
+SORTED = "--sorted" in sys.argv    # the sweep over position-ordered selections (what the runtime passes)
+SMALL = "--small" in sys.argv      # BLOCK_N 64/128 x splits 1, 2, 3, 4, 6; 4 warps, 2 stages
+for flag in ("--order", "--sorted", "--small"):
+    if flag in sys.argv:
+        sys.argv.remove(flag)
 
 
 def main():
@@ -47,6 +50,8 @@ def main():
                                                                                         dtype=torch.bfloat16)
         lens = torch.full((b,), s - 64, device=dev, dtype=torch.int32)
         idx = torch.argsort(torch.rand(b, hk, s - 64, device=dev), -1)[..., :bud].to(torch.int32).contiguous()
+        if SORTED:
+            idx = torch.sort(idx, -1).values.contiguous()
         gb = b * hk * bud * d * 2 * 2 / 1e9
         ref = sparse_decode_triton(q, ks[0], vs[0], idx, lens, kn, vn)
         default = default_config(bud, b * hk, dev, True, d, 2)
@@ -65,7 +70,9 @@ def main():
             del ks, vs
             continue
         best = []
-        for bn, sp, w, st in itertools.product((32, 64, 128), (1, 2, 3, 4, 6, 8), (4, 8), (2, 3, 4)):
+        grid = itertools.product((64, 128), (1, 2, 3, 4, 6), (4,), (2,)) if SMALL else \
+            itertools.product((32, 64, 128), (1, 2, 3, 4, 6, 8), (4, 8), (2, 3, 4))
+        for bn, sp, w, st in grid:
             try:
                 o = sparse_decode_triton(q, ks[0], vs[0], idx, lens, kn, vn, block_n=bn, num_splits=sp, num_warps=w,
                                          num_stages=st)
@@ -92,7 +99,7 @@ def main():
         res["default_ms"] = bench(run_default)
         res["default_tbps"] = gb / res["default_ms"]
         res["best"] = [dict(ms=m, tbps=gb / m, block_n=bn, splits=sp, warps=w, stages=st) for m, bn, sp, w, st in
-                       best[:6]]
+                       best[:6 if not SMALL else None]]
         print(json.dumps(res), flush=True)
         out.append(res)
         del ks, vs
