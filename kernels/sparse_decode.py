@@ -155,16 +155,24 @@ def default_config(n_sel: int, programs: int, device: torch.device, gather: bool
     """Launch config: BLOCK_N, warps, stages and the number of splits (about 2 programs per SM).
 
     Tuned on an H200 (batch 32, H 32, H_kv 8, D 128, B 2048, bf16; BENCHMARKS.md): BLOCK_N 64, 4 warps, 2 stages,
-    2 splits (512 programs) reached 90% of the copy bandwidth; 3 splits (the earlier 4-per-SM rule) 78%. Gather
-    mode with 16-bit K/V of ``head_dim <= 128`` takes BLOCK_N 128 (H200, H 32 / H_kv 8, B 2048, 108 configs per
-    batch, ``tools/gather_split_probe.py``; ms per layer, BLOCK_N 64 → 128 at the same split rule: batch 22 0.057 →
-    0.052, 43 0.105 → 0.092, 48 0.111 → 0.102; at 25-26 within 2 % either way)."""
-    block_n = 128 if gather and head_dim <= 128 and itemsize <= 2 else 64
-    n_blocks = max(1, triton.cdiv(n_sel, block_n))
+    2 splits (512 programs) reached 90% of the copy bandwidth; 3 splits (the earlier 4-per-SM rule) 78%.
+
+    Gather mode with 16-bit K/V of ``head_dim <= 128`` takes BLOCK_N 128 when the grid fits in one wave of three
+    such programs per SM (``programs * splits <= 3 * SMs``), else BLOCK_N 64 (H200, H 32 / H_kv 8, B 2048, one
+    process, ``tools/gather_split_probe.py``; ms per layer, BLOCK_N 64 → 128 at the same splits: batch 22 (352
+    programs) 0.057 → 0.052, 43 (344) 0.105 → 0.092, 48 (384) 0.111 → 0.102; but batch 26 (416 programs, a second
+    wave of a few) 0.064 → above 0.064, 0.080 in another process; the three-per-SM limit is inferred from where
+    the gain turns)."""
+    n_blocks = max(1, triton.cdiv(n_sel, 64))
     if device.type == "cuda":
         splits = max(1, min(n_blocks, triton.cdiv(2 * num_sms(device), max(programs, 1))))
     else:
         splits = 1
+    block_n = 64
+    if gather and head_dim <= 128 and itemsize <= 2 and (device.type != "cuda"
+                                                          or programs * splits <= 3 * num_sms(device)):
+        block_n = 128
+        splits = max(1, min(splits, triton.cdiv(n_sel, block_n)))
     return dict(block_n=block_n, num_splits=splits, num_warps=4, num_stages=2)
 
 

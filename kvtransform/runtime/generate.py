@@ -288,12 +288,17 @@ class SpeContextRuntime:
         :class:`~.offload.OffloadEngine`: per-layer inputs, elastic copies on the side stream, offloaded layers'
         new K/V to CPU). With a head whose ``slot_mode`` is set (``dense``) and no engine, ``indices`` is not read:
         every layer attends to each row's whole cache (the slot-mode program, :meth:`_decode_program`); ``slot``
-        False forces the gather program over ``indices`` (True: slot mode where the program allows it). Returns
+        False forces the gather program over ``indices`` (True: slot mode where the program allows it). In gather
+        mode the selection is passed sorted by position (once per step, shared by every layer), so each layer's
+        gather reads the cache in address order (H200, H 32 / H_kv 8, budget 2048 of ~35K positions, one process,
+        ``tools/gather_split_probe.py --order``: 0.107 → 0.097 ms per layer at 44 requests, 0.119 → 0.105 at 49,
+        0.079 → 0.074 at 26, unchanged at 23); the attention does not depend on the order. Returns
         ``(logits (batch, vocab), queries (L, batch, H, D))``."""
         if engine is None:
             slot = self._slot_mode(slot)
             logits, k_new, v_new, q = self._decode_program(cache.k.device, slot)(
-                tokens[:, None], cache.cache_seqlens, cache.cache_seqlens if slot else indices, cache.k, cache.v)
+                tokens[:, None], cache.cache_seqlens, cache.cache_seqlens if slot else
+                torch.sort(indices, dim=-1).values, cache.k, cache.v)
         else:
             args = engine.layer_args(indices)
             logits, k_new, v_new, q = engine.graph(tokens[:, None], cache.cache_seqlens, *args)
