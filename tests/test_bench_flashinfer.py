@@ -148,3 +148,45 @@ def test_suite_skips_flashinfer_where_it_does_not_import(tmp_path, monkeypatch):
                           "method=flashinfer", f"out_dir={tmp_path}", "plot=false"])
     (r,) = [r for r in rows if r["pass"] == "run"]
     assert r["status"].startswith("skip: flashinfer is not installed")
+
+
+def test_suite_reports_a_broken_flashinfer_install_as_such(tmp_path, monkeypatch):
+    """An installed FlashInfer that fails at import is not reported as missing: the row says why it failed."""
+    from kvtransform.bench.decode import _flashinfer_missing
+
+    pkg = tmp_path / "site" / "flashinfer"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise OSError('libcudart.so.13: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    why = _flashinfer_missing()
+    assert why.startswith("flashinfer does not import (OSError") and "libcudart" in why
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    assert _flashinfer_missing() == "flashinfer is not installed on this machine"
+
+
+def test_plans_are_bounded_least_recently_used_first(fake_flashinfer):
+    impl = F.FlashInferDecode(max_plans=2)
+    for b in (3, 2, 3, 1):  # batch 2 is the least recently used when batch 1 arrives
+        q, kc, vc, lens, kn, vn = _inputs(b=b)
+        got = impl(q, kc, vc, lens, kn, vn, 0.25)
+        assert (got - sparse_decode_reference(q, kc, vc, None, lens, kn, vn, 0.25)).abs().max() < 1e-5
+    assert [k[0] for k in impl._plans] == [3, 1]
+
+
+def test_tensor_cores_setting_only_touches_flashinfer_rows(tmp_path, fake_flashinfer, monkeypatch):
+    """flashinfer_tensor_cores=false is part of the flashinfer rows' params only, and needs no second transform."""
+    from kvtransform.bench import decode as D
+    from kvtransform.bench import run
+
+    monkeypatch.setattr(D, "_KEEP", {})
+    rows = run("decode", ["-m", "model=tiny", "input=32", "output=12", "samples=2", "steps=2", "n0=2", "requests=2",
+                          "method=dense,flashinfer", "flashinfer_tensor_cores=true,false", f"out_dir={tmp_path}",
+                          "plot=false"])
+    runs = [r for r in rows if r["pass"] == "run"]
+    assert all(r["status"] == "ok" for r in runs) and len(runs) == 4
+    assert all("flashinfer_tensor_cores" not in r["params"] for r in runs if r["method"] == "dense")
+    assert sum("flashinfer_tensor_cores=false" in r["params"] for r in runs if r["method"] == "flashinfer") == 1
+    assert len(D._KEEP["ours"]) == 1
+    (ours,) = D._KEEP["ours"].values()
+    assert {k for k in ours.modules if isinstance(k, tuple)} == {("flashinfer", True), ("flashinfer", False)}

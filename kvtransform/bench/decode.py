@@ -247,10 +247,22 @@ class _Ours:
         self.modules, self.notes = {}, {}
         self.sp.runtime._fused()  # the fused projection copies exist before the request count is sized
 
+    def key(self, method):
+        """Which module serves ``method`` under the current :attr:`cfg` (``flashinfer``: one per
+        ``flashinfer_tensor_cores``, a setting no other method reads)."""
+        return (method, bool(self.cfg.flashinfer_tensor_cores)) if method == "flashinfer" else method
+
+    def note(self, method) -> str:
+        return self.notes[self.key(method)]
+
+    def built(self, method) -> bool:
+        return self.key(method) in self.modules
+
     def runtime(self, method):
         """The runtime of ``method`` (built at its first use; ``flashinfer``: the dense head's, its slot-mode
         program calling FlashInfer's kernel)."""
-        if method not in self.modules:
+        key = self.key(method)
+        if key not in self.modules:
             from kvtransform.transforms.specontext import SpeContextModule
 
             head, state, note = OURS[method], None, ""
@@ -261,8 +273,8 @@ class _Ours:
                                       head_state=state)
             if method == "flashinfer":
                 note = _use_flashinfer(module.runtime, bool(self.cfg.flashinfer_tensor_cores))
-            self.modules[method], self.notes[method] = module, note
-        return self.modules[method].runtime
+            self.modules[key], self.notes[key] = module, note
+        return self.modules[key].runtime
 
 
 def _use_flashinfer(rt, tensor_cores: bool) -> str:
@@ -441,12 +453,18 @@ def _prefill_hf(model, method, input_len, requests, prefill_tokens, max_length, 
 # ------------------------------------------------------------------------------------------------------ the job
 
 
-def _flashinfer_available() -> bool:
+def _flashinfer_missing() -> Optional[str]:
+    """Why the ``flashinfer`` method cannot run here (None: FlashInfer imports): not installed, or installed but
+    failing to import (the error, so a broken install is not mistaken for a missing one)."""
     try:
         import flashinfer  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except ModuleNotFoundError as e:
+        if e.name == "flashinfer" or (e.name or "").startswith("flashinfer."):
+            return "flashinfer is not installed on this machine"
+        return f"flashinfer does not import ({type(e).__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 - any import-time failure of an installed FlashInfer
+        return f"flashinfer does not import ({type(e).__name__}: {str(e)[:200]})"
+    return None
 
 
 def _oom_where(e: BaseException) -> str:
@@ -477,15 +495,16 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     # them keeps every job's rows, and a row says how it was made when a default changes later
     from .config import DecodeBenchConfig
 
-    ident = f"model={model_name} input={inp} output={outl}" + "".join(
-        f" {k}={str(getattr(cfg, k)).lower()}" for k in ("budget", "compile", "cuda_graphs", "fuse_projections",
-                                                          "flashinfer_tensor_cores")
-        if getattr(cfg, k) != getattr(DecodeBenchConfig, k))
+    def ident(method) -> str:  # flashinfer_tensor_cores: only the flashinfer rows depend on it
+        keys = ("budget", "compile", "cuda_graphs", "fuse_projections") + \
+            (("flashinfer_tensor_cores",) if method == "flashinfer" else ())
+        return f"model={model_name} input={inp} output={outl}" + "".join(
+            f" {k}={str(getattr(cfg, k)).lower()}" for k in keys if getattr(cfg, k) != getattr(DecodeBenchConfig, k))
 
     def emit(r):
         r.setdefault("status", "ok")
         base = dict(suite=cfg.suite, mode="decode", op="generate", model=model_name, input=inp, output=outl,
-                    budget=int(cfg.budget), params=ident)
+                    budget=int(cfg.budget), params=ident(r.get("method")))
         base.update(r)
         rows.append(base)
         if on_row:
@@ -513,15 +532,16 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
         rec = dict(method=method, **{"pass": "run"})
         reqs = None  # set once the request count is chosen (an OOM before that has no count)
         try:
-            if method == "flashinfer" and not _flashinfer_available():
-                emit(dict(rec, status="skip: flashinfer is not installed on this machine"))
+            why = _flashinfer_missing() if method == "flashinfer" else None
+            if why:
+                emit(dict(rec, status=f"skip: {why}"))
                 continue
             if method in OURS and ours is None:
-                okey = (int(cfg.budget), bool(cfg.cuda_graphs), bool(cfg.compile), str(cfg.fuse_projections),
-                        bool(cfg.flashinfer_tensor_cores))
+                okey = (int(cfg.budget), bool(cfg.cuda_graphs), bool(cfg.compile), str(cfg.fuse_projections))
                 if okey not in _KEEP["ours"]:
                     _KEEP["ours"][okey] = _Ours(model, cfg)
                 ours = _KEEP["ours"][okey]
+                ours.cfg = cfg  # this job's settings (flashinfer_tensor_cores picks the flashinfer module)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -551,7 +571,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                     stage["name"] = "decode"
                     cache = _random_cache(shape, reqs, max_length, dtype, device, cfg.seed)
                     ms = _time_ours(rt, cache, contexts, int(cfg.n0), int(cfg.steps), device)
-                    note = "; ".join(n for n in (ours.notes[method], "decode program under torch.compile" if
+                    note = "; ".join(n for n in (ours.note(method), "decode program under torch.compile" if
                                                  rt.compile and device.type == "cuda" else "") if n)
                     head_isz = rt.head.keys.element_size() if getattr(rt.head, "keys", None) is not None else itemsize
                     if cfg.validate:
@@ -607,7 +627,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                 emit(dict(method=method, **{"pass": "step"}, requests=reqs, context=ctx,
                           ms_p50=round(m, 4) if m == m else None,
                           status="ok" if m == m else "noisy: the longer run was never slower (left out; raise steps)",
-                          params=f"{ident} context={ctx}",
+                          params=f"{ident(method)} context={ctx}",
                           floor_ms=round(floor, 4), x_floor=round(m / floor, 3) if floor == floor and m == m else None,
                           bytes_gb=round(read / 1e9, 3), gbps=round(read / m / 1e6, 1) if m > 0 else None,
                           copy_gbps=round(bw / 1e9, 1) if bw == bw else None))
@@ -631,7 +651,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
             traceback.print_exc()
             emit(dict(rec, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
         finally:
-            if method in OURS and ours is not None and method in ours.modules:  # (not when building it failed)
+            if method in OURS and ours is not None and ours.built(method):  # (not when building it failed)
                 ours.runtime(method).head.release()
             gc.collect()
             if device.type == "cuda":

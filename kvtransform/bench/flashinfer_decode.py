@@ -81,11 +81,14 @@ def merge_new_token(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_new
 class FlashInferDecode:
     """The op's FlashInfer implementation for one model shape: one ``BatchDecodeWithPagedKVCacheWrapper`` per
     ``(batch, S_max)`` (CUDA-graph mode fixes the batch), planned at its first call (outside a CUDA-graph capture)
-    for ``H``/``H_kv``/``D``/dtype/``softmax_scale`` of that call.
+    for ``H``/``H_kv``/``D``/dtype/``softmax_scale`` of that call. At most ``max_plans`` plans are kept (the least
+    recently used is dropped with its workspace): a CUDA graph captured over a dropped plan must not be replayed,
+    which our runtime never does (each ``decode_from`` captures its own graph, for one batch).
 
     Args:
         tensor_cores: FlashInfer's ``use_tensor_cores`` (its prefill kernel for decode; faster for large GQA groups).
         workspace_mib: FlashInfer's float workspace per wrapper.
+        max_plans: plans (and workspaces) kept at once.
 
     Raises:
         ImportError: FlashInfer is not installed.
@@ -93,20 +96,22 @@ class FlashInferDecode:
             needed during a CUDA-graph capture (run one step eagerly first: our runtime does).
     """
 
-    def __init__(self, tensor_cores: bool = False, workspace_mib: int = 128):
+    def __init__(self, tensor_cores: bool = False, workspace_mib: int = 128, max_plans: int = 2):
         import flashinfer
 
         self.flashinfer = flashinfer
         self.tensor_cores = bool(tensor_cores)
         self.workspace_mib = int(workspace_mib)
-        self._plans: dict = {}
+        self.max_plans = max(1, int(max_plans))
+        self._plans: dict = {}  # insertion order = least recently used first
 
     def _plan(self, q, k_cache, softmax_scale):
         b, h, d = q.shape
         h_kv, s_max = k_cache.shape[1], k_cache.shape[2]
         key = (b, h, h_kv, d, s_max, q.dtype, k_cache.dtype, float(softmax_scale), q.device)
-        plan = self._plans.get(key)
+        plan = self._plans.pop(key, None)
         if plan is not None:
+            self._plans[key] = plan  # most recently used last
             return plan, False
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FlashInfer decode: the first call for a batch size must run outside a CUDA-graph "
@@ -123,6 +128,8 @@ class FlashInferDecode:
         wrapper.plan(indptr, indices, last, h, h_kv, d, s_max, pos_encoding_mode="NONE", q_data_type=q.dtype,
                      kv_data_type=k_cache.dtype, sm_scale=float(softmax_scale))
         plan = dict(wrapper=wrapper, last=last, workspace=ws)
+        while len(self._plans) >= self.max_plans:
+            self._plans.pop(next(iter(self._plans)))  # its wrapper and workspace go with it
         self._plans[key] = plan
         return plan, True
 
