@@ -56,13 +56,17 @@ def keep(name: str) -> bool:
 
 
 def download(name: str, version: str, dest: Path) -> Path:
-    """The cp312 x86-64 wheel of ``name==version`` in ``dest`` (pip reuses one already there)."""
+    """The cp312 x86-64 wheel of ``name==version`` in ``dest``: one already there is used as it is (no index query,
+    so a second build works offline), else pip downloads it."""
+    stem = name.replace("-", "_").lower() + "-" + version + "-"
+    found = [w for w in dest.glob("*.whl") if w.name.lower().startswith(stem)]
+    if len(found) == 1:
+        return found[0]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
            "--implementation", "cp", "-d", str(dest), f"{name}=={version}"]
     for p in PLATFORMS:
         cmd += ["--platform", p]
     subprocess.run(cmd, check=True)
-    stem = name.replace("-", "_").lower() + "-" + version + "-"
     found = [w for w in dest.glob("*.whl") if w.name.lower().startswith(stem)]
     if len(found) != 1:
         raise RuntimeError(f"expected one wheel of {name}=={version} in {dest}, found {[w.name for w in found]}")
