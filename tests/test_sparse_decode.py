@@ -136,6 +136,24 @@ def test_slot_mode_splits_share_each_rows_length():
         assert torch.equal(out, again)
 
 
+def test_default_config_takes_block_128_only_where_one_wave_fits(monkeypatch):
+    """Gather mode on an H200-sized GPU (132 SMs): BLOCK_N 128 while programs x splits <= 3 per SM (batches 22-23
+    and 43-49 at H_kv 8), 64 beyond (25-32: the 2-split grid spills into a second wave); 16-bit, head_dim <= 128
+    only; slot mode keeps 64 (tuned separately)."""
+    import kvtransform.kernels.sparse_decode as S
+
+    monkeypatch.setattr(S, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    got = {b: S.default_config(2048, 8 * b, cuda, True, 128, 2) for b in (22, 23, 25, 26, 32, 43, 49, 50)}
+    assert {b: (c["block_n"], c["num_splits"]) for b, c in got.items()} == {
+        22: (128, 2), 23: (128, 2), 25: (64, 2), 26: (64, 2), 32: (64, 2), 43: (128, 1), 49: (128, 1), 50: (64, 1)}
+    assert S.default_config(2048, 8 * 22, cuda, True, 128, 4)["block_n"] == 64   # fp32
+    assert S.default_config(2048, 8 * 22, cuda, True, 256, 2)["block_n"] == 64   # head_dim 256
+    assert S.default_config(34816, 8 * 22, cuda, False, 128, 2)["block_n"] == 64  # slot mode
+    cpu = S.default_config(2048, 8, torch.device("cpu"), True, 128, 2)
+    assert cpu["num_splits"] == 1 and cpu["block_n"] == 128
+
+
 @pytest.mark.parametrize("g,d,dtype", [(4, 128, torch.float32), (7, 80, torch.float16)])
 def test_slot_mode_matches_fp64_reference(g, d, dtype):
     bsz, h_kv, budget = 3, 2, 40

@@ -60,8 +60,12 @@ def main():
                       f"({ms / floor:.2f}x)  warm-up {warm:.1f} s", flush=True)
         # one step under the profiler (eager program, then the compiled one, both outside CUDA graphs): the kernel
         # time of the retrieval head's step and of the decode program, and the kernels that take it
+        import gc
+
         from torch.profiler import ProfilerActivity, profile
 
+        gc.collect()  # the timing runs' graphs and their pools: the head's prefill below needs ~2 GiB of temporaries
+        torch.cuda.empty_cache()
         cache.cache_seqlens.fill_(a.context)
         rt.head.prefill(cache)
         tok = torch.randint(3, shape["vocab"], (a.requests,), device=dev)
