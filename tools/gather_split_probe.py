@@ -8,26 +8,13 @@ import sys
 
 import torch
 
+from kvtransform.bench.timing import percentile, time_steps
 from kvtransform.kernels.sparse_decode import default_config, sparse_decode_triton
 
 
 def bench(fn, reps=40):
-    for _ in range(3):
-        fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        st.record()
-        g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) / 10)
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Median ms per call of ``fn``: CUDA-graph replays of repeated calls (the suites' timing loop)."""
+    return percentile([t[0] for t in time_steps(lambda mark: fn(), "cuda", 3, reps, cuda_graph=True)], 50)
 
 
 ORDER = "--order" in sys.argv      # only the default config, score order against position order

@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from kvtransform.bench.timing import percentile, time_steps
 
 
 @triton.jit
@@ -55,25 +56,9 @@ def gemv(x, w, block_n, block_k, split_k, stages, warps, part=None):
     return y
 
 
-def bench(fn, reps=200):
-    for _ in range(5):
-        fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(20):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps // 20):
-        st.record()
-        g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) / 20)
-    ts.sort()
-    return ts[len(ts) // 2]
+def bench(fn, reps=10):
+    """Median ms per call of ``fn``: CUDA-graph replays of repeated calls (the suites' timing loop)."""
+    return percentile([t[0] for t in time_steps(lambda mark: fn(), "cuda", 3, reps, cuda_graph=True)], 50)
 
 
 def main():
