@@ -15,9 +15,10 @@ The fused weight **takes the originals' place** where it can (``share=True``, th
 (the prefill program and the user's model read the same ``Parameter`` objects) become row views of the fused
 buffer (``param.data = fused[a:b]``), so fusion costs no memory and every in-place update of a parameter -- an
 optimizer step, ``param.data.copy_(new)``, ``load_state_dict`` -- lands in the fused buffer itself. A group is shared
-only when each member is a plain tensor that owns its whole storage and no other parameter or buffer of the program
-aliases it (a tensor subclass such as a ``DTensor``, a weight tied by storage, or a parameter already shared by
-another fused program keeps the copy rule below). What changes for the user: a tensor taken from the old storage
+when each member is a plain tensor that owns its whole storage and no other parameter or buffer of the program
+aliases it, or when the members already are consecutive rows of one storage (a fused program saved with
+``torch.export`` and reloaded, or a second fusion of the same program): that storage is then the buffer as it is. A
+tensor subclass such as a ``DTensor`` or a weight tied by storage keeps the copy rule below. What changes for the user: a tensor taken from the old storage
 before the transform (``w = layer.q_proj.weight.detach()``) no longer aliases the parameter; checkpoints are
 unaffected (Hugging Face ``save_pretrained`` clones disjoint shared tensors). ``share=False`` keeps the originals.
 
@@ -139,13 +140,18 @@ class FusedProjections:
             wts = [m.args[1].target for m in members]
             bts = [m.args[2].target for m in members] if len(members[0].args) > 2 and members[0].args[2] is not None \
                 else None
-            with torch.no_grad():
-                buffers[name] = (torch.cat([_attr(gm, t) for t in wts]),
-                                 torch.cat([_attr(gm, t) for t in bts]) if bts else None)
             self.groups.append((name, wts, bts))
             members_t = [_attr(gm, t) for t in wts + (bts or [])]
-            if share and all(_owns_storage(t, owners) for t in members_t):
+            laid = [_concatenated([_attr(gm, t) for t in tg], owners) if tg else None for tg in (wts, bts)] \
+                if share else [None, None]
+            if laid[0] is not None and (laid[1] is not None) == bool(bts):
+                # already consecutive rows of one storage (a reloaded artifact of a fused program): that is the buffer
+                buffers[name] = tuple(laid)
+                self.shared.append(True)
+            elif share and all(_owns_storage(t, owners) for t in members_t):
                 with torch.no_grad():
+                    buffers[name] = (torch.cat([_attr(gm, t) for t in wts]),
+                                     torch.cat([_attr(gm, t) for t in bts]) if bts else None)
                     for targets, buf in zip((wts, bts), buffers[name]):
                         row = 0
                         for t in targets or []:
@@ -154,6 +160,9 @@ class FusedProjections:
                             row += p.shape[0]
                 self.shared.append(True)
             else:
+                with torch.no_grad():
+                    buffers[name] = (torch.cat([_attr(gm, t) for t in wts]),
+                                     torch.cat([_attr(gm, t) for t in bts]) if bts else None)
                 self.shared.append(False)
                 self.extra_bytes += sum(x.numel() * x.element_size() for x in buffers[name] if x is not None)
             sizes = [int(_attr(gm, t).shape[0]) for t in wts]
@@ -266,6 +275,27 @@ def _storage_owners(gm: torch.nn.Module) -> dict:
     for _, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
         owners.setdefault(t.data_ptr(), set()).add(id(t))
     return owners
+
+
+def _concatenated(tensors: list, owners: dict) -> Optional[torch.Tensor]:
+    """The tensor the ``tensors`` already are the consecutive row blocks of (same storage, contiguous, in order:
+    what a fused program's parameters look like after ``torch.export`` saved and reloaded them), viewed as one
+    ``(sum of rows, ...)`` tensor; None otherwise (or when another parameter object aliases one of them)."""
+    first = tensors[0]
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_contiguous() and t.dtype == first.dtype and
+               t.device == first.device and t.shape[1:] == first.shape[1:] and
+               owners.get(t.data_ptr()) == {id(t)} for t in tensors):
+        return None
+    storage = first.untyped_storage()
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    stride = first.stride() if first.dim() > 1 else (1,)
+    view = torch.empty(0, dtype=first.dtype, device=first.device)
+    return view.set_(storage, first.storage_offset(), (rows,) + tuple(first.shape[1:]), tuple(stride))
 
 
 def _owns_storage(t: torch.Tensor, owners: dict) -> bool:

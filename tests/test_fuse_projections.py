@@ -101,13 +101,15 @@ def test_shared_fusion_follows_every_update():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-def test_fusion_does_not_share_tied_or_already_shared_weights():
+def test_a_second_fusion_reuses_the_buffers_and_ties_are_copied():
     model, sp = _sp("llama", fuse="none")
     dec = sp.runtime.decode_fn
     qkv = fused_program(dec, "qkv")
     assert all(qkv.shared)
-    full = fused_program(dec, "all")  # q/k/v are views of the first program's buffers: copied here, gate/up shared
-    assert full.shared == [False, True] * model.config.num_hidden_layers
+    full = fused_program(dec, "all")  # q/k/v already are one buffer's consecutive rows: that buffer is reused
+    assert all(full.shared) and full.extra_bytes == 0
+    assert getattr(full.program, full.groups[0][0] + "_w").data_ptr() == \
+        getattr(qkv.program, qkv.groups[0][0] + "_w").data_ptr()
     for a, b in zip(_step(sp.runtime, qkv.program), _step(sp.runtime, full.program)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 

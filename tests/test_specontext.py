@@ -152,15 +152,25 @@ def test_per_row_eos_stop_matches_hf(llama, sp_llama):
 def test_save_load_in_fresh_process(sp_llama, tmp_path):
     ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(6))
     want = sp_llama.generate(ids, max_new_tokens=8, eos_token_id=None)
-    path = sp_llama.save(tmp_path / "sp")
+    assert sp_llama.runtime._fused().extra_bytes == 0  # the fused projections are the parameters (shared)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = sp_llama.save(tmp_path / "sp")
+    assert not [w for w in caught if "No complete tensor" in str(w.message)]
     assert {"prefill.pt2", "decode.pt2", "head.pt", "config.yaml", "report.json", "meta.json"} <= \
         {p.name for p in path.iterdir()}
+    # the reloaded decode program's q/k/v and gate/up rows are still one storage per group: fused without a copy
     code = ("import json, sys, torch, kvtransform as kvt; ids = torch.tensor(json.loads(sys.argv[2])); "
-            "print(json.dumps(kvt.load(sys.argv[1]).generate(ids, max_new_tokens=8, eos_token_id=None).tolist()))")
+            "out = kvt.load(sys.argv[1]).generate(ids, max_new_tokens=8, eos_token_id=None, "
+            "return_dict_in_generate=True); "
+            "print(json.dumps([out.sequences.tolist(), out.stats.fused_weight_bytes]))")
     res = subprocess.run([sys.executable, "-c", code, str(path), json.dumps(ids.tolist())], capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert json.loads(res.stdout.strip().splitlines()[-1]) == want.tolist()
+    seqs, fused_bytes = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seqs == want.tolist() and fused_bytes == 0
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
