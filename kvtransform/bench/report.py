@@ -56,7 +56,9 @@ def row_line(r: dict) -> str:
                                  f"ms/step  floor {_fmt(r.get('floor_ms'), 2)} ms ({_fmt(r.get('x_floor'), 2)}×)"),
                 "validate": lambda: (f"measured {_fmt(r.get('decode_s'), 2)} s  estimate {_fmt(r.get('estimate_s'), 2)}"
                                      f" s ({_fmt(100 * (_num(r.get('rel_err')) or 0), 1)} %)")}
-        body = what[r["pass"]]() if r.get("status") == "ok" and r.get("pass") in what else ""
+        # a validation outside its tolerance still shows its numbers (the status says what failed)
+        shown = r.get("status") == "ok" or (r.get("pass") == "validate" and r.get("rel_err") is not None)
+        body = what[r["pass"]]() if shown and r.get("pass") in what else ""
         return f"{r['method']:<11} {r.get('pass', ''):<8} {r.get('params', '')}  {body}  {r.get('status')}"
     if r.get("P") is None or r.get("pass") in ("check", "check_tuned", "tune"):
         times = (f"p50 {r['ms_p50']:.4f} ms [{r['ms_p20']:.4f}, {r['ms_p80']:.4f}]" if _num(r.get("ms_p50")) is not None
