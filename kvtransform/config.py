@@ -198,6 +198,10 @@ class SpeContextConfig(TransformConfig):
             every in-place update reaches the fused program); where they cannot (tensor subclasses, weights tied
             by storage) the fused weights are a copy (Llama-8B shape: q/k/v 1.5 GiB, gate/up 7.3 GiB), copied again
             at the start of every ``generate`` and when a parameter changes between eager steps.
+        share_fused_weights: False keeps the model's parameters as they are and fuses into copies (the copy rule
+            above for every group): for code that holds the parameters' storage (e.g. CUDA IPC handles taken before
+            the transform) or saves the model with ``safetensors.torch.save_model``, which refuses parameters that
+            are row views of one storage (``save_pretrained`` and ``torch.save`` handle them).
     """
 
     name: str = "specontext"
@@ -211,6 +215,7 @@ class SpeContextConfig(TransformConfig):
     offload: bool = False
     compile: bool = False
     fuse_projections: str = "all"
+    share_fused_weights: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -226,7 +231,7 @@ class SpeContextConfig(TransformConfig):
                              f"{self.num_sink}, {self.num_recent}, budget {self.budget}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token; got {self.page_size}")
-        for key in ("cuda_graphs", "offload", "compile"):
+        for key in ("cuda_graphs", "offload", "compile", "share_fused_weights"):
             v = getattr(self, key)
             if not isinstance(v, bool):
                 raise ValueError(f"{key} must be true or false; got {v!r}")

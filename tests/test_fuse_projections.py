@@ -217,3 +217,55 @@ def test_fused_copies_are_freed_with_the_program():
     del model, sp
     gc.collect()
     assert all(r() is None for r in gone)
+
+
+def test_share_setting_from_the_config_and_switching_it_later():
+    """share_fused_weights=False in the config leaves the model's storage alone (copies, counted); switching the
+    runtime's setting drops the derived programs, so the decode reads the fused weights it refreshes."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=256, head="dense", share_fused_weights=False),
+                       progress=False)
+    rt = sp.runtime
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # untouched
+    assert not any(rt._fused().shared) and rt._fused().extra_bytes > 0
+    ids = torch.randint(3, 100, (2, 9))
+
+    def same_as_hf():
+        out = sp.generate(ids, max_new_tokens=5, eos_token_id=None)
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        return torch.equal(out, ref)
+
+    assert same_as_hf()
+    rt.share_fused_weights = True  # the slot-mode program is rebuilt from the shared fusion
+    assert rt._slot is None and same_as_hf() and all(rt._fused().shared)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    assert same_as_hf()
+    with pytest.raises(ValueError, match="share_fused_weights must be true or false"):
+        rt.share_fused_weights = "yes"
+
+
+def test_a_failing_slot_rewrite_fails_every_time():
+    _, sp = _sp("llama")
+    rt, ids = sp.runtime, torch.randint(3, 100, (2, 9))
+    calls = []
+
+    def broken(program):
+        calls.append(1)
+        raise RuntimeError("kernel registration failed")
+
+    rt.slot_rewrite = broken
+    for _ in range(2):  # never decodes without the rewrite while the hook is set
+        with pytest.raises(RuntimeError, match="kernel registration failed"):
+            sp.generate(ids, max_new_tokens=3, eos_token_id=None)
+    assert len(calls) == 2
+    rt.slot_rewrite = lambda program: None
+    with pytest.raises(ValueError, match="slot_rewrite returned NoneType"):
+        sp.generate(ids, max_new_tokens=3, eos_token_id=None)
+    rt.slot_rewrite = None
+    sp.generate(ids, max_new_tokens=3, eos_token_id=None)

@@ -177,21 +177,22 @@ class SpeContextRuntime:
             ``GenerationStats.offload_copy_hidden``.
         share_fused_weights: fused projections take the place of the model's parameters (they become views of the
             fused weights: no extra memory; see :mod:`kvtransform.passes.fuse_projections`) rather than being a copy
-            (default True; set it before the first step).
+            (``SpeContextConfig.share_fused_weights``). Setting it drops the derived programs; parameters that an
+            earlier shared fusion already turned into views stay views.
     """
 
     RECOMPILE_LIMIT = 64  # static compiles kept per decode program (see _decode_program)
-    share_fused_weights = True
 
     def __init__(self, prefill: Callable, decode: Callable, head: RetrievalHead, info: ModelInfo,
                  cuda_graphs: bool = True, offload: bool = False, compile: bool = False,
-                 fuse_projections: str = "all"):
+                 fuse_projections: str = "all", share_fused_weights: bool = True):
         self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
         self.cuda_graphs = bool(cuda_graphs)
         self.compile = bool(compile)
+        self._share = bool(share_fused_weights)
         self.fuse_projections = fuse_projections  # validated; resets the derived programs below
         self._compiled: dict = {}  # slot mode -> the compiled program
-        self._head_compiled = None  # head.step through torch.compile (compile on CUDA)
+        self._head_compiled = None  # (head, head.step through torch.compile) (compile on CUDA)
         self._slot = None  # the slot-mode variant of the (fused) decode program (built on first use)
         self._slot_rewrite = None
         self.offload = bool(offload)
@@ -315,10 +316,10 @@ class SpeContextRuntime:
         compute (``dense``, slot mode) is called as it is."""
         if not (self.compile and cache.k.is_cuda) or getattr(self.head, "slot_mode", False):
             return self.head.step(cache, queries)
-        if self._head_compiled is None:
+        if self._head_compiled is None or self._head_compiled[0] is not self.head:  # (a replaced head: again)
             self._raise_recompile_limit()
-            self._head_compiled = torch.compile(self.head.step, dynamic=False)
-        return self._head_compiled(cache, queries)
+            self._head_compiled = (self.head, torch.compile(self.head.step, dynamic=False))
+        return self._head_compiled[1](cache, queries)
 
     def _raise_recompile_limit(self) -> None:
         """One static compile per (batch, cache length, indices width): a sweep or a server sees more than dynamo's
@@ -349,6 +350,18 @@ class SpeContextRuntime:
         if which not in CHOICES:
             raise ValueError(f"fuse_projections must be one of {CHOICES}; got {which!r}")
         self._fuse = which
+        self._compiled, self._slot = {}, None
+
+    @property
+    def share_fused_weights(self) -> bool:
+        """See the class docstring."""
+        return self._share
+
+    @share_fused_weights.setter
+    def share_fused_weights(self, share: bool) -> None:
+        if not isinstance(share, bool):
+            raise ValueError(f"share_fused_weights must be true or false; got {share!r}")
+        self._share = share
         self._compiled, self._slot = {}, None
 
     @property
@@ -385,9 +398,13 @@ class SpeContextRuntime:
             if self._slot is None:
                 from kvtransform.passes.sparse_decode import slot_mode_program
 
-                self._slot = slot_mode_program(fn)
+                slot_fn = slot_mode_program(fn)
                 if self._slot_rewrite is not None:
-                    self._slot = self._slot_rewrite(self._slot)
+                    slot_fn = self._slot_rewrite(slot_fn)
+                    if not callable(slot_fn):
+                        raise ValueError(f"slot_rewrite returned {type(slot_fn).__name__}, not a program: it must "
+                                         f"return the rewritten GraphModule")
+                self._slot = slot_fn  # only a finished rewrite is kept: a failing hook fails again next time
             fn = self._slot
         if not (self.compile and torch.device(device).type == "cuda"):
             return fn

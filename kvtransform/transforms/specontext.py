@@ -76,7 +76,8 @@ class SpeContextModule(OptimizedModule):
         self.head.bind(model if model is not None else decode)
         self.runtime = SpeContextRuntime(prefill, decode, self.head, info, cuda_graphs=config.cuda_graphs,
                                           offload=config.offload, compile=config.compile,
-                                          fuse_projections=config.fuse_projections)
+                                          fuse_projections=config.fuse_projections,
+                                          share_fused_weights=config.share_fused_weights)
 
     @property
     def vocab_size(self) -> int:
