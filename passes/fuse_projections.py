@@ -18,9 +18,10 @@ optimizer step, ``param.data.copy_(new)``, ``load_state_dict`` -- lands in the f
 when each member is a plain tensor that owns its whole storage and no other parameter or buffer of the program
 aliases it, or when the members already are consecutive rows of one storage (a fused program saved with
 ``torch.export`` and reloaded, or a second fusion of the same program): that storage is then the buffer as it is. A
-tensor subclass such as a ``DTensor`` or a weight tied by storage keeps the copy rule below. What changes for the user: a tensor taken from the old storage
-before the transform (``w = layer.q_proj.weight.detach()``) no longer aliases the parameter; checkpoints are
-unaffected (Hugging Face ``save_pretrained`` clones disjoint shared tensors). ``share=False`` keeps the originals.
+tensor subclass such as a ``DTensor`` or a weight tied by storage keeps the copy rule below. What changes for the
+user: a tensor taken from the old storage before the transform (``w = layer.q_proj.weight.detach()``) no longer
+aliases the parameter; Hugging Face ``save_pretrained`` and ``torch.save`` handle the views, while
+``safetensors.torch.save_model`` refuses them. ``share=False`` keeps the originals.
 
 A group that is not shared is a **copy**: it costs those weights' bytes once more of device memory (Llama-8B shape:
 q/k/v 32 x 48 MiB = 1.5 GiB; gate/up 7.3 GiB), and it must follow the originals. :meth:`FusedProjections.refresh`
@@ -206,8 +207,9 @@ class FusedProjections:
         return tuple((t._version, t.data_ptr()) for t in (_attr(self.source, n) for n in wts + (bts or [])))
 
     def refresh(self, force: bool = False) -> int:
-        """Copy again the groups whose source parameters changed since the last copy (``force``: every group; an
-        update through ``param.data`` is invisible to the check), in place: CUDA graphs and compiled programs that
+        """Copy again the groups whose source parameters changed since the last copy (``force``: every copied group;
+        an update through ``param.data`` is invisible to the check; shared groups whose parameters are still the
+        buffer's views never need one), in place: CUDA graphs and compiled programs that
         hold the fused buffers see the new values. Not during a CUDA graph capture. Returns the number of groups
         copied.
 
