@@ -274,3 +274,22 @@ def test_dense_head_runs_the_slot_mode_program_with_gather_mode_logits(llama):
     ref = rt.decode_fn(tok[:, None], cache.cache_seqlens, few, cache.k, cache.v)[0]
     got, _ = plain.decode(cache, tok, few)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_replaced_parameter_is_an_error_not_stale_weights():
+    """load_state_dict(assign=True) swaps the model's Parameter objects: the captured programs would decode with
+    the old weights, so generate refuses; in-place updates are followed."""
+    model = tiny_model("llama")
+    sp = _transform(model, budget=64, head="quest")
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)  # in place: followed
+    out = sp.generate(ids, max_new_tokens=4, eos_token_id=None)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, ref)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    for call in (lambda: sp.generate(ids, max_new_tokens=4), lambda: sp(ids)):
+        with pytest.raises(ValueError, match=r"was replaced after the transform \(load_state_dict\(assign=True\)"):
+            call()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -78,6 +79,32 @@ class SpeContextModule(OptimizedModule):
                                           offload=config.offload, compile=config.compile,
                                           fuse_projections=config.fuse_projections,
                                           share_fused_weights=config.share_fused_weights)
+        self._source = None  # (weak ref to the model, {its parameter name: the Parameter the programs hold})
+        if model is not None:
+            held = {id(p): p for prog in (prefill, decode) if isinstance(prog, torch.nn.Module)
+                    for _, p in prog.named_parameters(remove_duplicate=False)}
+            self._source = (weakref.ref(model), {n: held[id(p)] for n, p in model.named_parameters() if id(p) in held})
+
+    def check_source_parameters(self) -> None:
+        """Raise ``ValueError`` when a parameter of the transformed model is no longer the ``Parameter`` object the
+        captured programs hold (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(new)``): the
+        programs would silently go on with the old weights. In-place updates (optimizer steps, ``load_state_dict``
+        without ``assign``, ``p.data.copy_``) are followed and pass. Called by :meth:`generate` and :meth:`forward`;
+        a no-op for a reloaded artifact or once the model is gone."""
+        if self._source is None:
+            return
+        ref, held = self._source
+        model = ref()
+        if model is None:
+            return
+        live = dict(model.named_parameters())
+        replaced = [n for n, p in held.items() if live.get(n) is not p]
+        if replaced:
+            more = f" (and {len(replaced) - 1} more)" if len(replaced) > 1 else ""
+            raise ValueError(f"the model's parameter {replaced[0]!r}{more} was replaced after the transform "
+                             f"(load_state_dict(assign=True)? module.weight = nn.Parameter(...)?): the transformed "
+                             f"programs still hold the old one. Update the weights in place instead (load_state_dict "
+                             f"without assign, p.data.copy_(new)), or transform the model again")
 
     @property
     def vocab_size(self) -> int:
@@ -96,6 +123,7 @@ class SpeContextModule(OptimizedModule):
         Raises:
             ValueError: as :meth:`generate` for the prompts.
         """
+        self.check_source_parameters()
         rows = self.runtime._rows(input_ids, attention_mask)
         _, logits = self.runtime.prefill(rows, max(int(r.numel()) for r in rows), device_of(self))
         return logits
@@ -129,9 +157,11 @@ class SpeContextModule(OptimizedModule):
             int64 ``(batch, seq + new)`` (new = steps until the last row stopped), or :class:`GenerateOutput`.
 
         Raises:
-            ValueError: an empty prompt row, ids or ``eos_token_id`` outside the vocabulary, ``max_new_tokens < 1``,
+            ValueError: a parameter of the model replaced since the transform (:meth:`check_source_parameters`), an
+                empty prompt row, ids or ``eos_token_id`` outside the vocabulary, ``max_new_tokens < 1``,
                 prompt + ``max_new_tokens`` beyond the model's positions, a bad sampling parameter.
         """
+        self.check_source_parameters()
         out = self.runtime.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                     temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
                                     pad_token_id=pad_token_id, seed=seed, device=device_of(self),
