@@ -293,3 +293,37 @@ def test_a_replaced_parameter_is_an_error_not_stale_weights():
     for call in (lambda: sp.generate(ids, max_new_tokens=4), lambda: sp(ids)):
         with pytest.raises(ValueError, match=r"was replaced after the transform \(load_state_dict\(assign=True\)"):
             call()
+
+
+def test_parameter_check_sees_untied_weights_and_spares_deep_copies():
+    import copy
+
+    model = tiny_model("llama")
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    sp = _transform(model, budget=64, head="quest")
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    twin = copy.deepcopy(sp)  # its programs hold their own copies: nothing of the model to check
+    assert torch.equal(twin.generate(ids, max_new_tokens=4, eos_token_id=None),
+                       sp.generate(ids, max_new_tokens=4, eos_token_id=None))
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))  # untied after the transform
+    with pytest.raises(ValueError, match="'lm_head.weight' was replaced after the transform"):
+        sp(ids)
+    twin(ids)
+
+
+def test_self_head_follows_in_place_updates():
+    """The training-free ``self`` head reads the model's own layer-0 q projection at every generate (not a copy
+    taken at transform time): after an in-place update it selects what a fresh transform of the updated model
+    selects."""
+    model = tiny_model("llama")
+    sp = _transform(model, budget=16, head="self")
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for p in model.model.layers[0].self_attn.q_proj.parameters():
+            p.mul_(-3.0)
+    got = sp.generate(ids, max_new_tokens=8, eos_token_id=None, return_dict_in_generate=True)
+    fresh = _transform(model, budget=16, head="self").generate(ids, max_new_tokens=8, eos_token_id=None,
+                                                              return_dict_in_generate=True)
+    assert torch.equal(got.sequences, fresh.sequences)
+    assert got.stats.selection_checksums == fresh.stats.selection_checksums

@@ -30,16 +30,17 @@ __all__ = ["find_param", "rope", "yarn_inv_freq", "rms_norm", "current_tokens", 
            "EmbeddingKeyHead"]
 
 
-def find_param(module, suffix: str) -> torch.Tensor:
+def find_param(module, suffix: str, detach: bool = True) -> torch.Tensor:
     """The parameter or buffer of ``module`` whose name ends with ``suffix`` (the HF model, or a captured
-    program whose parameters keep the model's names under a prefix).
+    program whose parameters keep the model's names under a prefix), detached; ``detach=False``: the
+    ``Parameter`` object itself (read ``.detach()`` at use time to follow a later ``param.data = ...``).
 
     Raises:
         ValueError: none, naming the suffix (the module is not the target this head was built for).
     """
     for name, p in list(module.named_parameters()) + list(module.named_buffers()):
         if name == suffix or name.endswith("." + suffix):
-            return p.detach()
+            return p.detach() if detach else p
     raise ValueError(f"the model has no parameter named '*{suffix}': this retrieval head needs the target's "
                      f"{suffix} (a Llama-style decoder)")
 
@@ -187,31 +188,32 @@ class SelfHead(RetrievalHead):
              "mscale": torch.tensor(float(getattr(scaling, "attention_scaling", 1.0))),
              "eps": torch.tensor(float(getattr(cfg, "rms_norm_eps", 1e-6))), "heads": torch.tensor(h),
              "head_dim": torch.tensor(d)}
-        for l in layers:
+        for l in layers:  # the model's own parameters (not copies): updates between generate calls are followed
             pre = f"layers.{l}."
-            w[f"norm{l}"] = find_param(model, pre + "input_layernorm.weight").clone()
-            w[f"q{l}"] = find_param(model, pre + "self_attn.q_proj.weight").clone()
+            w[f"norm{l}"] = find_param(model, pre + "input_layernorm.weight", detach=False)
+            w[f"q{l}"] = find_param(model, pre + "self_attn.q_proj.weight", detach=False)
             try:
-                w[f"qb{l}"] = find_param(model, pre + "self_attn.q_proj.bias").clone()
+                w[f"qb{l}"] = find_param(model, pre + "self_attn.q_proj.bias", detach=False)
             except ValueError:
                 pass
             try:
-                w[f"qn{l}"] = find_param(model, pre + "self_attn.q_norm.weight").clone()
+                w[f"qn{l}"] = find_param(model, pre + "self_attn.q_norm.weight", detach=False)
             except ValueError:
                 pass
         self.w = w
 
     def state_dict(self) -> dict:
-        return dict(self.w)
+        return {k: v.detach().clone() for k, v in self.w.items()}  # values, not the model's parameters
 
     def load_state_dict(self, state: dict) -> None:
         if state:
             self.w = dict(state)
 
     def prefill(self, cache) -> None:
-        """Move the projections to the cache's device and read the scalars (outside any CUDA graph)."""
+        """Move the projections to the cache's device and read the scalars (outside any CUDA graph). The
+        projections are the model's parameters as they are now (no copy on their device)."""
         w = self.w
-        self._dev = {k: v.to(cache.k.device) for k, v in w.items()}
+        self._dev = {k: v.detach().to(cache.k.device) for k, v in w.items()}
         self._layers = [int(l) for l in w["layers"].tolist()]
         self._h, self._d, self._eps = int(w["heads"]), int(w["head_dim"]), float(w["eps"])
         self._mscale = float(w["mscale"])

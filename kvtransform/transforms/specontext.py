@@ -49,6 +49,21 @@ from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, new_repo
 __all__ = ["SpeContextModule", "specontext_transform", "verify_decode"]
 
 
+class _SourceLink:
+    """What :meth:`SpeContextModule.check_source_parameters` compares: a weak reference to the transformed model and
+    ``{parameter name: the Parameter object the captured programs hold}``. A deep copy (or pickle) of the module
+    gets none: its programs hold copies that are not the model's, so there is nothing to check."""
+
+    def __init__(self, model, held: dict):
+        self.model, self.held = weakref.ref(model), held
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
+
+
 class SpeContextModule(OptimizedModule):
     """A model transformed for sparse retrieval decode: :meth:`generate` (HF ``generate`` semantics), and
     ``opt(input_ids, attention_mask=None) -> logits (batch, vocab)`` of each prompt's last token (the packed
@@ -79,11 +94,12 @@ class SpeContextModule(OptimizedModule):
                                           offload=config.offload, compile=config.compile,
                                           fuse_projections=config.fuse_projections,
                                           share_fused_weights=config.share_fused_weights)
-        self._source = None  # (weak ref to the model, {its parameter name: the Parameter the programs hold})
+        self._source = None  # _SourceLink: the model and the Parameters the programs hold (a deep copy drops it)
         if model is not None:
             held = {id(p): p for prog in (prefill, decode) if isinstance(prog, torch.nn.Module)
                     for _, p in prog.named_parameters(remove_duplicate=False)}
-            self._source = (weakref.ref(model), {n: held[id(p)] for n, p in model.named_parameters() if id(p) in held})
+            self._source = _SourceLink(model, {n: held[id(p)] for n, p in model.named_parameters(
+                remove_duplicate=False) if id(p) in held})  # every name of a tied weight: untying it is seen
 
     def check_source_parameters(self) -> None:
         """Raise ``ValueError`` when a parameter of the transformed model is no longer the ``Parameter`` object the
@@ -93,11 +109,10 @@ class SpeContextModule(OptimizedModule):
         a no-op for a reloaded artifact or once the model is gone."""
         if self._source is None:
             return
-        ref, held = self._source
-        model = ref()
+        model, held = self._source.model(), self._source.held
         if model is None:
             return
-        live = dict(model.named_parameters())
+        live = dict(model.named_parameters(remove_duplicate=False))
         replaced = [n for n, p in held.items() if live.get(n) is not p]
         if replaced:
             more = f" (and {len(replaced) - 1} more)" if len(replaced) > 1 else ""
