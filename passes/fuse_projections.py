@@ -150,9 +150,8 @@ class FusedProjections:
                 buffers[name] = tuple(laid)
                 self.shared.append(True)
             elif share and all(_owns_storage(t, owners) for t in members_t):
+                buffers[name] = _concat(gm, wts, bts)
                 with torch.no_grad():
-                    buffers[name] = (torch.cat([_attr(gm, t) for t in wts]),
-                                     torch.cat([_attr(gm, t) for t in bts]) if bts else None)
                     for targets, buf in zip((wts, bts), buffers[name]):
                         row = 0
                         for t in targets or []:
@@ -161,9 +160,7 @@ class FusedProjections:
                             row += p.shape[0]
                 self.shared.append(True)
             else:
-                with torch.no_grad():
-                    buffers[name] = (torch.cat([_attr(gm, t) for t in wts]),
-                                     torch.cat([_attr(gm, t) for t in bts]) if bts else None)
+                buffers[name] = _concat(gm, wts, bts)
                 self.shared.append(False)
                 self.extra_bytes += sum(x.numel() * x.element_size() for x in buffers[name] if x is not None)
             sizes = [int(_attr(gm, t).shape[0]) for t in wts]
@@ -269,6 +266,12 @@ class FusedProjections:
             if row != buf.shape[0]:
                 return False
         return True
+
+
+def _concat(gm, wts: list, bts: Optional[list]) -> tuple:
+    """``(weights, biases or None)`` of a group concatenated into new tensors."""
+    with torch.no_grad():
+        return (torch.cat([_attr(gm, t) for t in wts]), torch.cat([_attr(gm, t) for t in bts]) if bts else None)
 
 
 def _storage_owners(gm: torch.nn.Module) -> dict:

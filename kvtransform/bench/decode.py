@@ -245,7 +245,7 @@ class _Ours:
                                          compile=bool(cfg.compile), fuse_projections=str(cfg.fuse_projections))
         self.sp = kvt.transform(model, self.base, progress=False)
         self.modules, self.notes = {}, {}
-        self.sp.runtime._fused()  # the fused projection copies exist before the request count is sized
+        self.sp.runtime._fused()  # projections fused (shared, or copies) before the request count is sized
 
     def key(self, method):
         """Which module serves ``method`` under the current :attr:`cfg` (``flashinfer``: one per

@@ -182,12 +182,11 @@ def flashinfer_program(slot_program: torch.fx.GraphModule, handle: int) -> torch
 
     need = ("flashinfer_program needs a slot-mode decode program (every kvt::sparse_decode_attention with "
             "indices=None): pass slot_mode_program(decode_program)")
-    target = torch.ops.kvt.sparse_decode_attention.default
-    if any(n.target is target and n.args[3] is not None for n in slot_program.graph.nodes):
-        raise ValueError(need)
 
-    def to_flashinfer(n):
-        q, kc, vc, _, lens, kn, vn, scale = n.args
+    def to_flashinfer(n):  # (on rewrite_sites' copy: a refused program is left as it was)
+        q, kc, vc, idx, lens, kn, vn, scale = n.args
+        if idx is not None:
+            raise ValueError(need)
         n.target = OP
         n.args = (q, kc, vc, lens, kn, vn, scale, int(handle))
 
