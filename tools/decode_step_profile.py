@@ -30,6 +30,7 @@ def main():
                     "decode suite's is input + output)")
     ap.add_argument("--methods", default="dense,specontext")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--rows", type=int, default=22, help="kernel rows of each profiler table")
     ap.add_argument("--fuse", default="all", help="fuse_projections values to time, comma-separated (qkv, all, none); "
                     "the profile uses the first")
     a = ap.parse_args()
@@ -88,7 +89,7 @@ def main():
                     parts[part] = (len(ev), sum(e.device_time for e in ev) / 1000)
             print(f"{method} compile={comp}: kernels/ms of kernel time: " + ", ".join(
                 f"{k} {n} / {ms:.2f}" for k, (n, ms) in parts.items()), flush=True)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70),
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=70),
                   flush=True)
         rt.compile, rt._compiled = False, {}
 
