@@ -11,7 +11,7 @@ import os
 import torch
 import triton
 
-__all__ = ["next_pow2", "dot_precision", "interpreting", "num_sms"]
+__all__ = ["next_pow2", "dot_precision", "interpreting", "num_sms", "last_dim_contiguous"]
 
 
 def next_pow2(x: int, minimum: int = 1) -> int:
@@ -24,6 +24,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of ``tl.dot``: IEEE fp32 dots for fp32 inputs (exact enough for the fp32 tests); for
     fp16/bf16 inputs the tensor cores with fp32 accumulation (``"tf32"`` only matters for fp32 operands)."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has stride 1 (a kernel that takes the other strides reads it in place), else a
+    contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def interpreting() -> bool:

@@ -47,7 +47,8 @@ def _retrieval_score_kernel(
 ):
     """One program = one (row, KV head) and BLOCKS_PER_PROG consecutive blocks of BLOCK_S positions (a loop, so
     the K loads pipeline). Each K block is loaded once for the whole GQA group; the program writes raw scaled scores
-    (fp32, -inf past the row's length) and per-head, per-block softmax partials (max, sum of exp) for the LSE."""
+    (fp32, positions below the row's length only: the rest of SCORES is left unwritten) and per-head, per-block
+    softmax partials (max, sum of exp) for the LSE, for every block (-inf / 0 past the length)."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -71,8 +72,9 @@ def _retrieval_score_kernel(
                     mask=smask[:, None] & dmask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # (G_PAD, BLOCK_S) fp32
         s = tl.where(smask[None, :], s, float("-inf"))
-        tl.store(SCORES + row[:, None] * S_MAX + offs_s[None, :], s,
-                 mask=gmask[:, None] & (offs_s < S_MAX)[None, :])
+        # only the row's valid positions are written (the group max reads no others): a cache sized for the whole
+        # generation does not cost a score write per slot past the row's length every step
+        tl.store(SCORES + row[:, None] * S_MAX + offs_s[None, :], s, mask=gmask[:, None] & smask[None, :])
         m = tl.max(s, axis=1)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         l = tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
@@ -177,17 +179,20 @@ def retrieval_scores_reference(q: torch.Tensor, k: torch.Tensor, lengths: torch.
     return gm.masked_fill(~valid[:, None, :], _NEG_INF)
 
 
-def select_topk(scores: torch.Tensor, budget: int) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, budget: int, ordered: bool = True) -> torch.Tensor:
     """Top-``budget`` positions per (row, KV head) of a score tensor ``(batch, H_kv, S_max)`` whose invalid
     positions are ``-inf``.
 
     Returns int32 ``(batch, H_kv, budget)``: positions in descending score order (ties: unspecified), followed by
     ``-1`` padding where the row has fewer than ``budget`` valid positions (so a row with ``lengths[b] <= budget``
-    gets exactly its positions ``0 .. lengths[b]-1``, in some order, then ``-1``). Never repeats a position."""
+    gets exactly its positions ``0 .. lengths[b]-1``, in some order, then ``-1``). Never repeats a position.
+    ``ordered=False``: the same set, in no particular order, the ``-1`` padding anywhere among it (what sparse
+    decode takes: the runtime sorts each step's selection by position anyway), without the sort of ``torch.topk``
+    (H200, 256 rows, 2048 of 32K: 0.168 instead of 0.202 ms; BENCHMARKS.md "Retrieval top-k")."""
     b, h_kv, s_max = scores.shape
     kk = min(int(budget), s_max)
     if kk > 0:
-        vals, idx = torch.topk(scores, kk, dim=-1, largest=True, sorted=True)
+        vals, idx = torch.topk(scores, kk, dim=-1, largest=True, sorted=bool(ordered))
         idx = torch.where(vals == _NEG_INF, torch.full_like(idx, -1), idx).to(torch.int32)
     else:
         idx = torch.empty((b, h_kv, 0), device=scores.device, dtype=torch.int32)

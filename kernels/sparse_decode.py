@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_precision, next_pow2, num_sms
+from ._common import dot_precision, last_dim_contiguous, next_pow2, num_sms
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -197,11 +197,11 @@ def sparse_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
     g = h // h_kv
     gather = indices is not None
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "K/V: the last (head_dim) dim must be contiguous"
-    q = q.contiguous()
+    q = last_dim_contiguous(q)  # the kernels take q / k_new / v_new batch and head strides
     if gather:
         indices = indices.contiguous()
     if k_new is not None:
-        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+        k_new, v_new = last_dim_contiguous(k_new), last_dim_contiguous(v_new)
     n_sel = indices.shape[-1] if gather else s_max
     scale = d ** -0.5 if scale is None else float(scale)
     cfg = default_config(n_sel, bsz * h_kv, q.device, gather, d, k.element_size())

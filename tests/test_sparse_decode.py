@@ -203,6 +203,29 @@ def test_int64_indices_and_noncontiguous_q():
     _check_close(a, qt, k, v, idx, lengths, kn, vn, torch.float32)
 
 
+@pytest.mark.parametrize("slot", [False, True])
+def test_strided_views_are_read_in_place(slot, monkeypatch):
+    """q / k_new / v_new sliced out of one fused projection output (batch and head strides, last dim contiguous): the
+    kernels read them in place (no copy per layer, as the decode program passes them) and match the reference; the
+    op path does not copy them either."""
+    import kvtransform.kernels.sparse_decode as ksd
+    import kvtransform.ops.sparse_decode as osd
+
+    bsz, h, h_kv, s_max, d = 3, 8, 2, 41, 32
+    fused = torch.randn(bsz, (h + 2 * h_kv) * d)  # one row per request: [q | k | v], as a fused q/k/v GEMM gives
+    q, kn, vn = (t.view(bsz, -1, d) for t in fused.split([h * d, h_kv * d, h_kv * d], dim=-1))
+    assert not (q.is_contiguous() or kn.is_contiguous() or vn.is_contiguous())
+    _, k, v, _, _, lengths = _inputs(bsz, h, h_kv, s_max, d, torch.float32)
+    idx = None if slot else _random_indices(lengths, h_kv, 16)
+    seen = []
+    real = ksd.sparse_decode_triton
+    monkeypatch.setattr(osd, "USE_TRITON_ON_CPU", True)
+    monkeypatch.setattr(osd, "sparse_decode_triton", lambda *a, **kw: seen.append(a) or real(*a, **kw))
+    out = torch.ops.kvt.sparse_decode_attention(q, k, v, idx, lengths, kn, vn, d ** -0.5)
+    assert [a.data_ptr() for a in (seen[0][0], seen[0][5], seen[0][6])] == [q.data_ptr(), kn.data_ptr(), vn.data_ptr()]
+    _check_close(out, q, k, v, idx, lengths, kn, vn, torch.float32)
+
+
 def test_op_cpu_path_and_wrappers():
     q, k, v, kn, vn, lengths = _inputs(3, 8, 2, 40, 64, torch.float32)
     idx = _random_indices(lengths, 2, 12)

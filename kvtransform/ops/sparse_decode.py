@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from kvtransform.kernels.retrieval import retrieval_topk_reference, retrieval_topk_triton
+from kvtransform.kernels._common import last_dim_contiguous
 from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
 from ._common import as_int, is_tracing, kernel_path, renamed_kwargs
 
@@ -205,14 +206,16 @@ def _check_qkv(q, k, v, k_new, v_new, what: str):
             if t.dtype != q.dtype or t.device != q.device:
                 raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}); got "
                                  f"{t.dtype}, {t.device}")
-        k_new, v_new = k_new.contiguous(), v_new.contiguous()
-    return q.contiguous(), k_new, v_new
+        k_new, v_new = last_dim_contiguous(k_new), last_dim_contiguous(v_new)
+    return last_dim_contiguous(q), k_new, v_new
 
 
 def _check_decode_inputs(q, k, v, indices, cache_seqlens, k_new, v_new):
     """Shape, dtype and device checks of :func:`sparse_decode_attention` (gather mode, ``indices`` given) or
     :func:`slot_decode_attention` (``indices`` None); no data read. Returns ``(q, indices, cache_seqlens, k_new,
-    v_new)``: q, indices, k_new, v_new contiguous, cache_seqlens contiguous int32."""
+    v_new)``: indices contiguous; q, k_new, v_new with a contiguous last dim (a strided view such as the new
+    token's value sliced out of a fused projection is passed as it is: the kernels take its batch and head strides,
+    so no copy kernel runs per layer); cache_seqlens contiguous int32."""
     q, k_new, v_new = _check_qkv(q, k, v, k_new, v_new, "slots" if indices is None else "cache")
     bsz, h_kv = q.shape[0], k.shape[1]
     if indices is not None:

@@ -236,7 +236,7 @@ class SelfHead(RetrievalHead):
             s = _scores(q.to(cache.k.dtype), cache.k[l], cache.cache_seqlens, scale, max(self.num_sink, self.SINK),
                         max(self.num_recent, int(self.RECENT_FRACTION * self.budget)))
             best = s if best is None else torch.maximum(best, s)
-        return select_topk(best, self.budget)
+        return select_topk(best, self.budget, ordered=False)  # decode sorts by position
 
 
 class EmbeddingKeyHead(RetrievalHead):
@@ -311,7 +311,7 @@ class EmbeddingKeyHead(RetrievalHead):
         if self.COPY_BONUS:  # a class constant: no data-dependent branch
             src = copy_sources(cache.token_ids, tok, cache.cache_seqlens, self.COPY_MAX_OCCURRENCES)
             s = s + self.COPY_BONUS * src[:, None, :].to(s.dtype)
-        return select_topk(s, self.budget)
+        return select_topk(s, self.budget, ordered=False)  # decode sorts by position
 
     def scale_override(self) -> Optional[float]:
         """The head's own softmax scale (None: ``head_dim ** -0.5``); not the LLM's."""
