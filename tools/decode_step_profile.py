@@ -86,11 +86,13 @@ def main():
                             rt.decode(cache, tok, sel)
                         torch.cuda.synchronize()
                     ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-                    parts[part] = (len(ev), sum(e.device_time for e in ev) / 1000)
+                    parts[part] = (len(ev), sum(e.device_time for e in ev) / 1000, prof)
             print(f"{method} compile={comp}: kernels/ms of kernel time: " + ", ".join(
-                f"{k} {n} / {ms:.2f}" for k, (n, ms) in parts.items()), flush=True)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=70),
-                  flush=True)
+                f"{k} {n} / {ms:.2f}" for k, (n, ms, _) in parts.items()), flush=True)
+            for part in (("head", "step") if method != "dense" else ("step",)):
+                print(f"-- {method} compile={comp}: {part}", flush=True)
+                print(parts[part][2].key_averages().table(sort_by="cuda_time_total", row_limit=a.rows,
+                                                          max_name_column_width=110), flush=True)
         rt.compile, rt._compiled = False, {}
 
 
