@@ -31,6 +31,9 @@ import triton.language as tl
 from ._common import dot_precision, next_pow2
 
 _NEG_INF = float("-inf")
+# positions per program of the group-max pass (an element-wise pass: wide blocks, so a 35K-slot cache is ~70
+# programs per (row, KV head) instead of ~550 of the scoring kernel's 64)
+GROUP_MAX_BLOCK = 512
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -47,8 +50,10 @@ def _retrieval_score_kernel(
 ):
     """One program = one (row, KV head) and BLOCKS_PER_PROG consecutive blocks of BLOCK_S positions (a loop, so
     the K loads pipeline). Each K block is loaded once for the whole GQA group; the program writes raw scaled scores
-    (fp32, positions below the row's length only: the rest of SCORES is left unwritten) and per-head, per-block
-    softmax partials (max, sum of exp) for the LSE, for every block (-inf / 0 past the length)."""
+    (fp32) and per-head, per-block softmax partials (max, sum of exp) for the LSE. Only blocks holding positions
+    below the row's length are visited: scores past the length and the partials of blocks past it are left
+    unwritten (the group max never reads the former; the host masks the latter), so a cache sized for the whole
+    generation costs no work per slot past each row's length."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -64,16 +69,16 @@ def _retrieval_score_kernel(
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     row = b.to(tl.int64) * H_R + heads
-    for i in range(0, BLOCKS_PER_PROG):
-        blk = pid_s * BLOCKS_PER_PROG + i
+    first = pid_s * BLOCKS_PER_PROG
+    live = tl.minimum(tl.maximum(tl.cdiv(length, BLOCK_S) - first, 0), BLOCKS_PER_PROG)
+    for i in range(0, live):
+        blk = first + i
         offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
         smask = offs_s < length
         k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :],
                     mask=smask[:, None] & dmask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # (G_PAD, BLOCK_S) fp32
         s = tl.where(smask[None, :], s, float("-inf"))
-        # only the row's valid positions are written (the group max reads no others): a cache sized for the whole
-        # generation does not cost a score write per slot past the row's length every step
         tl.store(SCORES + row[:, None] * S_MAX + offs_s[None, :], s, mask=gmask[:, None] & smask[None, :])
         m = tl.max(s, axis=1)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -140,16 +145,21 @@ def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Ten
         G=g, G_PAD=next_pow2(g, 16), D=d, D_PAD=next_pow2(d, 16), BLOCK_S=block_s, BLOCKS_PER_PROG=bpp,
         DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
-    # LSE per query head from the block partials (tiny: batch * H_r * S_max / block_s floats).
+    # LSE per query head from the block partials (tiny: batch * H_r * S_max / block_s floats); the kernel wrote
+    # those of the blocks below each row's length only
+    live = torch.arange(nb, device=q.device) < ((lengths.clamp(max=s_max) + block_s - 1) // block_s)[:, None]
+    part_m = torch.where(live[:, None, :], part_m, float("-inf"))
+    part_l = torch.where(live[:, None, :], part_l, 0.0)
     m_all = part_m.amax(dim=-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
     lse = (m_safe + torch.log((part_l * torch.exp(part_m - m_safe)).sum(dim=-1, keepdim=True))).squeeze(-1)
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # empty rows: every score is -inf anyway
     out = torch.empty((b, h_kv, s_max), device=q.device, dtype=torch.float32)
-    _group_max_kernel[(nb, b * h_kv)](
+    gm_block = min(GROUP_MAX_BLOCK, next_pow2(s_max, 16))
+    _group_max_kernel[(triton.cdiv(s_max, gm_block), b * h_kv)](
         scores, lse.contiguous(), lengths, out,
         h_r, h_kv, s_max, int(sink), int(recent),
-        G=g, G_PAD=next_pow2(g, 2), BLOCK_S=block_s, num_warps=num_warps,
+        G=g, G_PAD=next_pow2(g, 2), BLOCK_S=gm_block, num_warps=4,
     )
     return out
 

@@ -102,6 +102,25 @@ def test_sink_and_recent_windows():
     assert torch.equal(torch.isinf(got) & (got > 0), torch.isinf(ref) & (ref > 0))
 
 
+def test_nothing_past_each_rows_length_is_read(monkeypatch):
+    """The scoring kernel visits only blocks below each row's length and leaves the rest of its scratch (scores,
+    softmax partials) unwritten: results are the same when that scratch starts as NaN (rows of length 0, within one
+    block, at a block edge, across programs, the whole cache)."""
+    bsz, h_kv, g, s_max, d = 6, 2, 3, 203, 32
+    lengths = [0, 5, 16, 17, 100, 203]
+    q, k, lens = _inputs(bsz, h_kv, g, s_max, d, torch.float32, lengths=lengths)
+    clean = retrieval_scores_triton(q, k, lens, 0.2, 2, 3, block_s=16, blocks_per_prog=3)
+    real = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real(*a, **kw).fill_(
+        float("nan") if kw.get("dtype", torch.float32).is_floating_point else 7))
+    dirty = retrieval_scores_triton(q, k, lens, 0.2, 2, 3, block_s=16, blocks_per_prog=3)
+    assert torch.equal(clean, dirty)
+    ref = retrieval_scores_reference(q, k, lens, 0.2, 2, 3)
+    assert torch.equal(torch.isfinite(dirty), torch.isfinite(ref)) and torch.equal(dirty.isinf(), ref.isinf())
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(dirty[fin].double(), ref[fin], rtol=0, atol=1e-5)
+
+
 def test_zero_length_row_and_clamped_lengths():
     q, k, _ = _inputs(2, 2, 4, 17, 64, torch.float32)
     idx = retrieval_topk_triton(q, k, torch.tensor([0, 17], dtype=torch.int32), 5)
