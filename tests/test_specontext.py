@@ -327,3 +327,17 @@ def test_self_head_follows_in_place_updates():
                                                               return_dict_in_generate=True)
     assert torch.equal(got.sequences, fresh.sequences)
     assert got.stats.selection_checksums == fresh.stats.selection_checksums
+
+
+def test_selection_checksum_is_of_the_set():
+    """Heads may return their selection in any order (the embedding heads' top-k is unordered): the step checksum
+    compares sets per KV head, so an eager run and a graph replay agree whatever order each returned."""
+    from kvtransform.runtime.generate import _checksum
+
+    sel = torch.randint(-1, 5000, (3, 4, 64), dtype=torch.int32)
+    shuffled = sel[..., torch.randperm(64)]
+    assert torch.equal(_checksum(sel), _checksum(shuffled))
+    assert not torch.equal(_checksum(sel), _checksum(sel[:, [1, 0, 2, 3]]))       # another head's set
+    other = sel.clone()
+    other[0, 0, 0] = int(other[0, 0, 0]) + 1 if int(other[0, 0, 0]) < 4999 else 0  # one position differs
+    assert _checksum(other)[0] != _checksum(sel)[0] and torch.equal(_checksum(other)[1:], _checksum(sel)[1:])

@@ -53,8 +53,9 @@ class GenerationStats:
             ``copy`` the side stream's copy time, ``exposed`` the part of it still running when the compute stream
             reached the first offloaded layer's wait (1 = fully hidden); None under CUDA graphs (timing events are
             not captured) and on the CPU stand-in.
-        selection_checksums: per decode step and row, ``Σ_j (j+1)·(indices[b, :, j] + 1)`` summed over KV
-            heads (int64): equal lists mean equal selections (used to check a graph replay against eager).
+        selection_checksums: per decode step and row, an int64 hash of the selected positions of every KV head
+            (of the set: the order a head returns them in does not count): equal lists mean equal selections (used
+            to check a graph replay against eager).
     """
 
     batch: int = 0
@@ -666,8 +667,11 @@ def _count_new(new: torch.Tensor, eos: list) -> int:
 
 
 def _checksum(sel: torch.Tensor) -> torch.Tensor:
-    w = torch.arange(1, sel.shape[-1] + 1, device=sel.device, dtype=torch.int64)
-    return ((sel.to(torch.int64) + 1) * w).sum(dim=(1, 2))
+    """Per row, a hash of the selected set of each KV head (order-independent: heads may return their selection
+    in any order; ``-1`` padding adds nothing)."""
+    x = sel.to(torch.int64) + 1
+    head = torch.arange(1, sel.shape[1] + 1, device=sel.device, dtype=torch.int64)[None, :, None]
+    return (((x * 2654435761 + head) % 4294967291) * x).sum(dim=(1, 2))
 
 
 def _overlap(prev: torch.Tensor, cur: torch.Tensor, s_max: int) -> torch.Tensor:
