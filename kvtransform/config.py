@@ -224,8 +224,8 @@ class SpeContextConfig(TransformConfig):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{key} must be an integer number of tokens; got {v!r}")
         if self.budget < 1:
-            raise ValueError(f"budget must be >= 1 token per KV head; got {self.budget} (set transform.budget, "
-                             f"e.g. 2048)")
+            raise ValueError(f"budget must be >= 1 token per KV head; got {self.budget} (SpeContextConfig(budget=...) "
+                             f"in Python, transform.budget=... on the command line; e.g. 2048)")
         if self.num_sink < 0 or self.num_recent < 0 or self.num_sink + self.num_recent > self.budget:
             raise ValueError(f"num_sink and num_recent must be >= 0 with num_sink + num_recent <= budget; got "
                              f"{self.num_sink}, {self.num_recent}, budget {self.budget}")

@@ -7,7 +7,7 @@
 # qwen-gen, qwen-long (the same for Qwen3-8B), hf-llama, hf-qwen (hf_sdpa at every configuration of the model),
 # static (hf_static at [2k,32k], both models: HF compiles there), flashinfer (dense, specontext and flashinfer at [2k,16k] and
 # [2k,32k], MODEL=llama-8b or qwen3-8b; needs the FlashInfer bundle: `python tools/flashinfer_bundle/make.py .fi` here, carry
-# .fi, and `(cd .fi && bash install.sh) && source .fi/fi_env.sh` there first), validate (a whole [2k, 512] run per method against
+# .fi, and `(cd .fi && bash install.sh --aot) && source .fi/fi_env.sh` there first: --aot installs the prebuilt sm_90a kernels), validate (a whole [2k, 512] run per method against
 # the sampled estimate; INPUTS="32768" limits the long parts, METHODS="dense,specontext" the -gen parts). Each configuration of a long part runs in its own process (a 32K-token prefill after a
 # 49-request job ran out of memory in one process). Parts append to the same out_dir; "vs best dense" compares every
 # dense row of the CSV at the same model and configuration.
