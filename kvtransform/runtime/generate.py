@@ -31,7 +31,8 @@ class GenerationStats:
         prefill_s, decode_s: wall seconds of the prefill (with the first token) and of the decode steps.
         prefill_tokens_per_s: ``prompt_tokens / prefill_s``.
         decode_tokens_per_s: tokens produced by the decode steps (rows still running) per second.
-        decode_steps: decode steps run.
+        decode_steps: decode steps run. Whether every row has stopped is checked every 8 steps (each check is a host
+            sync), so up to 7 steps can run after the last EOS: ``decode_steps`` may exceed ``new_tokens``.
         ms_per_step: ``1000 * decode_s / decode_steps``.
         selection_overlap: mean fraction of the tokens selected at a step that were also selected at the
             previous step (per row and KV head; ``1 - 1/len`` for ``dense``; None without two comparable steps).
