@@ -135,7 +135,7 @@ def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Ten
     scores = torch.empty((b, h_r, s_max), device=q.device, dtype=torch.float32)
     part_m = torch.empty((b, h_r, nb), device=q.device, dtype=torch.float32)
     part_l = torch.empty((b, h_r, nb), device=q.device, dtype=torch.float32)
-    lengths = lengths.to(device=q.device, dtype=torch.int32)
+    lengths = lengths.to(device=q.device, dtype=torch.int32).contiguous()  # the kernels read LEN + b
     bpp = max(1, min(int(blocks_per_prog), nb))
     _retrieval_score_kernel[(triton.cdiv(nb, bpp), b * h_kv)](
         q, k, lengths, scores, part_m, part_l,

@@ -62,7 +62,7 @@ def _sparse_decode_split_kernel(
     gmask = offs_g < G
     dmask = offs_d < D
     heads = kvh * G + offs_g
-    q = tl.load(Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(Q + b64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
 
     k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
@@ -123,6 +123,7 @@ def _sparse_decode_merge_kernel(
     b = pid // H
     h = pid % H
     b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)  # q / k_new / v_new may be strided views: 64-bit head offsets, as for the cache
     offs_d = tl.arange(0, D_PAD)
     offs_s = tl.arange(0, NS_PAD)
     dmask = offs_d < D
@@ -132,9 +133,9 @@ def _sparse_decode_merge_kernel(
                 mask=smask[:, None] & dmask[None, :], other=0.0)
     m = tl.max(lse, axis=0)
     if HAS_NEW:
-        kvh = h // G
-        qv = tl.load(Q + b64 * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        kn = tl.load(KN + b64 * stride_knb + kvh * stride_knh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        kvh64 = (h // G).to(tl.int64)
+        qv = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        kn = tl.load(KN + b64 * stride_knb + kvh64 * stride_knh + offs_d, mask=dmask, other=0.0).to(tl.float32)
         s_new = tl.sum(qv * kn, axis=0) * qk_scale
         m = tl.maximum(m, s_new)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -143,11 +144,11 @@ def _sparse_decode_merge_kernel(
     num = tl.sum(w[:, None] * o, axis=0)
     if HAS_NEW:
         w_new = tl.exp2(s_new - m_safe)
-        vn = tl.load(VN + b64 * stride_vnb + kvh * stride_vnh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        vn = tl.load(VN + b64 * stride_vnb + kvh64 * stride_vnh + offs_d, mask=dmask, other=0.0).to(tl.float32)
         den = den + w_new
         num = num + w_new * vn
     out = num / tl.where(den > 0, den, 1.0)
-    tl.store(OUT + b64 * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
+    tl.store(OUT + b64 * stride_ob + h64 * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
 def default_config(n_sel: int, programs: int, device: torch.device, gather: bool = False, head_dim: int = 128,
@@ -215,7 +216,7 @@ def sparse_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
 
     o_part = torch.empty((bsz, h, splits, d), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((bsz, h, splits), device=q.device, dtype=torch.float32)
-    lengths = lengths.to(device=q.device, dtype=torch.int32)
+    lengths = lengths.to(device=q.device, dtype=torch.int32).contiguous()  # the kernels read LEN + b
     idx = indices if gather else lengths  # dummy pointer in slot mode (never read)
     qk_scale = scale * _LOG2E
     _sparse_decode_split_kernel[(bsz * h_kv, splits)](

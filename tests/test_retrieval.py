@@ -121,6 +121,16 @@ def test_nothing_past_each_rows_length_is_read(monkeypatch):
     torch.testing.assert_close(dirty[fin].double(), ref[fin], rtol=0, atol=1e-5)
 
 
+def test_strided_lengths_are_read_by_row():
+    """A strided int32 ``lengths`` view (every other row of a longer tensor) is read by row, not by storage."""
+    q, k, _ = _inputs(2, 2, 4, 17, 16, torch.float32)
+    strided = torch.tensor([2, 9, 5, 0], dtype=torch.int32)[::2]
+    got = retrieval_scores_triton(q, k, strided, 0.25, block_s=16)
+    want = retrieval_scores_triton(q, k, strided.contiguous(), 0.25, block_s=16)
+    assert torch.equal(got.isfinite(), want.isfinite()) and torch.isfinite(got[1, :, :5]).all()
+    assert not torch.isfinite(got[1, :, 5:]).any()
+
+
 def test_zero_length_row_and_clamped_lengths():
     q, k, _ = _inputs(2, 2, 4, 17, 64, torch.float32)
     idx = retrieval_topk_triton(q, k, torch.tensor([0, 17], dtype=torch.int32), 5)

@@ -338,6 +338,8 @@ def test_selection_checksum_is_of_the_set():
     shuffled = sel[..., torch.randperm(64)]
     assert torch.equal(_checksum(sel), _checksum(shuffled))
     assert not torch.equal(_checksum(sel), _checksum(sel[:, [1, 0, 2, 3]]))       # another head's set
+    swap = torch.tensor([[[0, 3], [1, 2]], [[1, 2], [0, 3]]], dtype=torch.int32)  # equal sums, exchanged
+    assert _checksum(swap)[0] != _checksum(swap)[1]
     other = sel.clone()
     other[0, 0, 0] = int(other[0, 0, 0]) + 1 if int(other[0, 0, 0]) < 4999 else 0  # one position differs
     assert _checksum(other)[0] != _checksum(sel)[0] and torch.equal(_checksum(other)[1:], _checksum(sel)[1:])

@@ -672,7 +672,10 @@ def _checksum(sel: torch.Tensor) -> torch.Tensor:
     in any order; ``-1`` padding adds nothing)."""
     x = sel.to(torch.int64) + 1
     head = torch.arange(1, sel.shape[1] + 1, device=sel.device, dtype=torch.int64)[None, :, None]
-    return (((x * 2654435761 + head) % 4294967291) * x).sum(dim=(1, 2))
+    key = (x * 2654435761 + head * 40503) % 2147483647  # (position, KV head), then xor-shift-multiply rounds: no
+    key = ((key ^ (key >> 13)) * 1103515245) % 2147483647  # linear term survives, so exchanging positions between
+    key = key ^ (key >> 16)                                # heads changes the sum
+    return (key * (x > 0)).sum(dim=(1, 2))
 
 
 def _overlap(prev: torch.Tensor, cur: torch.Tensor, s_max: int) -> torch.Tensor:
