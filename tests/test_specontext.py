@@ -162,15 +162,19 @@ def test_save_load_in_fresh_process(sp_llama, tmp_path):
     assert {"prefill.pt2", "decode.pt2", "head.pt", "config.yaml", "report.json", "meta.json"} <= \
         {p.name for p in path.iterdir()}
     # the reloaded decode program's q/k/v and gate/up rows are still one storage per group: fused without a copy
+    # and the reloaded prefill program holds the decode program's weights, not a second copy
     code = ("import json, sys, torch, kvtransform as kvt; ids = torch.tensor(json.loads(sys.argv[2])); "
-            "out = kvt.load(sys.argv[1]).generate(ids, max_new_tokens=8, eos_token_id=None, "
+            "sp = kvt.load(sys.argv[1]); out = sp.generate(ids, max_new_tokens=8, eos_token_id=None, "
             "return_dict_in_generate=True); "
-            "print(json.dumps([out.sequences.tolist(), out.stats.fused_weight_bytes]))")
+            "pre, dec = (dict(sp.core[k].named_parameters(remove_duplicate=False)) for k in ('prefill', 'decode')); "
+            "shared = [n for n in pre if n in dec and pre[n] is dec[n]]; "
+            "print(json.dumps([out.sequences.tolist(), out.stats.fused_weight_bytes, len(shared), len(pre)]))")
     res = subprocess.run([sys.executable, "-c", code, str(path), json.dumps(ids.tolist())], capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    seqs, fused_bytes = json.loads(res.stdout.strip().splitlines()[-1])
+    seqs, fused_bytes, shared, n_params = json.loads(res.stdout.strip().splitlines()[-1])
     assert seqs == want.tolist() and fused_bytes == 0
+    assert shared == n_params > 0
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
