@@ -31,8 +31,9 @@ def main():
     ap.add_argument("--methods", default="dense,specontext")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--rows", type=int, default=22, help="kernel rows of each profiler table")
-    ap.add_argument("--no-timing", action="store_true", help="profile only (no CUDA-graph timing first: its graphs' "
-                    "memory pools can leave too little room for the head's prefill at the largest request counts)")
+    ap.add_argument("--no-timing", action="store_true", help="profile only, without the CUDA-graph timing first "
+                    "(note: at the decode suite's largest request counts, e.g. 26 at [2k, 32k] on Llama-8B, the "
+                    "head's prefill temporaries do not fit beside this tool's cache either way: use fewer requests)")
     ap.add_argument("--fuse", default="all", help="fuse_projections values to time, comma-separated (qkv, all, none); "
                     "the profile uses the first")
     a = ap.parse_args()

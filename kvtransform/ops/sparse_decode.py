@@ -43,8 +43,8 @@ from typing import Optional
 
 import torch
 
-from kvtransform.kernels.retrieval import retrieval_topk_reference, retrieval_topk_triton
 from kvtransform.kernels._common import last_dim_contiguous
+from kvtransform.kernels.retrieval import retrieval_topk_reference, retrieval_topk_triton
 from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
 from ._common import as_int, is_tracing, kernel_path, renamed_kwargs
 
