@@ -241,7 +241,8 @@ class SpeContextConfig(TransformConfig):
         if self.fuse_projections not in CHOICES:
             raise ValueError(f"fuse_projections must be one of {list(CHOICES)}; got {self.fuse_projections!r}")
         if self.head not in HEADS and self.head != "auto":
-            raise ValueError(f"unknown retrieval head {self.head!r}; choose one of {sorted(HEADS)}")
+            raise ValueError(f"unknown retrieval head {self.head!r}; choose one of {['auto'] + sorted(HEADS)} "
+                             f"(auto, the default: the packaged distilled head when one fits the model, else self)")
 
 
 CONFIG_TYPES: dict[str, type] = {
