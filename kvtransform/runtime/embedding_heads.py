@@ -132,6 +132,16 @@ def copy_sources(token_ids: torch.Tensor, tok: torch.Tensor, lengths: Optional[t
     return torch.maximum(eq, torch.nn.functional.pad(eq[:, :-1], (1, 0)))
 
 
+def _forced_windows(budget: int, sink: int, recent: int) -> tuple[int, int]:
+    """``(sink, recent)`` clamped so that the always-kept tokens fit the budget: the first ``min(sink, budget)``
+    tokens, then the most recent ones up to what is left. A head's own minimum windows (``SINK``, ``RECENT``, a
+    fraction of the budget) can otherwise outnumber a small budget, and top-k would then choose among forced
+    (``+inf``) positions by its tie order, which depends on the score row's width (an offloaded step and a resident
+    one kept different tokens at budget 4)."""
+    sink = min(int(sink), int(budget))
+    return sink, max(0, min(int(recent), int(budget) - sink))
+
+
 def _model_config(model):
     cfg = getattr(model, "config", None)
     return cfg if cfg is not None and hasattr(cfg, "num_attention_heads") else None
@@ -233,8 +243,9 @@ class SelfHead(RetrievalHead):
             if f"qn{l}" in w:
                 q = rms_norm(q, w[f"qn{l}"], eps)
             q = rope(q, pos, w["inv_freq"], self._mscale)
-            s = _scores(q.to(cache.k.dtype), cache.k[l], cache.cache_seqlens, scale, max(self.num_sink, self.SINK),
-                        max(self.num_recent, int(self.RECENT_FRACTION * self.budget)))
+            s = _scores(q.to(cache.k.dtype), cache.k[l], cache.cache_seqlens, scale,
+                        *_forced_windows(self.budget, max(self.num_sink, self.SINK),
+                                        max(self.num_recent, int(self.RECENT_FRACTION * self.budget))))
             best = s if best is None else torch.maximum(best, s)
         return select_topk(best, self.budget, ordered=False)  # decode sorts by position
 
@@ -306,8 +317,8 @@ class EmbeddingKeyHead(RetrievalHead):
         rows = torch.arange(cache.batch, device=pos.device)
         self.keys[rows, :, pos] = k[:, 0].to(self.keys.dtype)
         scale = self.scale_override() or q.shape[-1] ** -0.5
-        s = _scores(q[:, 0], self.keys, cache.cache_seqlens, scale, max(self.num_sink, self.SINK),
-                    max(self.num_recent, self.RECENT))
+        s = _scores(q[:, 0], self.keys, cache.cache_seqlens, scale,
+                    *_forced_windows(self.budget, max(self.num_sink, self.SINK), max(self.num_recent, self.RECENT)))
         if self.COPY_BONUS:  # a class constant: no data-dependent branch
             src = copy_sources(cache.token_ids, tok, cache.cache_seqlens, self.COPY_MAX_OCCURRENCES)
             s = s + self.COPY_BONUS * src[:, None, :].to(s.dtype)
