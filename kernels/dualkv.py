@@ -988,12 +988,13 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale, cfg):
+    """The dQ kernel over query blocks in heaviest-first order; returns the launched (compiled) kernel."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     group = h // h_kv
     pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
     wseg, wblk, w = _plan_work(cu_seqlens, kctx_lo, kctx_hi, bm, t, +1)
     kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
-    _bwd_dq_kernel[(w * (h_kv if pack > 1 else h),)](
+    return _bwd_dq_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dq.stride(0), dq.stride(1), t, h, group, scale * LOG2E, scale,
@@ -1004,7 +1005,8 @@ def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, 
 def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale,
                  cfg, fused: Optional[dict] = None):
     """The dK/dV kernel over key blocks in heaviest-first order; ``fused`` (:func:`_launch_fused`'s kernel
-    arguments): the fused backward instead, its blocks in layout order (the order of the dQ additions)."""
+    arguments): the fused backward instead, its blocks in layout order (the order of the dQ additions). Returns the
+    launched (compiled) kernel (its ``n_regs``/``n_spills`` on CUDA)."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     if bn % bm:
         raise ValueError(f"dkdv launch config: BLOCK_N ({bn} keys per program) must be a multiple of BLOCK_M ({bm} "
@@ -1014,7 +1016,7 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
     else:
         wseg, wblk, w = _work_table(cu_seqlens, bn, t, qctx_lo, 0)
     qd, dod = _tma_descriptors(q, do, bm) if cfg.get("TMA") else (None, None)
-    _bwd_dkdv_kernel[(w * h_kv,)](
+    return _bwd_dkdv_kernel[(w * h_kv,)](
         q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,

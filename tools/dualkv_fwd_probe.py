@@ -34,8 +34,10 @@ DQ_VARIANTS = [(128, 64, 8, 3, 0), (128, 64, 8, 3, 0, 1), (32, 64, 8, 3, 1), (32
 # warps, stages, 0[, TMA])
 FUSED_VARIANTS = [(64, 128, 8, 2, 0), (64, 128, 8, 3, 0), (32, 128, 8, 2, 0), (64, 64, 4, 2, 0), (32, 64, 4, 2, 0),
                   (64, 128, 8, 2, 0, 1), (32, 128, 8, 2, 0, 1)]
+# 5-9: 64-key programs (dK/dV accumulators half the size: spill-free in local sm_90a builds, where 64/128/8/2 spills)
 DKDV_VARIANTS = [(64, 128, 8, 3, 0), (64, 128, 8, 3, 0, 1), (64, 128, 8, 2, 0, 1), (32, 128, 8, 3, 0, 1),
-                 (64, 128, 8, 4, 0, 1)]
+                 (64, 128, 8, 4, 0, 1), (64, 64, 8, 2, 0, 1), (64, 64, 8, 3, 0, 1), (32, 64, 8, 2, 0, 1),
+                 (32, 64, 8, 3, 0, 1), (32, 64, 8, 4, 0, 1)]
 
 
 def cfg_of(c):
@@ -101,13 +103,14 @@ def bwd_rows(q, k, v, do, cu, sp, p, mb, tf, dq_variants, dkdv_variants, check):
                     run = lambda mark=None, cfg=cfg, o=outs: K._launch_dkdv(  # noqa: E731
                         q, k, v, do, o[0], o[1], lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d, "tf32", scale,
                         cfg)
-                run()
+                kc = run()
                 torch.cuda.synchronize()
                 ms = med(run, iters=20)[0]
                 got = torch.cat([x.float().flatten() for x in outs])
                 ref = got if ref is None else ref
                 row = dict(what=f"{kind}_kernel_only", P=p, mb=mb, cfg=str(c), ms=ms,
-                           matmul_tflops=tf(ms * 2 / n_mm), maxdiff_vs_first=(got - ref).abs().max().item())
+                           matmul_tflops=tf(ms * 2 / n_mm), maxdiff_vs_first=(got - ref).abs().max().item(),
+                           regs=getattr(kc, "n_regs", -1), spills=getattr(kc, "n_spills", -1))
                 if check:
                     from kvtransform.bench.checks import check_dualkv_kernels
                     row["check_ok"], row["check_worst"] = check_dualkv_kernels(q.device, {kind: cfg}, cases=[0, 1, 2])
