@@ -209,6 +209,16 @@ def test_bad_generate_arguments(sp_llama, kwargs, match):
         sp_llama.generate(ids, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(topk=5), r"'topk' \(did you mean top_k\?\)"),
+    (dict(max_length=30), r"'max_length' \(did you mean max_new_tokens"),
+    (dict(num_beams=4, streamer=None), r"'num_beams', 'streamer'.*It takes attention_mask, max_new_tokens"),
+])
+def test_unsupported_generate_keywords_name_the_fix(sp_llama, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        sp_llama.generate(torch.randint(3, 128, (1, 6)), **kwargs)
+
+
 def test_empty_prompt_row(sp_llama):
     ids = torch.randint(3, 128, (2, 6))
     am = torch.ones_like(ids)

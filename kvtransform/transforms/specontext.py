@@ -154,7 +154,7 @@ class SpeContextModule(OptimizedModule):
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id: Union[int, Sequence[int], None, str] = "default", pad_token_id: Optional[int] = None,
                  seed: Optional[int] = None, return_dict_in_generate: bool = False,
-                 progress: Optional[bool] = None) -> Union[torch.Tensor, GenerateOutput]:
+                 progress: Optional[bool] = None, **unsupported) -> Union[torch.Tensor, GenerateOutput]:
         """Generate with sparse retrieval decode (HF ``generate`` semantics).
 
         Args:
@@ -175,7 +175,11 @@ class SpeContextModule(OptimizedModule):
             ValueError: a parameter of the model replaced since the transform (:meth:`check_source_parameters`), an
                 empty prompt row, ids or ``eos_token_id`` outside the vocabulary, ``max_new_tokens < 1``,
                 prompt + ``max_new_tokens`` beyond the model's positions, a bad sampling parameter.
+            TypeError: a keyword this generate does not take (HF options such as ``num_beams``, ``max_length``,
+                ``streamer``): the message lists the ones it takes and the closest name.
         """
+        if unsupported:
+            raise TypeError(_unsupported_generate_kwargs(unsupported))
         self.check_source_parameters()
         out = self.runtime.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                     temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
@@ -229,6 +233,27 @@ class SpeContextModule(OptimizedModule):
         head = torch.load(path / "head.pt", weights_only=True)
         return cls(prefill, decode, config, report, ModelInfo(**meta["model_info"]), meta.get("softmax_scale"),
                    head_name=head.get("name"), head_state=head.get("state", {}))
+
+
+_GENERATE_KWARGS = ("attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+                    "pad_token_id", "seed", "return_dict_in_generate", "progress")
+_GENERATE_HINTS = {"max_length": "max_new_tokens (tokens generated per row, not counting the prompt)",
+                   "generator": "seed (an int)", "topk": "top_k", "topp": "top_p"}
+
+
+def _unsupported_generate_kwargs(given: dict) -> str:
+    """The message for keywords :meth:`SpeContextModule.generate` does not take: each with the closest name it
+    takes (or what it does instead), then the full list."""
+    import difflib
+
+    parts = []
+    for key in sorted(given):
+        hint = _GENERATE_HINTS.get(key) or next(iter(difflib.get_close_matches(key, _GENERATE_KWARGS, n=1,
+                                                                               cutoff=0.6)), None)
+        parts.append(f"{key!r}" + (f" (did you mean {hint}?)" if hint else ""))
+    return (f"SpeContext generate() got keyword(s) it does not take: {', '.join(parts)}. It takes "
+            f"{', '.join(_GENERATE_KWARGS)}; beam search, streamers and logits processors are not supported "
+            f"(greedy or sampled decode only)")
 
 
 def _share_weights(src: torch.nn.Module, dst: torch.nn.Module) -> int:
