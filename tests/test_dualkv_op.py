@@ -463,3 +463,23 @@ def test_fused_backward_masks_padding_keys_and_refuses_bad_input():
         K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": {}, "dkvd": {}})
     off = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": False})  # False: the two kernels
     assert all(torch.equal(a, b) for a, b in zip(off, default))
+
+
+def test_kernel_resources_tool_compiles_for_hopper_without_a_gpu():
+    """tools/kernel_resources.py: the forward kernel compiled for sm_90a on this CPU machine gives a ptxas resource
+    row; a config past sm_90's shared memory says it fails at launch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "kernel_resources.py"
+    r = subprocess.run([sys.executable, str(tool), "fwd", "64,32,4,2", "32,128,8,4,1,4"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln.split("|")[1:-1] for ln in r.stdout.splitlines() if ln.startswith("| fwd |")]
+    assert len(rows) == 2, r.stdout
+    regs = int(rows[0][2])
+    assert 16 <= regs <= 255
+    stores, loads = (int(x) for x in rows[0][3].split("/"))
+    assert stores >= 0 and loads >= 0 and int(rows[0][4]) > 0
+    assert "over sm_90's 227 KB" in rows[1][4], rows[1]  # the packed TMA forward at 4 stages (3 take 225 KB)

@@ -1,0 +1,122 @@
+"""Registers, spills and shared memory of the DualKV Triton kernels for Hopper (sm_90a), compiled on this machine:
+no GPU needed (``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``, then the wheel's ``ptxas -v``).
+
+    python tools/kernel_resources.py dkdv 64,128,8,2,1 64,64,8,2,1
+    python tools/kernel_resources.py fwd 32,128,8,3,1,4 --dtype fp16 --head-dim 80
+
+Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]]`` (TMA 0/1; PACK: the forward's and dQ's packed
+GQA rows, 1 = unpacked). The numbers are this machine's Triton (and its ptxas) for sm_90a; the H200 device runs
+triton 3.6, whose register allocation can differ: a config is decided by timing it there (tools/dualkv_fwd_probe.py),
+not by this table. BENCHMARKS.md (issue 14, round 5) has a first table.
+"""
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+os.environ["TRITON_INTERPRET"] = "0"  # the kernels must be compiled, not interpreted
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvtransform.kernels import dualkv as K  # noqa: E402
+
+KERNELS = {"fwd": K._fwd_kernel, "dq": K._bwd_dq_kernel, "dkdv": K._bwd_dkdv_kernel}
+DTYPES = {"bf16": "bf16", "fp16": "fp16"}
+_F32_PTRS = {"LSE", "DELTA"}
+_I32_PTRS = {"CU", "KCTX_LO", "KCTX_HI", "QCTX_LO", "QCTX_HI", "WSEG", "WBLK"}
+_DATA_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+SM90_SHARED_BYTES = 227 * 1024  # shared memory one block may take on sm_90 (H100/H200)
+_DESCRIPTORS = {"fwd": ("KD", "VD"), "dq": ("KD", "VD"), "dkdv": ("QD", "DOD")}
+
+
+def _ptxas() -> str:
+    d = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):  # the newer one reads the PTX versions this Triton emits
+        if os.path.exists(os.path.join(d, name)):
+            return os.path.join(d, name)
+    raise FileNotFoundError(f"no ptxas in {d}: this Triton wheel does not ship one")
+
+
+def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bool = False, pack: int = 1,
+                   dtype: str = "bf16", head_dim: int = 128):
+    """The compiled kernel ``kind`` (:data:`KERNELS`) for sm_90a with the given launch config."""
+    fn = KERNELS[kind]
+    d_pad = max(16, 1 << (head_dim - 1).bit_length())
+    block_rows = bn if kind != "dkdv" else bm  # the descriptor's block: K/V blocks (fwd, dQ) or Q/dO blocks (dK/dV)
+    const = dict(D=head_dim, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=head_dim == d_pad, PREC="tf32", TMA=tma)
+    if kind in ("fwd", "dq"):
+        const["PACK"] = pack
+    if kind == "fwd":
+        const["SCALE_POS"] = True
+    if kind == "dkdv":  # the fused backward's extras: off
+        const.update(FUSED=False, DQ=None, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None, stride_dqt=0,
+                     stride_dqh=0, NT=0)
+    for name in _DESCRIPTORS[kind]:
+        if not tma:
+            const[name] = None
+    sig = {}
+    for p in fn.params:
+        name = p.name
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in _DESCRIPTORS[kind]:
+            sig[name] = f"tensordesc<{DTYPES[dtype]}[{block_rows}, {d_pad}]>"
+        elif name in _DATA_PTRS:
+            sig[name] = "*" + DTYPES[dtype]
+        elif name in _F32_PTRS:
+            sig[name] = "*fp32"
+        elif name in _I32_PTRS:
+            sig[name] = "*i32"
+        elif name in ("qk_scale", "sm_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn, sig, const)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def resources(kernel) -> dict:
+    """``ptxas -v`` of a compiled kernel: registers, spill stores / loads (bytes), stack; shared memory (bytes)."""
+    with tempfile.TemporaryDirectory() as td:
+        ptx = os.path.join(td, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        err = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", ptx, "-o", os.path.join(td, "k.o")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", err)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err)
+    if regs is None:
+        raise RuntimeError(f"ptxas gave no resource report:\n{err[-800:]}")
+    return dict(registers=int(regs.group(1)), spill_stores=int(spill.group(1)) if spill else 0,
+                spill_loads=int(spill.group(2)) if spill else 0, shared=kernel.metadata.shared)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", choices=sorted(KERNELS))
+    ap.add_argument("configs", nargs="+", help="BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]]")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--head-dim", type=int, default=128)
+    a = ap.parse_args()
+    print("| kernel | config | registers | spill stores / loads (bytes) | shared (bytes) |\n|---|---|---|---|---|")
+    limit = SM90_SHARED_BYTES
+    for c in a.configs:
+        v = [int(x) for x in c.split(",")]
+        if len(v) < 4:
+            ap.error(f"config {c!r}: give BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]]")
+        try:
+            r = resources(compile_kernel(a.kernel, *v[:4], tma=bool(v[4]) if len(v) > 4 else False,
+                                         pack=v[5] if len(v) > 5 else 1, dtype=a.dtype, head_dim=a.head_dim))
+            over = f" (over sm_90's {limit // 1024} KB: fails at launch)" if r["shared"] > limit else ""
+            print(f"| {a.kernel} | {c} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
+                  f"{r['shared']}{over} |", flush=True)
+        except Exception as e:  # noqa: BLE001 - one failing config (e.g. out of shared memory) is a row
+            print(f"| {a.kernel} | {c} | error: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
