@@ -159,8 +159,16 @@ def test_save_load_in_fresh_process(sp_llama, tmp_path):
         warnings.simplefilter("always")
         path = sp_llama.save(tmp_path / "sp")
     assert not [w for w in caught if "No complete tensor" in str(w.message)]
-    assert {"prefill.pt2", "decode.pt2", "head.pt", "config.yaml", "report.json", "meta.json"} <= \
+    assert {"prefill_shared.pt2", "decode.pt2", "head.pt", "config.yaml", "report.json", "meta.json"} <= \
         {p.name for p in path.iterdir()}
+    # the weights are on disk once: the prefill program's are placeholders bound to decode.pt2's on load
+    import zipfile
+
+    def weight_bytes(f):  # the weight payloads of a .pt2 archive (a zip), not their json index
+        return sum(i.file_size for i in zipfile.ZipFile(path / f).infolist()
+                   if "/data/weights/" in i.filename and not i.filename.endswith(".json"))
+    assert weight_bytes("prefill_shared.pt2") < 0.01 * weight_bytes("decode.pt2")
+    assert not (path / "prefill.pt2").exists()
     # the reloaded decode program's q/k/v and gate/up rows are still one storage per group: fused without a copy
     # and the reloaded prefill program holds the decode program's weights, not a second copy
     code = ("import json, sys, torch, kvtransform as kvt; ids = torch.tensor(json.loads(sys.argv[2])); "
@@ -175,6 +183,39 @@ def test_save_load_in_fresh_process(sp_llama, tmp_path):
     seqs, fused_bytes, shared, n_params = json.loads(res.stdout.strip().splitlines()[-1])
     assert seqs == want.tolist() and fused_bytes == 0
     assert shared == n_params > 0
+
+
+def test_artifact_with_damaged_weight_list_is_refused(sp_llama, tmp_path):
+    path = sp_llama.save(tmp_path / "sp")
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["prefill_weights_from_decode"]
+    for names, match in ((None, "needs meta.json's 'prefill_weights_from_decode' list"),
+                         (meta["prefill_weights_from_decode"] + ["core.not_a_weight"], "'core.not_a_weight' should "
+                                                                                       "come from decode.pt2")):
+        bad = dict(meta)
+        if names is None:
+            bad.pop("prefill_weights_from_decode")
+        else:
+            bad["prefill_weights_from_decode"] = names
+        (path / "meta.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            kvt.load(path)
+
+
+def test_artifact_with_a_full_prefill_program_still_loads(sp_llama, tmp_path, monkeypatch):
+    """Artifacts written before prefill_shared.pt2 hold prefill.pt2 with its own weights: they load, sharing the
+    weights that are equal."""
+    from kvtransform.transforms import specontext as sp_mod
+
+    monkeypatch.setattr(sp_mod, "_strip_shared_weights", lambda pre, dec: [])
+    path = sp_llama.save(tmp_path / "old")
+    assert (path / "prefill.pt2").is_file() and not (path / "prefill_shared.pt2").exists()
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    again = kvt.load(path)
+    pre, dec = (dict(again.core[k].named_parameters(remove_duplicate=False)) for k in ("prefill", "decode"))
+    assert all(pre[n] is dec[n] for n in pre if n in dec) and pre
+    assert torch.equal(again.generate(ids, max_new_tokens=5, eos_token_id=None),
+                       sp_llama.generate(ids, max_new_tokens=5, eos_token_id=None))
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------

@@ -206,30 +206,47 @@ class SpeContextModule(OptimizedModule):
                 ("decode.pt2", self.core["decode"], (ids, lens, idx, kc, vc), dec_dyn)]
 
     def write_artifact(self, directory: Path) -> dict:
-        """Write ``prefill.pt2``, ``decode.pt2`` (the rewritten programs), ``decode_graph.py`` and ``head.pt`` (the
-        head's state); returns ``meta.json`` entries (the model facts the runtime needs)."""
+        """Write ``decode.pt2`` and the prefill program (the rewritten programs), ``decode_graph.py`` and ``head.pt``
+        (the head's state); returns ``meta.json`` entries (the model facts the runtime needs).
+
+        The two programs share the model's weights, but ``torch.export`` saves each program's weights on its own: the
+        prefill program is written as ``prefill_shared.pt2``, its weights that equal the decode program's (all of
+        them, for a model transformed here) stored as one-element placeholders and listed in
+        ``meta["prefill_weights_from_decode"]``; :meth:`from_artifact` binds them to the decode program's tensors. So
+        an artifact holds the weights once (an 8B model: ~16 GB instead of ~32). The file name differs from the
+        full ``prefill.pt2`` so that a kvtransform without this rule refuses the artifact instead of running with
+        the placeholders."""
+        eps = {}
         for fname, module, args, dyn in self._programs():
-            ep = export_dynamic(_ExportWrapper(module), tuple(args), None, {"args": tuple(dyn)},
-                                f"the SpeContext {fname[:-4]} program")
-            with warnings.catch_warnings():
-                # fused projections (passes/fuse_projections.py) leave a group's parameters as row views of one
-                # storage; torch saves that storage once, rebuilt from the views' ranges, and says so. The reload
-                # gives the same views back (FusedProjections then uses them without a copy).
-                warnings.filterwarnings("ignore", message="No complete tensor found in the group")
-                torch.export.save(ep, directory / fname)
+            eps[fname] = export_dynamic(_ExportWrapper(module), tuple(args), None, {"args": tuple(dyn)},
+                                        f"the SpeContext {fname[:-4]} program")
+        shared = _strip_shared_weights(eps["prefill.pt2"], eps["decode.pt2"])
+        with warnings.catch_warnings():
+            # fused projections (passes/fuse_projections.py) leave a group's parameters as row views of one
+            # storage; torch saves that storage once, rebuilt from the views' ranges, and says so. The reload
+            # gives the same views back (FusedProjections then uses them without a copy). The placeholders of the
+            # shared weights are stride-0 views of one element: torch says the same of them.
+            warnings.filterwarnings("ignore", message="No complete tensor found in the group")
+            torch.export.save(eps["decode.pt2"], directory / "decode.pt2")
+            torch.export.save(eps["prefill.pt2"], directory / ("prefill_shared.pt2" if shared else "prefill.pt2"))
         (directory / "decode_graph.py").write_text(self.code)
         torch.save({"name": self.head.name, "state": self.head.state_dict()}, directory / "head.pt")
-        return {"model_info": dataclasses.asdict(self.info), "softmax_scale": self.head.scale}
+        return {"model_info": dataclasses.asdict(self.info), "softmax_scale": self.head.scale,
+                "prefill_weights_from_decode": shared}
 
     @classmethod
     def from_artifact(cls, path: Path, config: SpeContextConfig, report: Report, meta: dict) -> "SpeContextModule":
-        missing = [f for f in ("prefill.pt2", "decode.pt2", "head.pt") if not (path / f).is_file()]
+        prefill_file = "prefill_shared.pt2" if (path / "prefill_shared.pt2").is_file() else "prefill.pt2"
+        missing = [f for f in (prefill_file, "decode.pt2", "head.pt") if not (path / f).is_file()]
         if missing or "model_info" not in meta:
             raise FileNotFoundError(f"{str(path)!r} is not a complete specontext artifact (missing "
                                     f"{missing or ['meta.json model_info']})")
-        prefill = torch.export.load(path / "prefill.pt2").module()
+        prefill = torch.export.load(path / prefill_file).module()
         decode = torch.export.load(path / "decode.pt2").module()
-        _share_weights(decode, prefill)
+        if prefill_file == "prefill_shared.pt2":
+            _bind_shared_weights(decode, prefill, meta.get("prefill_weights_from_decode"), path)
+        else:  # an artifact written before prefill_shared.pt2: share what is equal
+            _share_weights(decode, prefill)
         head = torch.load(path / "head.pt", weights_only=True)
         return cls(prefill, decode, config, report, ModelInfo(**meta["model_info"]), meta.get("softmax_scale"),
                    head_name=head.get("name"), head_state=head.get("state", {}))
@@ -254,6 +271,50 @@ def _unsupported_generate_kwargs(given: dict) -> str:
     return (f"SpeContext generate() got keyword(s) it does not take: {', '.join(parts)}. It takes "
             f"{', '.join(_GENERATE_KWARGS)}; beam search, streamers and logits processors are not supported "
             f"(greedy or sampled decode only)")
+
+
+def _same_weight(a: torch.Tensor, b: Optional[torch.Tensor]) -> bool:
+    """``b`` is ``a`` as far as a saved program can tell: shape, stride, dtype, device and values."""
+    if b is None or a.shape != b.shape or a.dtype != b.dtype or a.stride() != b.stride() or a.device != b.device:
+        return False
+    return (a.data_ptr() == b.data_ptr() and a.storage_offset() == b.storage_offset()) or torch.equal(a, b)
+
+
+def _strip_shared_weights(prefill_ep, decode_ep) -> list:
+    """Replace, in ``prefill_ep.state_dict`` (an export made for saving only), every weight equal to the decode
+    program's of the same name by a one-element stride-0 placeholder of its shape; return those names (sorted)."""
+    theirs = decode_ep.state_dict
+    names = sorted(n for n, w in prefill_ep.state_dict.items() if _same_weight(w, theirs.get(n)))
+    for n in names:
+        w = prefill_ep.state_dict[n]
+        stub = torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
+        prefill_ep.state_dict[n] = torch.nn.Parameter(stub, requires_grad=False) \
+            if isinstance(w, torch.nn.Parameter) else stub
+    return names
+
+
+def _bind_shared_weights(src: torch.nn.Module, dst: torch.nn.Module, names, path) -> None:
+    """Make ``dst``'s parameters/buffers ``names`` (an artifact's ``prefill_weights_from_decode``) the tensors of
+    ``src`` of the same names.
+
+    Raises:
+        ValueError: the list is missing, a name is absent from either program, or shapes/dtypes differ (a damaged
+            or mixed artifact: running on the placeholders would be silently wrong).
+    """
+    if not isinstance(names, list) or not names:
+        raise ValueError(f"{str(path)!r}: prefill_shared.pt2 needs meta.json's 'prefill_weights_from_decode' list; "
+                         f"the artifact is damaged: write it again with save()")
+    theirs = {**dict(src.named_parameters(remove_duplicate=False)), **dict(src.named_buffers(remove_duplicate=False))}
+    mine = {**dict(dst.named_parameters(remove_duplicate=False)), **dict(dst.named_buffers(remove_duplicate=False))}
+    for name in names:
+        a, b = mine.get(name), theirs.get(name)
+        why = ("is not in decode.pt2" if b is None else "is not in the prefill program" if a is None else
+               "differs in shape or dtype" if a.shape != b.shape or a.dtype != b.dtype else None)
+        if why:
+            raise ValueError(f"{str(path)!r}: the prefill program's weight {name!r} should come from decode.pt2 but "
+                             f"{why}; the artifact is damaged or mixed: write it again with save()")
+        owner, _, leaf = name.rpartition(".")
+        setattr(dst.get_submodule(owner) if owner else dst, leaf, b)
 
 
 def _share_weights(src: torch.nn.Module, dst: torch.nn.Module) -> int:
