@@ -501,7 +501,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
 # ====================================================================================================== backward
 @triton.jit
 def _bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dt, stride_dh, T,
-                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+                      DON=None, HAS_DON: tl.constexpr = False):
+    """``Delta = rowsum(dO * O) - dLSE`` per (head, token), fp32 ``(H, T)``; ``HAS_DON``: also the rows' L2 norms
+    ``||dO||`` into ``DON`` (the fixed-point fused backward's bounds)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -514,6 +517,9 @@ def _bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dt, strid
     if HAS_DLSE:
         delta -= tl.load(DLSE + h.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
     tl.store(DELTA + h.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+    if HAS_DON:
+        dof = do.to(tl.float32)
+        tl.store(DON + h.to(tl.int64) * T + offs_m, tl.sqrt(tl.sum(dof * dof, 1)), mask=offs_m < T)
 
 
 @triton.jit
@@ -602,12 +608,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, 
                     offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                     QD, DOD, qcol, TMA: tl.constexpr, FUSED: tl.constexpr = False, dq_base=None, lock_base=None,
-                    rank=0, stride_dqt=0, kend=0):
+                    rank=0, stride_dqt=0, kend=0, FIXED: tl.constexpr = False, rs_base=None):
     """dK/dV steps over query blocks ``[lo, hi)`` of one query head. ``TMA``: the Q/dO blocks through the tensor
     descriptors ``QD``/``DOD`` at column ``qcol`` (rows past ``qbound`` are then real rows of other segments, or
     zeros past T: their probabilities are masked to 0). ``FUSED`` (``lo`` on the segment's tile grid, ``lock_base``
     the counter of the tile at ``lo``): also each tile's dQ share ``dS @ K``, added into the fp32 ``dq_base`` when
-    the tile's counter reaches ``rank`` (then set to ``rank + 1``; see the fused-backward section)."""
+    the tile's counter reaches ``rank`` (then set to ``rank + 1``; see the fused-backward section). ``FIXED`` (with
+    ``FUSED``): the share, times its row's power-of-two scale ``rs_base[q]``, added as an ``int64`` into
+    ``dq_base`` by an integer atomic add: exact, so the sum is the same in any order (no counters)."""
     it = 0
     for start in range(lo, hi, BLOCK_M):
         q_idx = start + offs_m
@@ -660,15 +668,19 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, 
             dm = q_idx[:, None] < qbound
             if not EVEN_D:
                 dm = dm & (offs_d[None, :] < D)
-            lock = lock_base + it
-            while tl.atomic_cas(lock, rank, rank, sem="acquire") != rank:
-                pass
             ptr = dq_base + q_off[:, None] * stride_dqt + offs_d[None, :]
-            old = tl.load(ptr, mask=dm, other=0.0, cache_modifier=".cg")
-            tl.store(ptr, old + dq, mask=dm)
-            tl.debug_barrier()
-            tl.atomic_xchg(lock, rank + 1, sem="release")
-            it += 1
+            if FIXED:
+                rs = tl.load(rs_base + q_idx, mask=q_idx < qbound, other=0.0)
+                tl.atomic_add(ptr, (dq * rs[:, None]).to(tl.int64), mask=dm, sem="relaxed")
+            else:
+                lock = lock_base + it
+                while tl.atomic_cas(lock, rank, rank, sem="acquire") != rank:
+                    pass
+                old = tl.load(ptr, mask=dm, other=0.0, cache_modifier=".cg")
+                tl.store(ptr, old + dq, mask=dm)
+                tl.debug_barrier()
+                tl.atomic_xchg(lock, rank + 1, sem="release")
+                it += 1
     return dk, dv
 
 
@@ -679,12 +691,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      EVEN_D: tl.constexpr, PREC: tl.constexpr, QD=None, DOD=None, TMA: tl.constexpr = False,
                      FUSED: tl.constexpr = False, DQ=None, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None,
-                     stride_dqt=0, stride_dqh=0, NT=0):
+                     stride_dqt=0, stride_dqh=0, NT=0, FIXED: tl.constexpr = False, RS=None):
     """One program per (work entry = BLOCK_N keys of one segment, KV head): dK/dV over every query head of the GQA
     group and every query that sees these keys; each dK/dV row has one owner program (no atomics). ``TMA``: the
     Q/dO blocks through host tensor descriptors (2-D ``(T, H*D)`` views, blocks ``(BLOCK_M, D)``). ``FUSED``: also
     the dQ shares, in rank order (the fused-backward section; the work table in layout order, the response queries
-    of a prefix block visited segment by segment on their own tile grids)."""
+    of a prefix block visited segment by segment on their own tile grids); with ``FIXED`` as fixed-point integers
+    added in any order (``RS``: fp32 ``(H, T)`` row scales; the work table heaviest-first, as without ``FUSED``)."""
     pid = tl.program_id(0)
     w = pid // H_KV
     g = pid % H_KV
@@ -713,7 +726,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
     c_full = cs + ((ce - cs) // BLOCK_M) * BLOCK_M
     own_rank = 0
     tile_own = 0
-    if FUSED:  # a response block comes after every block of its group's prefix
+    if FUSED and not FIXED:  # a response block comes after every block of its group's prefix
         own_rank = (tl.load(KCTX_HI + seg) - tl.load(KCTX_LO + seg) + BLOCK_N - 1) // BLOCK_N + blk
         tile_own = tl.load(TILE0 + seg)
     for hh in range(0, GROUP):
@@ -723,7 +736,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
         lse_base = LSE + h.to(tl.int64) * T
         delta_base = DELTA + h.to(tl.int64) * T
         dq_base = DQ + h.to(tl.int64) * stride_dqh if FUSED else DQ
-        if FUSED:  # the counters of the own segment's tiles at the diagonal, after it, at the tail
+        rs_base = RS + h.to(tl.int64) * T if FIXED else RS
+        if FUSED and not FIXED:  # the counters of the own segment's tiles at the diagonal, after it, at the tail
             locks = LOCK + h.to(tl.int64) * NT + tile_own
             lk_diag = locks + (k_start - ss) // BLOCK_M
             lk_after = locks + (diag_hi - ss) // BLOCK_M
@@ -736,17 +750,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC,
                                  QD, DOD, h * D, TMA, FUSED, dq_base, lk_diag, own_rank,
-                                 stride_dqt, se)
+                                 stride_dqt, se, FIXED, rs_base)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D, False, False,
                                  PREC, QD, DOD, h * D, TMA, FUSED, dq_base, lk_after, own_rank,
-                                 stride_dqt, se)
+                                 stride_dqt, se, FIXED, rs_base)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC,
                                  QD, DOD, h * D, TMA, FUSED, dq_base, lk_tail, own_rank,
-                                 stride_dqt, se)
+                                 stride_dqt, se, FIXED, rs_base)
         # a prefix key block: every response query of its group (contiguous after the prefix), unmasked
-        if FUSED:  # segment by segment, each on its own tile grid; rank = the block's index in the prefix
+        if FUSED and not FIXED:  # segment by segment, each on its own tile grid; rank = the block's index in the prefix
             s = seg + 1
             rs = cs
             while rs < ce:
@@ -766,10 +780,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
         else:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
                                      stride_dot, offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False,
-                                     False, PREC, QD, DOD, h * D, TMA)
+                                     False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base, LOCK, 0, stride_dqt, se,
+                                     FIXED, rs_base)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
                                      stride_dot, offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True,
-                                     False, PREC, QD, DOD, h * D, TMA)
+                                     False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base, LOCK, 0, stride_dqt, se,
+                                     FIXED, rs_base)
     dk = dk * sm_scale
     tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
     tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
@@ -949,7 +965,10 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             instead: one pass per key block, 5 matmuls instead of 7, dQ added into an fp32 buffer (``T·H·D·4``
             bytes more) in a fixed order per query tile (counters, no float atomics: still bitwise
             deterministic). Correct on the H200 too, but 2.0-2.4x slower there than the default two kernels (the
-            ordered hand-offs set the pace: BENCHMARKS.md, issue 14); kept for experiments.
+            ordered hand-offs set the pace: BENCHMARKS.md, issue 14); kept for experiments. With
+            ``"DQ_SUM": "fixed_point"`` the dQ shares are instead added as ``int64`` fixed-point values (each row
+            scaled by a power of two from a bound on its dQ) with integer atomic adds: exact, so bitwise
+            deterministic in any order, no waits (``T·H·D·8`` bytes more); not yet timed on a GPU.
         assert_layout: as :func:`dualkv_fwd`'s.
 
     Returns:
@@ -962,6 +981,11 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                          "both")
     q, k, v, out, do = (_lastdim_contig(x) for x in (q, k, v, out, do))
     t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
+    fcfg = _cfg("fused", d_pad, q.dtype, config) if fused else None
+    dq_sum = fcfg.get("DQ_SUM", "ordered") if fused else None
+    if fused and dq_sum not in DQ_SUMS:
+        raise ValueError(f"fused launch config: DQ_SUM={dq_sum!r}; expected one of {DQ_SUMS}")
+    fixed = dq_sum == "fixed_point"
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -971,14 +995,18 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     delta = torch.empty((h, t), dtype=torch.float32, device=q.device)
     bmd = 32 if _interpreting() else 64
     has_dlse = dlse is not None
+    don = torch.empty((h, t), dtype=torch.float32, device=q.device) if fixed else None
     _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
-        do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
+        do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse, DON=don, HAS_DON=fixed)
     # the fused kernel's ordered dQ adds would wait forever on an inconsistent layout: always asserted there
-    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout or fused)
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout or (fused and not fixed))
+    if fixed:
+        _launch_fused_fixed(q, k, v, do, dq, dk, dv, lse, delta, don, cub, ctx, t, h, h_kv, d, d_pad, prec, scale,
+                            fcfg)
+        return dq, dk, dv
     if fused:
-        _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale,
-                      _cfg("fused", d_pad, q.dtype, config))
+        _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale, fcfg)
         return dq, dk, dv
     _launch_dq(q, k, v, do, dq, lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d_pad, prec, scale,
                _cfg("dq", d_pad, q.dtype, config, h // h_kv))
@@ -1011,7 +1039,7 @@ def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, 
     if bn % bm:
         raise ValueError(f"dkdv launch config: BLOCK_N ({bn} keys per program) must be a multiple of BLOCK_M ({bm} "
                          f"queries per step); e.g. BLOCK_M={bm} BLOCK_N={bm * max(1, bn // bm)}")
-    if fused is None:
+    if fused is None or fused.get("FIXED"):  # the fixed-point dQ sums take any order: heaviest first
         wseg, wblk, w = _plan_work(cu_seqlens, qctx_lo, qctx_hi, bn, t, -1)
     else:
         wseg, wblk, w = _work_table(cu_seqlens, bn, t, qctx_lo, 0)
@@ -1046,6 +1074,58 @@ def _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, 
                  fused=dict(FUSED=True, DQ=dq_acc, LOCK=locks, KCTX_LO=ctx[0], KCTX_HI=ctx[1], TILE0=tile0,
                             stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1), NT=nt))
     dq.copy_(dq_acc.mul_(scale))  # in place: no second fp32 buffer
+
+
+DQ_SUMS = ("ordered", "fixed_point")
+# fixed-point dQ: every share of row i is at most B_i = max|K| * (||dO_i|| * max||V_j|| + |Delta_i|) in magnitude
+# (|dS_ij| <= P_ij * (|dP_ij| + |Delta_i|), sum_j P_ij = 1, |dP_ij| <= ||dO_i|| ||V_j||), and so is every partial
+# sum; the row's scale 2^e puts 2 * B_i below 2^62, so no int64 sum overflows, and each fp32 share keeps its 24
+# bits (the scaled share is an integer-valued float above 2^24; below, it is truncated at 2^-e, far under bf16's
+# resolution of the row's dQ). Rows with a non-finite bound (inf/NaN inputs) get NaN.
+_FIXED_POINT_BITS = 62
+_FIXED_MAX_EXP = 126  # the largest power of two whose inverse is a normal fp32 (bounds below ~2^-65 lose bits)
+
+
+def _dq_row_scales(k: torch.Tensor, v: torch.Tensor, don: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """fp32 ``(H, T)`` power-of-two scales of the fixed-point dQ sums (0 where the bound is not finite)."""
+    h, t = don.shape
+    h_kv = k.shape[1]
+    kmax = torch.maximum(torch.amax(k, dim=(0, 2)).float().abs(), torch.amin(k, dim=(0, 2)).float().abs())
+    vmax = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax(dim=0)
+    grp = torch.arange(h, device=don.device) // (h // h_kv)
+    bound = kmax[grp, None] * (don * vmax[grp, None] + delta.abs())
+    e = (_FIXED_POINT_BITS - 1 - torch.log2(bound).ceil()).clamp(max=_FIXED_MAX_EXP)
+    return torch.where(torch.isfinite(bound), torch.exp2(e), torch.zeros_like(bound)).contiguous()
+
+
+@triton.jit
+def _dq_from_fixed_kernel(ACC, RS, DQ, stride_at, stride_ah, stride_qt, stride_qh, T, sm_scale,
+                          D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dQ = ACC / RS * sm_scale per (token, head) row, in DQ's dtype; NaN where the row's scale is 0."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    msk = (offs_m[:, None] < T) & (offs_d[None, :] < D)
+    rows = offs_m.to(tl.int64)[:, None]
+    acc = tl.load(ACC + rows * stride_at + h * stride_ah + offs_d[None, :], mask=msk, other=0)
+    rs = tl.load(RS + h.to(tl.int64) * T + offs_m, mask=offs_m < T, other=1.0)
+    inv = tl.where(rs > 0, 1.0 / rs, float("nan"))  # a power of two: exact
+    tl.store(DQ + rows * stride_qt + h * stride_qh + offs_d[None, :],
+             (acc.to(tl.float32) * inv[:, None] * sm_scale).to(DQ.dtype.element_ty), mask=msk)
+
+
+def _launch_fused_fixed(q, k, v, do, dq, dk, dv, lse, delta, don, cub, ctx, t, h, h_kv, d, d_pad, prec, scale,
+                        cfg):
+    """The fused backward with fixed-point dQ sums (:data:`DQ_SUMS`): dK/dV into ``dk``/``dv``, dQ into ``dq``."""
+    rs = _dq_row_scales(k, v, don, delta)
+    acc = torch.zeros((t, h, d), dtype=torch.int64, device=q.device)
+    _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale, cfg,
+                 fused=dict(FUSED=True, FIXED=True, DQ=acc, RS=rs, stride_dqt=acc.stride(0),
+                            stride_dqh=acc.stride(1)))
+    bm = 32 if _interpreting() else 64
+    _dq_from_fixed_kernel[(triton.cdiv(t, bm), h)](acc, rs, dq, acc.stride(0), acc.stride(1), dq.stride(0),
+                                                    dq.stride(1), t, scale, D=d, D_PAD=d_pad, BLOCK_M=bm)
 
 
 __all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",

@@ -465,6 +465,39 @@ def test_fused_backward_masks_padding_keys_and_refuses_bad_input():
     assert all(torch.equal(a, b) for a, b in zip(off, default))
 
 
+@pytest.mark.parametrize("groups,heads,d", [
+    ([(17, [15, 1]), (16, [33]), (40, [70, 3])], (4, 2), 64),
+    ([(20, [9, 40])], (6, 2), 80),
+], ids=["three-groups-gqa2", "gqa3-d80"])
+def test_fused_fixed_point_backward_is_exact_in_any_order(groups, heads, d):
+    """``{"fused": {"DQ_SUM": "fixed_point"}}``: dQ shares added as int64 fixed-point values (integer atomics, any
+    order): within the fp32 bound of the reference, bitwise equal across runs, the same relative precision for
+    gradients 1e-30 times smaller, NaN exactly where the two-kernel backward has NaN (a non-finite dO row)."""
+    layout = DualKVLayout.from_lengths(groups)
+    q, k, v = make_inputs(layout, heads[0], heads[1], d, torch.float32)
+    do = torch.randn_like(q)
+    cu, sp = layout.cu_seqlens, layout.segment_prefix
+    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
+    ref_out, _ = replicated_reference(qd, kd, vd, layout, 0.2)
+    ref = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
+    out, lse = K.dualkv_fwd(q, k, v, cu, sp, 0.2)
+    cfg = {"fused": dict(BLOCK_M=16, BLOCK_N=32, DQ_SUM="fixed_point")}
+    got = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
+    for g, r in zip(got, ref):
+        assert maxerr(g, r) < 5e-5
+    again = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    tiny = K.dualkv_bwd(do * 1e-30, q, k, v, out, lse, cu, sp, 0.2, config=cfg)[0]
+    assert (tiny.double() * 1e30 - ref[0]).abs().max() < 5e-5 * ref[0].abs().max()
+    bad = do.clone()
+    bad[3, 1, 0] = float("inf")
+    got_bad = K.dualkv_bwd(bad, q, k, v, out, lse, cu, sp, 0.2, config=cfg)[0]
+    two_kernels = K.dualkv_bwd(bad, q, k, v, out, lse, cu, sp, 0.2)[0]
+    assert torch.equal(torch.isnan(got_bad), torch.isnan(two_kernels)) and torch.isnan(got_bad).any()
+    with pytest.raises(ValueError, match="DQ_SUM='atomic'; expected one of"):
+        K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config={"fused": {"DQ_SUM": "atomic"}})
+
+
 def test_kernel_resources_tool_compiles_for_hopper_without_a_gpu():
     """tools/kernel_resources.py: the forward kernel compiled for sm_90a on this CPU machine gives a ptxas resource
     row; a config past sm_90's shared memory says it fails at launch."""

@@ -24,13 +24,14 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kvtransform.kernels import dualkv as K  # noqa: E402
 
-KERNELS = {"fwd": K._fwd_kernel, "dq": K._bwd_dq_kernel, "dkdv": K._bwd_dkdv_kernel}
+KERNELS = {"fwd": K._fwd_kernel, "dq": K._bwd_dq_kernel, "dkdv": K._bwd_dkdv_kernel,
+           "fused_fixed": K._bwd_dkdv_kernel}  # the fused backward with fixed-point dQ sums
 DTYPES = {"bf16": "bf16", "fp16": "fp16"}
-_F32_PTRS = {"LSE", "DELTA"}
+_F32_PTRS = {"LSE", "DELTA", "RS"}
 _I32_PTRS = {"CU", "KCTX_LO", "KCTX_HI", "QCTX_LO", "QCTX_HI", "WSEG", "WBLK"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 SM90_SHARED_BYTES = 227 * 1024  # shared memory one block may take on sm_90 (H100/H200)
-_DESCRIPTORS = {"fwd": ("KD", "VD"), "dq": ("KD", "VD"), "dkdv": ("QD", "DOD")}
+_DESCRIPTORS = {"fwd": ("KD", "VD"), "dq": ("KD", "VD"), "dkdv": ("QD", "DOD"), "fused_fixed": ("QD", "DOD")}
 
 
 def _ptxas() -> str:
@@ -46,7 +47,7 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
     """The compiled kernel ``kind`` (:data:`KERNELS`) for sm_90a with the given launch config."""
     fn = KERNELS[kind]
     d_pad = max(16, 1 << (head_dim - 1).bit_length())
-    block_rows = bn if kind != "dkdv" else bm  # the descriptor's block: K/V blocks (fwd, dQ) or Q/dO blocks (dK/dV)
+    block_rows = bm if kind in ("dkdv", "fused_fixed") else bn  # the descriptor's block: K/V blocks (fwd, dQ) or Q/dO blocks (dK/dV)
     const = dict(D=head_dim, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=head_dim == d_pad, PREC="tf32", TMA=tma)
     if kind in ("fwd", "dq"):
         const["PACK"] = pack
@@ -54,7 +55,9 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
         const["SCALE_POS"] = True
     if kind == "dkdv":  # the fused backward's extras: off
         const.update(FUSED=False, DQ=None, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None, stride_dqt=0,
-                     stride_dqh=0, NT=0)
+                     stride_dqh=0, NT=0, FIXED=False, RS=None)
+    if kind == "fused_fixed":
+        const.update(FUSED=True, FIXED=True, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None, NT=0)
     for name in _DESCRIPTORS[kind]:
         if not tma:
             const[name] = None
@@ -65,6 +68,8 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
             sig[name] = "constexpr"
         elif name in _DESCRIPTORS[kind]:
             sig[name] = f"tensordesc<{DTYPES[dtype]}[{block_rows}, {d_pad}]>"
+        elif name == "DQ" and kind == "fused_fixed":
+            sig[name] = "*i64"
         elif name in _DATA_PTRS:
             sig[name] = "*" + DTYPES[dtype]
         elif name in _F32_PTRS:
