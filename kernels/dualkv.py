@@ -608,14 +608,16 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, 
                     offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                     QD, DOD, qcol, TMA: tl.constexpr, FUSED: tl.constexpr = False, dq_base=None, lock_base=None,
-                    rank=0, stride_dqt=0, kend=0, FIXED: tl.constexpr = False, rs_base=None):
+                    rank=0, stride_dqt=0, kend=0, FIXED: tl.constexpr = False, rs_base=None, DQD=None,
+                    DQ_TMA: tl.constexpr = False):
     """dK/dV steps over query blocks ``[lo, hi)`` of one query head. ``TMA``: the Q/dO blocks through the tensor
     descriptors ``QD``/``DOD`` at column ``qcol`` (rows past ``qbound`` are then real rows of other segments, or
     zeros past T: their probabilities are masked to 0). ``FUSED`` (``lo`` on the segment's tile grid, ``lock_base``
     the counter of the tile at ``lo``): also each tile's dQ share ``dS @ K``, added into the fp32 ``dq_base`` when
     the tile's counter reaches ``rank`` (then set to ``rank + 1``; see the fused-backward section). ``FIXED`` (with
     ``FUSED``): the share, times its row's power-of-two scale ``rs_base[q]``, added as an ``int64`` into
-    ``dq_base`` by an integer atomic add: exact, so the sum is the same in any order (no counters)."""
+    ``dq_base`` by an integer atomic add: exact, so the sum is the same in any order (no counters); ``DQ_TMA``:
+    as one bulk tensor reduction through the ``uint64`` descriptor ``DQD`` (rows past ``qbound`` add 0)."""
     it = 0
     for start in range(lo, hi, BLOCK_M):
         q_idx = start + offs_m
@@ -671,7 +673,11 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, 
             ptr = dq_base + q_off[:, None] * stride_dqt + offs_d[None, :]
             if FIXED:
                 rs = tl.load(rs_base + q_idx, mask=q_idx < qbound, other=0.0)
-                tl.atomic_add(ptr, (dq * rs[:, None]).to(tl.int64), mask=dm, sem="relaxed")
+                if DQ_TMA:
+                    share = tl.where(dm, (dq * rs[:, None]).to(tl.int64), 0)
+                    DQD.atomic_add([start, qcol], share.to(tl.uint64, bitcast=True))
+                else:
+                    tl.atomic_add(ptr, (dq * rs[:, None]).to(tl.int64), mask=dm, sem="relaxed")
             else:
                 lock = lock_base + it
                 while tl.atomic_cas(lock, rank, rank, sem="acquire") != rank:
@@ -691,13 +697,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      EVEN_D: tl.constexpr, PREC: tl.constexpr, QD=None, DOD=None, TMA: tl.constexpr = False,
                      FUSED: tl.constexpr = False, DQ=None, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None,
-                     stride_dqt=0, stride_dqh=0, NT=0, FIXED: tl.constexpr = False, RS=None):
+                     stride_dqt=0, stride_dqh=0, NT=0, FIXED: tl.constexpr = False, RS=None, DQD=None,
+                     DQ_TMA: tl.constexpr = False):
     """One program per (work entry = BLOCK_N keys of one segment, KV head): dK/dV over every query head of the GQA
     group and every query that sees these keys; each dK/dV row has one owner program (no atomics). ``TMA``: the
     Q/dO blocks through host tensor descriptors (2-D ``(T, H*D)`` views, blocks ``(BLOCK_M, D)``). ``FUSED``: also
     the dQ shares, in rank order (the fused-backward section; the work table in layout order, the response queries
     of a prefix block visited segment by segment on their own tile grids); with ``FIXED`` as fixed-point integers
-    added in any order (``RS``: fp32 ``(H, T)`` row scales; the work table heaviest-first, as without ``FUSED``)."""
+    added in any order (``RS``: fp32 ``(H, T)`` row scales; the work table heaviest-first, as without ``FUSED``;
+    ``DQ_TMA``: through the descriptor ``DQD`` of the ``(T, H*D)`` uint64 view of ``DQ``)."""
     pid = tl.program_id(0)
     w = pid // H_KV
     g = pid % H_KV
@@ -750,15 +758,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC,
                                  QD, DOD, h * D, TMA, FUSED, dq_base, lk_diag, own_rank,
-                                 stride_dqt, se, FIXED, rs_base)
+                                 stride_dqt, se, FIXED, rs_base, DQD, DQ_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D, False, False,
                                  PREC, QD, DOD, h * D, TMA, FUSED, dq_base, lk_after, own_rank,
-                                 stride_dqt, se, FIXED, rs_base)
+                                 stride_dqt, se, FIXED, rs_base, DQD, DQ_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC,
                                  QD, DOD, h * D, TMA, FUSED, dq_base, lk_tail, own_rank,
-                                 stride_dqt, se, FIXED, rs_base)
+                                 stride_dqt, se, FIXED, rs_base, DQD, DQ_TMA)
         # a prefix key block: every response query of its group (contiguous after the prefix), unmasked
         if FUSED and not FIXED:  # segment by segment, each on its own tile grid; rank = the block's index in the prefix
             s = seg + 1
@@ -781,11 +789,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
                                      stride_dot, offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False,
                                      False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base, LOCK, 0, stride_dqt, se,
-                                     FIXED, rs_base)
+                                     FIXED, rs_base, DQD, DQ_TMA)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
                                      stride_dot, offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True,
                                      False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base, LOCK, 0, stride_dqt, se,
-                                     FIXED, rs_base)
+                                     FIXED, rs_base, DQD, DQ_TMA)
     dk = dk * sm_scale
     tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
     tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
@@ -968,7 +976,8 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             ordered hand-offs set the pace: BENCHMARKS.md, issue 14); kept for experiments. With
             ``"DQ_SUM": "fixed_point"`` the dQ shares are instead added as ``int64`` fixed-point values (each row
             scaled by a power of two from a bound on its dQ) with integer atomic adds: exact, so bitwise
-            deterministic in any order, no waits (``T·H·D·8`` bytes more); not yet timed on a GPU.
+            deterministic in any order, no waits (``T·H·D·8`` bytes more); ``"DQ_TMA": True`` adds each tile's
+            shares with one bulk tensor reduction instead (CUDA; the same sums). Not yet timed on a GPU.
         assert_layout: as :func:`dualkv_fwd`'s.
 
     Returns:
@@ -1115,14 +1124,30 @@ def _dq_from_fixed_kernel(ACC, RS, DQ, stride_at, stride_ah, stride_qt, stride_q
              (acc.to(tl.float32) * inv[:, None] * sm_scale).to(DQ.dtype.element_ty), mask=msk)
 
 
+def _dq_descriptor(acc: torch.Tensor, block_m: int):
+    """Host descriptor of the int64 ``(T, H, D)`` dQ sums as a ``(T, H*D)`` uint64 view with ``(block_m, D)``
+    blocks (the bulk tensor reduction adds uint64; two's complement makes that the int64 sum), or None where the
+    copy engine cannot address it (as :func:`_tma_descriptors`)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - older Triton
+        return None
+    t, h, d = acc.shape
+    if d != next_pow2(d, 16) or acc.data_ptr() % 16:
+        return None
+    return TensorDescriptor(acc.view(torch.uint64).view(t, h * d), [t, h * d], [h * d, 1], [block_m, d])
+
+
 def _launch_fused_fixed(q, k, v, do, dq, dk, dv, lse, delta, don, cub, ctx, t, h, h_kv, d, d_pad, prec, scale,
                         cfg):
     """The fused backward with fixed-point dQ sums (:data:`DQ_SUMS`): dK/dV into ``dk``/``dv``, dQ into ``dq``."""
     rs = _dq_row_scales(k, v, don, delta)
     acc = torch.zeros((t, h, d), dtype=torch.int64, device=q.device)
+    # the interpreter has no bulk tensor reduction: the atomics there give the same integer sums
+    dqd = _dq_descriptor(acc, cfg["BLOCK_M"]) if cfg.get("DQ_TMA") and not _interpreting() else None
     _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale, cfg,
                  fused=dict(FUSED=True, FIXED=True, DQ=acc, RS=rs, stride_dqt=acc.stride(0),
-                            stride_dqh=acc.stride(1)))
+                            stride_dqh=acc.stride(1), DQD=dqd, DQ_TMA=dqd is not None))
     bm = 32 if _interpreting() else 64
     _dq_from_fixed_kernel[(triton.cdiv(t, bm), h)](acc, rs, dq, acc.stride(0), acc.stride(1), dq.stride(0),
                                                     dq.stride(1), t, scale, D=d, D_PAD=d_pad, BLOCK_M=bm)

@@ -494,6 +494,10 @@ def test_fused_fixed_point_backward_is_exact_in_any_order(groups, heads, d):
     got_bad = K.dualkv_bwd(bad, q, k, v, out, lse, cu, sp, 0.2, config=cfg)[0]
     two_kernels = K.dualkv_bwd(bad, q, k, v, out, lse, cu, sp, 0.2)[0]
     assert torch.equal(torch.isnan(got_bad), torch.isnan(two_kernels)) and torch.isnan(got_bad).any()
+    # DQ_TMA (CUDA only: the interpreter has no bulk tensor reduction) addresses the sums as a uint64 (T, H*D) view
+    desc = K._dq_descriptor(torch.zeros(5, 2, 32, dtype=torch.int64), 16)
+    assert desc is not None and list(desc.shape) == [5, 64] and list(desc.block_shape) == [16, 32]
+    assert K._dq_descriptor(torch.zeros(5, 2, 80, dtype=torch.int64), 16) is None  # D not a power of two
     with pytest.raises(ValueError, match="DQ_SUM='atomic'; expected one of"):
         K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config={"fused": {"DQ_SUM": "atomic"}})
 

@@ -31,10 +31,12 @@ VARIANTS = [(128, 128, 8, 3, 0), (128, 64, 8, 3, 0), (64, 128, 4, 3, 0), (32, 12
 DQ_VARIANTS = [(128, 64, 8, 3, 0), (128, 64, 8, 3, 0, 1), (32, 64, 8, 3, 1), (32, 64, 8, 3, 1, 1),
                (32, 128, 8, 3, 1, 1), (32, 64, 8, 2, 1, 1), (16, 64, 4, 3, 1, 1), (64, 64, 8, 3, 0, 1)]
 # the experimental fused backward (whole backward timed against the default two-kernel one): (BLOCK_M, BLOCK_N,
-# warps, stages, 0[, TMA[, fixed-point dQ sums]]); 7-11: DQ_SUM="fixed_point" (integer atomics, no ordered waits)
+# warps, stages, 0[, TMA[, fixed-point dQ sums[, dQ sums by bulk tensor reduction]]]); 7-11: DQ_SUM="fixed_point"
+# (integer atomics, no ordered waits); 12-14: the same with DQ_TMA
 FUSED_VARIANTS = [(64, 128, 8, 2, 0), (64, 128, 8, 3, 0), (32, 128, 8, 2, 0), (64, 64, 4, 2, 0), (32, 64, 4, 2, 0),
                   (64, 128, 8, 2, 0, 1), (32, 128, 8, 2, 0, 1), (64, 128, 8, 2, 0, 0, 1), (64, 128, 8, 2, 0, 1, 1),
-                  (64, 64, 8, 2, 0, 1, 1), (32, 128, 8, 2, 0, 1, 1), (32, 64, 8, 2, 0, 1, 1)]
+                  (64, 64, 8, 2, 0, 1, 1), (32, 128, 8, 2, 0, 1, 1), (32, 64, 8, 2, 0, 1, 1),
+                  (64, 128, 8, 2, 0, 1, 1, 1), (32, 128, 8, 2, 0, 1, 1, 1), (64, 64, 8, 2, 0, 1, 1, 1)]
 # 5-9: 64-key programs (dK/dV accumulators half the size: spill-free in local sm_90a builds, where 64/128/8/2 spills)
 DKDV_VARIANTS = [(64, 128, 8, 3, 0), (64, 128, 8, 3, 0, 1), (64, 128, 8, 2, 0, 1), (32, 128, 8, 3, 0, 1),
                  (64, 128, 8, 4, 0, 1), (64, 64, 8, 2, 0, 1), (64, 64, 8, 3, 0, 1), (32, 64, 8, 2, 0, 1),
@@ -132,7 +134,8 @@ def fused_rows(q, k, v, do, cu, sp, p, mb, tf, variants, check):
     for c in [None] + variants:
         config = None if c is None else {"fused": dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3],
                                                        TMA=bool(c[5]) if len(c) > 5 else False,
-                                                       DQ_SUM="fixed_point" if len(c) > 6 and c[6] else "ordered")}
+                                                       DQ_SUM="fixed_point" if len(c) > 6 and c[6] else "ordered",
+                                                       DQ_TMA=len(c) > 7 and bool(c[7]))}
         try:
             run = lambda mark=None, config=config: K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale,  # noqa: E731
                                                                 config=config)

@@ -55,9 +55,11 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
         const["SCALE_POS"] = True
     if kind == "dkdv":  # the fused backward's extras: off
         const.update(FUSED=False, DQ=None, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None, stride_dqt=0,
-                     stride_dqh=0, NT=0, FIXED=False, RS=None)
-    if kind == "fused_fixed":
-        const.update(FUSED=True, FIXED=True, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None, NT=0)
+                     stride_dqh=0, NT=0, FIXED=False, RS=None, DQD=None, DQ_TMA=False)
+    if kind == "fused_fixed":  # TMA also sends the dQ sums through a descriptor (DQ_TMA)
+        const.update(FUSED=True, FIXED=True, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None, NT=0, DQ_TMA=tma)
+        if not tma:
+            const["DQD"] = None
     for name in _DESCRIPTORS[kind]:
         if not tma:
             const[name] = None
@@ -68,6 +70,8 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
             sig[name] = "constexpr"
         elif name in _DESCRIPTORS[kind]:
             sig[name] = f"tensordesc<{DTYPES[dtype]}[{block_rows}, {d_pad}]>"
+        elif name == "DQD":
+            sig[name] = f"tensordesc<u64[{bm}, {d_pad}]>"
         elif name == "DQ" and kind == "fused_fixed":
             sig[name] = "*i64"
         elif name in _DATA_PTRS:
