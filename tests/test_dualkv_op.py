@@ -410,6 +410,19 @@ def test_dkdv_config_with_blocks_that_do_not_tile_is_refused():
                      config={"dkdv": {"BLOCK_M": 32, "BLOCK_N": 16}})
 
 
+def _backward_case(groups, heads, d, scale=0.2):
+    """fp32 inputs of a layout, the forward's out/LSE, and the fp64 replicated reference gradients (dQ, dK, dV)."""
+    layout = DualKVLayout.from_lengths(groups)
+    q, k, v = make_inputs(layout, heads[0], heads[1], d, torch.float32)
+    do = torch.randn_like(q)
+    cu, sp = layout.cu_seqlens, layout.segment_prefix
+    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
+    ref_out, _ = replicated_reference(qd, kd, vd, layout, scale)
+    ref = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
+    out, lse = K.dualkv_fwd(q, k, v, cu, sp, scale)
+    return q, k, v, do, cu, sp, out, lse, ref
+
+
 @pytest.mark.parametrize("groups,heads,d", [
     ([(17, [15, 1]), (16, [33]), (40, [70, 3])], (4, 2), 64),
     ([(1, [1]), (5, [])], (3, 3), 32),
@@ -421,14 +434,7 @@ def test_dkdv_config_with_blocks_that_do_not_tile_is_refused():
 def test_fused_backward_matches_reference_and_is_deterministic(groups, heads, d, blocks):
     """The experimental fused backward (``config={"fused": ...}``): dQ added in rank order per query tile. Under the
     sequential interpreter a rank that disagreed with the launch order would hang here, not pass."""
-    layout = DualKVLayout.from_lengths(groups)
-    q, k, v = make_inputs(layout, heads[0], heads[1], d, torch.float32)
-    do = torch.randn_like(q)
-    cu, sp = layout.cu_seqlens, layout.segment_prefix
-    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
-    ref_out, _ = replicated_reference(qd, kd, vd, layout, 0.2)
-    ref = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
-    out, lse = K.dualkv_fwd(q, k, v, cu, sp, 0.2)
+    q, k, v, do, cu, sp, out, lse, ref = _backward_case(groups, heads, d)
     cfg = {"fused": dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], TMA=blocks[2])}  # TMA: Q/dO via descriptors
     got = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
     for g, r in zip(got, ref):
@@ -473,14 +479,7 @@ def test_fused_fixed_point_backward_is_exact_in_any_order(groups, heads, d):
     """``{"fused": {"DQ_SUM": "fixed_point"}}``: dQ shares added as int64 fixed-point values (integer atomics, any
     order): within the fp32 bound of the reference, bitwise equal across runs, the same relative precision for
     gradients 1e-30 times smaller, NaN exactly where the two-kernel backward has NaN (a non-finite dO row)."""
-    layout = DualKVLayout.from_lengths(groups)
-    q, k, v = make_inputs(layout, heads[0], heads[1], d, torch.float32)
-    do = torch.randn_like(q)
-    cu, sp = layout.cu_seqlens, layout.segment_prefix
-    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
-    ref_out, _ = replicated_reference(qd, kd, vd, layout, 0.2)
-    ref = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
-    out, lse = K.dualkv_fwd(q, k, v, cu, sp, 0.2)
+    q, k, v, do, cu, sp, out, lse, ref = _backward_case(groups, heads, d)
     cfg = {"fused": dict(BLOCK_M=16, BLOCK_N=32, DQ_SUM="fixed_point")}
     got = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
     for g, r in zip(got, ref):
