@@ -52,6 +52,20 @@ def test_offloaded_tokens_equal_resident(head, layers, tokens, budget):
     assert len(moved) >= 5 and moved[0] == full[0]  # the first offloaded step loads every selected token
     # after it only the entries that entered the selection move
     assert all(m < f for m, f in zip(moved[1:], full[1:])) and sum(moved[1:]) < 0.5 * sum(full[1:])
+    # the split program runs on the decode program's very weights: one copy, and in-place updates reach it
+    split = [rt._split]
+    dec = {id(p) for p in rt.decode_fn.parameters()}
+    assert split and all(id(p) in dec for m in split for p in m.parameters())
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-2)
+    ref2 = sp.generate(ids, am, **kw)
+    rt.offload = True
+    try:
+        out2 = sp.generate(ids, am, **kw)
+    finally:
+        rt.offload = False
+    assert not torch.equal(ref2.sequences, ref.sequences) and torch.equal(out2.sequences, ref2.sequences)
 
 
 def test_offload_refuses_heads_that_read_every_layer():

@@ -92,7 +92,9 @@ def split_decode_inputs(gm: torch.fx.GraphModule, num_layers: int) -> torch.fx.G
         ValueError: the graph uses the stacked cache or the indices in a way this split cannot map (anything but
             per-layer ``select``, the attention's indices argument and size queries of batch, heads or head_dim).
     """
-    gm = copy.deepcopy(gm)
+    # a copy of the graph, not of the weights: the split program uses the decode program's very parameters and
+    # buffers (no second copy in memory, and in-place updates of the model reach both)
+    gm = copy.deepcopy(gm, memo={id(t): t for t in (*gm.parameters(), *gm.buffers())})
     g = gm.graph
     ph = {n.target: n for n in g.nodes if n.op == "placeholder"}
     need = ("input_ids", "cache_seqlens", "indices", "k_cache", "v_cache")
