@@ -242,6 +242,8 @@ def test_unknown_head_lists_valid_ones(llama):
     (dict(eos_token_id=[2, -1]), "outside the vocabulary"),
     (dict(do_sample=True, temperature=0.0), "temperature must be a number > 0"),
     (dict(attention_mask=[[1] * 10] * 2), "attention_mask must be a 0/1 tensor"),  # was AttributeError
+    (dict(pad_token_id=128), r"pad_token_id must be an id in \[0, 128\)"),  # was IndexError at a row's EOS
+    (dict(pad_token_id=-1), "pad_token_id must be an id"),
 ])
 def test_bad_generate_arguments(sp_llama, kwargs, match):
     ids = torch.randint(3, 128, (2, 10))

@@ -148,6 +148,16 @@ def _as_eos(eos, vocab: int) -> list:
     return out
 
 
+def _check_pad(pad, vocab_size: int) -> None:
+    """``pad_token_id`` is written into finished rows and fed back as their next token: it must be a vocabulary id.
+
+    Raises:
+        ValueError: not an int in ``[0, vocab_size)``.
+    """
+    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab_size:
+        raise ValueError(f"pad_token_id must be an id in [0, {vocab_size}) or None; got {pad!r}")
+
+
 class SpeContextRuntime:
     """Prefill + decode loop around two captured programs and a retrieval head.
 
@@ -462,6 +472,7 @@ class SpeContextRuntime:
         eos = _as_eos(info.eos_token_id if isinstance(eos_token_id, str) else eos_token_id, info.vocab_size)
         pad = pad_token_id if pad_token_id is not None else (
             info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0))
+        _check_pad(pad, info.vocab_size)
         device = device or input_ids.device
         sample = _sampler(do_sample, temperature, top_k, top_p, seed, device)
         batch = len(rows)
@@ -568,9 +579,7 @@ class SpeContextRuntime:
         eos = _as_eos(eos_token_id, info.vocab_size)
         if pad_token_id is None:
             pad_token_id = info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0)
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or \
-                not 0 <= pad_token_id < info.vocab_size:
-            raise ValueError(f"pad_token_id must be an id in [0, {info.vocab_size}) or None; got {pad_token_id!r}")
+        _check_pad(pad_token_id, info.vocab_size)
         eos_t = torch.tensor(eos or [-1], device=device)
         stats = GenerationStats(batch=cache.batch, head=self.head.name, budget=self.head.budget,
                                 kv_bytes=cache.nbytes, cache_max_length=cache.max_length)
