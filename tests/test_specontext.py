@@ -185,6 +185,22 @@ def test_save_load_in_fresh_process(sp_llama, tmp_path):
     assert shared == n_params > 0
 
 
+def test_sizes_outside_the_capture_ranges_decode(tmp_path):
+    """The export's Dim ranges are not limits of the programs: a budget past the model's positions (the default
+    2048 with 1024 positions), a 1-token prompt (cache of 3 < the captured minimum of 4), also after a reload, give
+    HF's greedy tokens (an MHA model: it raised "Guard failed: indices.size()[2] <= 1024")."""
+    m = tiny_model("llama", num_key_value_heads=4, max_position_embeddings=1024)
+    sp = kvt.transform(m, "specontext", progress=False)
+    again = kvt.load(sp.save(tmp_path / "mha"))
+    g = torch.Generator().manual_seed(3)
+    for n, new in ((10, 4), (1, 2)):
+        row = torch.randint(3, 128, (n,), generator=g)
+        ref = _hf_greedy(m, row, new)
+        for model in (sp, again):
+            out = model.generate(row[None], max_new_tokens=new, eos_token_id=None)
+            assert torch.equal(out[0, n:], ref), (n, model is sp)
+
+
 def test_artifact_with_damaged_weight_list_is_refused(sp_llama, tmp_path):
     path = sp_llama.save(tmp_path / "sp")
     meta = json.loads((path / "meta.json").read_text())

@@ -243,6 +243,7 @@ class SpeContextModule(OptimizedModule):
                                     f"{missing or ['meta.json model_info']})")
         prefill = torch.export.load(path / prefill_file).module()
         decode = torch.export.load(path / "decode.pt2").module()
+        _drop_input_guards(decode)  # as after the capture (transform_specontext)
         if prefill_file == "prefill_shared.pt2":
             _bind_shared_weights(decode, prefill, meta.get("prefill_weights_from_decode"), path)
         else:  # an artifact written before prefill_shared.pt2: share what is equal
@@ -271,6 +272,14 @@ def _unsupported_generate_kwargs(given: dict) -> str:
     return (f"SpeContext generate() got keyword(s) it does not take: {', '.join(parts)}. It takes "
             f"{', '.join(_GENERATE_KWARGS)}; beam search, streamers and logits processors are not supported "
             f"(greedy or sampled decode only)")
+
+
+def _drop_input_guards(gm: torch.fx.GraphModule) -> None:
+    """Erase the ``_guards_fn`` call that ``torch.export`` leaves at the top of a program (unused output), in place."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
 
 
 def _same_weight(a: torch.Tensor, b: Optional[torch.Tensor]) -> bool:
@@ -441,6 +450,10 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
     report = new_report(model, cfg)
     dec, ctx, cap = capture_and_rewrite(model, capture_decode_step, [SparseDecodePass, CleanupPass], report,
                                         progress, what="capturing the decode step (torch.export)")
+    # the captured input guards check the export's Dim ranges (batch <= 1024, cache length >= 4, budget <= the
+    # model's positions), not what the program needs: the runtime sizes these inputs itself (a 1-token prompt, a
+    # budget past the positions, 1025 rows all decode correctly without them)
+    _drop_input_guards(dec)
     copies = count_cache_copies(dec)
     if copies:
         raise ValueError(f"{copies} copies of the KV cache (cat(k_cache, k_new)) are left in the rewritten decode "
