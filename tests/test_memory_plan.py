@@ -49,6 +49,20 @@ def test_llama3_8b_on_80gib_matches_hand_calculation():
         assert plan.gpu_bytes_at(n) <= 80 * 2 ** 30
 
 
+def test_layers_the_head_reads_are_never_offloaded():
+    """``HeadMemory.resident_layers`` (the ``self`` head reads layer 0's cache): at a batch whose plain plan moves
+    every layer, the plan keeps layer 0 and still fits; the largest batch drops accordingly."""
+    mm = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)
+    kw = dict(gpu_bytes=80 * 2 ** 30, input_len=2048, output_len=32768, budget=2048)
+    free = plan_memory(mm, HeadMemory(), batch=250, **kw)
+    assert free.thresholds[0] is not None  # without the pin layer 0 moves too
+    pinned = plan_memory(mm, HeadMemory(resident_layers=1), batch=150, **kw)
+    assert pinned.thresholds[0] is None and all(t is not None for t in pinned.thresholds[1:])
+    assert pinned.peak_bytes <= 80 * 2 ** 30 and pinned.max_batch < free.max_batch
+    with pytest.raises(ValueError, match="every layer but the 1 the retrieval head reads"):
+        plan_memory(mm, HeadMemory(resident_layers=1), batch=pinned.max_batch + 1, **kw)
+
+
 def test_small_request_needs_no_offload_and_too_large_batch_is_refused():
     mm = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)
     plan = plan_memory(mm, HeadMemory(), gpu_bytes=80 * 2 ** 30, batch=1, input_len=2048, output_len=4096,

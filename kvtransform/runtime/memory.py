@@ -97,10 +97,12 @@ class ModelMemory:
 @dataclass(frozen=True)
 class HeadMemory:
     """The retrieval head's own memory: ``weight_bytes`` (``P``) and ``token_bytes`` per cached token per row
-    (``c_h``)."""
+    (``c_h``); ``resident_layers``: the first layers whose KV cache the head reads (the ``self`` head: layer 0), so
+    the plan never offloads them (the last layer moves first)."""
 
     weight_bytes: int = 0
     token_bytes: int = 0
+    resident_layers: int = 0
 
 
 @dataclass
@@ -204,21 +206,23 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
         raise ValueError(f"plan_memory needs positive integer sizes (bytes, tokens, rows); got "
                          f"{bad or {'reserve_bytes': reserve_bytes}}")
     c, L, ch = model.kv_token_bytes, model.num_layers, head.token_bytes
+    pin = min(max(int(head.resident_layers), 0), L)  # layers that never move
     S = input_len + output_len
     free = gpu_bytes - model.weight_bytes - head.weight_bytes - reserve_bytes
-    per_row = max(input_len * (L * c + ch), L * budget * c + S * ch)
+    per_row = max(input_len * (L * c + ch), (L - pin) * budget * c + pin * S * c + S * ch)
     max_batch = max(free // per_row, 0) if free > 0 else 0
     max_resident = max(free // (S * (L * c + ch)), 0) if free > 0 else 0
     plan = MemoryPlan(model, head, gpu_bytes, reserve_bytes, batch, input_len, output_len, budget,
                       max_batch=int(max_batch), max_batch_resident=int(max_resident))
     if batch > max_batch:
         need = max(_m_k(model, head, reserve_bytes, batch, budget, input_len, 0),
-                   _m_k(model, head, reserve_bytes, batch, budget, S, L))
-        raise ValueError(f"batch {batch} does not fit {gpu_bytes / 1e9:.1f} GB even with every layer's KV on CPU "
+                   _m_k(model, head, reserve_bytes, batch, budget, S, L - pin))
+        which = "every layer's KV" if not pin else f"the KV of every layer but the {pin} the retrieval head reads"
+        raise ValueError(f"batch {batch} does not fit {gpu_bytes / 1e9:.1f} GB even with {which} on CPU "
                          f"(needs {need / 1e9:.1f} GB at the prefill or at {S} tokens): lower the batch to "
                          f"{max_batch} or shorten [input, output]")
     thresholds: list = [None] * L
-    for k in range(1, L + 1):
+    for k in range(1, L - pin + 1):
         avail = free - batch * (k - 1) * budget * c
         t = max(avail // (batch * ((L - k + 1) * c + ch)) + 1, input_len)
         if t > S:
@@ -245,7 +249,8 @@ class PlanMemoryConfig:
         gpu_gb: GPU memory the run may use, in GB (1e9 bytes). batch: rows. input_len, output_len: tokens per row.
         budget: tokens per KV head per decode step (``SpeContextConfig.budget``).
         head_gb: the retrieval head's weights in GB; head_token_bytes: its own state per cached token per row
-            (bytes; e.g. a one-layer key cache ``H_kv · D · e``).
+            (bytes; e.g. a one-layer key cache ``H_kv · D · e``); head_resident_layers: the first layers whose KV
+            cache the head reads (1 for the ``self`` head), never offloaded.
         reserve_gb: activations and workspace kept free, in GB.
         dtype: weight and KV dtype (``bfloat16`` | ``float16`` | ``float32``).
     """
@@ -258,6 +263,7 @@ class PlanMemoryConfig:
     budget: int = 2048
     head_gb: float = 0.0
     head_token_bytes: int = 0
+    head_resident_layers: int = 0
     reserve_gb: float = 0.0
     dtype: str = "bfloat16"
 
@@ -300,7 +306,8 @@ def run_plan_memory(cfg) -> MemoryPlan:
             raise ValueError(f"{key}={v!r} must be an integer >= 1")
     name = cfg.model.name if hasattr(cfg.model, "name") else cfg.model
     mm = _model_memory(str(name), dtypes[cfg.dtype])
-    head = HeadMemory(weight_bytes=int(float(cfg.head_gb) * 1e9), token_bytes=int(cfg.head_token_bytes))
+    head = HeadMemory(weight_bytes=int(float(cfg.head_gb) * 1e9), token_bytes=int(cfg.head_token_bytes),
+                      resident_layers=int(cfg.head_resident_layers))
     if head.token_bytes < 0:
         raise ValueError(f"head_token_bytes={cfg.head_token_bytes} must be >= 0")
     return plan_memory(mm, head, gpu_bytes=int(float(cfg.gpu_gb) * 1e9), batch=int(cfg.batch),

@@ -499,8 +499,9 @@ def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: O
     e = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
     mm = ModelMemory(weight, info.num_layers, info.num_kv_heads, info.head_dim, e)
     state = runtime.head.state_dict()
+    read = [l for l in getattr(runtime.head, "LAYERS", ()) if l < info.num_layers]  # layers whose cache it reads
     head = HeadMemory(weight_bytes=sum(t.numel() * t.element_size() for t in state.values()
-                                       if isinstance(t, torch.Tensor)))
+                                       if isinstance(t, torch.Tensor)), resident_layers=max(read) + 1 if read else 0)
     if gpu_bytes is None:
         if not torch.cuda.is_available():
             raise ValueError("offload on CPU tensors needs the GPU memory to plan for: set "
