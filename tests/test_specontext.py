@@ -123,6 +123,28 @@ def test_quest_and_oracle_select_within_budget(llama):
         assert all(len(set(s.tolist()) - {-1}) == int((s >= 0).sum()) for s in sel.flatten(0, 1))  # no repeats
 
 
+@pytest.mark.parametrize("budget,sink,recent,want", [
+    (16, 4, 12, {6}),         # one page: the newest (96..99), not the sink's or the recent window's older page
+    (16, 4, 0, {6}),          # the newest page before the sink's
+    (32, 4, 20, {6, 5}),      # newest, then the recent window's other page (80..95), not the sink's
+    (48, 4, 20, {6, 5, 0}),   # all three forced pages fit
+    (64, 4, 20, {6, 5, 0, None}),  # and one page by score
+])
+def test_quest_keeps_forced_pages_by_priority(llama, budget, sink, recent, want):
+    """More forced pages than the budget's: the newest page first, then the recent pages, then the sink (the
+    newest page was dropped for the sink's before). Rows of 100 tokens, pages of 16."""
+    sp = _transform(llama, budget=budget, head="quest", num_sink=sink, num_recent=recent)
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(3))
+    cache, _ = sp.runtime.prefill([ids[0]], 110, torch.device("cpu"))
+    sp.head.prefill(cache)
+    sel = sp.head.step(cache, torch.randn(2, 1, 4, 16))
+    for row in sel[0]:
+        pages = {int(t) // 16 for t in row if t >= 0}
+        assert {p for p in want if p is not None} <= pages and len(pages) == budget // 16, pages
+        if None not in want:
+            assert pages == want
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy(sp_llama):
     ids = torch.randint(3, 128, (2, 15), generator=torch.Generator().manual_seed(4))
     a = sp_llama.generate(ids, max_new_tokens=8, do_sample=True, temperature=0.8, top_p=0.9, seed=7,

@@ -199,7 +199,8 @@ class QuestHead(RetrievalHead):
     layer; page score per query head ``Σ_d max(q_d·kmax_d, q_d·kmin_d)`` (an upper bound of the page's best
     logit), log-softmax over the row's pages, max over the GQA group and the layers; the best
     ``ceil(budget / page_size)`` pages (the pages of the first ``num_sink`` and last ``num_recent`` tokens and the
-    newest page always kept). Indices: the pages' valid positions, ``-1`` padding."""
+    newest page always kept; where they are more pages than that, the newest page first, then the recent pages
+    from the newest, then the sink's). Indices: the pages' valid positions, ``-1`` padding."""
 
     needs_queries = True
     REQUEST_STATE = ("kmax", "kmin")
@@ -252,9 +253,15 @@ class QuestHead(RetrievalHead):
         s = s.masked_fill(~valid[None, :, None, None, :], float("-inf")).log_softmax(dim=-1)
         score = s.amax(dim=3).amax(dim=0)                                       # (b, h_kv, P)
         last = (lens - 1).clamp(min=0) // ps
-        forced = (p[None, :] == last[:, None]) | (start < self.num_sink) | \
-            ((start + ps > lens[:, None] - self.num_recent) & (self.num_recent > 0))
-        score = score.masked_fill((forced & valid)[:, None, :], float("inf"))
+        newest = p[None, :] == last[:, None]
+        recent = (start + ps > lens[:, None] - self.num_recent) & (self.num_recent > 0)
+        sink = start < self.num_sink
+        # forced pages outrank every score (log-probabilities, <= 0) in this order when they are more than the
+        # budget's pages: the newest page, the recent pages (newest first), the sink pages
+        prio = torch.where(newest, float("inf"), torch.where(recent, 1e30 + p[None, :].float() * 1e24,
+                                                              torch.where(sink, 1e20, float("nan"))))
+        forced = (newest | recent | sink) & valid
+        score = torch.where(forced[:, None, :], prio[:, None, :], score)
         score = score.masked_fill(~valid[:, None, :], float("-inf"))
         top = select_topk(score, math.ceil(self.budget / ps)).long()            # (b, h_kv, n_pages), -1 pad
         tok = top[..., None] * ps + torch.arange(ps, device=lens.device)        # (b, h_kv, n_pages, ps)
