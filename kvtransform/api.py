@@ -36,6 +36,7 @@ def transform(model: torch.nn.Module, config="canonical", tokenizer=None, progre
         :class:`OptimizedModule` (a subclass for some transforms).
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (e.g. :func:`~kvtransform.load_model`'s pair).
         ValueError: unknown transform / invalid config, or a model that is not a decoder-only causal LM.
         kvtransform.verify.VerificationError: the rewritten model differs beyond tolerance.
     """

@@ -157,8 +157,14 @@ def check_causal_lm(model: torch.nn.Module) -> None:
         model: a Hugging Face ``PreTrainedModel`` (e.g. ``LlamaForCausalLM``).
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (e.g. the ``(model, tokenizer)`` pair of
+            :func:`load_model`, or a tokenizer).
         ValueError: the model is an encoder or encoder-decoder, or no causal self-attention module is found.
     """
+    if not isinstance(model, torch.nn.Module):
+        hint = (" load_model returns (model, tokenizer): use `model, tok = kvt.load_model(...)`"
+                if isinstance(model, tuple) else "")
+        raise TypeError(f"expected a causal LM (a torch.nn.Module); got {type(model).__name__}.{hint}")
     config = getattr(model, "config", None)
     kind = f"{type(model).__name__}" + (f" (model_type {config.model_type!r})" if config is not None else "")
     if config is not None and getattr(config, "is_encoder_decoder", False):

@@ -92,6 +92,16 @@ def test_bert_rejected(tmp_path):
         load_model(tmp_path)
 
 
+def test_not_a_module_names_the_fix():
+    import kvtransform as kvt
+
+    m = tiny_model("llama")
+    with pytest.raises(TypeError, match=r"got tuple\. load_model returns \(model, tokenizer\)"):
+        kvt.transform((m, None), "canonical", progress=False)
+    with pytest.raises(TypeError, match="expected a causal LM \\(a torch.nn.Module\\); got str"):
+        check_causal_lm("smollm2-135m")
+
+
 def test_encoder_decoder_rejected(tmp_path):
     import transformers
 

@@ -226,7 +226,7 @@ def test_sizes_outside_the_capture_ranges_decode(tmp_path):
 def test_artifact_with_damaged_weight_list_is_refused(sp_llama, tmp_path):
     path = sp_llama.save(tmp_path / "sp")
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["prefill_weights_from_decode"]
+    assert meta["prefill_weights_from_decode"] and meta["retrieval_head"] == sp_llama.runtime.head.name
     for names, match in ((None, "needs meta.json's 'prefill_weights_from_decode' list"),
                          (meta["prefill_weights_from_decode"] + ["core.not_a_weight"], "'core.not_a_weight' should "
                                                                                        "come from decode.pt2")):

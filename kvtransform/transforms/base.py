@@ -248,7 +248,7 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
                               f"a new directory (e.g. out/<name>)")
     if not overwrite:
         raise FileExistsError(f"output directory {str(path)!r} exists and is not empty; choose another directory or "
-                              f"pass overwrite=true")
+                              f"pass overwrite=True (on the command line: overwrite=true)")
     if not ((path / "meta.json").is_file() or (path / "config.yaml").is_file()):
         raise FileExistsError(f"{str(path)!r} is a non-empty directory but not a kvtransform artifact (no meta.json "
                               f"or config.yaml): overwrite replaces only artifacts; choose another directory")

@@ -232,7 +232,7 @@ class SpeContextModule(OptimizedModule):
         (directory / "decode_graph.py").write_text(self.code)
         torch.save({"name": self.head.name, "state": self.head.state_dict()}, directory / "head.pt")
         return {"model_info": dataclasses.asdict(self.info), "softmax_scale": self.head.scale,
-                "prefill_weights_from_decode": shared}
+                "retrieval_head": self.head.name, "prefill_weights_from_decode": shared}
 
     @classmethod
     def from_artifact(cls, path: Path, config: SpeContextConfig, report: Report, meta: dict) -> "SpeContextModule":
