@@ -312,8 +312,8 @@ class SpeContextRuntime:
             logits, k_new, v_new, q = self._decode_program(cache.k.device, slot)(
                 tokens[:, None], cache.cache_seqlens, cache.cache_seqlens if slot else
                 torch.sort(indices, dim=-1).values, cache.k, cache.v)
-        else:
-            args = engine.layer_args(indices)
+        else:  # the same position order as resident decode: each layer sums its tokens in the same order
+            args = engine.layer_args(torch.sort(indices, dim=-1).values)
             logits, k_new, v_new, q = engine.graph(tokens[:, None], cache.cache_seqlens, *args)
         cache.append(k_new, v_new)
         if engine is not None:
