@@ -500,8 +500,12 @@ def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: O
     mm = ModelMemory(weight, info.num_layers, info.num_kv_heads, info.head_dim, e)
     state = runtime.head.state_dict()
     read = [l for l in getattr(runtime.head, "LAYERS", ()) if l < info.num_layers]  # layers whose cache it reads
+    # heads with their own key cache (self / distilled / eagle3: (batch, H_kv, S_max, D) in the model's dtype)
+    own_keys = "keys" in getattr(runtime.head, "REQUEST_STATE", ())
     head = HeadMemory(weight_bytes=sum(t.numel() * t.element_size() for t in state.values()
-                                       if isinstance(t, torch.Tensor)), resident_layers=max(read) + 1 if read else 0)
+                                       if isinstance(t, torch.Tensor)),
+                      token_bytes=info.num_kv_heads * info.head_dim * e if own_keys else 0,
+                      resident_layers=max(read) + 1 if read else 0)
     if gpu_bytes is None:
         if not torch.cuda.is_available():
             raise ValueError("offload on CPU tensors needs the GPU memory to plan for: set "
