@@ -98,6 +98,7 @@ def test_cfg_job_dualkv(capsys):
         ("model.nam=x", ["'model.name'", "model.attn_implementation"]),
         ("transform.verify.lenghts=[1]", ["'transform.verify.lengths'", "transform.verify.tolerance"]),
         ("ovrwrite=true", ["'overwrite'", "model, transform, out, overwrite"]),
+        ("transform.budget=64", ["'budget' is a key of transform=specontext: add transform=specontext"]),
     ],
 )
 def test_config_typo_names_valid_keys(capsys, override, expected):

@@ -85,6 +85,24 @@ def group_choices(group: str) -> list[str]:
 _GROUPS = ("model", "transform")
 
 
+def _other_transform_with(key: str) -> Optional[str]:
+    """The transform (a ``transform`` group choice) whose config has the top-level field of ``transform.<field>...``
+    in ``key``, or None: ``transform.budget`` without ``transform=specontext`` is that transform's key."""
+    import dataclasses
+
+    from kvtransform.config import resolve_config
+
+    field = key.split(".")[1] if key.count(".") >= 1 else ""
+    for choice in group_choices("transform"):
+        try:
+            cfg = resolve_config(choice)
+        except ValueError:
+            continue
+        if field in {f.name for f in dataclasses.fields(cfg)}:
+            return choice
+    return None
+
+
 def _override_value(overrides: list[str], key: str) -> Optional[str]:
     """The value given for ``key`` on the command line (last one wins), or None."""
     val = None
@@ -201,8 +219,10 @@ def check_overrides(overrides: list[str], config_name: str = "config") -> None:
             suggestion = f"{group[0]}={best[0] if best else '<choice>'}"
             hint = f" Did you mean {suggestion!r} ({group[0]} choices: {', '.join(choices)})?"
         else:
+            owner = _other_transform_with(typed) if parent == "transform" else None
             close = [k for k in difflib.get_close_matches(full_key, prefixes, n=2) if k != full_key]
-            hint = f" Did you mean {close[0] + rest!r}?" if close else ""
+            hint = (f" {typed.split('.', 1)[1]!r} is a key of transform={owner}: add transform={owner} to the "
+                    f"command line." if owner else f" Did you mean {close[0] + rest!r}?" if close else "")
         raise UsageError(f"unknown config key {full_key!r}.{hint} Valid keys: {', '.join(siblings)}")
     if "Available options" in str(err):  # unknown group option: keep the options, drop the search path
         text = " ".join(str(err).split("Config search path")[0].split()).replace("In 'config': ", "")
