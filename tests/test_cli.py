@@ -298,3 +298,22 @@ def test_generate_bad_option_before_loading(capsys, arg, msg):
     rc, _, err = _run(["generate", "no-such-model", "prompt=hi", arg], capsys)
     assert rc == 2 and err.count("error:") == 1 and msg in err, err
     assert "Traceback" not in err and _cwd_is_empty()
+
+
+def test_generate_warns_about_threads_on_a_small_cpu(monkeypatch, capsys):
+    """The 2-core trap of the README: more than one intra-op thread, no OMP_NUM_THREADS, a CPU of <= 4 cores."""
+    import os
+
+    import torch
+
+    from kvtransform.cli import _warn_small_cpu_threads
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _warn_small_cpu_threads()
+    assert "OMP_NUM_THREADS=1" in capsys.readouterr().err
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    _warn_small_cpu_threads()
+    assert capsys.readouterr().err == ""

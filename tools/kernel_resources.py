@@ -47,7 +47,8 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
     """The compiled kernel ``kind`` (:data:`KERNELS`) for sm_90a with the given launch config."""
     fn = KERNELS[kind]
     d_pad = max(16, 1 << (head_dim - 1).bit_length())
-    block_rows = bm if kind in ("dkdv", "fused_fixed") else bn  # the descriptor's block: K/V blocks (fwd, dQ) or Q/dO blocks (dK/dV)
+    # the descriptor's block: K/V blocks (fwd, dQ) or Q/dO blocks (dK/dV)
+    block_rows = bm if kind in ("dkdv", "fused_fixed") else bn
     const = dict(D=head_dim, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=head_dim == d_pad, PREC="tf32", TMA=tma)
     if kind in ("fwd", "dq"):
         const["PACK"] = pack

@@ -326,6 +326,21 @@ def _check_generate_options(opts: dict) -> None:
         raise UsageError(f"seed must be an integer >= 0; got {opts['seed']!r}")
 
 
+def _warn_small_cpu_threads() -> None:
+    """On a CPU-only machine of few cores with more than one intra-op thread and no OMP_NUM_THREADS, say that the
+    decode loop's small ops can spin those threads: measured 10-18x slower per step on a shared 2-core machine."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() <= 1 or \
+            (os.cpu_count() or 1) > 4:
+        return
+    _console(stderr=True).print(f"[dim]note: {torch.get_num_threads()} CPU threads on a {os.cpu_count()}-core machine: "
+                                f"if decode is slow (other jobs running), OMP_NUM_THREADS=1 kvtransform generate ... "
+                                f"was 10-18x faster per step in our measurements (README)[/dim]")
+
+
 def _generate(args: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(_GENERATE_HELP)
@@ -343,6 +358,7 @@ def _generate(args: Sequence[str]) -> int:
         except ValueError as e:
             raise UsageError(f"invalid transform setting: {e}") from None
         n = opts["max_new_tokens"]
+        _warn_small_cpu_threads()
         model, tok = load_model(name or "smollm2-135m", dtype=opts["model.dtype"])
         if tok is None:
             raise UsageError(f"{name} has no tokenizer: kvtransform generate needs one to encode the prompt")
@@ -407,7 +423,7 @@ def _eval_job(cfg: DictConfig) -> None:
     from ..eval_sparse import markdown, run_eval, summarize
 
     df = run_eval(cfg)
-    _console().print(markdown(summarize(df)))
+    _console().print(markdown(summarize(df)), soft_wrap=True)  # a markdown table: never wrapped at 80 columns
     _console().print(f"[bold]Wrote[/bold] {cfg.out}/results.csv, results.md, results.png")
 
 
