@@ -63,6 +63,15 @@ def test_layers_the_head_reads_are_never_offloaded():
         plan_memory(mm, HeadMemory(resident_layers=1), batch=pinned.max_batch + 1, **kw)
 
 
+def test_a_budget_past_the_request_never_refuses_what_fits_resident():
+    """budget 2048 > input + output 1000: the offload slots would exceed the cache; a batch that fits resident is
+    planned without moves (it was refused as needing offload)."""
+    mm = ModelMemory(10 ** 9, 32, 8, 128, 2)
+    plan = plan_memory(mm, HeadMemory(), gpu_bytes=20 * 10 ** 9, batch=144, input_len=500, output_len=500,
+                       budget=2048)
+    assert plan.max_batch >= plan.max_batch_resident >= 144 and plan.thresholds == [None] * 32
+
+
 def test_small_request_needs_no_offload_and_too_large_batch_is_refused():
     mm = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)
     plan = plan_memory(mm, HeadMemory(), gpu_bytes=80 * 2 ** 30, batch=1, input_len=2048, output_len=4096,

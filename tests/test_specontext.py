@@ -228,6 +228,7 @@ def test_artifact_with_damaged_weight_list_is_refused(sp_llama, tmp_path):
     meta = json.loads((path / "meta.json").read_text())
     assert meta["prefill_weights_from_decode"] and meta["retrieval_head"] == sp_llama.runtime.head.name
     for names, match in ((None, "needs meta.json's 'prefill_weights_from_decode' list"),
+                         (meta["prefill_weights_from_decode"][1:], "are placeholders that meta.json's"),
                          (meta["prefill_weights_from_decode"] + ["core.not_a_weight"], "'core.not_a_weight' should "
                                                                                        "come from decode.pt2")):
         bad = dict(meta)

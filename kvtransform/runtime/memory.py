@@ -210,16 +210,18 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
     S = input_len + output_len
     free = gpu_bytes - model.weight_bytes - head.weight_bytes - reserve_bytes
     per_row = max(input_len * (L * c + ch), (L - pin) * budget * c + pin * S * c + S * ch)
-    max_batch = max(free // per_row, 0) if free > 0 else 0
     max_resident = max(free // (S * (L * c + ch)), 0) if free > 0 else 0
+    # offload never needs more than staying resident (a budget past S would count slots larger than the cache)
+    max_batch = max(free // per_row if free > 0 else 0, max_resident)
     plan = MemoryPlan(model, head, gpu_bytes, reserve_bytes, batch, input_len, output_len, budget,
                       max_batch=int(max_batch), max_batch_resident=int(max_resident))
     if batch > max_batch:
         need = max(_m_k(model, head, reserve_bytes, batch, budget, input_len, 0),
                    _m_k(model, head, reserve_bytes, batch, budget, S, L - pin))
-        which = "every layer's KV" if not pin else f"the KV of every layer but the {pin} the retrieval head reads"
-        raise ValueError(f"batch {batch} does not fit {gpu_bytes / 1e9:.1f} GB even with {which} on CPU "
-                         f"(needs {need / 1e9:.1f} GB at the prefill or at {S} tokens): lower the batch to "
+        which = ("every layer's KV" if not pin else "no layer's KV (the retrieval head reads every layer)" if pin >= L
+                 else f"the KV of every layer but the {pin} the retrieval head reads")
+        raise ValueError(f"batch {batch} does not fit {gpu_bytes / 1e9:.3g} GB even with {which} on CPU "
+                         f"(needs {need / 1e9:.3g} GB at the prefill or at {S} tokens): lower the batch to "
                          f"{max_batch} or shorten [input, output]")
     thresholds: list = [None] * L
     for k in range(1, L - pin + 1):

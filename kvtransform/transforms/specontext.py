@@ -324,6 +324,13 @@ def _bind_shared_weights(src: torch.nn.Module, dst: torch.nn.Module, names, path
                              f"{why}; the artifact is damaged or mixed: write it again with save()")
         owner, _, leaf = name.rpartition(".")
         setattr(dst.get_submodule(owner) if owner else dst, leaf, b)
+    left = [n for n, t in {**dict(dst.named_parameters(remove_duplicate=False)),
+                           **dict(dst.named_buffers(remove_duplicate=False))}.items()
+            if t.numel() > 1 and all(st == 0 for st in t.stride())]
+    if left:  # a placeholder the list does not name: running on it would be silently wrong
+        raise ValueError(f"{str(path)!r}: the prefill program's weight(s) {left[:3]} are placeholders that meta.json's "
+                         f"'prefill_weights_from_decode' does not list; the artifact is damaged: write it again with "
+                         f"save()")
 
 
 def _share_weights(src: torch.nn.Module, dst: torch.nn.Module) -> int:
