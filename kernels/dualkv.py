@@ -1095,14 +1095,31 @@ _FIXED_POINT_BITS = 62
 _FIXED_MAX_EXP = 126  # the largest power of two whose inverse is a normal fp32 (bounds below ~2^-65 lose bits)
 
 
-def _dq_row_scales(k: torch.Tensor, v: torch.Tensor, don: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """fp32 ``(H, T)`` power-of-two scales of the fixed-point dQ sums (0 where the bound is not finite)."""
+def _dq_row_scales(k: torch.Tensor, v: torch.Tensor, don: torch.Tensor, delta: torch.Tensor, cub: torch.Tensor,
+                   kctx_lo: torch.Tensor, kctx_hi: torch.Tensor) -> torch.Tensor:
+    """fp32 ``(H, T)`` power-of-two scales of the fixed-point dQ sums (0 where the bound is not finite). ``max|K|``
+    and ``max||V||`` are taken over the keys each row sees (its segment and its group's prefix, per KV head), so
+    an outlier in one sequence costs no precision (and gives no NaN) in the others."""
     h, t = don.shape
     h_kv = k.shape[1]
-    kmax = torch.maximum(torch.amax(k, dim=(0, 2)).float().abs(), torch.amin(k, dim=(0, 2)).float().abs())
-    vmax = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax(dim=0)
+    s = cub.numel() - 1
+    tok = torch.arange(t, device=k.device)
+    seg = torch.searchsorted(cub[1:].long(), tok, right=True).clamp(max=s - 1)   # (T,) each token's segment
+    kabs = torch.maximum(torch.amax(k, dim=-1).float().abs(), torch.amin(k, dim=-1).float().abs())  # (T, H_kv)
+    vn = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32)                                  # (T, H_kv)
+
+    def seg_max(x):  # (S, H_kv): the max of each segment (0 for an empty one)
+        return torch.zeros((s, h_kv), dtype=x.dtype, device=x.device).scatter_reduce(
+            0, seg[:, None].expand(-1, h_kv), x, reduce="amax", include_self=True)
+
+    sk, sv = seg_max(kabs), seg_max(vn)
+    has_ctx = kctx_hi > kctx_lo
+    pseg = torch.searchsorted(cub[1:].long(), kctx_lo.long(), right=True).clamp(max=s - 1)  # the prefix's segment
+    sk = torch.where(has_ctx[:, None], torch.maximum(sk, sk[pseg]), sk)
+    sv = torch.where(has_ctx[:, None], torch.maximum(sv, sv[pseg]), sv)
     grp = torch.arange(h, device=don.device) // (h // h_kv)
-    bound = kmax[grp, None] * (don * vmax[grp, None] + delta.abs())
+    kmax, vmax = sk[seg][:, grp].t(), sv[seg][:, grp].t()                                     # (H, T)
+    bound = kmax * (don * vmax + delta.abs())
     e = (_FIXED_POINT_BITS - 1 - torch.log2(bound).ceil()).clamp(max=_FIXED_MAX_EXP)
     return torch.where(torch.isfinite(bound), torch.exp2(e), torch.zeros_like(bound)).contiguous()
 
@@ -1141,7 +1158,7 @@ def _dq_descriptor(acc: torch.Tensor, block_m: int):
 def _launch_fused_fixed(q, k, v, do, dq, dk, dv, lse, delta, don, cub, ctx, t, h, h_kv, d, d_pad, prec, scale,
                         cfg):
     """The fused backward with fixed-point dQ sums (:data:`DQ_SUMS`): dK/dV into ``dk``/``dv``, dQ into ``dq``."""
-    rs = _dq_row_scales(k, v, don, delta)
+    rs = _dq_row_scales(k, v, don, delta, cub, ctx[0], ctx[1])
     acc = torch.zeros((t, h, d), dtype=torch.int64, device=q.device)
     # the interpreter has no bulk tensor reduction: the atomics there give the same integer sums
     dqd = _dq_descriptor(acc, cfg["BLOCK_M"]) if cfg.get("DQ_TMA") and not _interpreting() else None
