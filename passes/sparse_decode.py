@@ -291,6 +291,14 @@ def slot_mode_program(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                                    "(no kvt::sparse_decode_attention in it)")
 
 
+def drop_input_guards(graph: torch.fx.Graph) -> None:
+    """Erase, in place, the ``_guards_fn`` call ``torch.export`` leaves at the top of a program (it checks the
+    export's ``Dim`` ranges, not what the program needs) where nothing reads its output."""
+    for n in list(graph.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
+            graph.erase_node(n)
+
+
 def rewrite_sites(gm: torch.fx.GraphModule, edit: Callable[[torch.fx.Node], None], missing: str
                   ) -> torch.fx.GraphModule:
     """A copy of ``gm`` (sharing its parameters, same signature) in which ``edit(node)`` has changed every
@@ -308,12 +316,10 @@ def rewrite_sites(gm: torch.fx.GraphModule, edit: Callable[[torch.fx.Node], None
         raise ValueError(missing)
     for n in sites:
         edit(n)
-    for n in list(graph.nodes):
-        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
-            graph.erase_node(n)
+    drop_input_guards(graph)
     graph.lint()
     return derived_program(gm, graph)
 
 
 __all__ = ["SparseDecodePass", "prove_cache_mask", "cache_concat", "append_outputs", "count_cache_copies",
-           "slot_mode_program", "rewrite_sites"]
+           "slot_mode_program", "rewrite_sites", "drop_input_guards"]

@@ -100,9 +100,9 @@ def split_decode_inputs(gm: torch.fx.GraphModule, num_layers: int) -> torch.fx.G
     need = ("input_ids", "cache_seqlens", "indices", "k_cache", "v_cache")
     if any(k not in ph for k in need):
         raise ValueError(f"split_decode_inputs needs a decode program with inputs {need}; got {sorted(ph)}")
-    for n in list(g.nodes):
-        if n.op == "call_module" and n.target == "_guards_fn":  # shape guards of the old signature
-            g.erase_node(n)
+    from kvtransform.passes.sparse_decode import drop_input_guards
+
+    drop_input_guards(g)  # shape guards of the old signature
     anchor, raw = ph["v_cache"], []
     for l in range(num_layers):
         trio = []

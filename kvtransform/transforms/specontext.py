@@ -36,7 +36,7 @@ from kvtransform.config import SpeContextConfig
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.passes.dualkv import DualKVPass
-from kvtransform.passes.sparse_decode import SparseDecodePass, count_cache_copies
+from kvtransform.passes.sparse_decode import SparseDecodePass, count_cache_copies, drop_input_guards
 from kvtransform.report import Report, Verification
 from kvtransform.runtime.generate import GenerateOutput, ModelInfo, SpeContextRuntime
 from kvtransform.runtime.heads import all_positions, make_head
@@ -275,10 +275,8 @@ def _unsupported_generate_kwargs(given: dict) -> str:
 
 
 def _drop_input_guards(gm: torch.fx.GraphModule) -> None:
-    """Erase the ``_guards_fn`` call that ``torch.export`` leaves at the top of a program (unused output), in place."""
-    for n in list(gm.graph.nodes):
-        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
-            gm.graph.erase_node(n)
+    """:func:`~kvtransform.passes.sparse_decode.drop_input_guards` on ``gm``'s graph, recompiled."""
+    drop_input_guards(gm.graph)
     gm.recompile()
 
 
@@ -302,6 +300,11 @@ def _strip_shared_weights(prefill_ep, decode_ep) -> list:
     return names
 
 
+def _named_tensors(m: torch.nn.Module) -> dict:
+    """``{name: tensor}`` of ``m``'s parameters and buffers, tied names included."""
+    return {**dict(m.named_parameters(remove_duplicate=False)), **dict(m.named_buffers(remove_duplicate=False))}
+
+
 def _bind_shared_weights(src: torch.nn.Module, dst: torch.nn.Module, names, path) -> None:
     """Make ``dst``'s parameters/buffers ``names`` (an artifact's ``prefill_weights_from_decode``) the tensors of
     ``src`` of the same names.
@@ -313,8 +316,7 @@ def _bind_shared_weights(src: torch.nn.Module, dst: torch.nn.Module, names, path
     if not isinstance(names, list) or not names:
         raise ValueError(f"{str(path)!r}: prefill_shared.pt2 needs meta.json's 'prefill_weights_from_decode' list; "
                          f"the artifact is damaged: write it again with save()")
-    theirs = {**dict(src.named_parameters(remove_duplicate=False)), **dict(src.named_buffers(remove_duplicate=False))}
-    mine = {**dict(dst.named_parameters(remove_duplicate=False)), **dict(dst.named_buffers(remove_duplicate=False))}
+    theirs, mine = _named_tensors(src), _named_tensors(dst)
     for name in names:
         a, b = mine.get(name), theirs.get(name)
         why = ("is not in decode.pt2" if b is None else "is not in the prefill program" if a is None else
@@ -324,9 +326,7 @@ def _bind_shared_weights(src: torch.nn.Module, dst: torch.nn.Module, names, path
                              f"{why}; the artifact is damaged or mixed: write it again with save()")
         owner, _, leaf = name.rpartition(".")
         setattr(dst.get_submodule(owner) if owner else dst, leaf, b)
-    left = [n for n, t in {**dict(dst.named_parameters(remove_duplicate=False)),
-                           **dict(dst.named_buffers(remove_duplicate=False))}.items()
-            if t.numel() > 1 and all(st == 0 for st in t.stride())]
+    left = [n for n, t in _named_tensors(dst).items() if t.numel() > 1 and all(st == 0 for st in t.stride())]
     if left:  # a placeholder the list does not name: running on it would be silently wrong
         raise ValueError(f"{str(path)!r}: the prefill program's weight(s) {left[:3]} are placeholders that meta.json's "
                          f"'prefill_weights_from_decode' does not list; the artifact is damaged: write it again with "
@@ -345,8 +345,7 @@ def _share_weights(src: torch.nn.Module, dst: torch.nn.Module) -> int:
         theirs = dict(getattr(src, f"named_{kind}")(remove_duplicate=False))
         for name, mine in list(getattr(dst, f"named_{kind}")(remove_duplicate=False)):
             other = theirs.get(name)
-            if other is None or other is mine or other.shape != mine.shape or other.dtype != mine.dtype or \
-                    other.stride() != mine.stride() or other.device != mine.device or not torch.equal(other, mine):
+            if other is mine or not _same_weight(mine, other):
                 continue
             owner, _, leaf = name.rpartition(".")
             setattr(dst.get_submodule(owner) if owner else dst, leaf, other)
