@@ -261,6 +261,94 @@ def check_exactness(model, opt, batch: PackedBatch, advantages: Optional[torch.T
     return res
 
 
+def _loss_grads(lps: list, adv: torch.Tensor, params: list) -> list:
+    """fp64 copies of the gradients of ``Σ_i adv_i · Σ_j lps_ij`` for ``params`` (zeros where unused)."""
+    loss = sum(adv[i].to(lp.dtype) * lp.sum() for i, lp in enumerate(lps))
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [(torch.zeros_like(p) if g is None else g).detach().double() for p, g in zip(params, grads)]
+
+
+def check_numerics_rule(model, opt, batch: PackedBatch, advantages: Optional[torch.Tensor] = None,
+                        floor: float = 1e-5, original_runs: tuple = ("separate", "padded")) -> dict:
+    """The project's numerics rule for the DualKV module, per tensor, against a float64 run of the original model.
+
+    Runs on ``batch``: the packed module ``opt`` (the model's dtype), the original ``model`` on the replicated batch
+    (same dtype) in each way of ``original_runs`` (``"separate"``: N sequences; ``"padded"``: one right-padded batch
+    with an attention mask; both are how a trainer runs the original), and a float64 copy of the original (N
+    separate sequences). For the per-response log-probs (all responses as one tensor) and the gradient of every
+    parameter (loss ``Σ_i adv_i Σ_j logprob_ij``) the error of a run is ``max|x − x64| / max|x64|``; the original's
+    error is the larger over ``original_runs``; the rule holds for a tensor when ``err(opt) <= 2 · err(original) +
+    floor``. A fixed tolerance between two runs in the model's dtype sets no bound: the original's own error varies
+    with the input and with how it is run (SmolLM2-135M, fp32, one 3-response batch: ``‖g − g64‖ / ‖g64‖`` is
+    1.4e-5 run separately and 3.1e-5 padded).
+
+    Args:
+        model: the original model (floating point; the packed module shares its parameters).
+        opt: the :class:`DualKVModule`.
+        batch: a :class:`PackedBatch`.
+        advantages: ``(N,)`` (default: standard normal, seeded 0).
+        floor: the absolute floor of the rule, relative to ``max|x64|`` (default 1e-5, for fp32; bf16 ~1e-3).
+        original_runs: the ways the original is run in the model's dtype (non-empty subset of
+            ``("separate", "padded")``).
+
+    Returns:
+        dict: ``passed`` (every tensor within the rule), ``rows`` (``(name, err_opt, err_original, limit)`` per
+        tensor; ``"logprobs"`` first), ``worst`` (the row with the largest ``err_opt / limit``), and
+        ``grad_global_rel_opt`` / ``grad_global_rel_original`` (``‖g − g64‖₂ / ‖g64‖₂`` over all parameters; the
+        original's is the larger over ``original_runs``).
+
+    Raises:
+        ValueError: ``original_runs`` empty or with another value; ``model`` lacks a parameter of its copy.
+
+    Memory: a float64 copy of the model (8 bytes per parameter) for the duration of the call.
+    """
+    import copy
+
+    runs_ok = ("separate", "padded")
+    if not original_runs or any(r not in runs_ok for r in original_runs):
+        raise ValueError(f"original_runs={original_runs!r}: pass a non-empty subset of {runs_ok}")
+    n = batch.num_responses
+    if advantages is None:
+        advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    dev = device_of(model)
+    adv = advantages.to(dev, torch.float64)
+    params = trainable_parameters(model)
+    names, ps = [nm for nm, _ in params], [p for _, p in params]
+    ref = copy.deepcopy(model).to(torch.float64)
+    p64 = dict(trainable_parameters(ref))
+    missing = [nm for nm in names if nm not in p64]
+    if missing:
+        raise ValueError(f"float64 copy of the model lacks parameters {missing[:3]}: pass the original model")
+    ps64 = [p64[nm] for nm in names]
+    def flat(lps, grads):
+        return [torch.cat([x.detach().double() for x in lps])] + grads
+
+    lp = replicated_logprobs(ref, batch)
+    x_64 = flat(lp, _loss_grads(lp, adv, ps64))
+    del ref, lp
+    lp = batch.response_logprobs(opt(batch))
+    x_opt = flat(lp, _loss_grads(lp, adv, ps))
+    x_orig = []
+    for how in dict.fromkeys(original_runs):
+        lp = replicated_logprobs(model, batch, padded=how == "padded")
+        x_orig.append(flat(lp, _loss_grads(lp, adv, ps)))
+    rows = []
+    for i, (name, a, c) in enumerate(zip(["logprobs"] + names, x_opt, x_64)):
+        e_opt, e_orig = _rel(a, c)[1], max(_rel(xs[i], c)[1] for xs in x_orig)
+        rows.append((name, e_opt, e_orig, 2 * e_orig + floor))
+
+    def global_rel(xs):
+        d = math.sqrt(sum(float(((g - g64) ** 2).sum()) for g, g64 in zip(xs[1:], x_64[1:])))
+        r = math.sqrt(sum(float((g64 ** 2).sum()) for g64 in x_64[1:]))
+        return d / r if r > 0 else d
+
+    ok = all(e <= lim for _, e, _, lim in rows)       # NaN compares False: a NaN anywhere fails
+    return {"passed": bool(ok), "rows": rows, "worst": max(rows, key=lambda r: r[1] / r[3] if r[1] == r[1]
+                                                            else math.inf),
+            "grad_global_rel_opt": global_rel(x_opt),
+            "grad_global_rel_original": max(global_rel(xs) for xs in x_orig)}
+
+
 def _verify_batch(cfg: DualKVConfig, tokenizer, vocab: int, device) -> PackedBatch:
     """Packed batch of real text (the shipped prompts) in the shape of ``cfg.verify_groups``."""
     gen = torch.Generator().manual_seed(cfg.verify.seed)

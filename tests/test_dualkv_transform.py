@@ -244,6 +244,13 @@ def test_gate_rejects_wrong_module(llama, monkeypatch):
     bad = DualKVModule(Leaky(), DualKVConfig(), Report())
     with pytest.raises(VerificationError):
         verify_packed(model, bad, DualKVConfig(), None, Report(), progress=False)
+    # The numerics rule (float64 reference) fails it too, and holds for the real packed module on the same batch.
+    from kvtransform.verify import check_numerics_rule
+
+    b = kvt.pack_shared_prefix_groups(_rand_groups(128, [(7, [2, 9, 1]), (2, [3])]))
+    res = check_numerics_rule(model, bad, b, floor=1e-4)
+    assert not res["passed"] and res["worst"][1] > 1e-2, res["worst"]
+    assert check_numerics_rule(model, opt, b, floor=1e-4)["passed"]
 
 
 # ------------------------------------------------------------------------------------------------ real SmolLM2
@@ -271,15 +278,26 @@ def _real_batch(tok, vocab, spec, gen):
 
 @pytest.mark.parametrize("spec", [[(17, [6, 1, 9])], [(12, [4, 7]), (5, [3])]], ids=["one-group", "two-groups"])
 def test_exact_real_smollm2(smollm2, spec):
+    """The numerics rule on every tensor (log-probs and each of the 30-layer model's parameter gradients): the packed
+    fp32 module's error against a float64 run of the original is at most 2x the original fp32 model's own error (the
+    larger of its two usual runs: N sequences, one padded batch) plus a floor of 1e-4 of max|x64|.
+
+    Why that floor: the attention op itself is within ~1e-6 of float64 here; the gradient errors (1e-6..1e-3 per
+    tensor, for the original and for us alike) are fp32 rounding amplified through 30 layers, so per tensor the two
+    runs' errors scatter independently and their ratio reaches ~3.6x on small tensors (early q/k projections, norm
+    weights) where the original is lucky; a fixed tolerance between the two fp32 runs failed CI the same way. Over 70
+    random batches the worst err/(2 err_orig + floor) was 1.61 at floor 1e-5, 1.10 at 5e-5 and 0.78 at 1e-4. A wrong
+    mask gives errors above 1e-2 (test_gate_rejects_wrong_module)."""
+    from kvtransform.verify import check_numerics_rule
+
     model, tok, opt = smollm2
     assert opt.report.verification.passed
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     b = _real_batch(tok, model.config.vocab_size, spec, gen)
     adv = torch.randn(b.num_responses, generator=gen)
-    res = check_exactness(model, opt, b, adv)
-    assert res["logprobs_rel"] <= 1e-5, res
-    assert res["grad_global_rel"] <= 1e-5, res     # all parameters as one vector: ‖g − g_ref‖₂ / ‖g_ref‖₂
-    # Per parameter (max abs error / max |ref|): the original model's own fp32 noise floor on this 30-layer model
-    # (N separate sequences vs one padded batch) is ~3e-5 on LayerNorm weights, so 1e-5 is out of reach for any
-    # change of summation order; bound it by the fp32 gate tolerance.
-    assert res["grad_rel"] <= 1e-4, res
+    res = check_numerics_rule(model, opt, b, adv, floor=1e-4)
+    assert res["passed"], [r for r in res["rows"] if not r[1] <= r[3]][:5]
+    assert len(res["rows"]) == 1 + len(list(model.parameters()))
+    assert res["rows"][0][0] == "logprobs" and res["rows"][0][1] < 1e-5, res["rows"][0]
+    # The whole gradient (all parameters as one vector, ~2e-5 for both runs) obeys the same form.
+    assert res["grad_global_rel_opt"] <= 2 * res["grad_global_rel_original"] + 1e-5, res["worst"]
