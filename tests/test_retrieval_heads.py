@@ -138,6 +138,51 @@ def test_copy_sources_and_the_distilled_selection():
     assert not all(((head.step(cache, None)[0] == j).any(-1)).all() for j in (12, 13))
 
 
+@pytest.mark.parametrize("kind", ["distilled", "eagle3"])
+def test_yarn_extension_is_per_row(kind, tmp_path):
+    """Past the head's trained length its RoPE is stretched (YaRN) by the row's own final length (prompt +
+    max_new_tokens), so a row's selections are the same alone as in a batch with a longer row (the same set per KV
+    head; top-k's order is unspecified)."""
+    model = tiny_model("llama")
+    c = model.config
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    room = 37                                                     # max_new_tokens
+    prompts = [torch.randint(3, 128, (n,), generator=g) for n in (29, 83)]    # both past 64: YaRN on, and longer
+    cfg = kvt.SpeContextConfig(head=kind, budget=12)
+    if kind == "eagle3":
+        cfg = kvt.SpeContextConfig(head=kind, budget=12,
+                                   retrieval=str(_eagle3_dir(tmp_path / "draft", model, max_positions=64)))
+
+    def selections(rows):
+        longest = max(r.numel() for r in rows)
+        ids = torch.zeros(len(rows), longest + room, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :r.numel()] = r
+        k = torch.randn(c.num_hidden_layers, len(rows), c.num_key_value_heads, longest + room, c.head_dim,
+                        generator=torch.Generator().manual_seed(0))
+        cache = KVCache(k, k.clone(), torch.tensor([r.numel() for r in rows], dtype=torch.int32), ids)
+        head = make_head(kind, cfg, None)
+        if kind == "distilled":
+            head.block, head.embed, head.window = _block(model), model.model.embed_tokens.weight.detach(), 4
+        else:
+            head.bind(model)
+        head.prefill(cache)
+        cache.set_current(torch.tensor([5] * len(rows)))
+        return head.step(cache, None), head                  # (batch, H_kv, budget)
+
+    both, head = selections(prompts)
+    alone = [selections([p])[0] for p in prompts]
+    assert head._lengths == (29 + room, 83 + room)
+    for i in range(2):
+        assert torch.equal(both[i].sort(-1).values, alone[i][0].sort(-1).values), i   # the same sets
+    # and the extension is on: the long row's keys differ from plain RoPE's
+    if kind == "distilled":
+        from kvtransform.runtime.embedding_heads import yarn_rows
+
+        inv, ms = yarn_rows(10000.0, c.head_dim, head._lengths, 64)
+        assert inv.shape == (2, c.head_dim // 2) and bool((ms > 1).all())
+
+
 def test_foreign_head_is_refused(tmp_path):
     a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
     save_head_dir(tmp_path / "h", _block(a), fingerprint(a))
@@ -152,7 +197,7 @@ def test_foreign_head_is_refused(tmp_path):
         make_head("distilled", kvt.SpeContextConfig(head="distilled")).bind(b)
 
 
-def _eagle3_dir(path, model, vocab=None, kv_heads=None, drop=()):
+def _eagle3_dir(path, model, vocab=None, kv_heads=None, drop=(), max_positions=256):
     from safetensors.torch import save_file
 
     c = model.config
@@ -160,7 +205,7 @@ def _eagle3_dir(path, model, vocab=None, kv_heads=None, drop=()):
     kv = kv_heads or c.num_key_value_heads
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hid, "num_attention_heads": h,
            "num_key_value_heads": kv, "head_dim": d, "vocab_size": vocab or c.vocab_size, "draft_vocab_size": 32,
-           "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 256}
+           "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": max_positions}
     g = torch.Generator().manual_seed(0)
     w = {"fc.weight": torch.randn(hid, 3 * hid, generator=g) * 0.05,
          "midlayer.input_layernorm.weight": torch.ones(hid), "midlayer.hidden_norm.weight": torch.ones(hid),

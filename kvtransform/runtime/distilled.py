@@ -13,7 +13,8 @@ The window lets a key carry its predecessors (so "the token after an earlier occ
 the induction pattern, is expressible) while every key still depends only on ids and positions: the head's key
 cache is built once at prefill and grows by one key per step. RoPE uses the target's base; beyond the training
 length ``train_length`` YaRN (:func:`~.embedding_heads.yarn_inv_freq`) stretches the low frequencies by
-``max_length / train_length`` for the whole generation (static per request).
+``length / train_length`` for the whole generation, ``length`` being the row's own final length (prompt plus
+``max_new_tokens``; :func:`~.embedding_heads.row_lengths`): static per request, independent of the other rows.
 
 A trained head is a directory with ``head.safetensors`` (the block's weights, fp16) and ``head.json`` (architecture,
 training settings and the target's :func:`fingerprint`); :func:`load_head_dir` refuses a head whose fingerprint
@@ -29,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .embedding_heads import EmbeddingKeyHead, find_param, rms_norm, rope, yarn_inv_freq
+from .embedding_heads import EmbeddingKeyHead, find_param, rms_norm, rope, yarn_rows
 from .heads import register_head
 
 __all__ = ["DistilledBlock", "DistilledHead", "fingerprint", "check_fingerprint", "save_head_dir", "load_head_dir",
@@ -62,20 +63,21 @@ class DistilledBlock(nn.Module):
         self.w_k = nn.Linear(dim, kv_heads * head_dim, bias=False)
         nn.init.zeros_(self.down.weight)
 
-    def forward(self, emb: torch.Tensor, positions: torch.Tensor, max_length: Optional[int] = None):
+    def forward(self, emb: torch.Tensor, positions: torch.Tensor, max_length=None):
         """``emb`` ``(..., window, hidden)``, ``positions`` int64 ``emb.shape[:-2]`` → ``(q (..., H, D),
-        k (..., H_kv, D))`` fp32 post-RoPE. ``max_length`` > ``train_length`` switches on YaRN."""
+        k (..., H_kv, D))`` fp32 post-RoPE. ``max_length`` (an int for every row, or one int per row of
+        ``positions``' first dim) > ``train_length`` switches on YaRN (for those rows)."""
         a = self.arch
         x = self.w_in(rms_norm(emb, None, a["eps"]).flatten(-2))
         x = x + self.down(nn.functional.silu(self.up(rms_norm(x, self.mlp_norm, a["eps"]))))
         h = rms_norm(x, self.out_norm, a["eps"])
         q = self.w_q(h).unflatten(-1, (a["heads"], a["head_dim"]))
         k = self.w_k(h).unflatten(-1, (a["kv_heads"], a["head_dim"]))
-        key = (int(max_length or 0), emb.device)
+        lengths = int(max_length or 0) if max_length is None or isinstance(max_length, int) else tuple(max_length)
+        key = (lengths, emb.device)
         if getattr(self, "_rope", (None,))[0] != key:  # computed at prefill, reused by every step (no H2D copy)
-            inv, mscale = yarn_inv_freq(a["rope_theta"], a["head_dim"], key[0] / a["train_length"],
-                                        a["train_length"])
-            self._rope = (key, inv.to(emb.device), mscale)
+            inv, mscale = yarn_rows(a["rope_theta"], a["head_dim"], lengths, a["train_length"])
+            self._rope = (key, inv.to(emb.device), mscale.to(emb.device) if torch.is_tensor(mscale) else mscale)
         _, inv, mscale = self._rope
         return rope(q, positions, inv, mscale), rope(k, positions, inv, mscale)
 
@@ -220,8 +222,8 @@ class DistilledHead(EmbeddingKeyHead):
         self.block.to(cache.k.device)  # a head restored from an artifact or a state dict starts on the CPU
         super().prefill(cache)
 
-    def qk(self, emb, positions, max_length):
-        return self.block(emb, positions, max_length)
+    def qk(self, emb, positions, lengths):
+        return self.block(emb, positions, lengths)
 
     def state_dict(self) -> dict:
         st = {f"block.{k}": v for k, v in self.block.state_dict().items()} if self.block is not None else {}

@@ -26,7 +26,7 @@ from kvtransform.kernels.retrieval import select_topk
 
 from .heads import RetrievalHead, _scores, register_head
 
-__all__ = ["find_param", "rope", "yarn_inv_freq", "rms_norm", "current_tokens", "copy_sources", "SelfHead",
+__all__ = ["find_param", "rope", "yarn_inv_freq", "yarn_rows", "row_lengths", "rms_norm", "current_tokens", "copy_sources", "SelfHead",
            "EmbeddingKeyHead"]
 
 
@@ -56,14 +56,20 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mscal
     """Rotary embedding, Hugging Face's rotate-half layout.
 
     Args:
-        x: ``(..., heads, D)``; positions: int64 ``x.shape[:-2]``; inv_freq: fp32 ``(D/2,)``; mscale: YaRN's
-            attention factor (multiplies cos and sin).
+        x: ``(..., heads, D)``; positions: int64 ``x.shape[:-2]``; inv_freq: fp32 ``(D/2,)``, or ``(batch, D/2)``
+            per row (``batch = positions.shape[0]``, :func:`yarn_rows`); mscale: YaRN's attention factor
+            (multiplies cos and sin): a float, or fp32 ``(batch,)`` per row.
 
     Returns:
         fp32 ``x.shape``.
     """
-    ang = positions.float()[..., None] * inv_freq.float()          # (..., D/2)
+    inv = inv_freq.float()
+    if inv.dim() == 2:                                               # per row: broadcast over positions' other dims
+        inv = inv.view(inv.shape[0], *([1] * (positions.dim() - 1)), inv.shape[1])
+    ang = positions.float()[..., None] * inv                         # (..., D/2)
     emb = torch.cat([ang, ang], dim=-1)[..., None, :]                # (..., 1, D)
+    if isinstance(mscale, torch.Tensor):
+        mscale = mscale.float().view(-1, *([1] * (emb.dim() - 1)))
     cos, sin = emb.cos() * mscale, emb.sin() * mscale
     x = x.float()
     half = x.shape[-1] // 2
@@ -91,6 +97,34 @@ def yarn_inv_freq(base: float, dim: int, factor: float, original_max: int, beta_
     extrapolate = 1 - ramp                                            # 1: high frequency, kept as trained
     inv = inv / factor * (1 - extrapolate) + inv * extrapolate
     return inv.float(), 0.1 * math.log(factor) + 1.0
+
+
+def yarn_rows(base: float, dim: int, lengths, original_max: int):
+    """:func:`yarn_inv_freq` for each row's own length, so one row's RoPE never depends on another's.
+
+    Args:
+        lengths: an int (every row; returns what :func:`yarn_inv_freq` returns) or a sequence of ints, one per row
+            (each row's final length: :func:`row_lengths`); the factor is ``length / original_max``.
+
+    Returns:
+        ``(inv_freq, mscale)``: fp32 ``(D/2,)`` and a float for an int; fp32 ``(batch, D/2)`` and fp32 ``(batch,)``
+        for a sequence.
+    """
+    if isinstance(lengths, int):
+        return yarn_inv_freq(base, dim, lengths / original_max, original_max)
+    per = {n: yarn_inv_freq(base, dim, n / original_max, original_max) for n in set(lengths)}
+    return (torch.stack([per[n][0] for n in lengths]),
+            torch.tensor([per[n][1] for n in lengths], dtype=torch.float32))
+
+
+def row_lengths(cache) -> tuple:
+    """Each row's final length at prefill: its prompt (``cache_seqlens`` then) plus the room left to decode
+    (``max_length`` minus the longest prompt, i.e. ``max_new_tokens`` in ``generate``). A head that extends RoPE
+    (YaRN) per row from these gives a row the same selections alone as in any batch. Reads ``cache_seqlens`` on
+    the host (call it at prefill, outside CUDA graphs)."""
+    seq = [int(x) for x in cache.cache_seqlens.tolist()]
+    room = cache.max_length - max(seq, default=0)
+    return tuple(n + room for n in seq)
 
 
 def current_tokens(cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,10 +313,10 @@ class EmbeddingKeyHead(RetrievalHead):
         self.embed: Optional[torch.Tensor] = None
         self.keys: Optional[torch.Tensor] = None
 
-    def qk(self, emb: torch.Tensor, positions: torch.Tensor, max_length: int):
+    def qk(self, emb: torch.Tensor, positions: torch.Tensor, lengths: tuple):
         """``emb`` ``(batch, S, window, hidden)`` (the window's embeddings, oldest first, zeros before position 0),
         ``positions`` int64 ``(batch, S)`` → ``(q (batch, S, H, D), k (batch, S, H_kv, D))`` post-RoPE.
-        ``max_length``: the cache's length (for RoPE extension)."""
+        ``lengths``: each row's final length (:func:`row_lengths`; for a per-row RoPE extension)."""
         raise NotImplementedError
 
     def _window(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -304,16 +338,17 @@ class EmbeddingKeyHead(RetrievalHead):
         dtype = self.embed.dtype if self.embed.dtype.is_floating_point else torch.float32
         chunk = max(1, self.PREFILL_TOKENS // b)
         self.keys = None
+        self._lengths = row_lengths(cache)
         for lo in range(0, s_max, chunk):
             pos = torch.arange(lo, min(lo + chunk, s_max), device=dev).expand(b, -1)
-            _, k = self.qk(self._window(cache.token_ids, pos), pos, s_max)
+            _, k = self.qk(self._window(cache.token_ids, pos), pos, self._lengths)
             if self.keys is None:
                 self.keys = torch.empty(b, k.shape[2], s_max, k.shape[3], dtype=dtype, device=dev)
             self.keys[:, :, lo:lo + pos.shape[1]] = k.transpose(1, 2).to(dtype)   # (b, H_kv, S_max, D)
 
     def select(self, cache, queries):
         tok, pos = current_tokens(cache)
-        q, k = self.qk(self._window(cache.token_ids, pos[:, None]), pos[:, None], cache.max_length)
+        q, k = self.qk(self._window(cache.token_ids, pos[:, None]), pos[:, None], self._lengths)
         rows = torch.arange(cache.batch, device=pos.device)
         self.keys[rows, :, pos] = k[:, 0].to(self.keys.dtype)
         scale = self.scale_override() or q.shape[-1] ** -0.5
