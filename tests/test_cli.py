@@ -64,6 +64,17 @@ def test_subcommand_help(capsys, cmd):
     assert rc == 0 and f"kvtransform {cmd}" in out
 
 
+@pytest.mark.parametrize("cmd,key", [("eval-sparse", "continuation=N"), ("plan-memory", "head_resident_layers=N"),
+                                     ("distill-retrieval-head", "budget_fraction=F")])
+def test_hydra_subcommand_help_is_the_commands_own(capsys, cmd, key):
+    """Not Hydra's generic page (which listed optimize's transform group): what the command does, its keys with
+    their meaning, examples, then the composed defaults."""
+    rc, out, _ = _run([cmd, "--help"], capsys)
+    assert rc == 0 and out.startswith(f"kvtransform {cmd} [MODEL]") and key in out and "Examples:" in out
+    assert "transform: canonical" not in out and "Powered by Hydra" not in out
+    assert "model:\n  name: smollm2-135m" in out     # the defaults, as composed
+
+
 def test_cfg_job_defaults(capsys):
     rc, out, _ = _run(["optimize", "--cfg", "job", "--resolve"], capsys)
     assert rc == 0
