@@ -181,6 +181,22 @@ def test_yarn_extension_is_per_row(kind, tmp_path):
 
         inv, ms = yarn_rows(10000.0, c.head_dim, head._lengths, 64)
         assert inv.shape == (2, c.head_dim // 2) and bool((ms > 1).all())
+    # the per-step code reads the RoPE tables as tensors: a second request with other prompt lengths (same shapes)
+    # reuses the compiled step (torch.compile guards on no per-row value)
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    step = torch.compile(head.step, backend=counter, dynamic=False)
+    for lens in ((29, 83), (51, 83)):
+        ids = torch.randint(3, 128, (2, 83 + room), generator=g)
+        k = torch.zeros(c.num_hidden_layers, 2, c.num_key_value_heads, 83 + room, c.head_dim)
+        cache = KVCache(k, k, torch.tensor(lens, dtype=torch.int32), ids)
+        head.prefill(cache)
+        cache.set_current(torch.tensor([5, 5]))
+        step(cache, None)
+    assert counter.frame_count == 1, counter.frame_count
+    torch._dynamo.reset()
 
 
 def test_foreign_head_is_refused(tmp_path):

@@ -63,23 +63,29 @@ class DistilledBlock(nn.Module):
         self.w_k = nn.Linear(dim, kv_heads * head_dim, bias=False)
         nn.init.zeros_(self.down.weight)
 
-    def forward(self, emb: torch.Tensor, positions: torch.Tensor, max_length=None):
+    def forward(self, emb: torch.Tensor, positions: torch.Tensor, max_length: Optional[int] = None,
+                tables: Optional[tuple] = None):
         """``emb`` ``(..., window, hidden)``, ``positions`` int64 ``emb.shape[:-2]`` → ``(q (..., H, D),
-        k (..., H_kv, D))`` fp32 post-RoPE. ``max_length`` (an int for every row, or one int per row of
-        ``positions``' first dim) > ``train_length`` switches on YaRN (for those rows)."""
+        k (..., H_kv, D))`` fp32 post-RoPE. RoPE: ``tables`` (``(inv_freq, mscale)`` from :meth:`rope_tables`,
+        per row of ``positions``' first dim), else one ``max_length`` for every position (> ``train_length``
+        switches on YaRN; training uses this)."""
         a = self.arch
         x = self.w_in(rms_norm(emb, None, a["eps"]).flatten(-2))
         x = x + self.down(nn.functional.silu(self.up(rms_norm(x, self.mlp_norm, a["eps"]))))
         h = rms_norm(x, self.out_norm, a["eps"])
         q = self.w_q(h).unflatten(-1, (a["heads"], a["head_dim"]))
         k = self.w_k(h).unflatten(-1, (a["kv_heads"], a["head_dim"]))
-        lengths = int(max_length or 0) if max_length is None or isinstance(max_length, int) else tuple(max_length)
-        key = (lengths, emb.device)
-        if getattr(self, "_rope", (None,))[0] != key:  # computed at prefill, reused by every step (no H2D copy)
-            inv, mscale = yarn_rows(a["rope_theta"], a["head_dim"], lengths, a["train_length"])
-            self._rope = (key, inv.to(emb.device), mscale.to(emb.device) if torch.is_tensor(mscale) else mscale)
-        _, inv, mscale = self._rope
-        return rope(q, positions, inv, mscale), rope(k, positions, inv, mscale)
+        if tables is None:
+            tables = yarn_rows(a["rope_theta"], a["head_dim"], int(max_length or 0), a["train_length"])
+        inv, mscale = tables
+        return rope(q, positions, inv.to(emb.device), mscale), rope(k, positions, inv.to(emb.device), mscale)
+
+    def rope_tables(self, lengths: tuple, device) -> tuple:
+        """Per-row RoPE for rows of final lengths ``lengths`` (:func:`~.embedding_heads.yarn_rows`, YaRN past
+        ``train_length``): ``(inv_freq fp32 (batch, D/2), mscale fp32 (batch,))`` on ``device``."""
+        a = self.arch
+        inv, mscale = yarn_rows(a["rope_theta"], a["head_dim"], tuple(lengths), a["train_length"])
+        return inv.to(device), mscale.to(device)
 
 
 def fingerprint(model) -> dict:
@@ -222,8 +228,11 @@ class DistilledHead(EmbeddingKeyHead):
         self.block.to(cache.k.device)  # a head restored from an artifact or a state dict starts on the CPU
         super().prefill(cache)
 
-    def qk(self, emb, positions, lengths):
-        return self.block(emb, positions, lengths)
+    def rope_tables(self, lengths, device):
+        return self.block.rope_tables(lengths, device)
+
+    def qk(self, emb, positions, tables):
+        return self.block(emb, positions, tables=tables)
 
     def state_dict(self) -> dict:
         st = {f"block.{k}": v for k, v in self.block.state_dict().items()} if self.block is not None else {}

@@ -126,7 +126,15 @@ class Eagle3Head(EmbeddingKeyHead):
                 "num_key_value_heads": getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads}
         self.w, self.cfg = load_eagle3(self.source, info)
 
-    def qk(self, emb, positions, lengths):
+    def rope_tables(self, lengths, device):
+        """Per-row RoPE (YaRN past the draft's ``max_position_embeddings``), as :func:`~.embedding_heads.yarn_rows`."""
+        c = self.cfg
+        d = int(c.get("head_dim") or c["hidden_size"] // int(c["num_attention_heads"]))
+        inv, ms = yarn_rows(float(c.get("rope_theta", 10000.0)), d, tuple(lengths),
+                            int(c.get("max_position_embeddings", 2048)))
+        return inv.to(device), ms.to(device)
+
+    def qk(self, emb, positions, tables):
         c, w = self.cfg, self.w
         eps = float(c.get("rms_norm_eps", 1e-6))
         h, hkv = int(c["num_attention_heads"]), int(c["num_key_value_heads"])
@@ -140,12 +148,7 @@ class Eagle3Head(EmbeddingKeyHead):
                        rms_norm(fused, w["midlayer.hidden_norm.weight"].to(e.device), eps)], dim=-1)
         q = (x @ w["midlayer.self_attn.q_proj.weight"].to(e.device).t()).unflatten(-1, (h, d))
         k = (x @ w["midlayer.self_attn.k_proj.weight"].to(e.device).t()).unflatten(-1, (hkv, d))
-        key = (tuple(lengths) if not isinstance(lengths, int) else lengths, e.device)
-        if getattr(self, "_rope", (None,))[0] != key:  # set at prefill (outside any CUDA graph)
-            orig = int(c.get("max_position_embeddings", 2048))
-            inv, ms = yarn_rows(float(c.get("rope_theta", 10000.0)), d, key[0], orig)
-            self._rope = (key, inv.to(e.device), ms.to(e.device) if torch.is_tensor(ms) else ms)
-        _, inv, ms = self._rope
+        inv, ms = tables
         return rope(q, positions, inv, ms), rope(k, positions, inv, ms)
 
     def prefill(self, cache) -> None:

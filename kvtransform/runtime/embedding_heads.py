@@ -26,7 +26,8 @@ from kvtransform.kernels.retrieval import select_topk
 
 from .heads import RetrievalHead, _scores, register_head
 
-__all__ = ["find_param", "rope", "yarn_inv_freq", "yarn_rows", "row_lengths", "rms_norm", "current_tokens", "copy_sources", "SelfHead",
+__all__ = ["find_param", "rope", "yarn_inv_freq", "yarn_rows", "row_lengths", "rms_norm", "current_tokens",
+           "copy_sources", "SelfHead",
            "EmbeddingKeyHead"]
 
 
@@ -313,10 +314,16 @@ class EmbeddingKeyHead(RetrievalHead):
         self.embed: Optional[torch.Tensor] = None
         self.keys: Optional[torch.Tensor] = None
 
-    def qk(self, emb: torch.Tensor, positions: torch.Tensor, lengths: tuple):
+    def rope_tables(self, lengths: tuple, device) -> tuple:
+        """``(inv_freq fp32 (batch, D/2), mscale fp32 (batch,))`` on ``device``: the head's RoPE for rows of final
+        lengths ``lengths`` (:func:`row_lengths`; a per-row extension such as YaRN). Built once at :meth:`prefill`,
+        so the per-step code reads tensors only (no Python value for ``torch.compile`` to guard on)."""
+        raise NotImplementedError
+
+    def qk(self, emb: torch.Tensor, positions: torch.Tensor, tables: tuple):
         """``emb`` ``(batch, S, window, hidden)`` (the window's embeddings, oldest first, zeros before position 0),
         ``positions`` int64 ``(batch, S)`` → ``(q (batch, S, H, D), k (batch, S, H_kv, D))`` post-RoPE.
-        ``lengths``: each row's final length (:func:`row_lengths`; for a per-row RoPE extension)."""
+        ``tables``: :meth:`rope_tables` of the request."""
         raise NotImplementedError
 
     def _window(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -339,16 +346,17 @@ class EmbeddingKeyHead(RetrievalHead):
         chunk = max(1, self.PREFILL_TOKENS // b)
         self.keys = None
         self._lengths = row_lengths(cache)
+        self._rope_tables = self.rope_tables(self._lengths, dev)
         for lo in range(0, s_max, chunk):
             pos = torch.arange(lo, min(lo + chunk, s_max), device=dev).expand(b, -1)
-            _, k = self.qk(self._window(cache.token_ids, pos), pos, self._lengths)
+            _, k = self.qk(self._window(cache.token_ids, pos), pos, self._rope_tables)
             if self.keys is None:
                 self.keys = torch.empty(b, k.shape[2], s_max, k.shape[3], dtype=dtype, device=dev)
             self.keys[:, :, lo:lo + pos.shape[1]] = k.transpose(1, 2).to(dtype)   # (b, H_kv, S_max, D)
 
     def select(self, cache, queries):
         tok, pos = current_tokens(cache)
-        q, k = self.qk(self._window(cache.token_ids, pos[:, None]), pos[:, None], self._lengths)
+        q, k = self.qk(self._window(cache.token_ids, pos[:, None]), pos[:, None], self._rope_tables)
         rows = torch.arange(cache.batch, device=pos.device)
         self.keys[rows, :, pos] = k[:, 0].to(self.keys.dtype)
         scale = self.scale_override() or q.shape[-1] ** -0.5
