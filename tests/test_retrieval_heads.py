@@ -147,10 +147,10 @@ def test_yarn_extension_is_per_row(kind, tmp_path):
     c = model.config
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     room = 37                                                     # max_new_tokens
-    prompts = [torch.randint(3, 128, (n,), generator=g) for n in (29, 83)]    # both past 64: YaRN on, and longer
-    cfg = kvt.SpeContextConfig(head=kind, budget=12)
+    prompts = [torch.randint(3, 128, (n,), generator=g) for n in (49, 83)]    # both past 64: YaRN on, and longer
+    cfg = kvt.SpeContextConfig(head=kind, budget=32)   # beyond the 20 forced sink + recent tokens
     if kind == "eagle3":
-        cfg = kvt.SpeContextConfig(head=kind, budget=12,
+        cfg = kvt.SpeContextConfig(head=kind, budget=32,
                                    retrieval=str(_eagle3_dir(tmp_path / "draft", model, max_positions=64)))
 
     def selections(rows):
@@ -172,9 +172,16 @@ def test_yarn_extension_is_per_row(kind, tmp_path):
 
     both, head = selections(prompts)
     alone = [selections([p])[0] for p in prompts]
-    assert head._lengths == (29 + room, 83 + room)
     for i in range(2):
         assert torch.equal(both[i].sort(-1).values, alone[i][0].sort(-1).values), i   # the same sets
+    assert head._lengths == (49 + room, 83 + room)
+    # decode_from passes the request's max_new_tokens: a cache with room to spare gives the same lengths
+    spare = KVCache(torch.zeros(1, 2, c.num_key_value_heads, 200, c.head_dim),
+                    torch.zeros(1, 2, c.num_key_value_heads, 200, c.head_dim),
+                    torch.tensor([49, 83], dtype=torch.int32), torch.zeros(2, 200, dtype=torch.long))
+    from kvtransform.runtime.embedding_heads import row_lengths
+
+    assert row_lengths(spare, room) == head._lengths and row_lengths(spare) == (49 + 117, 200)
     # and the extension is on: the long row's keys differ from plain RoPE's
     if kind == "distilled":
         from kvtransform.runtime.embedding_heads import yarn_rows
@@ -188,7 +195,7 @@ def test_yarn_extension_is_per_row(kind, tmp_path):
     torch._dynamo.reset()
     counter = CompileCounter()
     step = torch.compile(head.step, backend=counter, dynamic=False)
-    for lens in ((29, 83), (51, 83)):
+    for lens in ((49, 83), (51, 83)):
         ids = torch.randint(3, 128, (2, 83 + room), generator=g)
         k = torch.zeros(c.num_hidden_layers, 2, c.num_key_value_heads, 83 + room, c.head_dim)
         cache = KVCache(k, k, torch.tensor(lens, dtype=torch.int32), ids)

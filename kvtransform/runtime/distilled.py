@@ -224,9 +224,9 @@ class DistilledHead(EmbeddingKeyHead):
         self.block.to(self.embed.device)
         self.window = int(self.block.arch["window"])
 
-    def prefill(self, cache) -> None:
+    def prefill(self, cache, max_new_tokens=None) -> None:
         self.block.to(cache.k.device)  # a head restored from an artifact or a state dict starts on the CPU
-        super().prefill(cache)
+        super().prefill(cache, max_new_tokens)
 
     def rope_tables(self, lengths, device):
         return self.block.rope_tables(lengths, device)

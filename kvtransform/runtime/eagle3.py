@@ -151,9 +151,9 @@ class Eagle3Head(EmbeddingKeyHead):
         inv, ms = tables
         return rope(q, positions, inv, ms), rope(k, positions, inv, ms)
 
-    def prefill(self, cache) -> None:
+    def prefill(self, cache, max_new_tokens=None) -> None:
         self.w = {k: v.to(cache.k.device) for k, v in self.w.items()}
-        super().prefill(cache)
+        super().prefill(cache, max_new_tokens)
 
     def state_dict(self) -> dict:
         return {**self.w, "config": json.dumps(self.cfg)} if self.w else {}

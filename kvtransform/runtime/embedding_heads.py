@@ -118,13 +118,13 @@ def yarn_rows(base: float, dim: int, lengths, original_max: int):
             torch.tensor([per[n][1] for n in lengths], dtype=torch.float32))
 
 
-def row_lengths(cache) -> tuple:
-    """Each row's final length at prefill: its prompt (``cache_seqlens`` then) plus the room left to decode
-    (``max_length`` minus the longest prompt, i.e. ``max_new_tokens`` in ``generate``). A head that extends RoPE
-    (YaRN) per row from these gives a row the same selections alone as in any batch. Reads ``cache_seqlens`` on
-    the host (call it at prefill, outside CUDA graphs)."""
+def row_lengths(cache, max_new_tokens: Optional[int] = None) -> tuple:
+    """Each row's final length at prefill: its context (``cache_seqlens`` then) plus ``max_new_tokens`` (None: the
+    room left past the longest row, ``max_length`` minus it, which is ``max_new_tokens`` in ``generate``). A head
+    that extends RoPE (YaRN) per row from these gives a row the same selections alone as in any batch. Reads
+    ``cache_seqlens`` on the host (call it at prefill, outside CUDA graphs)."""
     seq = [int(x) for x in cache.cache_seqlens.tolist()]
-    room = cache.max_length - max(seq, default=0)
+    room = cache.max_length - max(seq, default=0) if max_new_tokens is None else int(max_new_tokens)
     return tuple(n + room for n in seq)
 
 
@@ -254,7 +254,7 @@ class SelfHead(RetrievalHead):
         if state:
             self.w = dict(state)
 
-    def prefill(self, cache) -> None:
+    def prefill(self, cache, max_new_tokens=None) -> None:
         """Move the projections to the cache's device and read the scalars (outside any CUDA graph). The
         projections are the model's parameters as they are now (no copy on their device)."""
         w = self.w
@@ -334,7 +334,7 @@ class EmbeddingKeyHead(RetrievalHead):
         idx = ids.gather(1, p.clamp(min=0).flatten(1)).view(p.shape)
         return torch.where(ok, self.embed[idx].float(), torch.zeros((), device=pos.device))
 
-    def prefill(self, cache) -> None:
+    def prefill(self, cache, max_new_tokens=None) -> None:
         """Keys of every cache position, ``PREFILL_TOKENS`` tokens (over all rows) at a time, so the window's
         ``(tokens, window, hidden)`` fp32 temporary stays bounded at any batch and cache length. The key cache is
         kept in the embedding's dtype (bf16 for a bf16 model: half the bytes every step reads)."""
@@ -345,7 +345,7 @@ class EmbeddingKeyHead(RetrievalHead):
         dtype = self.embed.dtype if self.embed.dtype.is_floating_point else torch.float32
         chunk = max(1, self.PREFILL_TOKENS // b)
         self.keys = None
-        self._lengths = row_lengths(cache)
+        self._lengths = row_lengths(cache, max_new_tokens)
         self._rope_tables = self.rope_tables(self._lengths, dev)
         for lo in range(0, s_max, chunk):
             pos = torch.arange(lo, min(lo + chunk, s_max), device=dev).expand(b, -1)

@@ -497,7 +497,7 @@ class SpeContextRuntime:
             engine.preallocate()
         else:
             cache, logits = self.prefill(rows, longest + max_new_tokens, device)
-        self.head.prefill(cache)
+        self.head.prefill(cache, max_new_tokens)
         eos_t = torch.tensor(eos or [-1], device=device)
         running = torch.ones(batch, dtype=torch.bool, device=device)
         tok = sample(logits)
@@ -584,7 +584,7 @@ class SpeContextRuntime:
         stats = GenerationStats(batch=cache.batch, head=self.head.name, budget=self.head.budget,
                                 kv_bytes=cache.nbytes, cache_max_length=cache.max_length)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.head.prefill(cache)
+        self.head.prefill(cache, max_new_tokens)
         running = torch.ones(cache.batch, dtype=torch.bool, device=device)
         sync()
         t0 = time.perf_counter()

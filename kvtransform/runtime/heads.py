@@ -97,8 +97,10 @@ class RetrievalHead:
         Raises:
             ValueError: the model does not fit the head (another model's trained head, a missing projection)."""
 
-    def prefill(self, cache: KVCache) -> None:
-        """Called once after the prompts are written into ``cache`` (build per-token or per-page state)."""
+    def prefill(self, cache: KVCache, max_new_tokens: Optional[int] = None) -> None:
+        """Called once after the prompts are written into ``cache`` (build per-token or per-page state).
+        ``max_new_tokens``: the decode steps the request may take (None: the cache's room past its longest row);
+        heads whose state depends on a row's final length (a per-row RoPE extension) use it."""
 
     def step(self, cache: KVCache, queries: Optional[torch.Tensor]) -> torch.Tensor:
         """The selection for the coming decode step: int32 ``(batch, H_kv, W)`` positions, ``-1`` padding.
@@ -205,7 +207,7 @@ class QuestHead(RetrievalHead):
     needs_queries = True
     REQUEST_STATE = ("kmax", "kmin")
 
-    def prefill(self, cache):
+    def prefill(self, cache, max_new_tokens=None):
         """Page min/max keys, one layer at a time (the temporaries are one layer's cache, not all of them)."""
         L, b, h_kv, s_max, d = cache.k.shape
         ps = self.page_size
