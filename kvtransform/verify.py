@@ -3,7 +3,8 @@
 Not a pass (it runs modules, not graph rewrites). Two gates: :func:`verify_logits` for modules with the
 ``(input_ids, attention_mask) -> logits`` signature (canonical), and :func:`verify_packed` for the DualKV module
 (per-response log-probs and every parameter gradient against the original model on the replicated batch,
-:func:`check_exactness`).
+:func:`check_exactness`). :func:`check_numerics_rule` checks the DualKV module against a float64 run of the original,
+per tensor (the project's numerics rule; the real-model tests use it).
 
 Inputs are tokenised text shipped with the package (``kvtransform/data/prompts.txt``) at several lengths, as one
 unpadded row and left-padded rows (so the attention mask's padding path is exercised); without a tokenizer, random
@@ -332,6 +333,7 @@ def check_numerics_rule(model, opt, batch: PackedBatch, advantages: Optional[tor
     if missing:
         raise ValueError(f"float64 copy of the model lacks parameters {missing[:3]}: pass the original model")
     ps64 = [p64[nm] for nm in names]
+
     def flat(lps, grads):
         return [torch.cat([x.detach().double() for x in lps])] + grads
 
