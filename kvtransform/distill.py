@@ -245,10 +245,17 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     step, hist = 0, []
     ckpt = out / "checkpoint.pt"
     train_key = {k: getattr(cfg, k) for k in ("loss", "budget_fraction", "temperature", "steps", "lr", "window",
-                                                "dim", "seed", "teacher")}  # another teacher: train from scratch
+                                                "dim", "seed", "teacher")}
+    # the checkpoint resumes only the same training: same settings, same data (files, chunks, positions) and the
+    # same target model; anything else trains from scratch (never a head whose head.json describes other training)
+    resume_key = {**key, **train_key, "fingerprint": fingerprint(model)}
     if ckpt.is_file():
         st = torch.load(ckpt, weights_only=False)
-        if st.get("key") == train_key:
+        if st.get("key") != resume_key:
+            old = st.get("key") or {}
+            changed = sorted(k for k in set(old) | set(resume_key) if old.get(k) != resume_key.get(k))
+            log(f"{ckpt} is from other settings ({', '.join(changed)} differ): training from scratch")
+        else:
             block.load_state_dict(st["block"])
             opt.load_state_dict(st["opt"])
             sched.load_state_dict(st["sched"])
@@ -271,7 +278,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", captured=f"{sum(c for _, c in hist[-20:]) / len(hist[-20:]):.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            torch.save({"key": train_key, "block": block.state_dict(), "opt": opt.state_dict(),
+            torch.save({"key": resume_key, "block": block.state_dict(), "opt": opt.state_dict(),
                         "sched": sched.state_dict(), "step": step, "hist": hist, "gen": gen.get_state()}, ckpt)
     bar.close()
     last = hist[-20:]

