@@ -184,6 +184,9 @@ def test_bad_input_errors():
         retrieval_topk(q, k, lengths, 4, num_recent=2.0)
     with pytest.raises(ValueError, match="budget must be an integer token count; got 4.0"):
         retrieval_topk(q, k, lengths, 4.0)
+    # a cache in (batch, S, H_kv, D) order instead of (batch, H_kv, S_max, D): the message names the layout
+    with pytest.raises(ValueError, match=r"the cache layout is \(batch, H_kv, S_max, D\), pass k.transpose\(1, 2\)"):
+        retrieval_topk(q, k.transpose(1, 2).contiguous(), lengths, 4)
     with pytest.raises(ValueError, match="budget must be an integer token count; got the bool"):
         retrieval_topk(q, k, lengths, True)
     with pytest.raises(ValueError, match="sink must be an integer"):

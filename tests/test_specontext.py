@@ -291,6 +291,12 @@ def test_bad_generate_arguments(sp_llama, kwargs, match):
         sp_llama.generate(ids, **kwargs)
 
 
+def test_one_prompt_without_a_batch_dimension_names_the_fix(sp_llama):
+    with pytest.raises(ValueError, match=r"got torch.int64 \(10,\): one prompt needs a batch dimension, pass "
+                                         r"input_ids\[None\]"):
+        sp_llama.generate(torch.randint(3, 128, (10,)), max_new_tokens=2)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(topk=5), r"'topk' \(did you mean top_k\?\)"),
     (dict(max_length=30), r"'max_length' \(did you mean max_new_tokens"),

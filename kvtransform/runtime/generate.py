@@ -217,9 +217,12 @@ class SpeContextRuntime:
     def _rows(self, input_ids, attention_mask) -> list:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
                 or input_ids.dtype == torch.bool:
+            one_row = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1 and \
+                not input_ids.dtype.is_floating_point and input_ids.dtype != torch.bool
             raise ValueError(f"input_ids must be an integer tensor (batch, seq); got "
                              f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+                             f"{tuple(getattr(input_ids, 'shape', ()))}"
+                             + (": one prompt needs a batch dimension, pass input_ids[None]" if one_row else ""))
         if input_ids.shape[0] < 1:
             raise ValueError("input_ids has no rows: pass at least one prompt")
         if attention_mask is None:
