@@ -267,8 +267,26 @@ def config_from_dict(d: dict[str, Any]) -> TransformConfig:
         merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(d))
         cfg = OmegaConf.to_object(merged)
     except Exception as e:  # omegaconf.errors.ConfigKeyError / ValidationError and friends
-        valid = [f.name for f in dataclasses.fields(cls)]
-        raise ValueError(f"invalid {name} config: {e}. Valid keys: {valid}") from None
+        from omegaconf.errors import ConfigKeyError
+
+        key = getattr(e, "full_key", None)
+        owner = cls                                             # the (nested) config the key belongs to
+        for part in (str(key).split(".")[:-1] if key else []):
+            types = {f.name: f.type for f in dataclasses.fields(owner)}
+            t = types.get(part)
+            t = t if dataclasses.is_dataclass(t) else getattr(owner(), part, None).__class__
+            if not dataclasses.is_dataclass(t):
+                break
+            owner = t
+        valid = [f.name for f in dataclasses.fields(owner)]
+        first = str(getattr(e, "msg", None) or e).splitlines()[0]
+        if isinstance(e, ConfigKeyError) or key is None:        # a typo: name the valid keys (and the closest)
+            import difflib
+
+            close = difflib.get_close_matches(str(key).split(".")[-1], valid, n=1) if key else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"invalid {name} config: {first}{hint}. Valid keys: {valid}") from None
+        raise ValueError(f"invalid {name} config: {key}: {first}") from None   # a bad value of a valid key
     cfg.validate()
     return cfg
 

@@ -303,12 +303,20 @@ def test_capture_refusal_is_one_error_line(tmp_path, capsys):
     ("top_k=-1", "top_k must be an integer >= 0"),
     ("top_p=0", "top_p must be a number in (0, 1]"),
     ("max_new_tokens=abc", "max_new_tokens must be an integer >= 1"),
+    ("budget=16", "unknown key 'budget' (did you mean 'transform.budget'?)"),
+    ("transform.budget=abc", "invalid specontext config: budget: Value 'abc' of type 'str' could not be converted"),
+    ("transform.budgt=8", "Key 'budgt' not in 'SpeContextConfig' (did you mean 'budget'?)"),
 ])
 def test_generate_bad_option_before_loading(capsys, arg, msg):
     """Generation options are checked before the model loads (an unknown model would fail later)."""
     rc, _, err = _run(["generate", "no-such-model", "prompt=hi", arg], capsys)
     assert rc == 2 and err.count("error:") == 1 and msg in err, err
-    assert "Traceback" not in err and _cwd_is_empty()
+    assert "Traceback" not in err and _cwd_is_empty() and err.strip().count("\n") == 0     # one line
+
+
+def test_plan_memory_transform_key_points_to_its_own_key(capsys):
+    rc, _, err = _run(["plan-memory", "transform.budget=512"], capsys)
+    assert rc == 2 and "This command has no transform group: did you mean 'budget'?" in err, err
 
 
 def test_generate_warns_about_threads_on_a_small_cpu(monkeypatch, capsys):

@@ -23,6 +23,7 @@ and exits with status 2; set ``KVT_DEBUG=1`` for the full traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import sys
 import time
@@ -293,7 +294,11 @@ def _parse_generate_args(args: Sequence[str]) -> tuple[Optional[str], dict, dict
         elif key in opts:
             opts[key] = value
         else:
-            close = difflib.get_close_matches(key, list(opts) + ["transform"], n=1)
+            from ..config import SpeContextConfig
+
+            spec_keys = [f.name for f in dataclasses.fields(SpeContextConfig)]
+            close = ([f"transform.{key}"] if key in spec_keys else
+                     difflib.get_close_matches(key, list(opts) + ["transform"], n=1))
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UsageError(f"unknown key {key!r}{hint}; keys: {', '.join(opts)}, transform.<key>")
     if not opts["prompt"]:

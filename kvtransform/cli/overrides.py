@@ -221,8 +221,12 @@ def check_overrides(overrides: list[str], config_name: str = "config") -> None:
         else:
             owner = _other_transform_with(typed) if parent == "transform" else None
             close = [k for k in difflib.get_close_matches(full_key, prefixes, n=2) if k != full_key]
-            hint = (f" {typed.split('.', 1)[1]!r} is a key of transform={owner}: add transform={owner} to the "
-                    f"command line." if owner else f" Did you mean {close[0] + rest!r}?" if close else "")
+            bare = typed.split(".", 1)[1] if full_key == "transform" and "." in typed else ""
+            if bare in valid:  # plan-memory transform.budget=512: this command's key is budget
+                hint = f" This command has no transform group: did you mean {bare!r}?"
+            else:
+                hint = (f" {typed.split('.', 1)[1]!r} is a key of transform={owner}: add transform={owner} to the "
+                        f"command line." if owner else f" Did you mean {close[0] + rest!r}?" if close else "")
         raise UsageError(f"unknown config key {full_key!r}.{hint} Valid keys: {', '.join(siblings)}")
     if "Available options" in str(err):  # unknown group option: keep the options, drop the search path
         text = " ".join(str(err).split("Config search path")[0].split()).replace("In 'config': ", "")
