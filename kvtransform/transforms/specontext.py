@@ -41,7 +41,7 @@ from kvtransform.report import Report, Verification
 from kvtransform.runtime.generate import GenerateOutput, ModelInfo, SpeContextRuntime
 from kvtransform.runtime.heads import all_positions, make_head
 from kvtransform.utils import device_of, stage, timed
-from kvtransform.verify import check, default_tolerance, text_token_ids
+from kvtransform.verify import _input_kind, check, default_tolerance, text_token_ids
 
 from . import register_transform
 from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report
@@ -389,7 +389,8 @@ def verify_decode(model, opt: SpeContextModule, cfg: SpeContextConfig, tokenizer
             for i, n in enumerate(lengths)]
     tol = default_tolerance(param.dtype, cfg.verify.tolerance)
     v = Verification(max_abs_error=0.0, max_rel_error=0.0, tolerance=tol, passed=True)
-    with stage(progress, "verifying prefill + decode steps on real text"), timed(report.timings, "verify"):
+    with stage(progress, f"verifying prefill + decode steps on {_input_kind(tokenizer, 'text')}"), \
+            timed(report.timings, "verify"):
         rt = opt.runtime
         prompts = [s[:n] for s, n in zip(seqs, lengths)]
         runs = []  # the gather program (what decode.pt2 holds); also the slot-mode variant when the head uses it
