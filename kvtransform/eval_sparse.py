@@ -342,6 +342,7 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
         r = evaluate_head(teacher, head, trace, greedy)
         r.pop("recall_layers")
         rows.append({"model": name, "document": doc, "head": head_name, "budget": budget, "cached": trace.prefix,
+                     "continuation": int(cfg.continuation), "generate": int(cfg.generate),
                      **r, "seconds": round(time.perf_counter() - t0, 1)})
     df = pd.DataFrame(rows)
     write_results(df, cfg.out)
@@ -349,13 +350,15 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
 
 
 def write_results(df, out) -> None:
-    """Merge ``df`` into ``out/results.csv`` (replacing equal (model, document, head, budget) rows), then write
-    ``results.md`` (mean over documents per head and budget, plus the per-document rows) and ``results.png``."""
+    """Merge ``df`` into ``out/results.csv`` (replacing rows of equal model, document, head, budget and settings:
+    ``cached`` prompt tokens, ``continuation``, ``generate``), then write ``results.md`` (mean over documents per
+    head, budget and settings, plus the per-document rows) and ``results.png``. ``seconds``: the head's evaluation
+    on one document (the dense teacher pass, shared by every head of a document, is not in it)."""
     import pandas as pd
 
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    key = ["model", "document", "head", "budget"]
+    key = ["model", "document", "head", "budget"] + [c for c in SETTINGS if c in df.columns]
     csv = out / "results.csv"
     if csv.is_file():
         old = pd.read_csv(csv)
@@ -378,11 +381,18 @@ def markdown(df) -> str:
     return "\n".join(lines)
 
 
+SETTINGS = ("cached", "continuation", "generate")  # rows measured with other settings are never averaged together
+
+
 def summarize(df):
-    """Mean over documents per (model, head, budget): recall mean/worst layer, NLL increase, agreement."""
+    """Mean over documents per (model, head, budget, settings): recall mean/worst layer, NLL increase, agreement.
+    Rows of earlier runs with other settings (``cached`` prompt tokens, ``continuation``, ``generate``) stay
+    separate rows."""
     cols = ["recall_mean", "recall_worst", "nll_increase", "agreement", "select_ms"]
-    s = df.groupby(["model", "head", "budget"], as_index=False)[cols].mean()
-    s.insert(3, "documents", df.groupby(["model", "head", "budget"]).size().values)
+    by = ["model", "head", "budget"] + [c for c in SETTINGS if c in df.columns]
+    g = df.groupby(by, as_index=False, dropna=False)
+    s = g[cols].mean()
+    s.insert(len(by), "documents", g.size()["size"].values)
     return s
 
 

@@ -294,6 +294,25 @@ def test_distilled_head_in_the_runtime_and_its_artifact(tmp_path):
     assert torch.equal(again.generate(ids, max_new_tokens=6, eos_token_id=None), out.sequences)
 
 
+def test_eval_results_keep_other_settings_apart(tmp_path):
+    """results.csv/md merge runs: a rerun with the same settings replaces its rows, one with another prefix or
+    continuation adds rows that are never averaged with the first."""
+    import pandas as pd
+
+    from kvtransform.eval_sparse import write_results
+
+    row = dict(model="m", document="a", head="self", budget=64, recall_mean=0.9, recall_worst=0.8,
+               nll_increase=0.01, agreement=1.0, select_ms=1.0, seconds=1.0, cached=1024, continuation=32,
+               generate=16)
+    write_results(pd.DataFrame([row]), tmp_path)
+    write_results(pd.DataFrame([{**row, "cached": 4096, "continuation": 256, "recall_mean": 0.5}]), tmp_path)
+    write_results(pd.DataFrame([{**row, "cached": 4096, "continuation": 256, "recall_mean": 0.6}]), tmp_path)
+    df = pd.read_csv(tmp_path / "results.csv")
+    assert sorted(zip(df.cached, df.recall_mean)) == [(1024, 0.9), (4096, 0.6)]
+    md = (tmp_path / "results.md").read_text().split("## Per document")[0]
+    assert "| m | self | 64 | 1024 | 32 | 16 | 1 | 0.9000 |" in md and "| m | self | 64 | 4096 | 256 | 16 | 1 | 0.6000 |" in md
+
+
 @pytest.mark.slow
 def test_distill_resumes_only_the_same_training(tmp_path):
     """A rerun with the same `out` resumes its checkpoint; with other data (files) it trains from scratch and says
