@@ -209,6 +209,13 @@ def test_yarn_extension_is_per_row(kind, tmp_path):
 def test_foreign_head_is_refused(tmp_path):
     a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
     save_head_dir(tmp_path / "h", _block(a), fingerprint(a))
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["head.json", "head.safetensors"]  # no temp left
+    assert {oct((tmp_path / "h" / f).stat().st_mode & 0o777) for f in ("head.json", "head.safetensors")} == \
+        {oct(0o666 & ~umask)}                                # the umask's mode (safetensors alone gives 0600)
     block, meta = load_head_dir(tmp_path / "h", a)
     assert meta["fingerprint"]["vocab_size"] == 128
     with pytest.raises(ValueError, match="trained for another model.*embed_sum"):

@@ -128,15 +128,29 @@ def check_fingerprint(stored: dict, model, where: str) -> None:
 
 
 def save_head_dir(directory, block: DistilledBlock, fp: dict, extra: Optional[dict] = None) -> Path:
-    """Write ``head.safetensors`` (fp16 weights) and ``head.json`` (format, architecture, fingerprint, ``extra``)."""
+    """Write ``head.safetensors`` (fp16 weights) and ``head.json`` (format, architecture, fingerprint, ``extra``).
+    Each file is written under a temporary name and renamed into place (no half-written file; the weights first,
+    so a ``head.json`` never describes weights that are not there), with the mode the process umask gives."""
+    import os
+
     from safetensors.torch import save_file
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(torch.float16).contiguous() for k, v in block.state_dict().items()},
-              str(d / "head.safetensors"))
+    umask = os.umask(0)
+    os.umask(umask)
     meta = {"format": FORMAT, "version": 1, "arch": block.arch, "fingerprint": fp, **(extra or {})}
-    (d / "head.json").write_text(json.dumps(meta, indent=1))
+    writers = (("head.safetensors", lambda t: save_file(
+                   {k: v.detach().to(torch.float16).contiguous() for k, v in block.state_dict().items()}, str(t))),
+               ("head.json", lambda t: t.write_text(json.dumps(meta, indent=1))))
+    for name, write in writers:
+        tmp = d / f".{name}.tmp"
+        try:
+            write(tmp)
+            os.chmod(tmp, 0o666 & ~umask)       # safetensors creates its file 0600
+            os.replace(tmp, d / name)
+        finally:
+            tmp.unlink(missing_ok=True)
     return d
 
 
