@@ -225,6 +225,21 @@ def test_foreign_head_is_refused(tmp_path):
         head.bind(b)
     with pytest.raises(ValueError, match="no packaged distilled retrieval head fits"):
         make_head("distilled", kvt.SpeContextConfig(head="distilled")).bind(b)
+    # transform() refuses a missing head directory or another model's head before any capture
+    from kvtransform import capture
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured before checking the head")
+
+    import unittest.mock as mock
+
+    with mock.patch.object(capture, "capture_decode_step", no_capture), \
+            mock.patch("kvtransform.transforms.specontext.capture_decode_step", no_capture):
+        with pytest.raises(FileNotFoundError, match=r"is not a distilled retrieval head.*distill-retrieval-head"):
+            kvt.transform(a, kvt.SpeContextConfig(head="distilled", retrieval=str(tmp_path / "none")),
+                          progress=False)
+        with pytest.raises(ValueError, match="trained for another model"):
+            kvt.transform(b, kvt.SpeContextConfig(head="distilled", retrieval=str(tmp_path / "h")), progress=False)
 
 
 def _eagle3_dir(path, model, vocab=None, kv_heads=None, drop=(), max_positions=256):

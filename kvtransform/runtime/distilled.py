@@ -165,7 +165,9 @@ def load_head_dir(directory, model=None) -> tuple[DistilledBlock, dict]:
 
     d = Path(directory)
     if not (d / "head.json").is_file() or not (d / "head.safetensors").is_file():
-        raise FileNotFoundError(f"{d} is not a distilled retrieval head (needs head.json and head.safetensors)")
+        raise FileNotFoundError(f"{d} is not a distilled retrieval head (needs head.json and head.safetensors): "
+                                f"train one with `kvtransform distill-retrieval-head MODEL out={d}`, or use "
+                                f"retrieval=self (the packaged head)")
     meta = json.loads((d / "head.json").read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{d / 'head.json'} is not a {FORMAT} (format {meta.get('format')!r})")

@@ -453,7 +453,9 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
         kvtransform.verify.VerificationError: the programs differ from the original model beyond tolerance.
     """
     if cfg.head != "auto":
-        make_head(cfg.head, cfg)  # an unknown head fails before any capture
+        head = make_head(cfg.head, cfg)  # an unknown head fails before any capture
+        if cfg.head == "distilled" and cfg.retrieval != "self":
+            head.bind(model)  # so do a missing head directory and a head of another model (a small file read)
     report = new_report(model, cfg)
     dec, ctx, cap = capture_and_rewrite(model, capture_decode_step, [SparseDecodePass, CleanupPass], report,
                                         progress, what="capturing the decode step (torch.export)")
