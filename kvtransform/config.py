@@ -263,6 +263,20 @@ def config_from_dict(d: dict[str, Any]) -> TransformConfig:
     if name not in CONFIG_TYPES:
         raise ValueError(f"unknown transform {name!r}; choose one of {sorted(CONFIG_TYPES)}")
     cls = CONFIG_TYPES[name]
+    for k in [k for k in d if isinstance(k, str) and "." in k]:   # {"verify.lengths": [9]}: the nested key
+        head, _, rest = k.partition(".")
+        node = d.setdefault(head, {}) if isinstance(d.get(head, {}), dict) else None
+        if node is None:
+            raise ValueError(f"invalid {name} config: {k!r} and {head!r} both given; set {head} as one mapping")
+        d[head] = node = dict(node)
+        for part in rest.split(".")[:-1]:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        node[rest.split(".")[-1]] = d.pop(k)
+    bad = [k for k in d if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"invalid {name} config: keys must be strings; got {bad[0]!r}. "
+                         f"Valid keys: {[f.name for f in dataclasses.fields(cls)]}")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(d))
         cfg = OmegaConf.to_object(merged)
@@ -280,7 +294,7 @@ def config_from_dict(d: dict[str, Any]) -> TransformConfig:
             owner = t
         valid = [f.name for f in dataclasses.fields(owner)]
         first = str(getattr(e, "msg", None) or e).splitlines()[0]
-        if isinstance(e, ConfigKeyError) or key is None:        # a typo: name the valid keys (and the closest)
+        if isinstance(e, ConfigKeyError) or not key:            # a typo: name the valid keys (and the closest)
             import difflib
 
             close = difflib.get_close_matches(str(key).split(".")[-1], valid, n=1) if key else []

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 
 from .attention_probe import cache_probs, probing
-from .runtime.distilled import DistilledBlock, fingerprint, save_head_dir
+from .runtime.distilled import DistilledBlock, fingerprint, fingerprint_mismatch, save_head_dir
 from .runtime.embedding_heads import find_param
 from .textdata import TRAIN_FILES
 
@@ -224,9 +224,13 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     key = {"length": cfg.length, "positions": cfg.positions, "files": list(cfg.files),
            "chunks_per_file": cfg.chunks_per_file, "topics_chunks": cfg.topics_chunks, "teacher": cfg.teacher}
+    fp = fingerprint(model)
     data = torch.load(teacher_file, weights_only=False) if teacher_file.is_file() else None
-    if data is None or data.get("key") != key:
-        data = {"key": key, "items": []}
+    # the teacher targets are this model's attention on these chunks: another model (fingerprint beyond the bf16
+    # tolerance of fingerprint_mismatch) or other data recomputes them
+    if data is None or data.get("key") != key or "fingerprint" not in data or \
+            fingerprint_mismatch(data["fingerprint"], fp):
+        data = {"key": key, "fingerprint": fp, "items": []}
         chunks = _chunks(tokenizer, cfg)
         for f, ids in tqdm(chunks, desc="teacher attention", unit="chunk", disable=not cfg.progress):
             lo = cfg.length // 2
@@ -244,17 +248,24 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / cfg.steps)).item()))
     step, hist = 0, []
     ckpt = out / "checkpoint.pt"
-    train_key = {k: getattr(cfg, k) for k in ("loss", "budget_fraction", "temperature", "steps", "lr", "window",
-                                                "dim", "seed", "teacher")}
-    # the checkpoint resumes only the same training: same settings, same data (files, chunks, positions) and the
-    # same target model; anything else trains from scratch (never a head whose head.json describes other training)
-    resume_key = {**key, **train_key, "fingerprint": fingerprint(model)}
+    train_key = {k: getattr(cfg, k) for k in ("loss", "budget_fraction", "temperature", "steps", "lr",
+                                                "weight_decay", "window", "dim", "seed", "teacher")}
+    # the checkpoint resumes only the same training: same settings (steps too: the cosine schedule depends on it),
+    # same data (files, chunks, positions) and the same target model (fingerprint within fingerprint_mismatch's
+    # tolerance: a bf16 copy is the same model); anything else trains from scratch, so head.json never describes
+    # training the weights did not get
+    resume_key = {**key, **train_key}
     if ckpt.is_file():
         st = torch.load(ckpt, weights_only=False)
-        if st.get("key") != resume_key:
-            old = st.get("key") or {}
-            changed = sorted(k for k in set(old) | set(resume_key) if old.get(k) != resume_key.get(k))
-            log(f"{ckpt} is from other settings ({', '.join(changed)} differ): training from scratch")
+        old = st.get("key") or {}
+        changed = sorted(k for k in set(old) & set(resume_key) if old[k] != resume_key[k])
+        missing = sorted(set(resume_key) - set(old))
+        if "fingerprint" not in st or fingerprint_mismatch(st["fingerprint"], fp):
+            changed.append("target model")
+        if changed or missing:
+            why = (f"{', '.join(changed)} differ" if changed else
+                   f"it was written by an older kvtransform (no {', '.join(missing)})")
+            log(f"{ckpt} is from other settings ({why}): training from scratch")
         else:
             block.load_state_dict(st["block"])
             opt.load_state_dict(st["opt"])
@@ -278,13 +289,13 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", captured=f"{sum(c for _, c in hist[-20:]) / len(hist[-20:]):.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            torch.save({"key": resume_key, "block": block.state_dict(), "opt": opt.state_dict(),
+            torch.save({"key": resume_key, "fingerprint": fp, "block": block.state_dict(), "opt": opt.state_dict(),
                         "sched": sched.state_dict(), "step": step, "hist": hist, "gen": gen.get_state()}, ckpt)
     bar.close()
     last = hist[-20:]
     res = {"out": str(out), "steps": step, "loss": sum(l for l, _ in last) / len(last),
            "captured": sum(c for _, c in last) / len(last), "seconds": time.perf_counter() - t_start}
-    save_head_dir(out, block, fingerprint(model), {
+    save_head_dir(out, block, fp, {
         "training": {**key, **train_key, "teacher": cfg.teacher, "teacher_aggregate": TEACHERS[cfg.teacher],
                      "train_captured_top_k": round(res["captured"], 4)}})
     return res

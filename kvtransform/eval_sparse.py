@@ -358,12 +358,15 @@ def write_results(df, out) -> None:
 
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    key = ["model", "document", "head", "budget"] + [c for c in SETTINGS if c in df.columns]
     csv = out / "results.csv"
-    if csv.is_file():
-        old = pd.read_csv(csv)
-        df = pd.concat([old, df]).drop_duplicates(subset=key, keep="last")
-    df = df.sort_values(key).reset_index(drop=True)
+    old = pd.read_csv(csv) if csv.is_file() else None
+    settings = [c for c in SETTINGS if c in df.columns or (old is not None and c in old.columns)]
+    key = ["model", "document", "head", "budget"] + settings
+    if old is not None:
+        df = pd.concat([old, df])
+    for c in settings:   # integers; rows written without a setting (older runs) keep it empty, never 1024.0000
+        df[c] = df[c].astype("Int64") if c in df.columns else pd.array([pd.NA] * len(df), dtype="Int64")
+    df = df.drop_duplicates(subset=key, keep="last").sort_values(key).reset_index(drop=True)
     df.to_csv(csv, index=False)
     summary = summarize(df)
     (out / "results.md").write_text("## Mean over documents\n\n" + markdown(summary) + "\n\n## Per document\n\n"
@@ -374,6 +377,8 @@ def write_results(df, out) -> None:
 def markdown(df) -> str:
     """A pandas DataFrame as a GitHub markdown table (floats with 4 decimals; no ``tabulate`` dependency)."""
     def cell(v):
+        if type(v).__name__ == "NAType" or (isinstance(v, float) and v != v):
+            return ""                                     # a setting an older run did not record
         return f"{v:.4f}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
@@ -403,11 +408,14 @@ def _plot(summary, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for (head,), g in summary.groupby(["head"]):
+    settings = [c for c in SETTINGS if c in summary.columns]
+    several = len(summary.drop_duplicates(settings)) > 1 if settings else False
+    for key, g in summary.groupby(["head"] + settings, dropna=False):
+        label = key[0] if not several else f"{key[0]} ({'/'.join(str(v) for v in key[1:])})"  # prefix/cont./gen.
         g = g.sort_values("budget")
-        axes[0].plot(g.budget, g.recall_mean, marker="o", label=head)
-        axes[1].plot(g.budget, g.nll_increase, marker="o", label=head)
-        axes[2].plot(g.budget, g.agreement, marker="o", label=head)
+        axes[0].plot(g.budget, g.recall_mean, marker="o", label=label)
+        axes[1].plot(g.budget, g.nll_increase, marker="o", label=label)
+        axes[2].plot(g.budget, g.agreement, marker="o", label=label)
     for ax, title in zip(axes, ["recall (mean over layers)", "NLL increase (nats/token)", "greedy agreement"]):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (tokens per KV head)")

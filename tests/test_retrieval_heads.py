@@ -216,6 +216,13 @@ def test_foreign_head_is_refused(tmp_path):
     assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["head.json", "head.safetensors"]  # no temp left
     assert {oct((tmp_path / "h" / f).stat().st_mode & 0o777) for f in ("head.json", "head.safetensors")} == \
         {oct(0o666 & ~umask)}                                # the umask's mode (safetensors alone gives 0600)
+    # a failed save (metadata that is not JSON) leaves the previous head whole; a directory in the way is named
+    with pytest.raises(TypeError):
+        save_head_dir(tmp_path / "h", _block(b), fingerprint(b), {"bad": torch.tensor(1)})
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["head.json", "head.safetensors"]
+    (tmp_path / "d" / "head.json").mkdir(parents=True)
+    with pytest.raises(IsADirectoryError, match="head.json is a directory"):
+        save_head_dir(tmp_path / "d", _block(a), fingerprint(a))
     block, meta = load_head_dir(tmp_path / "h", a)
     assert meta["fingerprint"]["vocab_size"] == 128
     with pytest.raises(ValueError, match="trained for another model.*embed_sum"):
@@ -333,6 +340,13 @@ def test_eval_results_keep_other_settings_apart(tmp_path):
     assert sorted(zip(df.cached, df.recall_mean)) == [(1024, 0.9), (4096, 0.6)]
     md = (tmp_path / "results.md").read_text().split("## Per document")[0]
     assert "| m | self | 64 | 1024 | 32 | 16 | 1 | 0.9000 |" in md and "| m | self | 64 | 4096 | 256 | 16 | 1 | 0.6000 |" in md
+    # an older results.csv without the settings columns: its rows stay apart (empty settings), integers stay integers
+    old = {k: v for k, v in row.items() if k not in ("cached", "continuation", "generate")}
+    (tmp_path / "old").mkdir()
+    pd.DataFrame([{**old, "recall_mean": 0.3}]).to_csv(tmp_path / "old" / "results.csv", index=False)
+    write_results(pd.DataFrame([row]), tmp_path / "old")
+    md = (tmp_path / "old" / "results.md").read_text().split("## Per document")[0]
+    assert "| m | self | 64 | 1024 | 32 | 16 | 1 | 0.9000 |" in md and "| m | self | 64 |  |  |  | 1 | 0.3000 |" in md
 
 
 @pytest.mark.slow
@@ -358,6 +372,19 @@ def test_distill_resumes_only_the_same_training(tmp_path):
     w2, meta = load_head_dir(tmp_path / "h", model)
     assert meta["training"]["files"] == ["argparse.py"] and other["steps"] == 3 and first["steps"] == 3
     assert any(not torch.equal(w1[k], v) for k, v in w2.state_dict().items())     # trained on the new data
+    # the same model in bf16 resumes (fingerprints match within their tolerance); another model retrains, teacher too
+    logs.clear()
+    distill(DistillConfig(files=["argparse.py"], **base), model.to(torch.bfloat16), tok, log=logs.append)
+    assert any("resumed from" in m for m in logs), logs
+    model.float()
+    teacher = torch.load(tmp_path / "h" / "teacher.pt", weights_only=False)["items"][0]["target"]
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1.5)                  # "another model": its fingerprint differs
+    logs.clear()
+    distill(DistillConfig(files=["argparse.py"], **base), model, tok, log=logs.append)
+    assert any("target model differ" in m and "training from scratch" in m for m in logs), logs
+    assert not torch.equal(torch.load(tmp_path / "h" / "teacher.pt", weights_only=False)["items"][0]["target"],
+                           teacher)                                 # the teacher was recomputed for this model
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -162,8 +162,8 @@ def _check_retrieval_inputs(q, k, cache_seqlens, budget: int, sink: int, recent:
     if k.shape[0] != bsz or k.shape[3] != d:
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
     if k.shape[1] == 0 or h_r % k.shape[1] != 0:
-        hint = (f"; k looks like (batch, S, H_kv, D) = {tuple(k.shape)}: the cache layout is (batch, H_kv, S_max, D),"
-                f" pass k.transpose(1, 2)" if k.shape[1] > h_r and h_r % k.shape[2] == 0 else "")
+        hint = (f"; if k {tuple(k.shape)} is laid out (batch, S, H_kv, D): the cache layout is (batch, H_kv, S_max, "
+                f"D), pass k.transpose(1, 2)" if k.shape[1] > h_r and h_r % k.shape[2] == 0 else "")
         raise ValueError(f"retrieval query heads ({h_r}) must be a multiple of its KV heads ({k.shape[1]}){hint}")
     if q.dtype not in _FLOATS or k.dtype != q.dtype:
         raise ValueError(f"q and k must share one dtype of fp16/bf16/fp32; got {q.dtype} and {k.dtype}")

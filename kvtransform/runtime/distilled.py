@@ -129,27 +129,44 @@ def check_fingerprint(stored: dict, model, where: str) -> None:
 
 def save_head_dir(directory, block: DistilledBlock, fp: dict, extra: Optional[dict] = None) -> Path:
     """Write ``head.safetensors`` (fp16 weights) and ``head.json`` (format, architecture, fingerprint, ``extra``).
-    Each file is written under a temporary name and renamed into place (no half-written file; the weights first,
-    so a ``head.json`` never describes weights that are not there), with the mode the process umask gives."""
+
+    Both files are written under temporary names first (the metadata serialised before anything is written) and
+    then renamed into place, the weights first: a failure while writing leaves the previous head as it was and
+    never a half-written file (only a crash between the two renames pairs new weights with the old ``head.json``).
+    Modes follow the process umask (safetensors alone gives 0600).
+
+    Raises:
+        TypeError: ``extra`` not JSON-serialisable (nothing written). IsADirectoryError: a target is a directory.
+    """
     import os
+    import tempfile
 
     from safetensors.torch import save_file
 
     d = Path(directory)
+    meta = json.dumps({"format": FORMAT, "version": 1, "arch": block.arch, "fingerprint": fp, **(extra or {})},
+                      indent=1)
+    for name in ("head.safetensors", "head.json"):
+        if (d / name).is_dir():
+            raise IsADirectoryError(f"{d / name} is a directory: remove it or choose another head directory")
     d.mkdir(parents=True, exist_ok=True)
     umask = os.umask(0)
     os.umask(umask)
-    meta = {"format": FORMAT, "version": 1, "arch": block.arch, "fingerprint": fp, **(extra or {})}
-    writers = (("head.safetensors", lambda t: save_file(
-                   {k: v.detach().to(torch.float16).contiguous() for k, v in block.state_dict().items()}, str(t))),
-               ("head.json", lambda t: t.write_text(json.dumps(meta, indent=1))))
-    for name, write in writers:
-        tmp = d / f".{name}.tmp"
-        try:
-            write(tmp)
-            os.chmod(tmp, 0o666 & ~umask)       # safetensors creates its file 0600
-            os.replace(tmp, d / name)
-        finally:
+    tmps = {}
+    try:
+        for name in ("head.safetensors", "head.json"):
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=d)
+            os.close(fd)
+            tmps[name] = Path(tmp)
+        save_file({k: v.detach().to(torch.float16).contiguous() for k, v in block.state_dict().items()},
+                  str(tmps["head.safetensors"]))
+        tmps["head.json"].write_text(meta)
+        for name, tmp in tmps.items():
+            os.chmod(tmp, 0o666 & ~umask)
+        for name in ("head.safetensors", "head.json"):
+            os.replace(tmps.pop(name), d / name)
+    finally:
+        for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
     return d
 

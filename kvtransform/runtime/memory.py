@@ -222,10 +222,10 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
                  else f"the KV of every layer but the {pin} the retrieval head reads")
         if max_batch < 1:  # not even one row: the fixed part (weights, head, reserve) or one row leaves no room
             fixed = model.weight_bytes + head.weight_bytes + reserve_bytes
-            one = _m_k(model, head, reserve_bytes, 1, budget, S, L - pin)
-            raise ValueError(f"no batch fits {gpu_bytes / 1e9:.3g} GB: the weights, head and reserve alone take "
-                             f"{fixed / 1e9:.3g} GB and one row of [{input_len}, {output_len}] needs "
-                             f"{max(one, _m_k(model, head, reserve_bytes, 1, budget, input_len, 0)) / 1e9:.3g} GB in all "
+            one = _m_k(model, head, reserve_bytes, 1, min(budget, S), S, L - pin)  # no more slots than tokens
+            raise ValueError(f"no batch fits {gpu_bytes / 1e9:.4g} GB: the weights, head and reserve alone take "
+                             f"{fixed / 1e9:.4g} GB and one row of [{input_len}, {output_len}] needs "
+                             f"{max(one, _m_k(model, head, reserve_bytes, 1, budget, input_len, 0)) / 1e9:.4g} GB in all "
                              f"with {which} on CPU: raise gpu_gb (or lower reserve_gb, shorten [input, output])")
         raise ValueError(f"batch {batch} does not fit {gpu_bytes / 1e9:.3g} GB even with {which} on CPU "
                          f"(needs {need / 1e9:.3g} GB at the prefill or at {S} tokens): lower the batch to "
