@@ -112,3 +112,17 @@ def test_verify_given_as_dict():
         resolve_config(CanonicalConfig(verify={"enabeld": False}))
     with pytest.raises(ValueError, match="verify must be a VerifyConfig"):
         resolve_config(CanonicalConfig(verify=False))
+
+
+def test_dotted_keys_nest_and_errors_name_the_key():
+    """{"verify.lengths": [9]} is the nested key (what transform.verify.lengths=[9] gives on the command line); a bad
+    value names its key in one line; a typo names the closest key of the nested config; a non-string key is named."""
+    cfg = config_from_dict({"name": "specontext", "verify.lengths": [9]})
+    assert cfg.verify.lengths == [9]
+    with pytest.raises(ValueError, match=r"^invalid specontext config: budget: Value 'abc'[^\n]*$"):
+        config_from_dict({"name": "specontext", "budget": "abc"})
+    with pytest.raises(ValueError, match=r"'lenghts' not in 'VerifyConfig' \(did you mean 'lengths'\?\). Valid keys: "
+                                         r"\['enabled', 'lengths'"):
+        config_from_dict({"name": "specontext", "verify.lenghts": [9]})
+    with pytest.raises(ValueError, match=r"keys must be strings; got \('a',\)"):
+        config_from_dict({"name": "dualkv", ("a",): 1})
