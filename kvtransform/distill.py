@@ -259,8 +259,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         st = torch.load(ckpt, weights_only=False)
         old = st.get("key") or {}
         changed = sorted(k for k in set(old) & set(resume_key) if old[k] != resume_key[k])
-        missing = sorted(set(resume_key) - set(old))
-        if "fingerprint" not in st or fingerprint_mismatch(st["fingerprint"], fp):
+        missing = sorted(set(resume_key) - set(old)) + ([] if "fingerprint" in st else ["fingerprint"])
+        if "fingerprint" in st and fingerprint_mismatch(st["fingerprint"], fp):
             changed.append("target model")
         if changed or missing:
             why = (f"{', '.join(changed)} differ" if changed else
