@@ -200,6 +200,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return err, err / scale if scale > 0 else err
 
 
+def _loss_grads(lps: list, adv: torch.Tensor, params: list) -> list:
+    """fp64 copies of the gradients of ``Σ_i adv_i · Σ_j lps_ij`` for ``params`` (zeros where unused)."""
+    loss = sum(adv[i].to(lp.dtype) * lp.sum() for i, lp in enumerate(lps))
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [(torch.zeros_like(p) if g is None else g).detach().double() for p, g in zip(params, grads)]
+
+
 def check_exactness(model, opt, batch: PackedBatch, advantages: Optional[torch.Tensor] = None,
                     backward: bool = True, padded: bool = False) -> dict:
     """Compare the transformed module on ``batch`` with the original model on the replicated batch.
@@ -240,17 +247,10 @@ def check_exactness(model, opt, batch: PackedBatch, advantages: Optional[torch.T
     if backward:
         adv = advantages.to(dev, torch.float64 if a.dtype == torch.float64 else torch.float32)
         ps = [p for _, p in params]
-        loss_new = sum(adv[i] * lp.sum() for i, lp in enumerate(lp_new))
-        loss_ref = sum(adv[i] * lp.sum() for i, lp in enumerate(lp_ref))
-        g_new = torch.autograd.grad(loss_new, ps, allow_unused=True)
-        g_ref = torch.autograd.grad(loss_ref, ps, allow_unused=True)
+        g_new, g_ref = _loss_grads(lp_new, adv, ps), _loss_grads(lp_ref, adv, ps)
         worst = (0.0, 0.0, "")
         sq_diff, sq_ref = 0.0, 0.0
         for (name, p), x, y in zip(params, g_new, g_ref):
-            if x is None and y is None:
-                continue
-            x = (torch.zeros_like(p) if x is None else x).detach().double()
-            y = (torch.zeros_like(p) if y is None else y).detach().double()
             sq_diff += float(((x - y) ** 2).sum())
             sq_ref += float((y ** 2).sum())
             e, r = _rel(x, y)
@@ -260,13 +260,6 @@ def check_exactness(model, opt, batch: PackedBatch, advantages: Optional[torch.T
         res["grad_global_rel"] = math.sqrt(sq_diff / sq_ref) if sq_ref > 0 else math.sqrt(sq_diff)
         res["num_params"] = len(params)
     return res
-
-
-def _loss_grads(lps: list, adv: torch.Tensor, params: list) -> list:
-    """fp64 copies of the gradients of ``Σ_i adv_i · Σ_j lps_ij`` for ``params`` (zeros where unused)."""
-    loss = sum(adv[i].to(lp.dtype) * lp.sum() for i, lp in enumerate(lps))
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return [(torch.zeros_like(p) if g is None else g).detach().double() for p, g in zip(params, grads)]
 
 
 def check_numerics_rule(model, opt, batch: PackedBatch, advantages: Optional[torch.Tensor] = None,

@@ -77,8 +77,8 @@ class DistilledBlock(nn.Module):
         k = self.w_k(h).unflatten(-1, (a["kv_heads"], a["head_dim"]))
         if tables is None:
             tables = yarn_rows(a["rope_theta"], a["head_dim"], int(max_length or 0), a["train_length"])
-        inv, mscale = tables
-        return rope(q, positions, inv.to(emb.device), mscale), rope(k, positions, inv.to(emb.device), mscale)
+        inv, mscale = tables[0].to(emb.device), tables[1]     # on the device already for a head's tables
+        return rope(q, positions, inv, mscale), rope(k, positions, inv, mscale)
 
     def rope_tables(self, lengths: tuple, device) -> tuple:
         """Per-row RoPE for rows of final lengths ``lengths`` (:func:`~.embedding_heads.yarn_rows`, YaRN past

@@ -126,11 +126,14 @@ class Eagle3Head(EmbeddingKeyHead):
                 "num_key_value_heads": getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads}
         self.w, self.cfg = load_eagle3(self.source, info)
 
+    def _head_dim(self) -> int:
+        c = self.cfg
+        return int(c.get("head_dim") or c["hidden_size"] // int(c["num_attention_heads"]))
+
     def rope_tables(self, lengths, device):
         """Per-row RoPE (YaRN past the draft's ``max_position_embeddings``), as :func:`~.embedding_heads.yarn_rows`."""
         c = self.cfg
-        d = int(c.get("head_dim") or c["hidden_size"] // int(c["num_attention_heads"]))
-        inv, ms = yarn_rows(float(c.get("rope_theta", 10000.0)), d, tuple(lengths),
+        inv, ms = yarn_rows(float(c.get("rope_theta", 10000.0)), self._head_dim(), tuple(lengths),
                             int(c.get("max_position_embeddings", 2048)))
         return inv.to(device), ms.to(device)
 
@@ -138,7 +141,7 @@ class Eagle3Head(EmbeddingKeyHead):
         c, w = self.cfg, self.w
         eps = float(c.get("rms_norm_eps", 1e-6))
         h, hkv = int(c["num_attention_heads"]), int(c["num_key_value_heads"])
-        d = int(c.get("head_dim") or c["hidden_size"] // h)
+        d = self._head_dim()
         e = emb[..., -1, :].float()
         if self.fused == "zeros":
             fused = torch.zeros_like(e)
