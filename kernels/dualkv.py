@@ -1,4 +1,5 @@
-"""DualKV attention: Triton forward, deterministic Triton backward, and the plain-PyTorch reference.
+"""DualKV attention: Triton forward and deterministic Triton backward (the plain-PyTorch reference, re-exported
+here, is in ``kernels/dualkv_reference.py``).
 
 Packed shared-prefix layout (``kvtransform.layout``): segments ``[cu_seqlens[s], cu_seqlens[s+1])`` ordered group by
 group (prefix, then its responses); ``segment_prefix[s]`` is the prefix segment of response ``s`` (``-1`` for a
@@ -40,177 +41,7 @@ MAX_HEAD_DIM = 256
 
 from ._common import dot_precision, next_pow2
 from ._common import interpreting as _interpreting  # kvtransform.ops.dualkv reads it from here
-
-
-# ====================================================================================================== reference
-def dualkv_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                               segment_prefix: torch.Tensor, softmax_scale: Optional[float] = None,
-                               upcast: bool = True):
-    """Plain-PyTorch (differentiable) DualKV attention, segment by segment.
-
-    Each query segment is one dense attention: a prefix against its own keys (causal); a response ``r`` against
-    ``cat(prefix keys, own keys)`` with the bottom-right aligned causal mask (the whole prefix plus ``0..r``).
-
-    Args:
-        q: ``(T, H, D)``; k, v: ``(T, H_kv, D)``, ``H % H_kv == 0``; any float dtype.
-        cu_seqlens: int ``(S+1,)`` segment boundaries; segment_prefix: int ``(S,)`` (``-1`` for a prefix).
-        softmax_scale: default ``D ** -0.5``.
-        upcast: compute in fp32 (or fp64 if the inputs are fp64); if False, the matmuls run in the input dtype and
-            only the softmax in fp32 (PyTorch's own low-precision error, used by the numerics rule of the tests).
-
-    Returns:
-        ``(out, lse)``: out ``(T, H, D)`` in ``q.dtype``; lse ``(H, T)`` fp32 (fp64 for fp64 inputs), natural log.
-
-    Reads the offsets on the host (one sync); not for use under tracing.
-    """
-    t, h, d = q.shape
-    h_kv = k.shape[1]
-    grp = h // h_kv
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    sp = [int(x) for x in segment_prefix.tolist()]
-    work = torch.float64 if q.dtype == torch.float64 else (torch.float32 if upcast else q.dtype)
-    soft = torch.float64 if q.dtype == torch.float64 else torch.float32
-    outs, lses = [], []
-    for s in range(len(sp)):
-        a, b = cu[s], cu[s + 1]
-        qs = q[a:b].to(work).transpose(0, 1)  # (H, n, D)
-        if sp[s] < 0:
-            ks, vs = k[a:b], v[a:b]
-        else:
-            pa, pb = cu[sp[s]], cu[sp[s] + 1]
-            ks, vs = torch.cat([k[pa:pb], k[a:b]]), torch.cat([v[pa:pb], v[a:b]])
-        ks = ks.to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        vs = vs.to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        n, m = b - a, ks.shape[1]
-        scores = torch.matmul(qs, ks.transpose(-1, -2)).to(soft) * scale
-        keep = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
-        scores = scores.masked_fill(~keep, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # (H, n)
-        p = torch.exp(scores - lse[..., None])
-        o = torch.matmul(p.to(vs.dtype), vs)
-        outs.append(o.transpose(0, 1).to(q.dtype))
-        lses.append(lse)
-    out = torch.cat(outs) if outs else q.new_zeros(q.shape)
-    lse = torch.cat(lses, dim=1) if lses else torch.zeros(h, t, dtype=soft, device=q.device)
-    return out, lse
-
-
-def dualkv_attention_reference_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor,
-                                        k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                        segment_prefix: torch.Tensor, softmax_scale: Optional[float] = None):
-    """Explicit (no autograd) gradients of :func:`dualkv_attention_reference`, computed in fp32 (fp64 for fp64
-    inputs) segment by segment; the prefix's dK/dV sum its own causal part and every response of its group.
-
-    Args:
-        grad_out: ``(T, H, D)``; grad_lse: optional ``(H, T)``; the rest as :func:`dualkv_attention_reference`.
-
-    Returns:
-        ``(dq, dk, dv)`` in the dtypes and shapes of q, k, v.
-    """
-    t, h, d = q.shape
-    h_kv = k.shape[1]
-    grp = h // h_kv
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    sp = [int(x) for x in segment_prefix.tolist()]
-    dq = torch.zeros(q.shape, dtype=work, device=q.device)
-    dk = torch.zeros(k.shape, dtype=work, device=q.device)
-    dv = torch.zeros(v.shape, dtype=work, device=q.device)
-    for s in range(len(sp)):
-        a, b = cu[s], cu[s + 1]
-        rows = [(a, b)] if sp[s] < 0 else [(cu[sp[s]], cu[sp[s] + 1]), (a, b)]
-        qs = q[a:b].to(work).transpose(0, 1)
-        ks = torch.cat([k[x:y] for x, y in rows]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        vs = torch.cat([v[x:y] for x, y in rows]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        dos = grad_out[a:b].to(work).transpose(0, 1)
-        n, m = b - a, ks.shape[1]
-        scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale
-        keep = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
-        p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-        o = torch.matmul(p, vs)
-        delta = (o * dos).sum(-1)
-        if grad_lse is not None:
-            delta = delta - grad_lse[:, a:b].to(work)
-        dp = torch.matmul(dos, vs.transpose(-1, -2))
-        ds = p * (dp - delta[..., None])
-        dq[a:b] = (torch.matmul(ds, ks) * scale).transpose(0, 1)
-        dks = (torch.matmul(ds.transpose(-1, -2), qs) * scale).view(h_kv, grp, m, d).sum(1).transpose(0, 1)
-        dvs = torch.matmul(p.transpose(-1, -2), dos).view(h_kv, grp, m, d).sum(1).transpose(0, 1)
-        off = 0
-        for x, y in rows:
-            dk[x:y] += dks[off:off + y - x]
-            dv[x:y] += dvs[off:off + y - x]
-            off += y - x
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-# ====================================================================================================== work tables
-# The launchers build these tables with two small Triton kernels (`_plan_layout_kernel`, `_plan_work_kernel`): the
-# torch versions below took ~80 small launches per kernel call (0.15-0.2 ms of GPU time before the forward at
-# P=5059/mb=4 on the H200, BENCHMARKS.md) and are kept as the specification the tests compare them with.
-def _bounded_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int):
-    """The layout as the kernels use it: offsets clamped into ``[0, T]`` and made non-decreasing (running max),
-    prefix indices clamped into ``[-1, S-1]``; int32, on the device, no host sync. A valid layout is unchanged; for
-    any other the kernels then index only rows ``[0, T)`` of their tensors and entries ``[0, S]`` of the tables (rows
-    that no clamped segment covers are left unwritten; ``kvt::dualkv_attention`` refuses such layouts)."""
-    cu = torch.cummax(cu_seqlens.clamp(0, total_tokens), 0).values.to(torch.int32)
-    sp = segment_prefix.clamp(-1, segment_prefix.numel() - 1).to(torch.int32)
-    return cu, sp
-
-
-def _segment_tables(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor):
-    """Per-segment int32 ranges, on the device, without host syncs.
-
-    Returns ``(kctx_lo, kctx_hi, qctx_lo, qctx_hi)``: the context *key* range a segment's queries also see (the group
-    prefix, for a response; empty for a prefix) and the context *query* range that also sees a segment's keys (all
-    response tokens of the group, for a prefix; empty for a response)."""
-    cu = cu_seqlens.long()
-    sp = segment_prefix.long()
-    s = sp.numel()
-    is_resp = sp >= 0
-    p = sp.clamp(min=0)
-    zero = torch.zeros_like(sp)
-    kctx_lo = torch.where(is_resp, cu[p], zero)
-    kctx_hi = torch.where(is_resp, cu[p + 1], zero)
-    # group end of each prefix: max end of its responses (and itself)
-    owner = torch.where(is_resp, p, torch.arange(s, device=sp.device))
-    gend = torch.zeros(s, dtype=torch.long, device=sp.device).scatter_reduce(0, owner, cu[1:], reduce="amax",
-                                                                           include_self=True)
-    qctx_lo = torch.where(is_resp, zero, cu[1:])
-    qctx_hi = torch.where(is_resp, zero, gend)
-    return (kctx_lo.to(torch.int32), kctx_hi.to(torch.int32), qctx_lo.to(torch.int32), qctx_hi.to(torch.int32))
-
-
-def _work_table(cu_seqlens: torch.Tensor, block: int, total_tokens: int, extra: torch.Tensor, per_block_sign: int):
-    """Blocks of ``block`` tokens of every segment, heaviest first, as two int32 tensors ``(seg, blk)`` of static
-    length ``cdiv(T, block) + S`` (unused entries have ``seg = -1``). Built on the device, no host sync.
-
-    Cost of block ``b`` of segment ``s``: ``extra[s] + (b+1)*block`` (query blocks: the keys they visit) if
-    ``per_block_sign > 0``, else ``extra[s] + len_s - b*block`` (key blocks: the queries that see them)."""
-    cu = cu_seqlens.long()
-    lens = cu[1:] - cu[:-1]
-    s = lens.numel()
-    nblk = (lens + block - 1) // block
-    ends = torch.cumsum(nblk, 0)
-    w = triton.cdiv(total_tokens, block) + s
-    i = torch.arange(w, device=cu.device)
-    seg = torch.searchsorted(ends, i, right=True)
-    valid = seg < s
-    seg_c = seg.clamp(max=s - 1)
-    blk = i - (ends[seg_c] - nblk[seg_c])
-    if per_block_sign > 0:
-        cost = extra.long()[seg_c] + (blk + 1) * block
-    elif per_block_sign < 0:
-        cost = extra.long()[seg_c] + lens[seg_c] - blk * block
-    else:  # 0: layout order (segments in order, blocks ascending), the unused entries last
-        cost = -i
-    cost = torch.where(valid, cost, torch.full_like(cost, -(w + 1)))
-    order = torch.argsort(cost, descending=True, stable=True)
-    seg_out = torch.where(valid, seg_c, torch.full_like(seg_c, -1))[order].to(torch.int32).contiguous()
-    blk_out = blk[order].to(torch.int32).contiguous()
-    return seg_out, blk_out, w
+from .dualkv_reference import dualkv_attention_reference, dualkv_attention_reference_backward  # the CPU path
 
 
 @triton.jit
@@ -220,10 +51,11 @@ def _max_combine(a, b):
 
 @triton.jit
 def _plan_layout_kernel(CU, SP, CUB, CTX, OK, S, T, SB: tl.constexpr):
-    """One program: the layout as the kernels use it (what :func:`_bounded_layout` and :func:`_segment_tables` compute
-    with ~30 small torch ops): ``CUB`` (S+1) = running max of ``cu_seqlens`` clamped into ``[0, T]``; ``CTX`` (4, S)
-    int32 rows = ``kctx_lo, kctx_hi, qctx_lo, qctx_hi`` (row 3 first holds the group ends, a deterministic integer
-    atomic max); ``OK`` (1,) = :func:`kvtransform.layout.structure_ok` of the raw offsets (1 or 0)."""
+    """One program: the layout as the kernels use it (what ``bounded_layout`` and ``segment_tables`` of
+    ``kernels/dualkv_reference.py`` compute with ~30 small torch ops): ``CUB`` (S+1) = running max of ``cu_seqlens``
+    clamped into ``[0, T]``; ``CTX`` (4, S) int32 rows = ``kctx_lo, kctx_hi, qctx_lo, qctx_hi`` (row 3 first holds the
+    group ends, a deterministic integer atomic max); ``OK`` (1,) = :func:`kvtransform.layout.structure_ok` of the raw
+    offsets (1 or 0)."""
     carry = 0
     latest = -1
     bad = 0
@@ -268,10 +100,10 @@ def _plan_layout_kernel(CU, SP, CUB, CTX, OK, S, T, SB: tl.constexpr):
 @triton.jit
 def _plan_work_kernel(CUB, CTX_LO, CTX_HI, WSEG, WBLK, S, W, BLOCK, SIGN: tl.constexpr, JB: tl.constexpr,
                       SB: tl.constexpr):
-    """The work table of :func:`_work_table` without a sort: job ``i`` (blocks of every segment in layout order) is
-    written at its rank = jobs of higher cost + jobs of equal cost and lower index, counted per segment in closed
-    form (costs within a segment are an arithmetic sequence). Each program places ``JB`` jobs; unused entries keep
-    their index and get ``seg = -1``."""
+    """The work table of ``work_table`` (``kernels/dualkv_reference.py``) without a sort: job ``i`` (blocks of every
+    segment in layout order) is written at its rank = jobs of higher cost + jobs of equal cost and lower index, counted
+    per segment in closed form (costs within a segment are an arithmetic sequence). Each program places ``JB`` jobs;
+    unused entries keep their index and get ``seg = -1``."""
     i = tl.program_id(0) * JB + tl.arange(0, JB)
     seg = tl.zeros([JB], tl.int32)
     bstart = tl.zeros([JB], tl.int32)
@@ -329,9 +161,10 @@ LAYOUT_ASSERT_MSG = ("kvt::dualkv_attention: inconsistent cu_seqlens/segment_pre
 
 def _plan_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int,
                  assert_layout: bool = False):
-    """``(cu_bounded, ctx)``: :func:`_bounded_layout`'s offsets and :func:`_segment_tables`' four ranges (rows of the
-    int32 ``(4, S)`` ``ctx``), in one launch. ``assert_layout``: also ``torch._assert_async`` that the raw layout is
-    consistent (:func:`kvtransform.layout.structure_ok`, computed in the same launch; no host sync on CUDA)."""
+    """``(cu_bounded, ctx)``: the offsets of ``bounded_layout`` and the four ranges of ``segment_tables``
+    (``kernels/dualkv_reference.py``; rows of the int32 ``(4, S)`` ``ctx``), in one launch. ``assert_layout``: also
+    ``torch._assert_async`` that the raw layout is consistent (:func:`kvtransform.layout.structure_ok`, computed in the
+    same launch; no host sync on CUDA)."""
     s = segment_prefix.numel()
     cub = torch.empty(s + 1, dtype=torch.int32, device=cu_seqlens.device)
     ctx = torch.empty((4, s), dtype=torch.int32, device=cu_seqlens.device)
@@ -345,7 +178,8 @@ def _plan_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_t
 
 def _plan_work(cub: torch.Tensor, ctx_lo: torch.Tensor, ctx_hi: torch.Tensor, block: int, total_tokens: int,
                per_block_sign: int):
-    """:func:`_work_table` (same tables) in one launch, from :func:`_plan_layout`'s outputs."""
+    """``work_table`` of ``kernels/dualkv_reference.py`` (same tables) in one launch, from :func:`_plan_layout`'s
+    outputs."""
     s = ctx_lo.numel()
     w = triton.cdiv(total_tokens, block) + s
     wseg = torch.empty(w, dtype=torch.int32, device=cub.device)
@@ -501,10 +335,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
 # ====================================================================================================== backward
 @triton.jit
 def _bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dt, stride_dh, T,
-                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
-                      DON=None, HAS_DON: tl.constexpr = False):
-    """``Delta = rowsum(dO * O) - dLSE`` per (head, token), fp32 ``(H, T)``; ``HAS_DON``: also the rows' L2 norms
-    ``||dO||`` into ``DON`` (the fixed-point fused backward's bounds)."""
+                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """``Delta = rowsum(dO * O) - dLSE`` per (head, token), fp32 ``(H, T)``."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -517,9 +349,6 @@ def _bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dt, strid
     if HAS_DLSE:
         delta -= tl.load(DLSE + h.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
     tl.store(DELTA + h.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
-    if HAS_DON:
-        dof = do.to(tl.float32)
-        tl.store(DON + h.to(tl.int64) * T + offs_m, tl.sqrt(tl.sum(dof * dof, 1)), mask=offs_m < T)
 
 
 @triton.jit
@@ -607,18 +436,10 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
 def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                     offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                    QD, DOD, qcol, TMA: tl.constexpr, FUSED: tl.constexpr = False, dq_base=None, lock_base=None,
-                    rank=0, stride_dqt=0, kend=0, FIXED: tl.constexpr = False, rs_base=None, DQD=None,
-                    DQ_TMA: tl.constexpr = False):
+                    QD, DOD, qcol, TMA: tl.constexpr):
     """dK/dV steps over query blocks ``[lo, hi)`` of one query head. ``TMA``: the Q/dO blocks through the tensor
     descriptors ``QD``/``DOD`` at column ``qcol`` (rows past ``qbound`` are then real rows of other segments, or
-    zeros past T: their probabilities are masked to 0). ``FUSED`` (``lo`` on the segment's tile grid, ``lock_base``
-    the counter of the tile at ``lo``): also each tile's dQ share ``dS @ K``, added into the fp32 ``dq_base`` when
-    the tile's counter reaches ``rank`` (then set to ``rank + 1``; see the fused-backward section). ``FIXED`` (with
-    ``FUSED``): the share, times its row's power-of-two scale ``rs_base[q]``, added as an ``int64`` into
-    ``dq_base`` by an integer atomic add: exact, so the sum is the same in any order (no counters); ``DQ_TMA``:
-    as one bulk tensor reduction through the ``uint64`` descriptor ``DQD`` (rows past ``qbound`` add 0)."""
-    it = 0
+    zeros past T: their probabilities are masked to 0)."""
     for start in range(lo, hi, BLOCK_M):
         q_idx = start + offs_m
         q_off = q_idx.to(tl.int64)
@@ -663,30 +484,6 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, 
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
-        if FUSED:
-            # key rows past the block's segment (zeros) have pT = exp2(-lse2), up to inf: out of the dQ share
-            dsT = tl.where(k_idx[:, None] < kend, dsT, 0.0)
-            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PREC)  # (BLOCK_M, D): this block's share
-            dm = q_idx[:, None] < qbound
-            if not EVEN_D:
-                dm = dm & (offs_d[None, :] < D)
-            ptr = dq_base + q_off[:, None] * stride_dqt + offs_d[None, :]
-            if FIXED:
-                rs = tl.load(rs_base + q_idx, mask=q_idx < qbound, other=0.0)
-                if DQ_TMA:
-                    share = tl.where(dm, (dq * rs[:, None]).to(tl.int64), 0)
-                    DQD.atomic_add([start, qcol], share.to(tl.uint64, bitcast=True))
-                else:
-                    tl.atomic_add(ptr, (dq * rs[:, None]).to(tl.int64), mask=dm, sem="relaxed")
-            else:
-                lock = lock_base + it
-                while tl.atomic_cas(lock, rank, rank, sem="acquire") != rank:
-                    pass
-                old = tl.load(ptr, mask=dm, other=0.0, cache_modifier=".cg")
-                tl.store(ptr, old + dq, mask=dm)
-                tl.debug_barrier()
-                tl.atomic_xchg(lock, rank + 1, sem="release")
-                it += 1
     return dk, dv
 
 
@@ -695,17 +492,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh, T, H_KV, GROUP, qk_scale, sm_scale,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     EVEN_D: tl.constexpr, PREC: tl.constexpr, QD=None, DOD=None, TMA: tl.constexpr = False,
-                     FUSED: tl.constexpr = False, DQ=None, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None,
-                     stride_dqt=0, stride_dqh=0, NT=0, FIXED: tl.constexpr = False, RS=None, DQD=None,
-                     DQ_TMA: tl.constexpr = False):
+                     EVEN_D: tl.constexpr, PREC: tl.constexpr, QD=None, DOD=None, TMA: tl.constexpr = False):
     """One program per (work entry = BLOCK_N keys of one segment, KV head): dK/dV over every query head of the GQA
     group and every query that sees these keys; each dK/dV row has one owner program (no atomics). ``TMA``: the
-    Q/dO blocks through host tensor descriptors (2-D ``(T, H*D)`` views, blocks ``(BLOCK_M, D)``). ``FUSED``: also
-    the dQ shares, in rank order (the fused-backward section; the work table in layout order, the response queries
-    of a prefix block visited segment by segment on their own tile grids); with ``FIXED`` as fixed-point integers
-    added in any order (``RS``: fp32 ``(H, T)`` row scales; the work table heaviest-first, as without ``FUSED``;
-    ``DQ_TMA``: through the descriptor ``DQD`` of the ``(T, H*D)`` uint64 view of ``DQ``)."""
+    Q/dO blocks through host tensor descriptors (2-D ``(T, H*D)`` views, blocks ``(BLOCK_M, D)``)."""
     pid = tl.program_id(0)
     w = pid // H_KV
     g = pid % H_KV
@@ -732,68 +522,29 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
     diag_hi = tl.minimum(k_start + BLOCK_N, se)
     o_full = diag_hi + ((se - diag_hi) // BLOCK_M) * BLOCK_M
     c_full = cs + ((ce - cs) // BLOCK_M) * BLOCK_M
-    own_rank = 0
-    tile_own = 0
-    if FUSED and not FIXED:  # a response block comes after every block of its group's prefix
-        own_rank = (tl.load(KCTX_HI + seg) - tl.load(KCTX_LO + seg) + BLOCK_N - 1) // BLOCK_N + blk
-        tile_own = tl.load(TILE0 + seg)
     for hh in range(0, GROUP):
         h = g * GROUP + hh
         q_base = Q + h * stride_qh
         do_base = DO + h * stride_doh
         lse_base = LSE + h.to(tl.int64) * T
         delta_base = DELTA + h.to(tl.int64) * T
-        dq_base = DQ + h.to(tl.int64) * stride_dqh if FUSED else DQ
-        rs_base = RS + h.to(tl.int64) * T if FIXED else RS
-        if FUSED and not FIXED:  # the counters of the own segment's tiles at the diagonal, after it, at the tail
-            locks = LOCK + h.to(tl.int64) * NT + tile_own
-            lk_diag = locks + (k_start - ss) // BLOCK_M
-            lk_after = locks + (diag_hi - ss) // BLOCK_M
-            lk_tail = locks + (o_full - ss) // BLOCK_M
-        else:
-            lk_diag = LOCK
-            lk_after = LOCK
-            lk_tail = LOCK
         # own segment: the diagonal (causal, masked), then the queries after it (whole blocks, then the tail)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC,
-                                 QD, DOD, h * D, TMA, FUSED, dq_base, lk_diag, own_rank,
-                                 stride_dqt, se, FIXED, rs_base, DQD, DQ_TMA)
+                                 QD, DOD, h * D, TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D, False, False,
-                                 PREC, QD, DOD, h * D, TMA, FUSED, dq_base, lk_after, own_rank,
-                                 stride_dqt, se, FIXED, rs_base, DQD, DQ_TMA)
+                                 PREC, QD, DOD, h * D, TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC,
-                                 QD, DOD, h * D, TMA, FUSED, dq_base, lk_tail, own_rank,
-                                 stride_dqt, se, FIXED, rs_base, DQD, DQ_TMA)
+                                 QD, DOD, h * D, TMA)
         # a prefix key block: every response query of its group (contiguous after the prefix), unmasked
-        if FUSED and not FIXED:  # segment by segment, each on its own tile grid; rank = the block's index in the prefix
-            s = seg + 1
-            rs = cs
-            while rs < ce:
-                re = tl.load(CU + s + 1)
-                r_full = rs + ((re - rs) // BLOCK_M) * BLOCK_M
-                tiles = LOCK + h.to(tl.int64) * NT + tl.load(TILE0 + s)
-                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, offs_m, offs_d, rs, r_full, re, qk_scale, D, BLOCK_M, EVEN_D,
-                                         False, False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base, tiles, blk,
-                                         stride_dqt, se)
-                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, offs_m, offs_d, r_full, re, re, qk_scale, D, BLOCK_M, EVEN_D,
-                                         True, False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base,
-                                         tiles + (r_full - rs) // BLOCK_M, blk, stride_dqt, se)
-                s += 1
-                rs = re
-        else:
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
-                                     stride_dot, offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False,
-                                     False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base, LOCK, 0, stride_dqt, se,
-                                     FIXED, rs_base, DQD, DQ_TMA)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
-                                     stride_dot, offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True,
-                                     False, PREC, QD, DOD, h * D, TMA, FUSED, dq_base, LOCK, 0, stride_dqt, se,
-                                     FIXED, rs_base, DQD, DQ_TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
+                                 stride_dot, offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False,
+                                 False, PREC, QD, DOD, h * D, TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
+                                 stride_dot, offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True,
+                                 False, PREC, QD, DOD, h * D, TMA)
     dk = dk * sm_scale
     tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
     tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
@@ -809,10 +560,11 @@ def _default_fwd_cfg(d_pad: int, dtype: torch.dtype, group: int = 1):
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2) if d_pad <= 128 else \
             dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if d_pad == 128 and group == 4 and dtype == torch.bfloat16:
-        # issue 14 probe (H200, bf16, GQA 32/8, kernel alone): the 4 query heads of a KV head packed (32 tokens x 4
-        # heads = 128 tile rows) with K/V through tensor descriptors: 557 / 517 TFLOP/s at P=5059 mb=4 / P=8192
-        # mb=16, against 459 / 455 for 128/128/8/3 in the same run; on the bf16 check layouts with odd lengths its
-        # output was bitwise equal to 128/128/8/3's. Measured for this group, head_dim and dtype only.
+        # launch-config probe (H200, bf16, GQA 32/8, kernel alone; BENCHMARKS.md, "DualKV attention op"): the 4 query
+        # heads of a KV head packed (32 tokens x 4 heads = 128 tile rows) with K/V through tensor descriptors:
+        # 557 / 517 TFLOP/s at P=5059 mb=4 / P=8192 mb=16, against 459 / 455 for 128/128/8/3 in the same run; on
+        # the bf16 check layouts with odd lengths its output was bitwise equal to 128/128/8/3's. Measured for this
+        # group, head_dim and dtype only.
         return dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3, PACK=True, TMA=True)
     if d_pad <= 128:  # H200 sweep (P=8K, N=16, D=128): 128/128/8/3 451 TFLOP/s, 128/64/8/3 425
         return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
@@ -827,9 +579,9 @@ def _default_dq_cfg(d_pad: int, dtype: torch.dtype, group: int = 1):
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1) if d_pad <= 128 else \
             dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if d_pad == 128 and group == 4 and dtype == torch.bfloat16:
-        # issue 14 probe (H200, bf16, GQA 32/8, kernel alone, commit 4e10b4d): the forward's packed GQA-4 tiling
-        # with TMA K/V, 1.523 / 8.761 ms at P=5059 mb=4 / P=8192 mb=16 against 1.812 / 9.872 for 128/64/8/3 (dQ
-        # bitwise equal to it); measured for this group, head_dim and dtype only
+        # launch-config probe (H200, bf16, GQA 32/8, kernel alone; BENCHMARKS.md, "DualKV attention op"): the forward's
+        # packed GQA-4 tiling with TMA K/V, 1.523 / 8.761 ms at P=5059 mb=4 / P=8192 mb=16 against 1.812 / 9.872
+        # for 128/64/8/3 (dQ bitwise equal to it); measured for this group, head_dim and dtype only
         return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=3, PACK=True, TMA=True)
     if d_pad <= 128:  # H200 sweep: 128/64/8/3 best of 8
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -841,21 +593,22 @@ def _default_bwd_cfg(d_pad: int, dtype: torch.dtype):
 
     The kernel computes the (BLOCK_N, BLOCK_M) products with K and V as the A operands. A variant with K and V as
     B operands (transposed P and dS as A operands) was dropped: on the H200 with triton 3.6 it gave wrong,
-    run-to-run different dK at P=8K (BENCHMARKS.md, DualKV section) and was slower anyway."""
+    run-to-run different dK at P=8K (BENCHMARKS.md, "DualKV attention op") and was slower anyway."""
     if _interpreting():
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
     if d_pad == 128 and dtype == torch.bfloat16:
-        # issue 14 probe (commit 4e10b4d, GQA 32/8): Q/dO through tensor descriptors, 2 stages: 2.945 / 14.98 ms at
-        # P=5059 mb=4 / P=8192 mb=16 against 3.197 / 15.59 for 64/128/8/3 without (dK/dV bitwise equal)
+        # launch-config probe (H200, GQA 32/8; BENCHMARKS.md, "DualKV attention op"): Q/dO through tensor descriptors,
+        # 2 stages: 2.945 / 14.98 ms at P=5059 mb=4 / P=8192 mb=16 against 3.197 / 15.59 for 64/128/8/3 without
+        # (dK/dV bitwise equal)
         return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2, TMA=True)
     if d_pad <= 128:  # H200 sweep (P=8K, N=16, D=128): 64/128/8/3 best of 13
         return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
-KERNELS = ("fwd", "dq", "dkdv", "fused")
+KERNELS = ("fwd", "dq", "dkdv")
 
 
 def _cfg(kind: str, d_pad: int, dtype: torch.dtype, config: Optional[dict] = None, group: int = 1) -> dict:
@@ -868,7 +621,7 @@ def _cfg(kind: str, d_pad: int, dtype: torch.dtype, config: Optional[dict] = Non
     base = dict(_default_fwd_cfg(d_pad, dtype, 1 if own else group) if kind == "fwd" else
                 _default_dq_cfg(d_pad, dtype, 1 if own else group) if kind == "dq" else
                 _default_bwd_cfg(d_pad, dtype))
-    if own or kind == "fused":
+    if own:
         base.pop("TMA", None)
     if config:
         unknown = set(config) - set(KERNELS)
@@ -922,8 +675,9 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
     Args:
         q: ``(T, H, D)`` fp16/bf16/fp32, last dim contiguous (copied if not); k, v: ``(T, H_kv, D)``, same dtype.
         cu_seqlens: int32 ``(S+1,)``; segment_prefix: int32 ``(S,)``; both on q's device. Their values are not
-            validated here (``kvt::dualkv_attention`` does that) but clamped (:func:`_bounded_layout`): an
-            inconsistent layout never makes the kernels touch memory outside q, k, v, out and lse.
+            validated here (``kvt::dualkv_attention`` does that) but clamped (as ``bounded_layout`` in
+            ``kernels/dualkv_reference.py``): an inconsistent layout never makes the kernels touch memory outside q,
+            k, v, out and lse.
         scale: softmax scale.
         config: optional launch config ``{"fwd": {"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..,
             "PACK": .., "TMA": ..}}`` (any subset of the keys; ``BLOCK_M`` query tokens per program; ``PACK`` true:
@@ -969,32 +723,14 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dlse: optional fp32 ``(H, T)`` gradient of ``lse`` (enters as ``Delta = rowsum(dO∘O) - dLSE``).
         config: optional launch configs ``{"dq": {...}, "dkdv": {...}}`` as :func:`dualkv_fwd`'s (dq: the forward's
             tiling, ``PACK`` and ``TMA`` included; dkdv: ``BLOCK_N`` keys per program, ``BLOCK_N % BLOCK_M == 0``).
-            ``{"fused": {...}}`` (keys as dkdv's, ``{}`` for its defaults) runs the **experimental** fused backward
-            instead: one pass per key block, 5 matmuls instead of 7, dQ added into an fp32 buffer (``T·H·D·4``
-            bytes more) in a fixed order per query tile (counters, no float atomics: still bitwise
-            deterministic). Correct on the H200 too, but 2.0-2.4x slower there than the default two kernels (the
-            ordered hand-offs set the pace: BENCHMARKS.md, issue 14); kept for experiments. With
-            ``"DQ_SUM": "fixed_point"`` the dQ shares are instead added as ``int64`` fixed-point values (each row
-            scaled by a power of two from a bound on its dQ) with integer atomic adds: exact, so bitwise
-            deterministic in any order, no waits (``T·H·D·8`` bytes more); ``"DQ_TMA": True`` adds each tile's
-            shares with one bulk tensor reduction instead (CUDA; the same sums). Not yet timed on a GPU.
         assert_layout: as :func:`dualkv_fwd`'s.
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v; the shared prefix's dK/dV include the contributions of
         every response of its group plus its own causal part.
     """
-    fused = bool(config) and config.get("fused") not in (None, False)
-    if fused and (config.get("dq") or config.get("dkdv")):
-        raise ValueError("launch config: 'fused' replaces the dq and dkdv kernels; give 'fused' or 'dq'/'dkdv', not "
-                         "both")
     q, k, v, out, do = (_lastdim_contig(x) for x in (q, k, v, out, do))
     t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
-    fcfg = _cfg("fused", d_pad, q.dtype, config) if fused else None
-    dq_sum = fcfg.get("DQ_SUM", "ordered") if fused else None
-    if fused and dq_sum not in DQ_SUMS:
-        raise ValueError(f"fused launch config: DQ_SUM={dq_sum!r}; expected one of {DQ_SUMS}")
-    fixed = dq_sum == "fixed_point"
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -1004,19 +740,10 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     delta = torch.empty((h, t), dtype=torch.float32, device=q.device)
     bmd = 32 if _interpreting() else 64
     has_dlse = dlse is not None
-    don = torch.empty((h, t), dtype=torch.float32, device=q.device) if fixed else None
     _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
         out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
-        do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse, DON=don, HAS_DON=fixed)
-    # the fused kernel's ordered dQ adds would wait forever on an inconsistent layout: always asserted there
-    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout or (fused and not fixed))
-    if fixed:
-        _launch_fused_fixed(q, k, v, do, dq, dk, dv, lse, delta, don, cub, ctx, t, h, h_kv, d, d_pad, prec, scale,
-                            fcfg)
-        return dq, dk, dv
-    if fused:
-        _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale, fcfg)
-        return dq, dk, dv
+        do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
     _launch_dq(q, k, v, do, dq, lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d_pad, prec, scale,
                _cfg("dq", d_pad, q.dtype, config, h // h_kv))
     _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale,
@@ -1040,134 +767,21 @@ def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, 
 
 
 def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale,
-                 cfg, fused: Optional[dict] = None):
-    """The dK/dV kernel over key blocks in heaviest-first order; ``fused`` (:func:`_launch_fused`'s kernel
-    arguments): the fused backward instead, its blocks in layout order (the order of the dQ additions). Returns the
-    launched (compiled) kernel (its ``n_regs``/``n_spills`` on CUDA)."""
+                 cfg):
+    """The dK/dV kernel over key blocks in heaviest-first order. Returns the launched (compiled) kernel (its
+    ``n_regs``/``n_spills`` on CUDA)."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     if bn % bm:
         raise ValueError(f"dkdv launch config: BLOCK_N ({bn} keys per program) must be a multiple of BLOCK_M ({bm} "
                          f"queries per step); e.g. BLOCK_M={bm} BLOCK_N={bm * max(1, bn // bm)}")
-    if fused is None or fused.get("FIXED"):  # the fixed-point dQ sums take any order: heaviest first
-        wseg, wblk, w = _plan_work(cu_seqlens, qctx_lo, qctx_hi, bn, t, -1)
-    else:
-        wseg, wblk, w = _work_table(cu_seqlens, bn, t, qctx_lo, 0)
+    wseg, wblk, w = _plan_work(cu_seqlens, qctx_lo, qctx_hi, bn, t, -1)
     qd, dod = _tma_descriptors(q, do, bm) if cfg.get("TMA") else (None, None)
     return _bwd_dkdv_kernel[(w * h_kv,)](
         q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
         D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, QD=qd, DOD=dod,
-        TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **(fused or {}))
-
-
-# ============================================================================ fused backward (experimental, issue 14)
-# _bwd_dkdv_kernel with FUSED: one pass per key block computes dK/dV (owned) and adds its dQ contribution (dS @ K,
-# the 5th matmul instead of the dQ kernel's 3) into an fp32 buffer. Deterministic without float atomics: every query tile
-# (BLOCK_M rows of one segment, on the segment's own grid) has a counter per query head, and the key blocks that see
-# the tile add in a fixed order (the group prefix's blocks 0.., then the tile's own segment's blocks 0..): the block
-# of rank r waits until the counter is r, adds, and sets it to r + 1. Programs are launched in that same order
-# (segments in layout order, blocks ascending), so a program only ever waits for programs launched before it: no
-# cycle, and under the sequential interpreter no wait at all.
-def _launch_fused(q, k, v, do, dq, dk, dv, lse, delta, cub, ctx, t, h, h_kv, d, d_pad, prec, scale, cfg):
-    """The fused backward: dK/dV into ``dk``/``dv``, dQ into ``dq`` (through an fp32 buffer)."""
-    bm = cfg["BLOCK_M"]
-    cu = cub.long()
-    lens = cu[1:] - cu[:-1]
-    ntiles = (lens + bm - 1) // bm
-    tile0 = (torch.cumsum(ntiles, 0) - ntiles).to(torch.int32)
-    nt = triton.cdiv(t, bm) + lens.numel()  # >= sum(ntiles), static (no host sync)
-    locks = torch.zeros((h, nt), dtype=torch.int32, device=q.device)
-    dq_acc = torch.zeros((t, h, d), dtype=torch.float32, device=q.device)
-    _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale, cfg,
-                 fused=dict(FUSED=True, DQ=dq_acc, LOCK=locks, KCTX_LO=ctx[0], KCTX_HI=ctx[1], TILE0=tile0,
-                            stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1), NT=nt))
-    dq.copy_(dq_acc.mul_(scale))  # in place: no second fp32 buffer
-
-
-DQ_SUMS = ("ordered", "fixed_point")
-# fixed-point dQ: every share of row i is at most B_i = max|K| * (||dO_i|| * max||V_j|| + |Delta_i|) in magnitude
-# (|dS_ij| <= P_ij * (|dP_ij| + |Delta_i|), sum_j P_ij = 1, |dP_ij| <= ||dO_i|| ||V_j||), and so is every partial
-# sum; the row's scale 2^e puts 2 * B_i below 2^62, so no int64 sum overflows, and each fp32 share keeps its 24
-# bits (the scaled share is an integer-valued float above 2^24; below, it is truncated at 2^-e, far under bf16's
-# resolution of the row's dQ). Rows with a non-finite bound (inf/NaN inputs) get NaN.
-_FIXED_POINT_BITS = 62
-_FIXED_MAX_EXP = 126  # the largest power of two whose inverse is a normal fp32 (bounds below ~2^-65 lose bits)
-
-
-def _dq_row_scales(k: torch.Tensor, v: torch.Tensor, don: torch.Tensor, delta: torch.Tensor, cub: torch.Tensor,
-                   kctx_lo: torch.Tensor, kctx_hi: torch.Tensor) -> torch.Tensor:
-    """fp32 ``(H, T)`` power-of-two scales of the fixed-point dQ sums (0 where the bound is not finite). ``max|K|``
-    and ``max||V||`` are taken over the keys each row sees (its segment and its group's prefix, per KV head), so
-    an outlier in one sequence costs no precision (and gives no NaN) in the others."""
-    h, t = don.shape
-    h_kv = k.shape[1]
-    s = cub.numel() - 1
-    tok = torch.arange(t, device=k.device)
-    seg = torch.searchsorted(cub[1:].long(), tok, right=True).clamp(max=s - 1)   # (T,) each token's segment
-    kabs = torch.maximum(torch.amax(k, dim=-1).float().abs(), torch.amin(k, dim=-1).float().abs())  # (T, H_kv)
-    vn = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32)                                  # (T, H_kv)
-
-    def seg_max(x):  # (S, H_kv): the max of each segment (0 for an empty one)
-        return torch.zeros((s, h_kv), dtype=x.dtype, device=x.device).scatter_reduce(
-            0, seg[:, None].expand(-1, h_kv), x, reduce="amax", include_self=True)
-
-    sk, sv = seg_max(kabs), seg_max(vn)
-    has_ctx = kctx_hi > kctx_lo
-    pseg = torch.searchsorted(cub[1:].long(), kctx_lo.long(), right=True).clamp(max=s - 1)  # the prefix's segment
-    sk = torch.where(has_ctx[:, None], torch.maximum(sk, sk[pseg]), sk)
-    sv = torch.where(has_ctx[:, None], torch.maximum(sv, sv[pseg]), sv)
-    grp = torch.arange(h, device=don.device) // (h // h_kv)
-    kmax, vmax = sk[seg][:, grp].t(), sv[seg][:, grp].t()                                     # (H, T)
-    bound = kmax * (don * vmax + delta.abs())
-    e = (_FIXED_POINT_BITS - 1 - torch.log2(bound).ceil()).clamp(max=_FIXED_MAX_EXP)
-    return torch.where(torch.isfinite(bound), torch.exp2(e), torch.zeros_like(bound)).contiguous()
-
-
-@triton.jit
-def _dq_from_fixed_kernel(ACC, RS, DQ, stride_at, stride_ah, stride_qt, stride_qh, T, sm_scale,
-                          D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dQ = ACC / RS * sm_scale per (token, head) row, in DQ's dtype; NaN where the row's scale is 0."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    msk = (offs_m[:, None] < T) & (offs_d[None, :] < D)
-    rows = offs_m.to(tl.int64)[:, None]
-    acc = tl.load(ACC + rows * stride_at + h * stride_ah + offs_d[None, :], mask=msk, other=0)
-    rs = tl.load(RS + h.to(tl.int64) * T + offs_m, mask=offs_m < T, other=1.0)
-    inv = tl.where(rs > 0, 1.0 / rs, float("nan"))  # a power of two: exact
-    tl.store(DQ + rows * stride_qt + h * stride_qh + offs_d[None, :],
-             (acc.to(tl.float32) * inv[:, None] * sm_scale).to(DQ.dtype.element_ty), mask=msk)
-
-
-def _dq_descriptor(acc: torch.Tensor, block_m: int):
-    """Host descriptor of the int64 ``(T, H, D)`` dQ sums as a ``(T, H*D)`` uint64 view with ``(block_m, D)``
-    blocks (the bulk tensor reduction adds uint64; two's complement makes that the int64 sum), or None where the
-    copy engine cannot address it (as :func:`_tma_descriptors`)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # pragma: no cover - older Triton
-        return None
-    t, h, d = acc.shape
-    if d != next_pow2(d, 16) or acc.data_ptr() % 16:
-        return None
-    return TensorDescriptor(acc.view(torch.uint64).view(t, h * d), [t, h * d], [h * d, 1], [block_m, d])
-
-
-def _launch_fused_fixed(q, k, v, do, dq, dk, dv, lse, delta, don, cub, ctx, t, h, h_kv, d, d_pad, prec, scale,
-                        cfg):
-    """The fused backward with fixed-point dQ sums (:data:`DQ_SUMS`): dK/dV into ``dk``/``dv``, dQ into ``dq``."""
-    rs = _dq_row_scales(k, v, don, delta, cub, ctx[0], ctx[1])
-    acc = torch.zeros((t, h, d), dtype=torch.int64, device=q.device)
-    # the interpreter has no bulk tensor reduction: the atomics there give the same integer sums
-    dqd = _dq_descriptor(acc, cfg["BLOCK_M"]) if cfg.get("DQ_TMA") and not _interpreting() else None
-    _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale, cfg,
-                 fused=dict(FUSED=True, FIXED=True, DQ=acc, RS=rs, stride_dqt=acc.stride(0),
-                            stride_dqh=acc.stride(1), DQD=dqd, DQ_TMA=dqd is not None))
-    bm = 32 if _interpreting() else 64
-    _dq_from_fixed_kernel[(triton.cdiv(t, bm), h)](acc, rs, dq, acc.stride(0), acc.stride(1), dq.stride(0),
-                                                    dq.stride(1), t, scale, D=d, D_PAD=d_pad, BLOCK_M=bm)
+        TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 __all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",

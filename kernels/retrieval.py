@@ -126,7 +126,7 @@ def retrieval_scores_triton(q: torch.Tensor, k: torch.Tensor, lengths: torch.Ten
     Shapes as the module docstring. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
     ``block_s`` / ``num_warps`` / ``blocks_per_prog`` / ``num_stages`` are the scoring kernel's launch config; the
     defaults were the best of an 18-config sweep on an H200 (batch 32, 32/8 heads, D 128, S 32K, bf16: 0.679 ms,
-    3.16 TB/s of K read, against 0.738 ms for one 128-block per program; BENCHMARKS.md)."""
+    3.16 TB/s of K read, against 0.738 ms for one 128-block per program; BENCHMARKS.md, "SpeContext decode ops")."""
     b, h_r, d = q.shape
     h_kv, s_max = k.shape[1], k.shape[2]
     g = h_r // h_kv
@@ -198,7 +198,7 @@ def select_topk(scores: torch.Tensor, budget: int, ordered: bool = True) -> torc
     gets exactly its positions ``0 .. lengths[b]-1``, in some order, then ``-1``). Never repeats a position.
     ``ordered=False``: the same set, in no particular order, the ``-1`` padding anywhere among it (what sparse
     decode takes: the runtime sorts each step's selection by position anyway), without the sort of ``torch.topk``
-    (H200, 256 rows, 2048 of 32K: 0.168 instead of 0.202 ms; BENCHMARKS.md "Retrieval top-k")."""
+    (H200, 256 rows, 2048 of 32K: 0.168 instead of 0.202 ms; BENCHMARKS.md, "SpeContext decode ops")."""
     b, h_kv, s_max = scores.shape
     kk = min(int(budget), s_max)
     if kk > 0:

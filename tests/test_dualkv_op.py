@@ -9,6 +9,7 @@ import torch
 
 import kvtransform  # noqa: F401  registers torch.ops.kvt.*
 from kvtransform.kernels import dualkv as K
+from kvtransform.kernels import dualkv_reference as R
 from kvtransform.layout import DualKVLayout
 from kvtransform.ops import dualkv as dualkv_ops
 from kvtransform.ops.dualkv import dualkv_attention
@@ -349,15 +350,15 @@ def test_planning_kernels_match_the_torch_tables(t, cu, sp):
             cases.append((lay.total_tokens, lay.cu_seqlens.tolist(), lay.segment_prefix.tolist()))
     for t_, cu_, sp_ in cases:
         cu_t, sp_t = torch.tensor(cu_, dtype=torch.int32), torch.tensor(sp_, dtype=torch.int32)
-        cb, spb = K._bounded_layout(cu_t, sp_t, t_)
-        ref = K._segment_tables(cb, spb)
+        cb, spb = R.bounded_layout(cu_t, sp_t, t_)
+        ref = R.segment_tables(cb, spb)
         cub, ctx = K._plan_layout(cu_t, sp_t, t_)
         assert torch.equal(cub, cb)
         for r in range(4):
             assert torch.equal(ctx[r], ref[r])
         for block in (16, 64):
             for sign, lo, hi in ((+1, 0, 1), (-1, 2, 3)):
-                ws, wb, w = K._work_table(cb, block, t_, ref[hi] - ref[lo], sign)
+                ws, wb, w = R.work_table(cb, block, t_, ref[hi] - ref[lo], sign)
                 ws2, wb2, w2 = K._plan_work(cub, ctx[lo], ctx[hi], block, t_, sign)
                 assert w == w2 and torch.equal(ws, ws2) and torch.equal(wb[ws >= 0], wb2[ws >= 0])
 
@@ -408,106 +409,6 @@ def test_dkdv_config_with_blocks_that_do_not_tile_is_refused():
     with pytest.raises(ValueError, match="must be a multiple of BLOCK_M"):
         K.dualkv_bwd(torch.randn_like(q), q, k, v, out, lse, layout.cu_seqlens, layout.segment_prefix, 0.2,
                      config={"dkdv": {"BLOCK_M": 32, "BLOCK_N": 16}})
-
-
-def _backward_case(groups, heads, d, scale=0.2):
-    """fp32 inputs of a layout, the forward's out/LSE, and the fp64 replicated reference gradients (dQ, dK, dV)."""
-    layout = DualKVLayout.from_lengths(groups)
-    q, k, v = make_inputs(layout, heads[0], heads[1], d, torch.float32)
-    do = torch.randn_like(q)
-    cu, sp = layout.cu_seqlens, layout.segment_prefix
-    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
-    ref_out, _ = replicated_reference(qd, kd, vd, layout, scale)
-    ref = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
-    out, lse = K.dualkv_fwd(q, k, v, cu, sp, scale)
-    return q, k, v, do, cu, sp, out, lse, ref
-
-
-@pytest.mark.parametrize("groups,heads,d", [
-    ([(17, [15, 1]), (16, [33]), (40, [70, 3])], (4, 2), 64),
-    ([(1, [1]), (5, [])], (3, 3), 32),
-    ([(33, [31, 64, 1])], (8, 2), 16),
-    ([(20, [9, 40])], (6, 2), 80),
-], ids=["three-groups-gqa2", "tiny-mha", "gqa4-d16", "gqa3-d80"])
-@pytest.mark.parametrize("blocks", [(16, 32, False), (16, 16, False), (32, 32, True)],
-                         ids=["16x32", "16x16", "32x32-tma"])
-def test_fused_backward_matches_reference_and_is_deterministic(groups, heads, d, blocks):
-    """The experimental fused backward (``config={"fused": ...}``): dQ added in rank order per query tile. Under the
-    sequential interpreter a rank that disagreed with the launch order would hang here, not pass."""
-    q, k, v, do, cu, sp, out, lse, ref = _backward_case(groups, heads, d)
-    cfg = {"fused": dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], TMA=blocks[2])}  # TMA: Q/dO via descriptors
-    got = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
-    for g, r in zip(got, ref):
-        assert maxerr(g, r) < 5e-5
-    again = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
-    assert all(torch.equal(a, b) for a, b in zip(got, again))
-
-
-def test_fused_backward_masks_padding_keys_and_refuses_bad_input():
-    """Key rows past a partial prefix block must not reach dQ (their probability exp(-lse) overflows when every score
-    is very negative: NaN before the fix); an inconsistent layout is an error, not a kernel that waits forever; the
-    config is checked like the others."""
-    layout = DualKVLayout.from_lengths([(1, [1])])
-    cu, sp = layout.cu_seqlens, layout.segment_prefix
-    k = torch.ones(2, 1, 16)
-    v = torch.randn(2, 1, 16)
-    q = torch.full((2, 1, 16), -90.0 / 16)  # every score -90: lse < -88, exp(-lse) overflows fp32
-    out, lse = K.dualkv_fwd(q, k, v, cu, sp, 1.0)
-    do = torch.randn_like(q)
-    fused = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": {"BLOCK_M": 16, "BLOCK_N": 16}})
-    default = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0)
-    for a, b in zip(fused, default):
-        assert torch.isfinite(a).all() and maxerr(a, b) < 1e-5
-    bad_cu, bad_sp = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([-1, 1], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="inconsistent cu_seqlens/segment_prefix"):
-        K.dualkv_bwd(do, q, k, v, out, lse, bad_cu, bad_sp, 1.0, config={"fused": {}})
-    with pytest.raises(ValueError, match="replaces the dq and dkdv kernels"):
-        K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": {}, "dkdv": {"BLOCK_M": 16}})
-    with pytest.raises(ValueError, match="must be a power of two >= 16"):
-        K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": {"BLOCK_N": 48}})
-    with pytest.raises(ValueError, match="unknown kernel"):
-        K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": {}, "dkvd": {}})
-    off = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 1.0, config={"fused": False})  # False: the two kernels
-    assert all(torch.equal(a, b) for a, b in zip(off, default))
-
-
-@pytest.mark.parametrize("groups,heads,d", [
-    ([(17, [15, 1]), (16, [33]), (40, [70, 3])], (4, 2), 64),
-    ([(20, [9, 40])], (6, 2), 80),
-], ids=["three-groups-gqa2", "gqa3-d80"])
-def test_fused_fixed_point_backward_is_exact_in_any_order(groups, heads, d):
-    """``{"fused": {"DQ_SUM": "fixed_point"}}``: dQ shares added as int64 fixed-point values (integer atomics, any
-    order): within the fp32 bound of the reference, bitwise equal across runs, the same relative precision for
-    gradients 1e-30 times smaller, NaN exactly where the two-kernel backward has NaN (a non-finite dO row)."""
-    q, k, v, do, cu, sp, out, lse, ref = _backward_case(groups, heads, d)
-    cfg = {"fused": dict(BLOCK_M=16, BLOCK_N=32, DQ_SUM="fixed_point")}
-    got = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
-    for g, r in zip(got, ref):
-        assert maxerr(g, r) < 5e-5
-    again = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config=cfg)
-    assert all(torch.equal(a, b) for a, b in zip(got, again))
-    tiny = K.dualkv_bwd(do * 1e-30, q, k, v, out, lse, cu, sp, 0.2, config=cfg)[0]
-    assert (tiny.double() * 1e30 - ref[0]).abs().max() < 5e-5 * ref[0].abs().max()
-    bad = do.clone()
-    bad[3, 1, 0] = float("inf")
-    got_bad = K.dualkv_bwd(bad, q, k, v, out, lse, cu, sp, 0.2, config=cfg)[0]
-    two_kernels = K.dualkv_bwd(bad, q, k, v, out, lse, cu, sp, 0.2)[0]
-    assert torch.equal(torch.isnan(got_bad), torch.isnan(two_kernels)) and torch.isnan(got_bad).any()
-    # the bounds are per sequence: a huge or non-finite key/value in the last group leaves the other groups' dQ as
-    # precise as before (the rows before that group's prefix never see it)
-    other = int(cu[[i for i, p_ in enumerate(sp.tolist()) if p_ < 0][-1]])
-    for val in (1e20, float("inf")) if other else ():
-        kb, vb = k.clone(), v.clone()
-        kb[-1], vb[-1] = val, val
-        fixed = K.dualkv_bwd(do, q, kb, vb, out, lse, cu, sp, 0.2, config=cfg)[0][:other]
-        two = K.dualkv_bwd(do, q, kb, vb, out, lse, cu, sp, 0.2)[0][:other]
-        assert torch.isfinite(fixed).all() and maxerr(fixed, two) < 1e-6
-    # DQ_TMA (CUDA only: the interpreter has no bulk tensor reduction) addresses the sums as a uint64 (T, H*D) view
-    desc = K._dq_descriptor(torch.zeros(5, 2, 32, dtype=torch.int64), 16)
-    assert desc is not None and list(desc.shape) == [5, 64] and list(desc.block_shape) == [16, 32]
-    assert K._dq_descriptor(torch.zeros(5, 2, 80, dtype=torch.int64), 16) is None  # D not a power of two
-    with pytest.raises(ValueError, match="DQ_SUM='atomic'; expected one of"):
-        K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, 0.2, config={"fused": {"DQ_SUM": "atomic"}})
 
 
 def test_kernel_resources_tool_compiles_for_hopper_without_a_gpu():

@@ -6,6 +6,7 @@ import torch
 
 import kvtransform  # noqa: F401  registers torch.ops.kvt.*
 from kvtransform.kernels import dualkv as K
+from kvtransform.kernels.dualkv_reference import bounded_layout
 from kvtransform.layout import DualKVLayout, _check_structure, structure_ok
 from kvtransform.ops import dualkv as dualkv_ops
 from kvtransform.ops import sparse_decode as sparse_ops
@@ -86,7 +87,7 @@ def test_dualkv_kernels_clamp_the_layout(t, cu, sp):
     outputs only: offsets are clamped into [0, T] and prefix indices into [-1, S-1] (NaN guard rows after q, k, v are
     never read; where the clamped layout is a valid one, the covered rows equal the reference on it)."""
     q, k, v = _guarded(t, 2, 16), _guarded(t, 1, 16), _guarded(t, 1, 16)
-    cu_c, sp_c = K._bounded_layout(_i32(cu), _i32(sp), t)
+    cu_c, sp_c = bounded_layout(_i32(cu), _i32(sp), t)
     assert int(cu_c.min()) >= 0 and int(cu_c.max()) <= t and int(sp_c.min()) >= -1 and int(sp_c.max()) < len(sp)
     n = int(cu_c[-1])
     out, lse = K.dualkv_fwd(q, k, v, _i32(cu), _i32(sp), 0.25)

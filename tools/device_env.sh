@@ -1,8 +1,8 @@
-# Source on the H200 device machine (from the repository root) before running anything of kvtransform there:
-#   source tools/device_env.sh && python3 tools/...
-# The device image has torch/triton/transformers but no hydra-core, omegaconf or gguf: their wheels travel in .whl/
-# (carry it: run(..., carry=[".whl"])). kvtransform itself is installed into /tmp/site (not editable), so every run
-# uses the working tree that travelled with it.
+# Source on a GPU machine without network access (from the repository root) before running anything of kvtransform
+# there:  source tools/device_env.sh && python3 -P tools/...
+# Such an image has torch/triton/transformers but no hydra-core, omegaconf or gguf: their wheels travel in .whl/ (copy
+# it along with the checkout). kvtransform itself is installed into /tmp/site (not editable), so every run uses the
+# working tree that was copied there.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade --target /tmp/site . >/tmp/kvt_install.log 2>&1 || { cat /tmp/kvt_install.log; return 1; }

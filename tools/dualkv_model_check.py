@@ -13,7 +13,9 @@ floor of ``1e-3 · max|ref|`` (bf16 has 8 mantissa bits: 2^-8 ≈ 3.9e-3).
 Times forward+backward (``kvtransform.bench.timing.time_steps``: CUDA events, warm-up, median) of: the packed module; the original on the N separate
 sequences (one call per response); the original on one right-padded ``(N, P + max R)`` batch with an attention mask.
 
-Usage (H200, from the repository root)::
+Run it on a GPU after changing the DualKV transform, its passes or kernels: it is the model-level check that the
+packed module's gradients obey the numerics rule (the kernel tests cover the op alone). From the repository root (on
+a GPU machine without network access, ``tools/device_env.sh`` installs the checkout first)::
 
     source tools/device_env.sh && python3 tools/dualkv_model_check.py --out $OUT
     python tools/dualkv_model_check.py --small          # CPU smoke test with tiny shapes

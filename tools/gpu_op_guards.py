@@ -1,6 +1,7 @@
 """On CUDA: the registered ops called directly (as a transformed graph calls them, past the validating wrappers)
 with inconsistent inputs either refuse them on the device or compute the documented masked result, never touching
-memory outside their tensors. Run it under ``compute-sanitizer --tool memcheck`` to prove the last part:
+memory outside their tensors. Run it on a GPU after changing an op's input checks or a kernel's indexing, under
+``compute-sanitizer --tool memcheck`` to prove the last part:
 
     source tools/device_env.sh && compute-sanitizer --tool memcheck python3 -P tools/gpu_op_guards.py
 

@@ -1,6 +1,9 @@
-"""GPU smoke check of the spine (run on the device): canonical transform of tiny random models of the four families,
-sdpa and eager, fp32 and bf16, on CUDA (capture, passes, verification gate, save, reload); then the dualkv transform
-(Triton DualKV kernels) with save/reload.
+"""GPU smoke check of the spine: canonical transform of tiny random models of the four families, sdpa and eager, fp32
+and bf16, on CUDA (capture, passes, verification gate, save, reload); then the dualkv transform (Triton DualKV
+kernels) with save/reload.
+
+Run it on a GPU after changing capture, passes, ops or kernels, and before spending GPU time on a benchmark (the CPU
+test suite runs the kernels only under the Triton interpreter). On a GPU machine without network access:
 
     source tools/device_env.sh && python3 -P tools/gpu_smoke.py
 """

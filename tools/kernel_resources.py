@@ -1,13 +1,17 @@
 """Registers, spills and shared memory of the DualKV Triton kernels for Hopper (sm_90a), compiled on this machine:
 no GPU needed (``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``, then the wheel's ``ptxas -v``).
 
+Run it when you change a DualKV kernel or consider a new launch config, before spending GPU time on it: a config
+that spills registers or exceeds sm_90's shared memory shows up here.
+
     python tools/kernel_resources.py dkdv 64,128,8,2,1 64,64,8,2,1
     python tools/kernel_resources.py fwd 32,128,8,3,1,4 --dtype fp16 --head-dim 80
 
 Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]]`` (TMA 0/1; PACK: the forward's and dQ's packed
-GQA rows, 1 = unpacked). The numbers are this machine's Triton (and its ptxas) for sm_90a; the H200 device runs
-triton 3.6, whose register allocation can differ: a config is decided by timing it there (tools/dualkv_fwd_probe.py),
-not by this table. BENCHMARKS.md (issue 14, round 5) has a first table.
+GQA rows, 1 = unpacked). The numbers are this machine's Triton (and its ptxas) for sm_90a; the GPU may run another
+Triton, whose register allocation can differ: a config is decided by timing it on the GPU
+(``kvtransform bench dualkv-attn tune=true``), not by this table. BENCHMARKS.md ("DualKV attention op") has the
+default's numbers.
 """
 import argparse
 import os
@@ -24,14 +28,13 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kvtransform.kernels import dualkv as K  # noqa: E402
 
-KERNELS = {"fwd": K._fwd_kernel, "dq": K._bwd_dq_kernel, "dkdv": K._bwd_dkdv_kernel,
-           "fused_fixed": K._bwd_dkdv_kernel}  # the fused backward with fixed-point dQ sums
+KERNELS = {"fwd": K._fwd_kernel, "dq": K._bwd_dq_kernel, "dkdv": K._bwd_dkdv_kernel}
 DTYPES = {"bf16": "bf16", "fp16": "fp16"}
-_F32_PTRS = {"LSE", "DELTA", "RS"}
+_F32_PTRS = {"LSE", "DELTA"}
 _I32_PTRS = {"CU", "KCTX_LO", "KCTX_HI", "QCTX_LO", "QCTX_HI", "WSEG", "WBLK"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 SM90_SHARED_BYTES = 227 * 1024  # shared memory one block may take on sm_90 (H100/H200)
-_DESCRIPTORS = {"fwd": ("KD", "VD"), "dq": ("KD", "VD"), "dkdv": ("QD", "DOD"), "fused_fixed": ("QD", "DOD")}
+_DESCRIPTORS = {"fwd": ("KD", "VD"), "dq": ("KD", "VD"), "dkdv": ("QD", "DOD")}
 
 
 def _ptxas() -> str:
@@ -48,19 +51,12 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
     fn = KERNELS[kind]
     d_pad = max(16, 1 << (head_dim - 1).bit_length())
     # the descriptor's block: K/V blocks (fwd, dQ) or Q/dO blocks (dK/dV)
-    block_rows = bm if kind in ("dkdv", "fused_fixed") else bn
+    block_rows = bm if kind == "dkdv" else bn
     const = dict(D=head_dim, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=head_dim == d_pad, PREC="tf32", TMA=tma)
     if kind in ("fwd", "dq"):
         const["PACK"] = pack
     if kind == "fwd":
         const["SCALE_POS"] = True
-    if kind == "dkdv":  # the fused backward's extras: off
-        const.update(FUSED=False, DQ=None, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None, stride_dqt=0,
-                     stride_dqh=0, NT=0, FIXED=False, RS=None, DQD=None, DQ_TMA=False)
-    if kind == "fused_fixed":  # TMA also sends the dQ sums through a descriptor (DQ_TMA)
-        const.update(FUSED=True, FIXED=True, LOCK=None, KCTX_LO=None, KCTX_HI=None, TILE0=None, NT=0, DQ_TMA=tma)
-        if not tma:
-            const["DQD"] = None
     for name in _DESCRIPTORS[kind]:
         if not tma:
             const[name] = None
@@ -71,10 +67,6 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
             sig[name] = "constexpr"
         elif name in _DESCRIPTORS[kind]:
             sig[name] = f"tensordesc<{DTYPES[dtype]}[{block_rows}, {d_pad}]>"
-        elif name == "DQD":
-            sig[name] = f"tensordesc<u64[{bm}, {d_pad}]>"
-        elif name == "DQ" and kind == "fused_fixed":
-            sig[name] = "*i64"
         elif name in _DATA_PTRS:
             sig[name] = "*" + DTYPES[dtype]
         elif name in _F32_PTRS:

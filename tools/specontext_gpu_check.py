@@ -1,5 +1,6 @@
-"""SpeContext on CUDA (arXiv 2512.00722 §4–5): the CUDA-graph decode equals the eager decode. Run on the device
-(bf16, greedy), from the repository root:
+"""SpeContext on CUDA (arXiv 2512.00722 §4–5): the CUDA-graph decode equals the eager decode. Run it on a GPU after
+changing the SpeContext runtime, a retrieval head or a decode kernel (bf16, greedy), from the repository root (on a
+GPU machine without network access, ``tools/device_env.sh`` installs the checkout first):
 
     source tools/device_env.sh && python3 -P tools/specontext_gpu_check.py [--quick] [--skip-default] [--compile]
 

@@ -1,6 +1,7 @@
 """SpeContext KV offload on CUDA (arXiv 2512.00722 §5–6): offloaded decode == resident decode, elastic-loading bytes
-against reloading the budget, selection overlap, copy time hidden behind compute. Run on the device, from the
-repository root:
+against reloading the budget, selection overlap, copy time hidden behind compute. Run it on a GPU after changing the
+offload path (KV cache manager, elastic copy kernel, memory model), from the repository root (on a GPU machine
+without network access, ``tools/device_env.sh`` installs the checkout first):
 
     source tools/device_env.sh && python3 -P tools/specontext_offload_check.py
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The decode-throughput table (BENCHMARKS.md, "Decode throughput"; SpeContext Table 5) on one H200, in parts that each
-# fit one device call (< 600 s; model build + transform ~35 s per process, ~30 s of torch.compile per method and
-# configuration of our runtime). On the lent device:
+# fit in 10 minutes (model build + transform ~35 s per process, ~30 s of torch.compile per method and
+# configuration of our runtime). On a GPU machine without network access:
 #   source tools/device_env.sh && bash benchmarks/decode/run_h200.sh PART "$OUT/decode"
 # PART: llama-gen (Llama-8B [2k,16k], [2k,32k]: dense, specontext, quest), llama-long (Llama-8B [16k,2k], [32k,2k]),
 # qwen-gen, qwen-long (the same for Qwen3-8B), hf-llama, hf-qwen (hf_sdpa at every configuration of the model),

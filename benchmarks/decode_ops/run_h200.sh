@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Reproduces the decode-ops numbers (BENCHMARKS.md, section "SpeContext sparse decode") on one H200: bf16 kernel
+# Reproduces the decode-ops numbers (BENCHMARKS.md, section "SpeContext decode ops") on one H200: bf16 kernel
 # checks, the gather-kernel and retrieval-scoring launch-config sweeps, then every op at each S, copy bandwidth
-# measured in the same run. (benchmarks/sparse_decode/ holds the rows of the earlier tools/bench_sparse_decode.py.)
-# On the lent device:  source tools/device_env.sh && KVT_COMMIT=<sha> bash benchmarks/decode_ops/run_h200.sh "$OUT/decode_ops"
+# measured in the same run.
+# On a GPU machine without network access:  source tools/device_env.sh && KVT_COMMIT=<sha> bash benchmarks/decode_ops/run_h200.sh "$OUT/decode_ops"
 # Elsewhere (a CUDA machine with kvtransform installed): bash benchmarks/decode_ops/run_h200.sh out/bench/decode-ops
 set -o pipefail
 OUT_DIR=${1:-out/bench/decode-ops}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces benchmarks/dualkv_layer/ on one H200 (BENCHMARKS.md, section "DualKV layer").
-# On the lent device:  source tools/device_env.sh && bash benchmarks/dualkv_layer/run_h200.sh "$OUT/dualkv_layer"
+# On a GPU machine without network access:  source tools/device_env.sh && bash benchmarks/dualkv_layer/run_h200.sh "$OUT/dualkv_layer"
 # Elsewhere (a CUDA machine with kvtransform installed): bash benchmarks/dualkv_layer/run_h200.sh out/bench/dualkv-layer
 # The three sweeps run in one process (baselines and ours in the same run; FlexAttention compiled once). Equivalent:
 #   kvtransform bench dualkv-layer -m P=5059,8192,16384,32768 mb=4,8,16 time_budget_s=3 out_dir=DIR

@@ -1,5 +1,5 @@
 # source this:  source fi_env.sh
-# Environment for FlashInfer 0.7.4 JIT on the offline H200 (sm_90) box.
+# Environment for FlashInfer 0.7.4 JIT on a GPU machine without network access (sm_90).
 SITE="${SITE:-/tmp/site}"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}"  # JIT cache: $BASE/.cache/flashinfer/0.7.4/90a/{generated,cached_ops}

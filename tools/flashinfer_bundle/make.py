@@ -1,7 +1,8 @@
-"""Build the FlashInfer bundle that the ``decode`` suite's ``flashinfer`` method needs on the H200 device machine.
+"""Build the FlashInfer bundle that the ``decode`` suite's ``flashinfer`` method needs on a GPU machine without network
+access. Run it (on a machine with network access) before timing the ``flashinfer`` baseline there.
 
-That machine has no network and takes at most 64 MiB per call, and FlashInfer 0.7.4's wheel is 101 MB. The bundle
-(~20 MB) holds:
+What can be copied to such a machine may be limited (to 64 MiB per run, say), and FlashInfer 0.7.4's wheel is
+101 MB. The bundle (~20 MB) holds:
 
 - ``flashinfer_python-0.7.4-trimmed.tar.xz``: the wheel's files minus the CUDA sources of features the decode method
   does not build (every sub-directory of ``flashinfer/data/csrc/``, the ``.cu`` files outside ``flashinfer/data``, the
@@ -15,7 +16,7 @@ Usage, here (pip downloads from PyPI)::
 
     python tools/flashinfer_bundle/make.py .fi        # then: echo /.fi/ >> .git/info/exclude
 
-and on the device (``run(..., carry=[".whl", ".fi"])``)::
+and on the GPU machine (with ``.whl/`` and ``.fi/`` copied next to the checkout)::
 
     source tools/device_env.sh && (cd .fi && bash install.sh) && source .fi/fi_env.sh && python3 .fi/smoke_test.py
 

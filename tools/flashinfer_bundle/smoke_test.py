@@ -1,6 +1,7 @@
 """Smoke test for the trimmed FlashInfer 0.7.4 bundle on an H200 (sm_90).
 
-Run after `source fi_env.sh`:  python3 smoke_test.py [--no-tc] [--no-graph] [--small-pages P]
+Run it on the GPU machine after installing a bundle (before the decode suite's flashinfer method), after
+`source fi_env.sh`:  python3 smoke_test.py [--no-tc] [--no-graph] [--small-pages P]
 Checks BatchDecodeWithPagedKVCacheWrapper (HND, one page per request, page_size=S, bf16,
 GQA 32/8, head_dim 128) against a float32 torch reference, eager and CUDA-graph, CUDA-core
 decode and tensor-core decode (use_tensor_cores=True).

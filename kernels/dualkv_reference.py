@@ -1,0 +1,187 @@
+"""Plain-PyTorch references of the DualKV kernels (``kernels/dualkv.py``): the attention and its explicit backward
+(the CPU path of ``kvt::dualkv_attention`` and the tests' reference), and the torch specification of the work tables
+the kernels' planning launches build.
+
+Packed shared-prefix layout (``kvtransform.layout``): segments ``[cu_seqlens[s], cu_seqlens[s+1])`` ordered group by
+group (prefix, then its responses); ``segment_prefix[s]`` is the prefix segment of response ``s`` (``-1`` for a
+prefix). Source: DualKV (arXiv 2605.15422, §2–3).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+
+def dualkv_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                               segment_prefix: torch.Tensor, softmax_scale: Optional[float] = None,
+                               upcast: bool = True):
+    """Plain-PyTorch (differentiable) DualKV attention, segment by segment.
+
+    Each query segment is one dense attention: a prefix against its own keys (causal); a response ``r`` against
+    ``cat(prefix keys, own keys)`` with the bottom-right aligned causal mask (the whole prefix plus ``0..r``).
+
+    Args:
+        q: ``(T, H, D)``; k, v: ``(T, H_kv, D)``, ``H % H_kv == 0``; any float dtype.
+        cu_seqlens: int ``(S+1,)`` segment boundaries; segment_prefix: int ``(S,)`` (``-1`` for a prefix).
+        softmax_scale: default ``D ** -0.5``.
+        upcast: compute in fp32 (or fp64 if the inputs are fp64); if False, the matmuls run in the input dtype and
+            only the softmax in fp32 (PyTorch's own low-precision error, used by the numerics rule of the tests).
+
+    Returns:
+        ``(out, lse)``: out ``(T, H, D)`` in ``q.dtype``; lse ``(H, T)`` fp32 (fp64 for fp64 inputs), natural log.
+
+    Reads the offsets on the host (one sync); not for use under tracing.
+    """
+    t, h, d = q.shape
+    h_kv = k.shape[1]
+    grp = h // h_kv
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    sp = [int(x) for x in segment_prefix.tolist()]
+    work = torch.float64 if q.dtype == torch.float64 else (torch.float32 if upcast else q.dtype)
+    soft = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses = [], []
+    for s in range(len(sp)):
+        a, b = cu[s], cu[s + 1]
+        qs = q[a:b].to(work).transpose(0, 1)  # (H, n, D)
+        if sp[s] < 0:
+            ks, vs = k[a:b], v[a:b]
+        else:
+            pa, pb = cu[sp[s]], cu[sp[s] + 1]
+            ks, vs = torch.cat([k[pa:pb], k[a:b]]), torch.cat([v[pa:pb], v[a:b]])
+        ks = ks.to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        vs = vs.to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        n, m = b - a, ks.shape[1]
+        scores = torch.matmul(qs, ks.transpose(-1, -2)).to(soft) * scale
+        keep = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # (H, n)
+        p = torch.exp(scores - lse[..., None])
+        o = torch.matmul(p.to(vs.dtype), vs)
+        outs.append(o.transpose(0, 1).to(q.dtype))
+        lses.append(lse)
+    out = torch.cat(outs) if outs else q.new_zeros(q.shape)
+    lse = torch.cat(lses, dim=1) if lses else torch.zeros(h, t, dtype=soft, device=q.device)
+    return out, lse
+
+
+def dualkv_attention_reference_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor,
+                                        k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                                        segment_prefix: torch.Tensor, softmax_scale: Optional[float] = None):
+    """Explicit (no autograd) gradients of :func:`dualkv_attention_reference`, computed in fp32 (fp64 for fp64
+    inputs) segment by segment; the prefix's dK/dV sum its own causal part and every response of its group.
+
+    Args:
+        grad_out: ``(T, H, D)``; grad_lse: optional ``(H, T)``; the rest as :func:`dualkv_attention_reference`.
+
+    Returns:
+        ``(dq, dk, dv)`` in the dtypes and shapes of q, k, v.
+    """
+    t, h, d = q.shape
+    h_kv = k.shape[1]
+    grp = h // h_kv
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    sp = [int(x) for x in segment_prefix.tolist()]
+    dq = torch.zeros(q.shape, dtype=work, device=q.device)
+    dk = torch.zeros(k.shape, dtype=work, device=q.device)
+    dv = torch.zeros(v.shape, dtype=work, device=q.device)
+    for s in range(len(sp)):
+        a, b = cu[s], cu[s + 1]
+        rows = [(a, b)] if sp[s] < 0 else [(cu[sp[s]], cu[sp[s] + 1]), (a, b)]
+        qs = q[a:b].to(work).transpose(0, 1)
+        ks = torch.cat([k[x:y] for x, y in rows]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        vs = torch.cat([v[x:y] for x, y in rows]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        dos = grad_out[a:b].to(work).transpose(0, 1)
+        n, m = b - a, ks.shape[1]
+        scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+        keep = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
+        p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+        o = torch.matmul(p, vs)
+        delta = (o * dos).sum(-1)
+        if grad_lse is not None:
+            delta = delta - grad_lse[:, a:b].to(work)
+        dp = torch.matmul(dos, vs.transpose(-1, -2))
+        ds = p * (dp - delta[..., None])
+        dq[a:b] = (torch.matmul(ds, ks) * scale).transpose(0, 1)
+        dks = (torch.matmul(ds.transpose(-1, -2), qs) * scale).view(h_kv, grp, m, d).sum(1).transpose(0, 1)
+        dvs = torch.matmul(p.transpose(-1, -2), dos).view(h_kv, grp, m, d).sum(1).transpose(0, 1)
+        off = 0
+        for x, y in rows:
+            dk[x:y] += dks[off:off + y - x]
+            dv[x:y] += dvs[off:off + y - x]
+            off += y - x
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ====================================================================================================== work tables
+# The launchers build these tables with two small Triton kernels (``kernels/dualkv.py``: ``_plan_layout_kernel``,
+# ``_plan_work_kernel``): these torch versions took ~80 small launches per kernel call (0.15-0.2 ms of GPU time before
+# the forward at P=5059/mb=4 on an H200, BENCHMARKS.md, "DualKV attention op") and are the specification the tests compare
+# the planning kernels with.
+def bounded_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int):
+    """The layout as the kernels use it: offsets clamped into ``[0, T]`` and made non-decreasing (running max),
+    prefix indices clamped into ``[-1, S-1]``; int32, on the device, no host sync. A valid layout is unchanged; for
+    any other the kernels then index only rows ``[0, T)`` of their tensors and entries ``[0, S]`` of the tables (rows
+    that no clamped segment covers are left unwritten; ``kvt::dualkv_attention`` refuses such layouts)."""
+    cu = torch.cummax(cu_seqlens.clamp(0, total_tokens), 0).values.to(torch.int32)
+    sp = segment_prefix.clamp(-1, segment_prefix.numel() - 1).to(torch.int32)
+    return cu, sp
+
+
+def segment_tables(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor):
+    """Per-segment int32 ranges, on the device, without host syncs.
+
+    Returns ``(kctx_lo, kctx_hi, qctx_lo, qctx_hi)``: the context *key* range a segment's queries also see (the group
+    prefix, for a response; empty for a prefix) and the context *query* range that also sees a segment's keys (all
+    response tokens of the group, for a prefix; empty for a response)."""
+    cu = cu_seqlens.long()
+    sp = segment_prefix.long()
+    s = sp.numel()
+    is_resp = sp >= 0
+    p = sp.clamp(min=0)
+    zero = torch.zeros_like(sp)
+    kctx_lo = torch.where(is_resp, cu[p], zero)
+    kctx_hi = torch.where(is_resp, cu[p + 1], zero)
+    # group end of each prefix: max end of its responses (and itself)
+    owner = torch.where(is_resp, p, torch.arange(s, device=sp.device))
+    gend = torch.zeros(s, dtype=torch.long, device=sp.device).scatter_reduce(0, owner, cu[1:], reduce="amax",
+                                                                           include_self=True)
+    qctx_lo = torch.where(is_resp, zero, cu[1:])
+    qctx_hi = torch.where(is_resp, zero, gend)
+    return (kctx_lo.to(torch.int32), kctx_hi.to(torch.int32), qctx_lo.to(torch.int32), qctx_hi.to(torch.int32))
+
+
+def work_table(cu_seqlens: torch.Tensor, block: int, total_tokens: int, extra: torch.Tensor, per_block_sign: int):
+    """Blocks of ``block`` tokens of every segment, heaviest first, as two int32 tensors ``(seg, blk)`` of static
+    length ``cdiv(T, block) + S`` (unused entries have ``seg = -1``). Built on the device, no host sync.
+
+    Cost of block ``b`` of segment ``s``: ``extra[s] + (b+1)*block`` (query blocks: the keys they visit) if
+    ``per_block_sign > 0``, else ``extra[s] + len_s - b*block`` (key blocks: the queries that see them)."""
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    s = lens.numel()
+    nblk = (lens + block - 1) // block
+    ends = torch.cumsum(nblk, 0)
+    w = triton.cdiv(total_tokens, block) + s
+    i = torch.arange(w, device=cu.device)
+    seg = torch.searchsorted(ends, i, right=True)
+    valid = seg < s
+    seg_c = seg.clamp(max=s - 1)
+    blk = i - (ends[seg_c] - nblk[seg_c])
+    if per_block_sign > 0:
+        cost = extra.long()[seg_c] + (blk + 1) * block
+    else:
+        cost = extra.long()[seg_c] + lens[seg_c] - blk * block
+    cost = torch.where(valid, cost, torch.full_like(cost, -(w + 1)))
+    order = torch.argsort(cost, descending=True, stable=True)
+    seg_out = torch.where(valid, seg_c, torch.full_like(seg_c, -1))[order].to(torch.int32).contiguous()
+    blk_out = blk[order].to(torch.int32).contiguous()
+    return seg_out, blk_out, w
+
+
+__all__ = ["dualkv_attention_reference", "dualkv_attention_reference_backward", "bounded_layout", "segment_tables",
+           "work_table"]
