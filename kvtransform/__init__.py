@@ -39,6 +39,10 @@ _LAZY = {
     "GroupBalance": "kvtransform.balance",
     "shard_dualkv": "kvtransform.distributed",
     "compile_backend": "kvtransform.compile",
+    "pack_trajectories": "kvtransform.tree_packing",
+    "TreeBatch": "kvtransform.tree_packing",
+    "PrefixTreeLayout": "kvtransform.tree_layout",
+    "prefix_tree_attention": "kvtransform.ops.prefix_tree",
 }
 _LAZY_MODULES = ("integrations", "onnx_export", "compile")  # kvt.integrations.transformers.enable(...), ...
 

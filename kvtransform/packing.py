@@ -273,3 +273,7 @@ def check_packed(input_ids, position_ids, layout: DualKVLayout, vocab_size: Opti
         where = int((input_ids[0] == bad).nonzero()[0])
         raise ValueError(f"token id {bad} at packed position {where} is outside the vocabulary "
                          f"[0, {vocab_size if vocab_size is not None else '?'})")
+
+
+# Prefix-tree packing (any depth of shared prefix) lives in its own module; exported here too.
+from .tree_packing import TreeBatch, pack_trajectories  # noqa: E402,F401

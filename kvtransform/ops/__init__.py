@@ -7,3 +7,4 @@ used on CPU, and a Triton kernel used on CUDA (``kvtransform.kernels``).
 from .attention import attention  # noqa: F401  kvt::attention, the canonical op
 from . import dualkv  # noqa: F401  kvt::dualkv_attention
 from . import sparse_decode  # noqa: F401  kvt::retrieval_topk, kvt::sparse_decode_attention
+from . import prefix_tree  # noqa: F401  kvt::prefix_tree_attention

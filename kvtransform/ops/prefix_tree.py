@@ -1,0 +1,231 @@
+"""``kvt::prefix_tree_attention``: attention over the packed prefix-tree layout (any depth of shared prefix).
+
+``torch.ops.kvt.prefix_tree_attention(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr,
+query_ranges, softmax_scale) -> (out, lse)``
+
+* q ``(T, H, D)``, k/v ``(T, H_kv, D)`` (GQA: query head ``h`` reads KV head ``h // (H // H_kv)``), fp16/bf16/fp32;
+* the layout tensors of :class:`kvtransform.tree_layout.PrefixTreeLayout` (int32; ``PrefixTreeLayout.kernel_tensors()``
+  in this order): ``cu_seqlens (N+1,)``, ``parent (N,)``, ``key_range_ptr (N+1,)``, ``key_ranges (RK, 2)`` (the
+  ancestors as token ranges), ``query_range_ptr (N+1,)``, ``query_ranges (RQ, 2)`` (the descendants);
+* out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log of the softmax denominator (scaled scores).
+
+A token attends to every token of its node's ancestors and causally within its node (Tree Training, arXiv
+2511.00413; the one-level case is DualKV, arXiv 2605.15422, ``kvt::dualkv_attention``). CUDA tensors run the Triton
+kernels of ``kvtransform.kernels.prefix_tree`` (deterministic backward); CPU tensors the plain-PyTorch reference (the
+tests flip :data:`USE_TRITON_ON_CPU` to run the kernels under ``TRITON_INTERPRET=1``). The fake implementation needs
+no data (an opaque node under export/compile). Autograd: q, k, v, with the gradient of ``lse`` honoured; the
+backward is its own op, ``kvt::prefix_tree_attention_backward``.
+
+Inconsistent inputs to the raw ops: shapes, dtypes and devices raise ``ValueError`` on the host. Values: on CPU the
+layout is read on the host, rebuilt from ``cu_seqlens``/``parent`` and compared with the range tensors (``ValueError``
+naming the problem); on CUDA the structural conditions (offsets from 0 to T, increasing; ``-1 <= parent[n] < n``;
+range pointers from 0 to R, non-decreasing; ranges inside ``[0, T]``) are asserted on the device
+(``torch._assert_async``, no host sync), and the kernels clamp every offset, so nothing outside the tensors is
+touched. That the ranges are exactly the ancestors/descendants of ``parent`` is checked on CUDA only by the public
+wrapper's :class:`PrefixTreeLayout` (built and validated on the host).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..kernels import prefix_tree as _k
+from ..tree_layout import PrefixTreeLayout
+from ._common import kernel_path
+
+__all__ = ["prefix_tree_attention", "check_shapes", "PrefixTreeLayout"]
+
+# Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
+USE_TRITON_ON_CPU = False
+
+LAYOUT_ASSERT_MSG = ("kvt::prefix_tree_attention: inconsistent layout (cu_seqlens must start at 0, increase and end "
+                     "at T; -1 <= parent[n] < n; range pointers from 0 to R, non-decreasing; ranges inside [0, T])")
+
+_LAYOUT_NAMES = ("cu_seqlens", "parent", "key_range_ptr", "key_ranges", "query_range_ptr", "query_ranges")
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return kernel_path(t, USE_TRITON_ON_CPU)
+
+
+def check_shapes(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges) -> None:
+    """The checks that need no data: ranks, shapes, head counts, dtypes, devices, int32 layout tensors of
+    consistent sizes. ValueError naming the problem."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (T, heads, head_dim); got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    lay = (cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges)
+    devs = {str(x.device) for x in (q, k, v, *lay)}
+    if len(devs) != 1:
+        raise ValueError(f"tensors on different devices: {sorted(devs)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    t, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"k/v must be (T={t}, H_kv, D={d}); got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[1] == 0 or h % k.shape[1]:
+        raise ValueError(f"query heads H={h} must be divisible by KV heads H_kv={k.shape[1]}")
+    for name, x in zip(_LAYOUT_NAMES, lay):
+        if x.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32; got {x.dtype}")
+    n = parent.numel()
+    if parent.dim() != 1 or n == 0:
+        raise ValueError(f"parent must be (N,) with N >= 1 nodes; got {tuple(parent.shape)}")
+    for name, x in (("cu_seqlens", cu_seqlens), ("key_range_ptr", key_range_ptr),
+                    ("query_range_ptr", query_range_ptr)):
+        if tuple(x.shape) != (n + 1,):
+            raise ValueError(f"{name} must be (N+1,) = ({n + 1},); got {tuple(x.shape)}")
+    for name, x in (("key_ranges", key_ranges), ("query_ranges", query_ranges)):
+        if x.dim() != 2 or x.shape[1] != 2:
+            raise ValueError(f"{name} must be (R, 2) token ranges [lo, hi); got {tuple(x.shape)}")
+
+
+def check_kernel_support(q: torch.Tensor) -> None:
+    """ValueError unless the kernels support q's dtype (fp16/bf16/fp32) and head_dim (1..256)."""
+    if q.dtype not in _k.SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {q.dtype}: prefix-tree attention takes float16, bfloat16 or float32")
+    if not 1 <= q.shape[-1] <= _k.MAX_HEAD_DIM:
+        raise ValueError(f"unsupported head_dim {q.shape[-1]}: supported are 1 to {_k.MAX_HEAD_DIM} (padded to the "
+                         f"next power of two)")
+
+
+def _check_values_host(total_tokens, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr,
+                       query_ranges) -> PrefixTreeLayout:
+    """Read the layout on the host, rebuild it from cu_seqlens/parent and compare the range tensors; ValueError."""
+    lay = PrefixTreeLayout.from_tensors(cu_seqlens, parent, total_tokens=total_tokens)
+    for name, x in zip(_LAYOUT_NAMES[2:], (key_range_ptr, key_ranges, query_range_ptr, query_ranges)):
+        if not torch.equal(x.cpu(), getattr(lay, name).cpu()):
+            raise ValueError(f"{name} does not match cu_seqlens/parent (build the layout with "
+                             f"PrefixTreeLayout.from_parents / from_tensors and pass its kernel_tensors())")
+    return lay
+
+
+def structure_ok(total_tokens, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges):
+    """0-dim bool tensor on the layout's device, no host sync: the structural conditions of the module docstring."""
+    cu, par = cu_seqlens.long(), parent.long()
+    ok = (cu[0] == 0) & (cu[-1] == int(total_tokens)) & ((cu[1:] - cu[:-1]) > 0).all()
+    ok = ok & (par >= -1).all() & (par < torch.arange(par.numel(), device=par.device)).all()
+    for ptr, rng in ((key_range_ptr, key_ranges), (query_range_ptr, query_ranges)):
+        p, r = ptr.long(), rng.long()
+        ok = ok & (p[0] == 0) & (p[-1] == r.shape[0]) & ((p[1:] - p[:-1]) >= 0).all()
+        if r.shape[0]:
+            ok = ok & (r[:, 0] >= 0).all() & (r[:, 1] <= int(total_tokens)).all() & (r[:, 0] < r[:, 1]).all()
+    return ok
+
+
+def _check_op_inputs(q, k, v, layout_tensors, kernels: bool) -> None:
+    check_shapes(q, k, v, *layout_tensors)
+    if kernels:
+        check_kernel_support(q)
+    if layout_tensors[0].device.type == "cpu":
+        _check_values_host(q.shape[0], *layout_tensors)
+    else:
+        torch._assert_async(structure_ok(q.shape[0], *layout_tensors), LAYOUT_ASSERT_MSG)
+
+
+@torch.library.custom_op("kvt::prefix_tree_attention", mutates_args=())
+def _tree_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, parent: torch.Tensor,
+             key_range_ptr: torch.Tensor, key_ranges: torch.Tensor, query_range_ptr: torch.Tensor,
+             query_ranges: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels = _use_triton(q)
+    lay = (cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges)
+    _check_op_inputs(q, k, v, lay, kernels)
+    if kernels:
+        return _k.prefix_tree_fwd(q, k, v, cu_seqlens, key_range_ptr, key_ranges, softmax_scale)
+    with torch.no_grad():
+        out, lse = _k.prefix_tree_attention_reference(q, k, v, (cu_seqlens, key_range_ptr, key_ranges),
+                                                      softmax_scale)
+    return out.contiguous(), lse.float().contiguous()
+
+
+@_tree_op.register_fake
+def _(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges, softmax_scale):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("kvt::prefix_tree_attention_backward", mutates_args=())
+def _tree_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
+                 parent: torch.Tensor, key_range_ptr: torch.Tensor, key_ranges: torch.Tensor,
+                 query_range_ptr: torch.Tensor, query_ranges: torch.Tensor, softmax_scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernels = _use_triton(q)
+    t, h, _ = q.shape
+    for name, x, want in (("grad_out", grad_out, tuple(q.shape)), ("out", out, tuple(q.shape)),
+                          ("lse", lse, (h, t)), ("grad_lse", grad_lse, (h, t))):
+        if x is not None and tuple(x.shape) != want:
+            raise ValueError(f"kvt::prefix_tree_attention_backward: {name} must have shape {want}; got "
+                             f"{tuple(x.shape)}")
+    lay = (cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges)
+    _check_op_inputs(q, k, v, lay, kernels)
+    if kernels:
+        return _k.prefix_tree_bwd(grad_out, q, k, v, out, lse, cu_seqlens, key_range_ptr, key_ranges,
+                                  query_range_ptr, query_ranges, softmax_scale, grad_lse)
+    dq, dk, dv = _k.prefix_tree_attention_reference_backward(grad_out, grad_lse, q, k, v,
+                                                             (cu_seqlens, key_range_ptr, key_ranges), softmax_scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_tree_bwd_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr,
+      query_ranges, softmax_scale):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _setup_ctx(ctx, inputs, output):
+    q, k, v, *lay, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *lay)
+    ctx.scale = softmax_scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, *lay = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.kvt.prefix_tree_attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse,
+                                                              *lay, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_tree_op.register_autograd(_backward, setup_context=_setup_ctx)
+
+
+def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PrefixTreeLayout,
+                          softmax_scale: Optional[float] = None, return_lse: bool = False):
+    """Prefix-tree attention (validating wrapper of ``torch.ops.kvt.prefix_tree_attention``).
+
+    Args:
+        q: ``(T, H, D)`` float16/bfloat16/float32 (float64 on CPU: the reference).
+        k, v: ``(T, H_kv, D)``, same dtype and device; ``H % H_kv == 0``.
+        layout: a :class:`~kvtransform.tree_layout.PrefixTreeLayout` (moved to q's device if needed; validated when
+            it was built, so no device sync here).
+        softmax_scale: default ``D ** -0.5``.
+        return_lse: also return the fp32 ``(H, T)`` natural-log LSE.
+
+    Returns:
+        out ``(T, H, D)`` in q.dtype, or ``(out, lse)``.
+
+    Raises:
+        ValueError: a layout that is not a PrefixTreeLayout or whose nodes do not sum to T, an unsupported head_dim
+            (outside 1..256) or dtype, H not divisible by H_kv, q/k/v dtypes or shapes that disagree.
+    """
+    if not isinstance(layout, PrefixTreeLayout):
+        raise ValueError(f"layout must be a PrefixTreeLayout (PrefixTreeLayout.from_parents(lengths, parents)); got "
+                         f"{type(layout).__name__}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("q must be a 3-D tensor (T, heads, head_dim)")
+    if layout.device != q.device:
+        layout = layout.to(q.device)
+    if layout.total_tokens != q.shape[0]:
+        raise ValueError(f"the layout's nodes sum to {layout.total_tokens} tokens but q has T={q.shape[0]}")
+    tensors = layout.kernel_tensors()
+    check_shapes(q, k, v, *tensors)
+    if q.dtype != torch.float64 or q.is_cuda:
+        check_kernel_support(q)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = torch.ops.kvt.prefix_tree_attention(q, k, v, *tensors, scale)
+    return (out, lse) if return_lse else out

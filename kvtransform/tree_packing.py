@@ -1,0 +1,287 @@
+"""Packed prefix-tree batches: whole trajectories merged into a token trie, every shared prefix stored once.
+
+RL rollouts of multi-turn and agentic tasks are trees: a system prompt and task shared by every trajectory, then
+turns that branch. :func:`pack_trajectories` takes the N trajectories as whole token sequences, merges them into a
+compressed token trie (each trie chain one node, at any depth: Tree Training, arXiv 2511.00413) and packs the nodes
+depth-first into one token axis with a :class:`~kvtransform.tree_layout.PrefixTreeLayout`; DualKV's ``[P][R_1..R_N]``
+(arXiv 2605.15422, :mod:`kvtransform.packing`) is the one-level case::
+
+    batch = kvt.pack_trajectories([seq_1, ..., seq_N])       # 1-D token ids, each a whole conversation
+    logits = model(batch.input_ids, position_ids=batch.position_ids, ...)       # tree attention on batch.layout
+    lps = batch.trajectory_logprobs(logits)                  # N tensors [len(seq_i) - 1]
+    masks = batch.loss_mask_tensors()                        # N bool tensors [len(seq_i) - 1] (e.g. assistant turns)
+
+A shared token's logit row is computed once; ``trajectory_logprobs`` gathers it for every trajectory through it, so
+autograd sums its gradient over those trajectories: the loss and gradients equal running each trajectory separately.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .tree_layout import PrefixTreeLayout
+
+TokenIds = Union[Sequence[int], torch.Tensor]
+
+__all__ = ["TreeBatch", "pack_trajectories"]
+
+
+@dataclass
+class TreeBatch:
+    """N trajectories packed as a prefix tree in one token axis of length ``T``.
+
+    Attributes:
+        input_ids: int64 ``(1, T)``, the nodes' tokens in packing (depth-first) order.
+        position_ids: int64 ``(1, T)``: each node continues its parent's positions (a root starts at 0).
+        layout: :class:`~kvtransform.tree_layout.PrefixTreeLayout` on the batch's device.
+        sequences: the N trajectories as given (1-D int64, CPU).
+        end_nodes: python list, the node each trajectory ends in (its tokens are the root→node path).
+        loss_masks: ``None`` or N bool ``(len(seq_i),)`` CPU tensors over the trajectory's tokens.
+
+    Build it with :func:`pack_trajectories`.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    layout: PrefixTreeLayout
+    sequences: list
+    end_nodes: list
+    loss_masks: Optional[list] = None
+    _index: dict = field(default_factory=dict, repr=False)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``: tokens stored in the packed axis."""
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_trajectories(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def replicated_tokens(self) -> int:
+        """``Σ_i len(seq_i)``: the tokens of the trajectories run separately."""
+        return sum(int(s.numel()) for s in self.sequences)
+
+    @property
+    def token_ratio(self) -> float:
+        """Replicated tokens / packed tokens (>= 1)."""
+        return self.replicated_tokens / self.num_tokens
+
+    def to(self, device) -> "TreeBatch":
+        return TreeBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout.to(device),
+                         self.sequences, self.end_nodes, self.loss_masks)
+
+    def token_index(self, i: int) -> torch.Tensor:
+        """int64 CPU ``(len(seq_i),)``: packed positions of trajectory ``i``'s tokens in order."""
+        return self.layout.path_index(self.end_nodes[i])
+
+    # ------------------------------------------------------------------ indices
+    def _targets(self):
+        """``(tgt, pred, per_traj)``: every packed token that has a predecessor (all but each root's first token),
+        its predecessor's packed position (for a node's first token: its parent's last token), and per trajectory the
+        index into ``tgt`` of its tokens 1.. (int64 CPU)."""
+        if "tgt" not in self._index:
+            lay = self.layout
+            cu = lay._cu
+            t = lay.total_tokens
+            pred = torch.arange(-1, t - 1)
+            for n, p in enumerate(lay.parents):
+                pred[cu[n]] = -1 if p < 0 else cu[p + 1] - 1
+            tgt = (pred >= 0).nonzero()[:, 0]
+            where = torch.full((t,), -1, dtype=torch.long)
+            where[tgt] = torch.arange(tgt.numel())
+            per = [where[self.token_index(i)[1:]] for i in range(self.num_trajectories)]
+            self._index.update(tgt=tgt, pred=pred[tgt], per=per)
+        return self._index["tgt"], self._index["pred"], self._index["per"]
+
+    def trajectory_logprobs(self, logits: torch.Tensor) -> list:
+        """Per-trajectory log-probabilities of tokens ``1..len-1`` given the tokens before them.
+
+        Args:
+            logits: ``(1, T, vocab)`` or ``(T, vocab)``: the packed batch's logits (the model run with tree
+                attention on :attr:`layout`).
+
+        Returns:
+            list of N float32 tensors (fp64 for fp64 logits) ``(len(seq_i) - 1,)``: entry ``t - 1`` is
+            ``log p(seq_i[t] | seq_i[:t])``, read from the predecessor's packed row (a node's first token: its
+            parent's last token). Differentiable; a shared row's gradient sums over every trajectory through it.
+
+        Raises:
+            ValueError: not a floating-point tensor, a wrong rank, a length other than T, or a vocabulary smaller
+                than the largest token id.
+        """
+        if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point:
+            raise ValueError(f"logits must be a floating-point tensor (1, T, vocab); got "
+                             f"{getattr(logits, 'dtype', type(logits).__name__)}")
+        if logits.dim() == 3:
+            if logits.shape[0] != 1:
+                raise ValueError(f"logits must be (1, T, vocab) for a packed batch; got {tuple(logits.shape)}")
+            logits = logits[0]
+        elif logits.dim() != 2:
+            raise ValueError(f"logits must be (1, T, vocab) or (T, vocab); got shape {tuple(logits.shape)}")
+        if logits.shape[0] != self.num_tokens:
+            raise ValueError(f"logits have {logits.shape[0]} positions but the packed batch has T = {self.num_tokens} "
+                             f"tokens: these logits do not belong to this batch")
+        vmax = int(self.input_ids.max())
+        if logits.shape[1] <= vmax:
+            raise ValueError(f"logits have a vocabulary of {logits.shape[1]} but the batch holds token id {vmax}")
+        tgt, pred, per = self._targets()
+        work = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        dev = logits.device
+        rows, inv = torch.unique(pred, return_inverse=True)  # a branching row predicts several children
+        lsm = torch.log_softmax(logits.index_select(0, rows.to(dev)).to(work), dim=-1)
+        vals = lsm[inv.to(dev), self.input_ids[0].to(dev)[tgt.to(dev)]]
+        return [vals[p.to(dev)] for p in per]
+
+    def loss_mask_tensors(self) -> list:
+        """Per trajectory a bool ``(len(seq_i) - 1,)`` CPU tensor aligned with :meth:`trajectory_logprobs`: True
+        where the predicted token is trained (the given ``loss_masks[i][1:]``; all True without loss masks)."""
+        if self.loss_masks is None:
+            return [torch.ones(int(s.numel()) - 1, dtype=torch.bool) for s in self.sequences]
+        return [m[1:].clone() for m in self.loss_masks]
+
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        """Check ids, positions, layout and every trajectory's tokens against each other; ValueError naming the
+        mismatch."""
+        t = self.num_tokens
+        if tuple(self.input_ids.shape) != (1, t) or tuple(self.position_ids.shape) != (1, t):
+            raise ValueError(f"input_ids and position_ids must be (1, T); got {tuple(self.input_ids.shape)}, "
+                             f"{tuple(self.position_ids.shape)}")
+        self.layout.validate(total_tokens=t)
+        if not torch.equal(self.position_ids[0].cpu(), self.layout.position_ids().cpu()):
+            raise ValueError("position_ids do not match the layout")
+        ids = self.input_ids[0].cpu()
+        for i, s in enumerate(self.sequences):
+            if not torch.equal(ids[self.token_index(i)], s):
+                raise ValueError(f"trajectory {i} is not the root→node path of node {self.end_nodes[i]}")
+        if vocab_size is not None and int(ids.max()) >= vocab_size:
+            raise ValueError(f"token id {int(ids.max())} is outside the vocabulary of {vocab_size} tokens")
+
+
+def _as_mask(m, n: int, i: int) -> torch.Tensor:
+    """Trajectory ``i``'s loss mask as a bool ``(n,)`` CPU tensor; ValueError on a wrong length or non-bool values."""
+    if isinstance(m, torch.Tensor):
+        if m.dim() != 1:
+            raise ValueError(f"loss_masks[{i}] must be 1-D over the trajectory's {n} tokens; got shape "
+                             f"{tuple(m.shape)}")
+        if m.dtype != torch.bool:
+            if m.dtype.is_floating_point or m.dtype.is_complex or not bool(((m == 0) | (m == 1)).all()):
+                raise ValueError(f"loss_masks[{i}] must hold bools (or 0/1 integers); got dtype {m.dtype}")
+        t = m.detach().to("cpu", torch.bool)
+    else:
+        try:
+            vals = list(m)
+        except TypeError:
+            raise ValueError(f"loss_masks[{i}] must be a 1-D bool tensor or a list of bools; got "
+                             f"{type(m).__name__}") from None
+        for j, x in enumerate(vals):
+            ok = isinstance(x, bool) or (type(x).__name__ in ("bool_", "bool")) or \
+                (not isinstance(x, float) and hasattr(x, "__index__") and operator.index(x) in (0, 1))
+            if not ok:
+                raise ValueError(f"loss_masks[{i}][{j}] = {x!r}: loss masks hold bools (or 0/1)")
+        t = torch.tensor([bool(x) for x in vals], dtype=torch.bool)
+    if t.numel() != n:
+        raise ValueError(f"loss_masks[{i}] has {t.numel()} entries but trajectory {i} has {n} tokens: give one bool "
+                         f"per token")
+    return t
+
+
+def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] = None, min_shared: int = 1,
+                      vocab_size: Optional[int] = None,
+                      device: Union[str, torch.device, None] = None) -> TreeBatch:
+    """Merge N trajectories into a prefix tree (compressed token trie) and pack it depth-first.
+
+    Every shared prefix is stored once, at any depth: trajectories that agree on their first tokens share a node,
+    branch where they first differ, share again below that if several agree further, and so on. A trajectory that
+    is a prefix of another ends at a node boundary; identical trajectories end at the same node.
+
+    Args:
+        seqs: N >= 1 trajectories, each a whole conversation: a list of ints (or NumPy integers), a 1-D integer
+            tensor or a 1-D integer NumPy array, >= 1 token.
+        loss_masks: optional, per trajectory a bool ``(len(seq_i),)`` over its tokens (True: trained, e.g.
+            assistant turns; False: prompt and tool output), a tensor or a list of bools / 0-1 ints.
+        min_shared: a run shared by several trajectories shorter than this many tokens is duplicated into each
+            branch instead of becoming its own node (fewer, longer nodes; 1 = always share). Default 1: no GPU
+            measurement yet says a short node costs more than its duplicated tokens.
+        vocab_size: when given, every id must be ``< vocab_size``.
+        device: device of the batch tensors (default: the first tensor's, else CPU).
+
+    Returns:
+        :class:`TreeBatch` (``T`` = tokens of the trie's nodes).
+
+    Raises:
+        ValueError: no trajectories, an empty trajectory, a non-integer / negative / out-of-vocabulary id, a loss
+            mask of the wrong length or with non-bool values, loss_masks not one per trajectory, min_shared < 1.
+    """
+    from .packing import _as_ids  # here: kvtransform.packing re-exports this module's names at its end
+
+    if isinstance(seqs, (torch.Tensor, str, bytes)) or not hasattr(seqs, "__len__") or len(seqs) == 0:
+        raise ValueError("pack_trajectories needs a non-empty list of trajectories (1-D token-id sequences)")
+    if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 1:
+        raise ValueError(f"min_shared must be an integer >= 1; got {min_shared!r}")
+    if device is None:
+        device = next((s.device for s in seqs if isinstance(s, torch.Tensor)), None)
+    seqs = [_as_ids(s, f"trajectory {i}", vocab_size) for i, s in enumerate(seqs)]
+    masks = None
+    if loss_masks is not None:
+        if isinstance(loss_masks, torch.Tensor) or not hasattr(loss_masks, "__len__") or \
+                len(loss_masks) != len(seqs):
+            got = len(loss_masks) if hasattr(loss_masks, "__len__") and not isinstance(loss_masks, torch.Tensor) \
+                else type(loss_masks).__name__
+            raise ValueError(f"loss_masks must be a list with one mask per trajectory ({len(seqs)}); got {got}")
+        masks = [_as_mask(m, int(s.numel()), i) for i, (s, m) in enumerate(zip(seqs, loss_masks))]
+    lens = [int(s.numel()) for s in seqs]
+
+    # compressed trie, nodes created in depth-first preorder: (representative trajectory, start, end, parent)
+    nodes, end_node = [], [-1] * len(seqs)
+
+    def split(members, at):
+        """Members ending at ``at`` (each alone), then groups by the token at ``at`` in order of first appearance."""
+        out, groups = [], {}
+        for i in members:
+            if lens[i] == at:
+                out.append([i])
+            else:
+                groups.setdefault(int(seqs[i][at]), []).append(i)
+        return out + list(groups.values())
+
+    stack = [(g, 0, -1) for g in reversed(split(range(len(seqs)), 0))]
+    while stack:
+        members, start, parent = stack.pop()
+        if len(members) == 1:
+            i = members[0]
+            nodes.append((i, start, lens[i], parent))
+            end_node[i] = len(nodes) - 1
+            continue
+        run = min(lens[i] for i in members) - start
+        mat = torch.stack([seqs[i][start:start + run] for i in members])
+        diff = (mat != mat[0]).any(0).nonzero()
+        lcp = int(diff[0]) if diff.numel() else run
+        if lcp < min_shared:  # too short to share: every branch gets its own copy of the run
+            stack.extend((g, start, parent) for g in reversed(split(members, start + lcp)))
+            continue
+        nodes.append((members[0], start, start + lcp, parent))
+        me = len(nodes) - 1
+        rest = []
+        for g in split(members, start + lcp):
+            if len(g) == 1 and lens[g[0]] == start + lcp:
+                end_node[g[0]] = me
+            else:
+                rest.append(g)
+        stack.extend((g, start + lcp, me) for g in reversed(rest))
+
+    layout = PrefixTreeLayout.from_parents([e - s for _, s, e, _ in nodes], [p for *_, p in nodes],
+                                           device=device)
+    ids = torch.cat([seqs[i][s:e] for i, s, e, _ in nodes])
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    batch = TreeBatch(ids[None].to(dev), layout.position_ids()[None].to(dev), layout, seqs, end_node, masks)
+    return batch
