@@ -1,10 +1,29 @@
-"""Small helpers shared by the transforms, the verification gate and the CLI (progress stages, devices, names)."""
+"""Small helpers shared by the transforms, the verification gate and the CLI (progress stages, consoles, devices,
+names)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
+
+#: Width of a console whose stream is not a terminal (output redirected to a file or a pipe): wide enough that no
+#: table or line of ours wraps, where rich's default of 80 columns cut tables mid-cell.
+REDIRECTED_WIDTH = 400
+LOG_EVERY_S = 5.0  # redirected output: the shortest gap between two progress lines of one stage
+
+
+def console(stderr: bool = False):
+    """The one way kvtransform makes a rich console: on a terminal, its width; redirected (not a terminal and no
+    ``COLUMNS`` in the environment), :data:`REDIRECTED_WIDTH` columns, so tables and lines keep their shape in a
+    log file."""
+    from rich.console import Console
+
+    c = Console(stderr=stderr, highlight=False)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(stderr=stderr, highlight=False, width=REDIRECTED_WIDTH)
+    return c
 
 
 def device_of(module: torch.nn.Module) -> torch.device:
@@ -22,20 +41,53 @@ def model_name(model) -> str:
                or type(model).__name__)
 
 
+class _Live:
+    """What :func:`stage` yields on a terminal: ``update(text)`` changes the line beside the spinner and clock."""
+
+    def __init__(self, progress, task):
+        self._progress, self._task = progress, task
+
+    def update(self, text: str) -> None:
+        self._progress.update(self._task, description=text)
+
+
+class _Logged:
+    """What :func:`stage` yields when stderr is not a terminal: ``update(text)`` prints the new step with the seconds
+    since the stage began, at most one line per :data:`LOG_EVERY_S` (a log shows where a long wait is, not every
+    quick step)."""
+
+    def __init__(self, con, t0: float):
+        self._console, self._t0, self._last = con, t0, t0
+
+    def update(self, text: str) -> None:
+        now = time.perf_counter()
+        if now - self._last >= LOG_EVERY_S:
+            self._console.print(f"[dim]… {text} ({now - self._t0:.0f} s in)[/dim]")
+            self._last = now
+
+
 @contextlib.contextmanager
 def stage(progress: bool, text: str):
-    """A rich status spinner with ``text`` while the block runs, then ``✓ text (N s)`` on stderr; yields the status
-    (``.update(text)``) or None when ``progress`` is false."""
+    """Show what runs while the block runs, then ``✓ text (N s)`` on stderr.
+
+    On a terminal: a spinner with ``text`` and the elapsed time, live; redirected: ``… text`` once when the block
+    starts (a log shows what a long wait is). Yields an object whose ``update(text)`` says what runs now, or None
+    when ``progress`` is false."""
     if not progress:
         yield None
         return
-    from rich.console import Console
-
-    console = Console(stderr=True)
+    con = console(stderr=True)
     t0 = time.perf_counter()
-    with console.status(text) as st:
-        yield st
-    console.print(f"[dim]✓ {text} ({time.perf_counter() - t0:.1f} s)[/dim]")
+    if con.is_terminal:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=con,
+                      transient=True) as bar:
+            yield _Live(bar, bar.add_task(text, total=None))
+    else:
+        con.print(f"[dim]… {text}[/dim]")
+        yield _Logged(con, t0)
+    con.print(f"[dim]✓ {text} ({time.perf_counter() - t0:.1f} s)[/dim]")
 
 
 @contextlib.contextmanager

@@ -141,7 +141,7 @@ def test_run_writes_csv_markdown_plot(tmp_path, capsys):
     assert str(df["commit"].iloc[0]) == rows[0]["commit"]  # a hex hash stays a string
     md = (out / "results.md").read_text()
     assert "| 11 | 2 |" in md and "| 17 | 2 |" in md and "paper dualkv" in md
-    assert "Targets of issue 5" in md
+    assert "Targets (dualkv ≤ 1.25× floor" in md
     printed = capsys.readouterr().out
     assert "kvtransform bench dualkv-layer P=11 mb=2" in printed and printed.rstrip().endswith(md.rstrip()[-40:])
 

@@ -184,11 +184,11 @@ def test_context_beyond_the_models_positions_is_refused_before_running():
 
 
 def test_per_step_retries_noise_and_gives_nan_when_never_slower():
-    from kvtransform.bench.decode import _per_step
+    from kvtransform.bench.decode_sampling import per_step
 
     times = iter([1.0, 0.9, 1.0, 1.5])           # first pair: longer run faster (noise), second pair: +0.5 s
-    assert _per_step(lambda n: next(times), 4, 10) == pytest.approx(50.0)
-    assert math.isnan(_per_step(lambda n: 1.0, 4, 10, tries=2))
+    assert per_step(lambda n: next(times), 4, 10) == pytest.approx(50.0)
+    assert math.isnan(per_step(lambda n: 1.0, 4, 10, tries=2))
 
 
 def test_markdown_survives_a_job_without_results():
@@ -242,7 +242,7 @@ def test_build_model_overrides_a_shape_and_refuses_unknown_keys():
 
 
 def _oom_job(monkeypatch, where, fail_times, **cfg):
-    """run_job on the tiny shape with ``where`` (a bench.decode function) raising CUDA OOM ``fail_times`` times."""
+    """run_job on the tiny shape with ``where`` (a name run_job looks up in bench.decode) raising CUDA OOM ``fail_times`` times."""
     from kvtransform.bench import decode as D
     from kvtransform.bench.config import DecodeBenchConfig, DType
 
@@ -258,12 +258,12 @@ def _oom_job(monkeypatch, where, fail_times, **cfg):
                           compile=False, dtype=DType.float32, cpu_memory_gb=0.0005, **cfg)
     with monkeypatch.context() as m:
         m.setattr(D, where, failing)
-        m.setattr(D, "_KEEP", {})  # a fresh model and transform (the sweep cache would skip _Ours)
+        m.setattr(D, "_KEEP", {})  # a fresh model and transform (the sweep cache would skip Ours)
         return [r for r in D.run_job(c) if r["pass"] == "run"][0], calls
 
 
 def test_oom_in_decode_retries_with_fewer_requests(monkeypatch):
-    row, calls = _oom_job(monkeypatch, "_time_ours", 2)
+    row, calls = _oom_job(monkeypatch, "time_ours", 2)
     assert row["status"] == "ok" and "2 out-of-memory retries" in row["note"]
     first = calls[0][1].batch  # the cache each attempt timed
     assert [c[1].batch for c in calls] == [first, max(1, int(first * 0.9)), max(1, int(int(first * 0.9) * 0.9))]
@@ -271,11 +271,11 @@ def test_oom_in_decode_retries_with_fewer_requests(monkeypatch):
 
 
 def test_oom_in_prefill_or_before_sizing_is_reported_not_retried(monkeypatch):
-    row, calls = _oom_job(monkeypatch, "_prefill_ours", 5)
+    row, calls = _oom_job(monkeypatch, "prefill_ours", 5)
     assert len(calls) == 1 and row["status"].startswith("oom in ") and row["requests"] >= 1
-    row, calls = _oom_job(monkeypatch, "_Ours", 5)  # the transform itself: no request count chosen yet
+    row, calls = _oom_job(monkeypatch, "Ours", 5)  # the transform itself: no request count chosen yet
     assert len(calls) == 1 and row["status"].startswith("oom in ") and row["requests"] is None
-    row, calls = _oom_job(monkeypatch, "_time_ours", 1, requests=3)  # an explicit count is never changed
+    row, calls = _oom_job(monkeypatch, "time_ours", 1, requests=3)  # an explicit count is never changed
     assert len(calls) == 1 and row["status"].startswith("oom")
 
 

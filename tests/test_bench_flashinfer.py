@@ -101,7 +101,7 @@ def test_flashinfer_decode_refreshes_lengths_and_checks_its_first_call(fake_flas
 def test_flashinfer_program_needs_slot_mode_and_decodes_like_dense(fake_flashinfer):
     """The dense runtime with its slot-mode program's attention through the FlashInfer op produces the same greedy
     tokens as the dense runtime itself."""
-    from kvtransform.bench.decode import _use_flashinfer
+    from kvtransform.bench.decode_ours import use_flashinfer
 
     model = tiny_model("llama")
     sp = kvt.transform(model, kvt.SpeContextConfig(budget=16, head="dense"), progress=False)
@@ -112,7 +112,7 @@ def test_flashinfer_program_needs_slot_mode_and_decodes_like_dense(fake_flashinf
     cache, logits = sp.runtime.prefill(rows, 33 + 10, torch.device("cpu"))
     ref = sp.runtime.decode_from(cache, logits.argmax(-1), 9)
     cache2, logits2 = sp.runtime.prefill(rows, 33 + 10, torch.device("cpu"))
-    note = _use_flashinfer(sp.runtime, tensor_cores=False)
+    note = use_flashinfer(sp.runtime, tensor_cores=False)
     assert "test-double" in note and "one page per request" in note
     def calls():
         prog = sp.runtime._decode_program(torch.device("cpu"), slot=True)
@@ -152,17 +152,17 @@ def test_suite_skips_flashinfer_where_it_does_not_import(tmp_path, monkeypatch):
 
 def test_suite_reports_a_broken_flashinfer_install_as_such(tmp_path, monkeypatch):
     """An installed FlashInfer that fails at import is not reported as missing: the row says why it failed."""
-    from kvtransform.bench.decode import _flashinfer_missing
+    from kvtransform.bench.decode import flashinfer_missing
 
     pkg = tmp_path / "site" / "flashinfer"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("raise OSError('libcudart.so.13: cannot open shared object file')\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
-    why = _flashinfer_missing()
+    why = flashinfer_missing()
     assert why.startswith("flashinfer does not import (OSError") and "libcudart" in why
     monkeypatch.setitem(sys.modules, "flashinfer", None)
-    assert _flashinfer_missing() == "flashinfer is not installed on this machine"
+    assert flashinfer_missing() == "flashinfer is not installed on this machine"
 
 
 def test_plans_are_bounded_least_recently_used_first(fake_flashinfer):

@@ -58,7 +58,7 @@ def test_optimize_help_shows_the_selected_transforms_keys(capsys):
     assert "verify_groups:" in out and "num_responses:" in out
 
 
-@pytest.mark.parametrize("cmd", ["inspect", "bench"])
+@pytest.mark.parametrize("cmd", ["inspect", "bench", "generate"])
 def test_subcommand_help(capsys, cmd):
     rc, out, _ = _run([cmd, "--help"], capsys)
     assert rc == 0 and f"kvtransform {cmd}" in out
@@ -319,20 +319,103 @@ def test_plan_memory_transform_key_points_to_its_own_key(capsys):
     assert rc == 2 and "This command has no transform group: did you mean 'budget'?" in err, err
 
 
-def test_generate_warns_about_threads_on_a_small_cpu(monkeypatch, capsys):
-    """The 2-core trap of the README: more than one intra-op thread, no OMP_NUM_THREADS, a CPU of <= 4 cores."""
+def test_generate_threads_default_to_one_on_a_small_cpu(monkeypatch):
+    """threads=auto: 1 thread on a CPU-only machine of <= 4 cores without OMP_NUM_THREADS (there 2 spinning threads
+    made decode ~10x slower per step: README, SpeContext section); torch's default elsewhere; threads=N wins."""
     import os
 
     import torch
 
-    from kvtransform.cli import _warn_small_cpu_threads
+    from kvtransform.cli.generate import choose_threads
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    _warn_small_cpu_threads()
-    assert "OMP_NUM_THREADS=1" in capsys.readouterr().err
+    assert choose_threads("auto")[0] == 1
+    assert choose_threads(2) == (2, "threads=")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    _warn_small_cpu_threads()
-    assert capsys.readouterr().err == ""
+    assert choose_threads("auto")[0] == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert choose_threads("auto")[0] == 2
+
+
+@pytest.mark.parametrize("arg", ["threads=0", "threads=many", "threads=1.5"])
+def test_generate_bad_threads_before_loading(capsys, arg):
+    rc, _, err = _run(["generate", "no-such-model", "prompt=hi", arg], capsys)
+    assert rc == 2 and "threads must be auto or an integer >= 1" in err, err
+
+
+def test_generate_threads_key_is_accepted(capsys):
+    """threads=1 passes the checks: the run gets as far as loading the (unknown) model."""
+    rc, _, err = _run(["generate", "no-such-model", "prompt=hi", "threads=1"], capsys)
+    assert rc == 2 and "unknown model 'no-such-model'" in err, err
+
+
+@pytest.mark.slow
+def test_generate_threads_one_on_the_default_model(capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        rc, out, err = _run(["generate", "prompt=The capital of France is", "max_new_tokens=4", "chat=false",
+                             "threads=1", "transform.budget=64"], capsys)
+        assert rc == 0, err
+        assert out.strip() and "4 new tokens" in err and "1 CPU thread:" in err
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_inspect_takes_key_value_settings(tmp_path, capsys):
+    """inspect takes [MODEL] key=value like the other commands (model.dtype=, json=true); the old --dtype flag still
+    works with a note naming the key."""
+    from kvtransform.models import tiny_model
+
+    model_dir = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(model_dir)
+    rc, stdout, err = _run(["inspect", str(model_dir), "model.dtype=float32", "json=true"], capsys)
+    assert rc == 0, err
+    assert len(json.loads(stdout[stdout.index("{"):])["sites"]) == 2
+    rc, stdout, err = _run(["inspect", f"model.name={model_dir}", "--dtype", "float32"], capsys)
+    assert rc == 0 and "--dtype is deprecated: use model.dtype=float32" in err and "attention sites (2)" in stdout
+
+
+@pytest.mark.parametrize("arg,msg", [("model.dtyp=float32", "unknown key 'model.dtyp' (did you mean 'model.dtype'?)"),
+                                     ("json=maybe", "json must be true or false"),
+                                     ("--verbose", "unknown option '--verbose'")])
+def test_inspect_bad_setting_is_one_error_line(capsys, arg, msg):
+    rc, _, err = _run(["inspect", "no-such-model", arg], capsys)
+    assert rc == 2 and msg in err and err.strip().count("\n") == 0, err
+
+
+def test_inspect_defaults_to_the_default_model(monkeypatch, capsys):
+    """No MODEL: the default model, like the Hydra commands (the loader is stubbed: nothing is loaded)."""
+    import kvtransform.models as models
+
+    seen = {}
+
+    def fake_load(name, **kw):
+        seen.update(name=name, **kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(models, "load_model", fake_load)
+    rc, _, err = _run(["inspect", "model.dtype=bfloat16"], capsys)
+    assert rc == 2 and "stop here" in err
+    assert seen == {"name": "smollm2-135m", "dtype": "bfloat16", "attn_implementation": "sdpa"}
+
+
+@pytest.mark.slow
+def test_inspect_default_model_real(capsys):
+    rc, stdout, err = _run(["inspect", "model.dtype=float32"], capsys)
+    assert rc == 0, err
+    assert "attention sites (30)" in stdout
+
+
+def test_redirected_console_does_not_wrap_at_80_columns(capsys):
+    from kvtransform.utils import console
+
+    c = console()
+    assert not c.is_terminal and c.width > 200
+    c.print("x" * 150)
+    assert capsys.readouterr().out.strip() == "x" * 150

@@ -144,7 +144,7 @@ def run(suite: str, argv: List[str]) -> list:
     from omegaconf import OmegaConf
 
     from . import report
-    from .runner import resolve_device
+    from .device import resolve_device
 
     if suite == "decode-ops":
         from .decode_ops import run_job

@@ -376,7 +376,7 @@ def validate_throughput(cfg) -> None:
     if cfg.output < cfg.n0 + cfg.steps + 2:
         raise ValueError(f"output={cfg.output} is shorter than one timed sample (n0 + steps + 2 = "
                          f"{cfg.n0 + cfg.steps + 2} tokens): raise output or lower steps")
-    from .decode import MODELS
+    from .decode_model import MODELS
 
     if str(cfg.model) not in MODELS:
         raise ValueError(f"model={cfg.model}: choose one of {', '.join(MODELS)}")

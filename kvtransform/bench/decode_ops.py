@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .config import DecodeMethod, GatherTune
 from .layer import torch_dtype
-from .runner import resolve_device
+from .device import resolve_device
 from .timing import quantiles, sync, time_steps
 
 __all__ = ["ORDER", "run_job"]

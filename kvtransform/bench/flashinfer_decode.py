@@ -1,6 +1,6 @@
 """FlashInfer's batch decode kernel in our runtime's decode program: the ``flashinfer`` method of the ``decode`` suite
-(issue 17; FlashInfer: Ye et al., arXiv 2501.01005, ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``, its ``fa2``
-backend).
+(BENCHMARKS.md, "Decode throughput"; FlashInfer: Ye et al., arXiv 2501.01005,
+``flashinfer.BatchDecodeWithPagedKVCacheWrapper``, its ``fa2`` backend).
 
 The method is our ``dense`` method (same compiled program, same CUDA-graph step, same prefill) with every layer's
 attention, ``kvt::sparse_decode_attention`` in slot mode, replaced by ``kvt_bench::flashinfer_decode``, which calls

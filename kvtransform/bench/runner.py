@@ -23,6 +23,7 @@ from kvtransform.layout import DualKVLayout
 
 from . import flops
 from .config import Mode
+from .device import resolve_device
 from .layer import get_layer, release_grads, torch_dtype
 from .methods import METHODS, Unavailable, methods_for
 from .timing import quantiles, time_steps
@@ -79,13 +80,6 @@ def packed_from_replicated(layout) -> torch.Tensor:
     pos = torch.arange(rep.numel(), device=rep.device)
     first = torch.full((int(layout.total_tokens),), rep.numel(), dtype=torch.long, device=rep.device)
     return first.scatter_reduce(0, rep, pos, reduce="amin")
-
-
-def resolve_device(cfg) -> torch.device:
-    """``device=auto``: cuda if available, else cpu."""
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
 
 
 def estimate_gb(cfg, shape: Shape, method: str) -> float:

@@ -20,13 +20,13 @@ __all__ = ["FWD_CANDS", "DQ_CANDS", "DKDV_CANDS", "sweep", "tune_dualkv", "gathe
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages[, PACK[, TMA]]); the first of each list is the default. Round 1 swept 6 fwd / 5 dq /
 # 8 dkdv configs; these are round 2, around round 1's best (BENCHMARKS.md, DualKV op section); the forward's round 3
-# (issue 14) added the GQA-packed program (PACK: 32 query tokens x 4 heads = the same 128 tile rows) and K/V through
+# (BENCHMARKS.md, DualKV op section) added the GQA-packed program (PACK: 32 query tokens x 4 heads = the same 128 tile rows) and K/V through
 # tensor descriptors (TMA). Round 3 on the H200 (BENCHMARKS.md): packed + TMA 557 / 517 TFLOP/s against 459 / 455
 # for 128/128/8/3; it is the default at GQA 4, D 128, bf16 (kernels/dualkv.py _default_fwd_cfg), the first list
 # entry is the default elsewhere.
 FWD_CANDS = [(128, 128, 8, 3), (32, 128, 8, 3, True, True), (128, 64, 8, 3), (32, 128, 8, 3, True),
              (32, 64, 8, 3, True), (128, 128, 8, 3, False, True), (128, 64, 8, 4, False, True)]
-# Round 4 (issue 14, BENCHMARKS.md): the dQ kernel with the forward's packed GQA-4 + TMA program (the default at GQA 4,
+# Round 4 (BENCHMARKS.md, DualKV op section): the dQ kernel with the forward's packed GQA-4 + TMA program (the default at GQA 4,
 # D 128, bf16), the dK/dV kernel with TMA Q/dO loads and 2 stages (the default at D 128, bf16).
 DQ_CANDS = [(128, 64, 8, 3), (32, 64, 8, 3, True, True), (128, 64, 8, 3, False, True), (32, 64, 8, 3, True),
             (128, 32, 8, 3), (128, 128, 8, 3)]

@@ -13,9 +13,10 @@ class UsageError(Exception):
 
 
 def console(stderr: bool = False):
-    from rich.console import Console
+    """The CLI's rich console (:func:`kvtransform.utils.console`: no wrapping at 80 columns when redirected)."""
+    from ..utils import console as make_console
 
-    return Console(stderr=stderr, highlight=False)
+    return make_console(stderr=stderr)
 
 
 def fail(message: str) -> "NoReturn":  # noqa: F821

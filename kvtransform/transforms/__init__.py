@@ -24,7 +24,10 @@ class TransformSpec:
         handler: ``fn(model, config, tokenizer=None, progress=True) -> OptimizedModule``.
         module_type: the :class:`OptimizedModule` subclass it returns (``kvt.load`` rebuilds artifacts with it).
         cli_step: optional ``fn(model, tokenizer, opt, config, console) -> dict`` that ``kvtransform optimize`` runs
-            after the transform and before saving (e.g. the DualKV demo); its dict goes into the CLI's summary.
+            after the transform and before saving, for a transform registered outside kvtransform; a plain callable
+            that must not import ``kvtransform.cli``. The built-in transforms' steps (the DualKV demo, the SpeContext
+            head summary) live in the CLI (``kvtransform.cli.steps.STEPS``, keyed by transform name), which takes
+            precedence over this field.
     """
 
     config_type: type

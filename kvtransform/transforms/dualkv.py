@@ -139,22 +139,7 @@ class DualKVModule(OptimizedModule):
         return args, ({1: tok}, {1: tok}, {0: seg1}, {0: seg})
 
 
-def _demo_step(model, tokenizer, opt, cfg, console) -> dict:
-    """``kvtransform optimize transform=dualkv``: the GRPO-like demo (``transform.demo.*``) before saving."""
-    if not cfg.demo.enabled:
-        return {}
-    from kvtransform.cli.dualkv_demo import run_demo
-
-    d = cfg.demo
-    console.print(
-        f"[bold]DualKV demo[/bold]: sampling {d.num_responses} responses (up to {d.max_new_tokens} tokens) from "
-        f"the model, checking log-probs and gradients against the original, timing forward+backward "
-        f"({d.repeats} repeats) packed vs replicated; this can take minutes on a CPU. "
-        f"Skip it with transform.demo.enabled=false")
-    return run_demo(model, tokenizer, opt, cfg, console=console)
-
-
-@register_transform(DualKVConfig, module_type=DualKVModule, cli_step=_demo_step)
+@register_transform(DualKVConfig, module_type=DualKVModule)
 def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = True) -> DualKVModule:
     """DualKV transform: packed capture → canonical attention (mask proven causal) → ``kvt.dualkv_attention`` →
     cleanup → exactness gate on the replicated batch.

@@ -1,0 +1,127 @@
+"""The ``decode`` suite's methods that run our SpeContext runtime (``dense``, ``specontext``, ``quest``,
+``flashinfer``): one transform of the job's model shared by them, one retrieval head each, a random KV cache to
+decode from, and their timed decode steps and prefill (arXiv 2512.00722 §7).
+"""
+from __future__ import annotations
+
+import torch
+
+from .decode_model import OURS
+from .decode_sampling import per_step, timed_prefill
+
+__all__ = ["Ours", "use_flashinfer", "distilled_state", "random_cache", "time_ours", "prefill_ours"]
+
+
+class Ours:
+    """Our SpeContext runtime on the job's model: one transform (captured programs shared by the methods), one
+    :class:`~kvtransform.transforms.specontext.SpeContextModule` per method (its retrieval head)."""
+
+    def __init__(self, model, cfg):
+        import kvtransform as kvt
+
+        self.model, self.cfg = model, cfg
+        self.base = kvt.SpeContextConfig(head="quest", budget=int(cfg.budget), cuda_graphs=bool(cfg.cuda_graphs),
+                                         compile=bool(cfg.compile), fuse_projections=str(cfg.fuse_projections))
+        self.sp = kvt.transform(model, self.base, progress=False)
+        self.modules, self.notes = {}, {}
+        self.sp.runtime._fused()  # projections fused (shared, or copies) before the request count is sized
+
+    def key(self, method):
+        """Which module serves ``method`` under the current :attr:`cfg` (``flashinfer``: one per
+        ``flashinfer_tensor_cores``, a setting no other method reads)."""
+        return (method, bool(self.cfg.flashinfer_tensor_cores)) if method == "flashinfer" else method
+
+    def note(self, method) -> str:
+        return self.notes[self.key(method)]
+
+    def built(self, method) -> bool:
+        return self.key(method) in self.modules
+
+    def runtime(self, method):
+        """The runtime of ``method`` (built at its first use; ``flashinfer``: the dense head's, its slot-mode
+        program calling FlashInfer's kernel)."""
+        key = self.key(method)
+        if key not in self.modules:
+            from kvtransform.transforms.specontext import SpeContextModule
+
+            head, state, note = OURS[method], None, ""
+            if head == "distilled":
+                state, note = distilled_state(self.model)
+            module = SpeContextModule(self.sp.core["prefill"], self.sp.core["decode"], self.base, self.sp.report,
+                                      self.sp.info, self.sp.head.scale, model=self.model, head_name=head,
+                                      head_state=state)
+            if method == "flashinfer":
+                note = use_flashinfer(module.runtime, bool(self.cfg.flashinfer_tensor_cores))
+            self.modules[key], self.notes[key] = module, note
+        return self.modules[key].runtime
+
+
+def use_flashinfer(rt, tensor_cores: bool) -> str:
+    """Make ``rt`` (a dense-head runtime) decode through FlashInfer's kernel: its slot-mode program (the fused one
+    when projections are fused) with every attention site calling ``kvt_bench::flashinfer_decode``; returns the
+    row's note."""
+    import flashinfer
+
+    from .flashinfer_decode import FlashInferDecode, flashinfer_program, register
+
+    handle = register(FlashInferDecode(tensor_cores))
+    rt.slot_rewrite = lambda slot_program: flashinfer_program(slot_program, handle)
+    return (f"FlashInfer {getattr(flashinfer, '__version__', '?')} fa2 batch decode"
+            f"{' (tensor cores)' if tensor_cores else ''}, one page per request (no split-KV), in our "
+            f"{'compiled ' if rt.compile else ''}program{' and CUDA graph' if rt.cuda_graphs else ''}")
+
+
+def distilled_state(model) -> tuple:
+    """``(head_state, note)``: the packaged distilled head when one fits the model, else a randomly initialised
+    head of the same architecture (the speed of a trained one; its selections are not meaningful)."""
+    import json
+
+    from kvtransform.runtime.distilled import DistilledBlock, fingerprint, shipped_head_for
+
+    if shipped_head_for(model) is not None:
+        return None, "packaged distilled head"
+    c = model.config
+    torch.manual_seed(0)
+    block = DistilledBlock(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                           getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                           rope_theta=float(getattr(c, "rope_theta", 10000.0) or 10000.0))
+    meta = {"arch": block.arch, "fingerprint": fingerprint(model)}
+    state = {f"block.{k}": v for k, v in block.state_dict().items()}
+    state["meta"] = json.dumps(meta)
+    return state, "distilled head, random weights (same architecture and cost as a trained one)"
+
+
+def random_cache(shape, requests, max_length, dtype, device, seed):
+    from kvtransform.runtime.cache import KVCache
+
+    cache = KVCache.allocate(shape["layers"], requests, shape["kv_heads"], max_length, shape["head_dim"], dtype,
+                             device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for layer in range(shape["layers"]):
+        cache.k[layer].normal_(generator=g)
+        cache.v[layer].normal_(generator=g)
+    cache.token_ids.random_(3, shape["vocab"], generator=g)
+    return cache
+
+
+def time_ours(rt, cache, contexts, n0, steps, device) -> list:
+    """ms per decode step at each context: (run of n0 + steps) − (run of n0), both from the same cache state."""
+    tok = torch.randint(3, rt.info.vocab_size, (cache.batch,), device=device)
+    cache.cache_seqlens.fill_(contexts[0])
+    rt.decode_from(cache, tok, n0)  # warm-up: kernel compilation / autotuning stays out of the first sample
+    out = []
+    for ctx in contexts:
+        def run(n, ctx=ctx):
+            cache.cache_seqlens.fill_(ctx)
+            return rt.decode_from(cache, tok, n).stats.decode_s
+
+        out.append(per_step(run, n0, steps))
+    return out
+
+
+def prefill_ours(rt, input_len, requests, prefill_tokens, vocab, device) -> tuple:
+    """:func:`timed_prefill` of the runtime's packed prefill (the cache it builds is dropped)."""
+    def prefill(g):
+        rt.prefill([torch.randint(3, vocab, (input_len,)) for _ in range(g)], input_len, device)
+
+    return timed_prefill(prefill, input_len, requests, prefill_tokens, device)

@@ -1,0 +1,60 @@
+"""``[MODEL] key=value ...`` for the commands that are not Hydra apps (``generate``, ``inspect``): the same shape of
+command line as the Hydra ones (a positional MODEL or ``model.name=``, then ``key=value``; values are YAML scalars),
+and the same kind of error: an unknown key is one line naming the closest key and every valid one."""
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Optional, Sequence
+
+from .errors import UsageError
+
+__all__ = ["DEFAULT_MODEL", "parse_key_values"]
+
+DEFAULT_MODEL = "smollm2-135m"  # conf/model/smollm2-135m.yaml: the Hydra commands' default model too
+
+
+def parse_key_values(args: Sequence[str], defaults: dict, raw_keys: Sequence[str] = (), prefixes: Sequence[str] = (),
+                     hint: Optional[Callable[[str], Optional[str]]] = None) -> tuple[str, dict, dict]:
+    """Split ``[MODEL] key=value ...`` into ``(model, options, prefixed)``.
+
+    Args:
+        args: the command's arguments.
+        defaults: every accepted key with its default (``model.name`` is always accepted and is the MODEL).
+        raw_keys: keys whose value is kept as the text given (``prompt=``), not read as YAML.
+        prefixes: key prefixes collected into ``prefixed`` without checking (``transform.`` → ``{"budget": 8}``).
+        hint: ``hint(key)`` for an unknown key: the key the user probably meant, or None (then the closest of
+            ``defaults`` by spelling is named).
+
+    Returns:
+        the model (positional, else ``model.name=``, else :data:`DEFAULT_MODEL`), ``defaults`` updated by the
+        command line, and the prefixed keys without their prefix.
+
+    Raises:
+        UsageError: a second MODEL, an unknown key, or an argument that starts with ``-``.
+    """
+    import yaml
+
+    model, opts, extra = None, dict(defaults), {}
+    for a in args:
+        key, sep, raw = a.partition("=")
+        if not sep:
+            if a.startswith("-"):
+                raise UsageError(f"unknown option {a!r}: settings are key=value (keys: {', '.join(defaults)})")
+            if model is not None:
+                raise UsageError(f"unexpected argument {a!r}: give one MODEL, then key=value settings")
+            model = a
+            continue
+        value = raw if key in raw_keys else yaml.safe_load(raw) if raw else None
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        if key == "model.name":
+            model = str(value)
+        elif prefix is not None:
+            extra[key[len(prefix):]] = value
+        elif key in opts:
+            opts[key] = value
+        else:
+            close = (hint(key) if hint else None) or next(iter(difflib.get_close_matches(key, list(opts), n=1)), None)
+            more = "".join(f", {p}<key>" for p in prefixes)
+            raise UsageError(f"unknown key {key!r}{f' (did you mean {close!r}?)' if close else ''}; keys: "
+                             f"{', '.join(opts)}, model.name{more}")
+    return model or DEFAULT_MODEL, opts, extra

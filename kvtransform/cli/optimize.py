@@ -1,0 +1,154 @@
+"""``kvtransform optimize [MODEL] [key=value ...]``: load → transform (capture, rewrite, verify) → report →
+transform-specific step (:mod:`.steps`) → save → reload check in a fresh process → optional ONNX.
+
+A Hydra app composed from ``kvtransform.conf`` (``config.yaml`` + groups ``model/`` and ``transform/``) on top of the
+structured configs of :mod:`.schema`; see :mod:`kvtransform.cli` for the error conventions.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..api import check_available
+from ..config import config_from_dict
+from ..utils import stage
+from .errors import UsageError, console as _console
+from .hydra_app import run_hydra
+from .schema import EMIT_KINDS
+from .steps import step_for
+
+__all__ = ["main", "reload_check", "run_optimize"]
+
+_T_START = time.perf_counter()  # process start, near enough: the wall time printed by optimize counts from here
+
+
+def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
+    """Load the artifact at ``out`` in a fresh Python process and compare its :meth:`probe` outputs with ``opt``'s
+    (a user's ``kvt.load`` sees only what importing kvtransform registers). Returns ``(max abs error, shape)``.
+
+    Raises:
+        RuntimeError: the reloaded artifact fails to load or gives different outputs.
+    """
+    import json
+    import subprocess
+    import tempfile
+
+    import torch
+
+    inputs = opt.probe_inputs(tokenizer)
+    want = opt.probe(inputs).cpu()
+    tol = 1e-5 * max(1.0, float(want.double().abs().max())) if want.is_floating_point() else 0.0
+    with tempfile.TemporaryDirectory(prefix="kvt-reload-") as tmp:
+        probe_file = Path(tmp) / "probe.pt"
+        torch.save({"inputs": inputs, "outputs": want, "tolerance": tol}, probe_file)
+        proc = subprocess.run([sys.executable, "-m", "kvtransform.cli.reload_check", str(out), str(probe_file)],
+                              capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the artifact {out} does not load in a fresh Python process: {tail}")
+    res = json.loads(lines[-1])
+    if proc.returncode != 0:
+        raise RuntimeError(f"the artifact reloaded from {out} in a fresh process gives different outputs (max abs "
+                           f"error {res['max_abs_error']:.3g}, shape {res['shape']} vs {list(want.shape)})")
+    return res["max_abs_error"], tuple(want.shape)
+
+
+def _emit_kinds(cfg: DictConfig) -> list:
+    """``cfg.emit`` as a list, checked (UsageError names the accepted values)."""
+    emit = list(cfg.get("emit", ["pt2"]))
+    bad = [e for e in emit if e not in EMIT_KINDS]
+    if bad or not emit:
+        raise UsageError(f"emit={emit}: give a non-empty list of {', '.join(EMIT_KINDS)} (e.g. emit=[pt2,onnx])")
+    return emit
+
+
+def _transform_config(cfg: DictConfig):
+    """The transform dataclass, its values validated, and the transform available: all before the model loads."""
+    try:
+        tcfg = config_from_dict(OmegaConf.to_container(cfg.transform, resolve=True))
+    except ValueError as e:
+        raise UsageError(f"invalid transform setting: {e}") from None
+    check_available(tcfg)  # the error kvt.transform gives, before the model is loaded
+    return tcfg
+
+
+def run_optimize(cfg: DictConfig) -> dict:
+    """The ``optimize`` job: load → transform (captures, rewrites, verifies) → report → save → reload check.
+
+    Args:
+        cfg: composed :class:`~kvtransform.cli.schema.OptimizeConfig`.
+
+    Returns:
+        timings in seconds: ``startup`` (process start to load), ``load``, ``transform``, ``demo`` (the step of
+        :mod:`.steps` when it did timed work, e.g. the DualKV demo; else 0), ``save``, ``reload``, ``onnx`` (0 unless
+        ``emit`` has ``onnx``), ``total`` (process start to end).
+
+    Raises:
+        FileExistsError: ``out`` exists and is not empty and ``overwrite`` is false (checked before loading).
+        UsageError: an invalid transform config value, a transform that is not built, or an ``emit`` list that is
+            empty or names something other than ``pt2`` / ``onnx``; checked before loading.
+        ValueError / FileNotFoundError: from :func:`kvtransform.models.load_model` and the transform.
+        RuntimeError: the reloaded artifact gives different logits.
+    """
+    import kvtransform as kvt
+    from ..models import load_model
+    from ..transforms.base import check_output_dir
+
+    console = _console()
+    out = check_output_dir(cfg.out, cfg.overwrite)  # before loading the model: never replace what is not an artifact
+    tcfg = _transform_config(cfg)
+    emit = _emit_kinds(cfg)
+
+    import transformers  # noqa: F401  (imported before the clock starts: startup is reported on its own)
+
+    t0 = time.perf_counter()
+    model, tok = load_model(cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation)
+    t1 = time.perf_counter()
+    console.print(f"[bold]Loaded[/bold] {cfg.model.name} ({type(model).__name__}, {model.dtype}) in {t1 - t0:.1f} s")
+
+    opt = kvt.transform(model, tcfg, tokenizer=tok)
+    t2 = time.perf_counter()
+    opt.report.print(console=console)
+    demo_s = 0.0
+    step = step_for(tcfg)  # a transform-specific step (the DualKV demo), before saving
+    if step is not None:
+        td = time.perf_counter()
+        if step(model, tok, opt, tcfg, console):
+            demo_s = time.perf_counter() - td
+    t_save = t3 = t4 = time.perf_counter()
+    if "pt2" in emit:
+        with stage(True, f"saving the artifact to {out}"):
+            opt.save(str(out), overwrite=cfg.overwrite)
+        t3 = time.perf_counter()
+        console.print(f"[bold]Saved[/bold] artifact to {out}")
+        with stage(True, "reloading the artifact in a fresh Python process and comparing outputs"):
+            err, shape = reload_check(opt, out, tok)
+        t4 = time.perf_counter()
+        console.print(f"[bold]Reloaded[/bold] {out} in a fresh process: same outputs on a {shape} probe (max abs "
+                      f"diff {err:.2g})")
+    t5 = t4
+    if "onnx" in emit:
+        with stage(True, "exporting ONNX and checking it in onnxruntime"):
+            onnx_path = opt.export_onnx(out / "model.onnx", tokenizer=tok)
+        t5 = time.perf_counter()
+        console.print(f"[bold]Wrote[/bold] {onnx_path} (ONNX opset 23; onnxruntime matches the module on a probe)")
+    times = dict(startup=t0 - _T_START, load=t1 - t0, transform=t2 - t1, demo=demo_s, save=t3 - t_save,
+                 reload=t4 - t3, onnx=t5 - t4, total=t5 - _T_START)
+    demo = f", {tcfg.name} demo {times['demo']:.1f} s" if demo_s else ""
+    console.print(
+        f"[bold green]Done[/bold green] in {times['total']:.1f} s wall "
+        f"(startup/imports {times['startup']:.1f} s, load {times['load']:.1f} s, "
+        f"transform+verify {times['transform']:.1f} s{demo}, save {times['save']:.1f} s, "
+        f"reload check {times['reload']:.1f} s" + (f", onnx {times['onnx']:.1f} s" if "onnx" in emit else "") + ")"
+    )
+    return times
+
+
+def main(args: Sequence[str]) -> int:
+    """``kvtransform optimize [MODEL] [key=value ...] [--cfg job] [--help]``."""
+    return run_hydra(args, "config", "kvtransform optimize", run_optimize)
