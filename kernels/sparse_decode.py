@@ -249,7 +249,9 @@ def sparse_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
                             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Plain-PyTorch ``kvt::sparse_decode_attention`` (``torch.gather`` + masked softmax), computed in ``dtype``
     (default: fp64 for fp64 inputs, else fp32), output in ``q.dtype``. Same masking contract as the kernel:
-    entries outside ``[0, min(lengths[b], S))`` are ignored, duplicates count twice. The CPU path of the op."""
+    entries outside ``[0, min(lengths[b], S))`` are ignored (never contribute, whatever the cache holds there, NaN
+    and inf included), duplicates count twice; a row with nothing to attend gives ``v_new`` with the new token, zeros
+    without. The CPU path of the op."""
     bsz, h, d = q.shape
     h_kv, s_max = k.shape[1], k.shape[2]
     g = h // h_kv
@@ -263,8 +265,11 @@ def sparse_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     valid = (pos >= 0) & (pos < lens[:, None, None])
     safe = torch.where(valid, pos, torch.zeros_like(pos))
     gidx = safe[..., None].expand(-1, -1, -1, d)
-    kg = torch.gather(k, 2, gidx).to(dtype)
-    vg = torch.gather(v, 2, gidx).to(dtype)
+    # a masked entry reads position 0 (or, in slot mode, an unused slot), which may hold anything, NaN/inf included
+    # (a freshly allocated or freed cache): zero it, as the kernel's masked loads do, since 0 * NaN is NaN.
+    keep = valid[..., None]
+    kg = torch.gather(k, 2, gidx).to(dtype).masked_fill(~keep, 0)
+    vg = torch.gather(v, 2, gidx).to(dtype).masked_fill(~keep, 0)
     qf = q.to(dtype).view(bsz, h_kv, g, d)
     s = torch.einsum("bkgd,bknd->bkgn", qf, kg) * scale
     s = s.masked_fill(~valid[:, :, None, :], float("-inf"))

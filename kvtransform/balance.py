@@ -9,7 +9,7 @@ rank's groups into the same number of micro-batches of at most ``max_tokens`` to
 it fits, first-fit decreasing otherwise); micro-batch sizes need not divide any group size::
 
     plan = kvt.balance_groups(groups, world_size=8, max_tokens=16384)
-    for mb in plan.ranks[rank]:                    # list of micro-batches, each a list of groups
+    for mb in plan[rank]:                          # list of micro-batches, each a list of groups
         batch = kvt.pack_shared_prefix_groups(mb)   # an empty micro-batch: run a filler batch with zero loss weight
     print(plan.summary())                           # imbalance max/mean per rank
 """
@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import heapq
 import operator
+from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 __all__ = ["GroupBalance", "balance_groups", "group_tokens"]
 
@@ -65,8 +66,10 @@ def group_tokens(group: Any, index: int = 0) -> int:
 
 
 @dataclass
-class GroupBalance:
-    """Result of :func:`balance_groups`.
+class GroupBalance(_SequenceABC):
+    """Result of :func:`balance_groups`: a sequence of ranks, each rank's list of groups (``plan[r]`` is
+    ``plan.ranks[r]``; ``len(plan)`` is the world size; ``for rank_groups in plan`` iterates the ranks), with the
+    fields below.
 
     Attributes:
         ranks: per rank, the groups themselves (as given): ``ranks[r]`` is a list of groups, or with
@@ -84,6 +87,15 @@ class GroupBalance:
     micro_batch_tokens: Optional[list] = None
     max_tokens: Optional[int] = None
     group_tokens: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __getitem__(self, rank):
+        return self.ranks[rank]
+
+    def __iter__(self) -> Iterator[list]:
+        return iter(self.ranks)
 
     @property
     def imbalance(self) -> float:
@@ -160,7 +172,8 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
             each rank is the ``k``-th largest.
 
     Returns:
-        :class:`GroupBalance` (``ranks``, ``indices``, ``tokens``, ``imbalance``, ``summary()``). Ranks: greedy
+        :class:`GroupBalance`, a sequence of the ``world_size`` per-rank lists (``plan[r]``, ``for rank_groups in
+        plan``), with ``ranks``, ``indices``, ``tokens``, ``imbalance``, ``summary()``. Ranks: greedy
         longest-first (LPT), max load <= mean + largest group. Ranks may get no group when there are fewer groups
         than ranks (they must still run a filler step).
 

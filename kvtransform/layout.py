@@ -74,8 +74,10 @@ def _offsets(name: str, t) -> list:
                          f"build the layout from real tensors before compiling, or with DualKVLayout.from_lengths")
     vals = [int(x) for x in t.tolist()]
     if vals and (min(vals) < -2 ** 31 or max(vals) > 2 ** 31 - 1):
-        raise ValueError(f"{name} holds {max(vals) if max(vals) > 0 else min(vals)}, outside int32: the DualKV "
-                         f"kernels index tokens with int32 (at most 2**31 - 1 tokens per batch)")
+        what = ("token offsets are int32 in the DualKV kernels: at most 2**31 - 1 packed tokens per batch, split it"
+                if name == "cu_seqlens" else "entries are -1 or a segment index, stored as int32")
+        raise ValueError(f"{name} holds {max(vals) if max(vals) > 2 ** 31 - 1 else min(vals)}, outside int32: "
+                         f"{what}")
     return vals
 
 
@@ -96,10 +98,12 @@ def _has_data(t) -> bool:
 def _check_structure(cu: Sequence[int], sp: Sequence[int], total_tokens: Optional[int]) -> None:
     """Validate python lists ``cu`` (S+1) and ``sp`` (S). Raises ValueError naming the problem."""
     s = len(sp)
+    if s == 0:
+        raise ValueError(f"the layout is empty (cu_seqlens {list(cu)}, segment_prefix []): it needs at least one "
+                         f"group, a prompt and its responses; build it with DualKVLayout.from_lengths([(P, [R, ..]), "
+                         f"..])")
     if len(cu) != s + 1:
         raise ValueError(f"cu_seqlens must have len(segment_prefix) + 1 = {s + 1} entries; got {len(cu)}")
-    if s == 0:
-        raise ValueError("the layout has no segments")
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0; got {cu[0]}")
     for i in range(s):
@@ -189,9 +193,13 @@ class DualKVLayout:
     @classmethod
     def from_tensors(cls, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor) -> "DualKVLayout":
         """Layout from the two offset tensors (host sync: reads them). Raises ValueError if they are inconsistent,
-        not 1-D integer tensors with values in the int32 range, or hold no data (meta / fake tensors)."""
+        not 1-D integer tensors with values in the int32 range, on two different devices, hold no data (meta / fake
+        tensors), or describe no segment (an empty layout)."""
         cu = _offsets("cu_seqlens", cu_seqlens)
         sp = _offsets("segment_prefix", segment_prefix)
+        if cu_seqlens.device != segment_prefix.device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but segment_prefix on {segment_prefix.device}: "
+                             f"move both to the device of the tokens with .to()")
         _check_structure(cu, sp, None)
         prefix_lens, response_lens = [], []
         for i, s in enumerate(sp):
@@ -217,10 +225,9 @@ class DualKVLayout:
                 raise ValueError(f"{name} must be an int32 tensor; got {type(getattr(self, name)).__name__}: build "
                                  f"the layout from python lengths with DualKVLayout.from_lengths([(P, [R, ..]), ..])")
         if not self.prefix_lens and not self.response_lens:
-            if self.cu_seqlens.numel() > 1:
-                # constructed from tensors only: fill the python side
-                other = DualKVLayout.from_tensors(self.cu_seqlens, self.segment_prefix)
-                self.prefix_lens, self.response_lens = other.prefix_lens, other.response_lens
+            # constructed from tensors only: fill the python side (an empty layout is refused there)
+            other = DualKVLayout.from_tensors(self.cu_seqlens, self.segment_prefix)
+            self.prefix_lens, self.response_lens = other.prefix_lens, other.response_lens
             return
         # both sides given: the kernels read the tensors, position_ids()/replicated_index() the lists, so they must
         # agree. One read of each tensor (construction is not a hot path); skipped for fake / meta tensors.

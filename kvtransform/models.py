@@ -25,6 +25,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from kvtransform.utils import stage
+
 __all__ = [
     "REGISTRY",
     "RegistryEntry",
@@ -131,19 +133,6 @@ def resolve_dtype(dtype: DTypeLike) -> Union[torch.dtype, str]:
         if key in _DTYPES:
             return _DTYPES[key]
     raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto (or a torch dtype)")
-
-
-def _status(message: str):
-    """A rich spinner on stderr for a slow step (a no-op context on a non-terminal stays quiet but prints once)."""
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        console.print(f"[dim]{message}[/dim]")
-        from contextlib import nullcontext
-
-        return nullcontext()
-    return console.status(message)
 
 
 def check_causal_lm(model: torch.nn.Module) -> None:
@@ -255,7 +244,7 @@ def _load_registry(name: str, *, dtype, attn_implementation: str):
     target = cache_dir() / name
     if not _is_cached(target, stamp):
         _convert_gguf(gguf, target, stamp)
-    with _status(f"Loading {name} from cache {target}"):
+    with stage(True, f"Loading {name} from cache {target}"):
         model = _from_pretrained(str(target), dtype=dtype, attn_implementation=attn_implementation)
         tok = _load_tokenizer(str(target))
     return model, tok
@@ -265,7 +254,7 @@ def _convert_gguf(gguf: Path, target: Path, stamp: dict) -> None:
     """Dequantise ``gguf`` once and write safetensors + config + tokenizer to ``target`` atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _status(f"Converting {gguf.name} to safetensors (first load only, ~20 s) → {target}"):
+    with stage(True, f"Converting {gguf.name} to safetensors (first load only) → {target}"):
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # save_pretrained refuses a GGUF-quantised model; the weights are already dequantised, so drop the markers.
@@ -336,7 +325,7 @@ def _load(name: str, dt, attn_implementation: str):
         if path.is_file():
             if path.suffix.lower() != ".gguf":
                 raise ValueError(f"{path} is a file but not a .gguf model; {_accepted()}")
-            with _status(f"Loading and dequantising {path.name}"):
+            with stage(True, f"Loading and dequantising {path.name}"):
                 model = _from_pretrained(
                     str(path.parent), dtype=dt, attn_implementation=attn_implementation, gguf_file=path.name
                 )
@@ -347,7 +336,7 @@ def _load(name: str, dt, attn_implementation: str):
             hint = f" It holds GGUF files: pass one of them, e.g. {path / ggufs[0]}." if ggufs else ""
             raise ValueError(f"{path} is not a model directory (no config.json).{hint} {_accepted()}")
         _precheck(str(path))
-        with _status(f"Loading {path}"):
+        with stage(True, f"Loading {path}"):
             try:
                 model = _from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
             except OSError as e:
@@ -368,7 +357,7 @@ def _load(name: str, dt, attn_implementation: str):
             "a .gguf file, or a hub id (org/name) already in the local Hugging Face cache"
         )
     # A hub id: only what is already cached (no network here, and no surprise downloads anywhere).
-    with _status(f"Loading {name} from the local Hugging Face cache"):
+    with stage(True, f"Loading {name} from the local Hugging Face cache"):
         try:
             _precheck(name, local_files_only=True)
             model = _from_pretrained(name, dtype=dt, attn_implementation=attn_implementation, local_files_only=True)

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["OPSET", "export_onnx", "onnx_translations", "run_onnx", "UnsupportedOpError"]
+__all__ = ["OPSET", "check_onnx_target", "export_onnx", "onnx_translations", "run_onnx", "UnsupportedOpError"]
 
 OPSET = 23  # the first opset with the standard Attention operator
 
@@ -173,23 +173,44 @@ def _check_translatable(ep: torch.export.ExportedProgram) -> None:
         raise UnsupportedOpError(f"cannot emit ONNX: {why}. Exportable: kvt.attention, kvt.dualkv_attention")
 
 
+def check_onnx_target(path: str | os.PathLike, overwrite: bool = False, names: Sequence[str] = ()) -> Path:
+    """Check that the ONNX file ``path`` (and the files ``names`` beside it, e.g. its ``.data``) may be written;
+    returns ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        FileExistsError: ``path`` is a directory, or it (or one of ``names``) exists and ``overwrite`` is false.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise FileExistsError(f"{str(path)!r} is a directory: give the ONNX file's path, e.g. "
+                              f"{str(path / 'model.onnx')!r}")
+    if not overwrite:
+        for p in [path, *(path.parent / n for n in names)]:
+            if p.exists() or p.is_symlink():
+                raise FileExistsError(f"{str(p)!r} exists; choose another path or pass overwrite=True to replace it")
+    return path
+
+
 def export_onnx(ep: torch.export.ExportedProgram, path: str | os.PathLike, input_names: Sequence[str],
                 output_names: Sequence[str] = ("logits",), opset: int = OPSET,
-                check: Optional[Callable[[Path], None]] = None) -> Path:
+                check: Optional[Callable[[Path], None]] = None, overwrite: bool = False) -> Path:
     """Convert ``ep`` to ONNX (``kvt`` ops translated, dynamic dims kept) and write it atomically to ``path``.
 
     Args:
         ep: an exported program whose ``kvt`` ops are ``kvt.attention`` / ``kvt.dualkv_attention``.
         path: the ``.onnx`` file; weights are stored inside it (models over 2 GB: in ``<name>.data`` beside it).
+            An existing file is replaced only with ``overwrite``.
         input_names / output_names: ONNX graph input and output names.
         opset: ONNX opset (>= 23 for ``Attention``).
         check: called with the written temporary file before it is renamed into place (e.g. onnxruntime against
             the PyTorch module); an exception it raises leaves ``path`` untouched.
+        overwrite: replace an existing ``path`` (default false: ``FileExistsError``, checked before the export).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is false, or ``path`` is a directory; nothing written.
         UnsupportedOpError: a ``kvt`` op without a translation (named); nothing written.
         ValueError: ``opset < 23``.
         RuntimeError: the ONNX exporter failed (its message included); nothing written.
@@ -197,8 +218,8 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str | os.PathLike, input
     """
     if opset < OPSET:
         raise ValueError(f"opset {opset}: the kvt translations need the Attention operator of opset {OPSET} or later")
+    path = check_onnx_target(path, overwrite)
     _check_translatable(ep)
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         # opset 23 + dynamic shapes: onnxscript's optimizer folds the dynamic Attention shapes wrongly; the program
@@ -220,6 +241,7 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str | os.PathLike, input
         if check is not None:
             check(tmp / path.name)
         files = sorted(tmp.iterdir(), key=lambda f: f.name == path.name)  # the .onnx last: it names the data file
+        check_onnx_target(path, overwrite, [f.name for f in files])  # again: one may have appeared meanwhile
         for f in files:
             os.replace(f, path.parent / f.name)
     finally:

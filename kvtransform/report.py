@@ -105,10 +105,11 @@ class Report:
     def print(self, console=None, sites: bool = True) -> None:
         """Render the report as rich tables (sites, passes, verification); an inspect report (``transform ==
         "inspect"``: sites found, nothing rewritten or verified) shows the sites only."""
-        from rich.console import Console
         from rich.table import Table
 
-        console = console or Console()
+        from kvtransform.utils import console as make_console
+
+        console = console or make_console()
         if sites and self.sites:
             t = Table(title=f"attention sites ({len(self.sites)})", title_justify="left")
             for col in ("#", "layer", "kind", "H", "H_kv", "head_dim", "mask", "status"):

@@ -80,3 +80,23 @@ def test_group_larger_than_max_tokens_names_it_and_the_fix():
     with pytest.raises(ValueError, match=r"group 1 packs to 30 tokens .* > max_tokens=12.*raise max_tokens to at "
                                          r"least 30"):
         kvt.balance_groups([(5, [3]), (10, [10, 10])], 2, max_tokens=12)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 16])
+def test_plan_is_a_sequence_of_ranks(max_tokens):
+    """The documented contract: ``balance_groups`` returns per-rank lists (``for rank_groups in plan``,
+    ``plan[rank]``, ``len(plan) == world_size``), with the named fields kept."""
+    from collections.abc import Sequence
+
+    gs = [([1, 2, 3], [[4], [5, 6]]), (torch.arange(7), [torch.arange(5), 3]), (4, [4, 4, 4]), (2, [1])]
+    plan = kvt.balance_groups(gs, 3, max_tokens=max_tokens)
+    assert isinstance(plan, Sequence) and isinstance(plan, kvt.GroupBalance)
+    assert len(plan) == 3
+    assert list(plan) == plan.ranks
+    assert [rank_groups for rank_groups in kvt.balance_groups(gs, 3, max_tokens=max_tokens)] == plan.ranks
+    assert plan[0] == plan.ranks[0] and plan[-1] == plan.ranks[-1] and plan[1:] == plan.ranks[1:]
+    with pytest.raises(IndexError):
+        plan[3]
+    r0, r1, r2 = plan  # unpacking, as per-rank lists
+    assert r2 == plan.ranks[2]
+    assert plan.tokens and plan.indices and "groups on 3 ranks" in plan.summary()

@@ -135,3 +135,33 @@ def test_from_tensors_refuses_offsets_it_would_misread(cu, sp, match):
     cannot be read: each is a ValueError naming the fix."""
     with pytest.raises(ValueError, match=match):
         DualKVLayout.from_tensors(cu, sp)
+
+
+@pytest.mark.parametrize("make", [
+    lambda cu, sp: DualKVLayout.from_tensors(cu, sp),
+    lambda cu, sp: DualKVLayout(cu, sp),
+    lambda cu, sp: DualKVLayout(cu, sp, [], []),
+])
+@pytest.mark.parametrize("cu", [torch.tensor([0], dtype=torch.int32), torch.tensor([], dtype=torch.int32)])
+def test_empty_layout_is_refused_by_every_constructor(make, cu):
+    """A layout with no segment is an error naming the fix, from from_tensors and from direct construction alike
+    (direct construction used to accept it silently and give a layout of 0 groups)."""
+    with pytest.raises(ValueError, match=r"layout is empty.*from_lengths"):
+        make(cu, torch.tensor([], dtype=torch.int32))
+
+
+def test_from_tensors_offsets_errors_name_the_fix():
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"layout is empty.*from_lengths"):
+        DualKVLayout.from_tensors(torch.tensor([0], **i32), torch.tensor([], **i32))
+    with pytest.raises(ValueError, match=r"segment_prefix holds 2147483648, outside int32: entries are -1 or a "
+                                         r"segment index"):
+        DualKVLayout.from_tensors(torch.tensor([0, 3, 5]), torch.tensor([-1, 2 ** 31]))
+    with pytest.raises(ValueError, match=r"cu_seqlens holds -2147483649, outside int32"):
+        DualKVLayout.from_tensors(torch.tensor([-2 ** 31 - 1, 3, 5]), torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match=r"cu_seqlens holds 2147483653, outside int32: .*at most 2\*\*31 - 1 packed"):
+        DualKVLayout.from_tensors(torch.tensor([0, 3, 2 ** 31 + 5]), torch.tensor([-1, 0]))
+    # integer tensors of other widths are read exactly and stored as int32
+    lay = DualKVLayout.from_tensors(torch.tensor([0, 3, 5], dtype=torch.int16),
+        torch.tensor([-1, 0], dtype=torch.int8))
+    assert lay.cu_seqlens.dtype == torch.int32 and lay.prefix_lens == [3] and lay.response_lens == [[2]]

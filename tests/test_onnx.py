@@ -163,8 +163,48 @@ def test_failed_check_writes_nothing(tmp_path):
         raise RuntimeError("check failed")
 
     with pytest.raises(RuntimeError, match="check failed"):
-        ox.export_onnx(ep, target, ("q", "k", "v"), check=check)
+        ox.export_onnx(ep, target, ("q", "k", "v"), check=check, overwrite=True)
     assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.onnx"]
+
+
+def test_existing_file_is_replaced_only_with_overwrite(tmp_path, tiny, monkeypatch):
+    """As ``opt.save``: an existing file is refused (before any export work) unless ``overwrite=True``; a directory
+    is refused by name; a failed overwrite leaves the old file and no temporary file."""
+    opt = kvt.transform(tiny, _unverified("canonical"), progress=False)
+    target = tmp_path / "m.onnx"
+    target.write_bytes(b"old")
+    with pytest.raises(FileExistsError, match=r"m\.onnx' exists; .*overwrite=True"):
+        opt.export_onnx(target, verify=False)
+    with pytest.raises(FileExistsError, match="is a directory: give the ONNX file's path"):
+        opt.export_onnx(tmp_path, verify=False, overwrite=True)
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+    class Boom(RuntimeError):
+        pass
+
+    import kvtransform.onnx_export as oxm
+
+    def bad_check(path, *a, **kw):
+        raise Boom("onnxruntime differs")
+
+    monkeypatch.setattr(oxm, "compare_onnx", bad_check)
+    with pytest.raises(Boom):
+        opt.export_onnx(target, overwrite=True)
+    monkeypatch.undo()
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    path = opt.export_onnx(target, verify=False, overwrite=True)
+    assert path == target and target.read_bytes() != b"old"
+    sess = ort.InferenceSession(str(path))
+    assert [i.name for i in sess.get_inputs()] == ["input_ids", "attention_mask"]
+    # the low-level writer has the same rule
+    x = torch.randn(1, 2, 4, 8)
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.ops.kvt.attention(q, k, v, None, None, 0.5, True)
+
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        ox.export_onnx(torch.export.export(M(), (x, x, x)), target, ("q", "k", "v"))
 
 
 @pytest.mark.slow

@@ -310,3 +310,41 @@ def test_deprecated_keyword_names_still_work():
         got = sparse_decode_attention(q, kc, vc, idx, k_new=kn, v_new=vn, lengths=lens, scale=0.2)
     assert sorted(str(w.message).rsplit(" ", 1)[-1] for w in record) == ["cache_seqlens=", "softmax_scale="]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("slot", [False, True])
+@pytest.mark.parametrize("new", [False, True])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_unused_cache_never_leaks_nan_or_inf(slot, new, poison, monkeypatch):
+    """Cache positions that are not attended (past cache_seqlens, masked or padded indices) may hold anything,
+    NaN/inf included (a fresh torch.empty cache, a freed slot): the CPU reference, the op's CPU path and the Triton
+    kernel must all ignore them. A row with cache_seqlens == 0 gives v_new with the new token's K/V, zeros without."""
+    import kvtransform.ops.sparse_decode as osd
+
+    bsz, h, h_kv, s_max, d = 3, 8, 2, 24, 16
+    q, k, v, kn, vn, _ = _inputs(bsz, h, h_kv, s_max, d, torch.float32)
+    lengths = torch.tensor([0, 5, s_max], dtype=torch.int32)
+    for b in range(bsz):  # poison everything past each row's length
+        k[b, :, int(lengths[b]):] = poison
+        v[b, :, int(lengths[b]):] = poison
+    idx = None if slot else _random_indices(lengths, h_kv, 8)
+    kn, vn = (kn, vn) if new else (None, None)
+    scale = d ** -0.5
+
+    ref = sparse_decode_reference(q, k, v, idx, lengths, kn, vn)
+    tri = sparse_decode_triton(q, k, v, idx, lengths, kn, vn, block_n=16)
+    op_cpu = torch.ops.kvt.sparse_decode_attention(q, k, v, idx, lengths, kn, vn, scale)
+    monkeypatch.setattr(osd, "USE_TRITON_ON_CPU", True)
+    op_tri = torch.ops.kvt.sparse_decode_attention(q, k, v, idx, lengths, kn, vn, scale)
+    for out in (ref, tri, op_cpu, op_tri):
+        assert torch.isfinite(out).all()
+    expect0 = vn[0].repeat_interleave(h // h_kv, dim=0) if new else torch.zeros(h, d)
+    for out in (ref, tri, op_cpu, op_tri):
+        torch.testing.assert_close(out[0], expect0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ref, tri, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(op_cpu, op_tri, rtol=1e-5, atol=1e-5)
+    # the valid rows equal the fp64 reference on a clean cache (the poison changed nothing)
+    kc, vc = k.clone(), v.clone()
+    kc[~torch.isfinite(kc)] = 0
+    vc[~torch.isfinite(vc)] = 0
+    _check_close(ref, q, kc, vc, idx, lengths, kn, vn, torch.float32)

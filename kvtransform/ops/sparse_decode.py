@@ -300,7 +300,8 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Deprecated keyword names (one release): ``lengths``, ``scale``.
 
     Returns:
-        ``(batch, H, D)`` in ``q.dtype``; a row with no valid index and no ``k_new`` gives zeros.
+        ``(batch, H, D)`` in ``q.dtype``; a row with no valid index gives ``v_new`` (zeros without
+        ``k_new``/``v_new``); cache entries that are not attended never contribute, whatever they hold (NaN, inf).
 
     Raises:
         ValueError: shape/dtype/device mismatch, ``B < 1``, head counts that do not divide, non-integer indices,

@@ -116,22 +116,26 @@ class OptimizedModule(torch.nn.Module):
         """``core``'s positional inputs for a probe input of :meth:`probe_inputs` (here ``(ids, all-ones mask)``)."""
         return inputs, torch.ones_like(inputs)
 
-    def export_onnx(self, path: str | os.PathLike, verify: bool = True, tokenizer=None) -> Path:
+    def export_onnx(self, path: str | os.PathLike, verify: bool = True, tokenizer=None,
+                    overwrite: bool = False) -> Path:
         """Write ``core`` as one ONNX file (opset 23, every ``kvt`` op translated into standard ONNX: ``Attention``
         with the mask built in the graph; :mod:`kvtransform.onnx_export`), with the dynamic dims of
         :meth:`export_example` (batch and sequence; the packed token and segment axes for DualKV). Inputs are named
         :attr:`core_input_names`, the output ``logits``. Written atomically (a temporary file renamed into place).
 
         Args:
-            path: the ``.onnx`` file (replaced if it exists).
+            path: the ``.onnx`` file. An existing file is replaced only with ``overwrite`` (as :meth:`save`).
             verify: before writing, run the file in onnxruntime on :meth:`probe_inputs` and compare its logits with
                 this module (relative tolerance ``config.verify.tolerance``; fp32 default 1e-4).
             tokenizer: for a real-text probe.
+            overwrite: replace an existing ``path`` (default false).
 
         Returns:
             the path written.
 
         Raises:
+            FileExistsError: ``path`` exists and ``overwrite`` is false, or ``path`` is a directory (checked before
+                the export; nothing written).
             kvtransform.onnx_export.UnsupportedOpError: a ``kvt`` op with no ONNX translation (the SpeContext sparse
                 decode ops), named in the message.
             kvtransform.verify.VerificationError: onnxruntime's logits differ beyond tolerance.
@@ -140,6 +144,7 @@ class OptimizedModule(torch.nn.Module):
         from kvtransform import onnx_export
         from kvtransform.verify import default_tolerance
 
+        path = onnx_export.check_onnx_target(path, overwrite)  # before the export, which takes seconds
         args, dyn = self.export_example()
         ep = export_dynamic(_ExportWrapper(self.core), tuple(args), None, {"args": tuple(dyn)},
                             "the transformed module")
@@ -152,7 +157,7 @@ class OptimizedModule(torch.nn.Module):
             def check(tmp_path):
                 onnx_export.compare_onnx(tmp_path, self.core, feeds, tolerance=tol)
 
-        return onnx_export.export_onnx(ep, path, self.core_input_names, check=check)
+        return onnx_export.export_onnx(ep, path, self.core_input_names, check=check, overwrite=overwrite)
 
     def export_example(self):
         """``(args, dynamic_shapes)`` for exporting ``core`` as ``.pt2``: example positional inputs of ``core`` and

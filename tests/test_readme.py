@@ -1,0 +1,74 @@
+"""Every ```python block of README.md runs as written, in order, in one fresh interpreter on the default model
+(SmolLM2-135M), in a temporary working directory (the snippets write out/, out_sp/, model.onnx there).
+
+A block right after a ``<!-- readme-test: skip -->`` line is not run (the README says why at that block)."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SKIP_MARK = "<!-- readme-test: skip -->"
+_FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+
+
+def readme_blocks(text: str) -> list:
+    """``[(line, code, skipped)]`` for each ```python block of ``text``: its first line number (1-based), its code,
+    and whether the last non-blank line before it is the skip marker."""
+    out = []
+    for m in _FENCE.finditer(text):
+        before = [ln for ln in text[:m.start()].splitlines() if ln.strip()]
+        out.append((text.count("\n", 0, m.start()) + 2, m.group(1), bool(before) and before[-1].strip() == SKIP_MARK))
+    return out
+
+
+def test_readme_blocks_are_found():
+    """The extraction itself (fast): the README has python blocks, and the skip marker is honoured."""
+    blocks = readme_blocks(README.read_text())
+    assert len(blocks) >= 5
+    assert any("kvt.load_model" in code for _, code, skip in blocks if not skip)
+    demo = "x\n" + SKIP_MARK + "\n\n```python\nskipped()\n```\n\n```python\nrun()\n```\n"
+    assert [(code, skip) for _, code, skip in readme_blocks(demo)] == [("skipped()\n", True), ("run()\n", False)]
+
+
+_DRIVER = textwrap.dedent('''
+    import sys, time, traceback
+    blocks = {blocks!r}
+    ns = {{"__name__": "__main__"}}
+    for line, code in blocks:
+        t0 = time.perf_counter()
+        try:
+            exec(compile(code, "README.md:%d" % line, "exec"), ns)
+        except BaseException:
+            traceback.print_exc()
+            print("README_BLOCK_FAILED at README.md line %d" % line, flush=True)
+            sys.exit(1)
+        print("README_BLOCK_OK line %d %.1f s" % (line, time.perf_counter() - t0), flush=True)
+''')
+
+
+@pytest.mark.slow
+def test_readme_python_blocks_run_in_order(tmp_path):
+    blocks = [(line, code) for line, code, skip in readme_blocks(README.read_text()) if not skip]
+    driver = tmp_path / "readme_driver.py"
+    driver.write_text(_DRIVER.format(blocks=blocks))
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # as a user runs it: the CPU path is the PyTorch references
+    env.setdefault("OMP_NUM_THREADS", "1")
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, str(driver)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=1800)
+    wall = time.perf_counter() - t0
+    timings = [ln for ln in p.stdout.splitlines() if ln.startswith("README_BLOCK_")]
+    assert p.returncode == 0, (f"a README block failed after {wall:.0f} s:\n" + "\n".join(timings)
+                               + f"\n--- stdout (tail) ---\n{p.stdout[-4000:]}\n--- stderr (tail) ---\n"
+                               f"{p.stderr[-6000:]}")
+    assert len(timings) == len(blocks)
+    for name in ("out", "out_sp", "model.onnx"):
+        assert (tmp_path / name).exists(), name
+    print(f"README blocks: {wall:.0f} s\n" + "\n".join(timings))
