@@ -70,6 +70,12 @@ class TransformConfig:
     version: int = 1
     verify: VerifyConfig = field(default_factory=VerifyConfig)
 
+    def __post_init__(self) -> None:
+        """Invalid values are refused at construction (and again by :meth:`validate` after later changes).
+        The abstract base itself is not checked here (:meth:`validate` refuses it)."""
+        if type(self) is not TransformConfig:
+            self.validate()
+
     def validate(self) -> None:
         """Raises ValueError for invalid values (subclasses extend it)."""
         if type(self) is TransformConfig:
@@ -164,27 +170,32 @@ class DualKVConfig(TransformConfig):
             raise ValueError(f"verify_grad_tolerance must be a finite number > 0 (or null); got {g!r}")
 
 
+#: The retrieval heads kvtransform ships (``kvtransform.runtime`` registers one class per name;
+#: ``tests/test_config.py`` checks the two agree). Kept here so that checking a config imports no runtime.
+HEAD_NAMES = ("dense", "distilled", "eagle3", "oracle", "quest", "recent", "self")
+
+#: ``fuse_projections`` values (``passes/fuse_projections.py``'s ``CHOICES``; ``tests/test_config.py`` checks them).
+FUSE_CHOICES = ("none", "qkv", "all")
+
+
+def _known_heads() -> set:
+    """:data:`HEAD_NAMES` plus heads a user registered with ``kvtransform.runtime.register_head`` (read from the
+    registry when ``kvtransform.runtime`` is loaded, never imported from here: a head can only have been
+    registered once it is)."""
+    import sys
+
+    heads = getattr(sys.modules.get("kvtransform.runtime.heads"), "HEADS", {})
+    return set(HEAD_NAMES) | set(heads)
+
+
 @dataclass
-class SpeContextConfig(TransformConfig):
-    """Sparse retrieval decode (SpeContext, arXiv 2512.00722, §4–5): once per decode step a retrieval head picks
-    ``budget`` cached tokens per KV head and every layer attends only to those.
+class RuntimeConfig:
+    """How the SpeContext runtime runs its decode programs (SpeContext, arXiv 2512.00722 §5–6). Set them as
+    :class:`SpeContextConfig` keys (``kvt.SpeContextConfig(compile=True)``, ``transform.compile=true`` on the
+    command line); ``SpeContextConfig.runtime`` returns them as one ``RuntimeConfig``.
 
     Attributes:
-        head: the retrieval head (``kvtransform.runtime``): ``auto`` (default: ``distilled`` when a packaged
-            trained head fits the model -- SmolLM2-135M --, else ``self``), ``distilled`` (a head trained by
-            ``kvtransform distill-retrieval-head``), ``self`` (training-free: the model's early-layer queries from
-            the token embedding against its real keys), ``eagle3`` (an EAGLE-3 draft's attention), ``quest``
-            (16-token pages scored with per-page min/max keys), ``oracle`` (the LLM's own attention of the previous step: an accuracy upper
-            bound), ``recent`` (sink + window), ``dense`` (every token, budget ignored: the baseline), or a head
-            registered with ``kvtransform.runtime.register_head``.
-        budget: B, tokens kept per KV head per decode step (``quest`` rounds up to whole pages).
-        num_sink: always-kept first tokens (0 = off, as in the paper).
-        num_recent: always-kept most recent tokens (0 = off, as in the paper).
-        page_size: tokens per page of the ``quest`` head.
         cuda_graphs: on CUDA, capture the whole decode step (retrieval head + LLM) in a CUDA graph and replay it.
-        retrieval: where a trained head's weights come from (not a head name: ``retrieval="self"`` is unrelated to
-            ``head="self"``): ``"self"`` (``distilled``: the packaged head for this model) or a directory (``distilled``: one written by ``kvtransform distill-retrieval-head``;
-            ``eagle3``: an EAGLE-3 draft checkpoint).
         offload: keep the full KV cache of some layers on CPU with elastic loading (memory model decides which).
         compile: on CUDA, compile the decode program with ``torch.compile`` (Inductor fuses the element-wise work
             between the projections; the ``kvt`` ops stay opaque) before the CUDA graph is captured: faster steps
@@ -204,18 +215,66 @@ class SpeContextConfig(TransformConfig):
             are row views of one storage (``save_pretrained`` and ``torch.save`` handle them).
     """
 
+    cuda_graphs: bool = True
+    offload: bool = False
+    compile: bool = False
+    fuse_projections: str = "all"
+    share_fused_weights: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError for a runtime key that is not a bool where one is needed, or an unknown fuse choice."""
+        for key in ("cuda_graphs", "offload", "compile", "share_fused_weights"):
+            v = getattr(self, key)
+            if not isinstance(v, bool):
+                raise ValueError(f"{key} must be true or false; got {v!r}")
+        if self.fuse_projections not in FUSE_CHOICES:
+            raise ValueError(f"fuse_projections must be one of {list(FUSE_CHOICES)}; got {self.fuse_projections!r}")
+
+
+@dataclass
+class SpeContextConfig(TransformConfig):
+    """Sparse retrieval decode (SpeContext, arXiv 2512.00722, §4–5): once per decode step a retrieval head picks
+    ``budget`` cached tokens per KV head and every layer attends only to those.
+
+    Attributes:
+        head: the retrieval head (``kvtransform.runtime``): ``auto`` (default: ``distilled`` when a packaged
+            trained head fits the model -- SmolLM2-135M --, else ``self``), ``distilled`` (a head trained by
+            ``kvtransform distill-retrieval-head``), ``self`` (training-free: the model's early-layer queries from
+            the token embedding against its real keys), ``eagle3`` (an EAGLE-3 draft's attention), ``quest``
+            (16-token pages scored with per-page min/max keys), ``oracle`` (the LLM's own attention of the previous step: an accuracy upper
+            bound), ``recent`` (sink + window), ``dense`` (every token, budget ignored: the baseline), or a head
+            registered with ``kvtransform.runtime.register_head``.
+        budget: B, tokens kept per KV head per decode step (``quest`` rounds up to whole pages).
+        num_sink: always-kept first tokens (0 = off, as in the paper).
+        num_recent: always-kept most recent tokens (0 = off, as in the paper).
+        page_size: tokens per page of the ``quest`` head.
+        retrieval: where a trained head's weights come from (not a head name: ``retrieval="self"`` is unrelated to
+            ``head="self"``): ``"self"`` (``distilled``: the packaged head for this model) or a directory (``distilled``: one written by ``kvtransform distill-retrieval-head``;
+            ``eagle3``: an EAGLE-3 draft checkpoint).
+        cuda_graphs, offload, compile, fuse_projections, share_fused_weights: the runtime settings, documented in
+            :class:`RuntimeConfig` (:attr:`runtime` returns them as one).
+    """
+
     name: str = "specontext"
     head: str = "auto"
     budget: int = 2048
     num_sink: int = 0
     num_recent: int = 0
     page_size: int = 16
-    cuda_graphs: bool = True
+    cuda_graphs: bool = RuntimeConfig.cuda_graphs
     retrieval: str = "self"
-    offload: bool = False
-    compile: bool = False
-    fuse_projections: str = "all"
-    share_fused_weights: bool = True
+    offload: bool = RuntimeConfig.offload
+    compile: bool = RuntimeConfig.compile
+    fuse_projections: str = RuntimeConfig.fuse_projections
+    share_fused_weights: bool = RuntimeConfig.share_fused_weights
+
+    @property
+    def runtime(self) -> RuntimeConfig:
+        """The runtime settings (:class:`RuntimeConfig`) of this config's keys of the same names."""
+        return RuntimeConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RuntimeConfig)})
 
     def validate(self) -> None:
         super().validate()
@@ -231,17 +290,10 @@ class SpeContextConfig(TransformConfig):
                              f"{self.num_sink}, {self.num_recent}, budget {self.budget}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token; got {self.page_size}")
-        for key in ("cuda_graphs", "offload", "compile", "share_fused_weights"):
-            v = getattr(self, key)
-            if not isinstance(v, bool):
-                raise ValueError(f"{key} must be true or false; got {v!r}")
-        from kvtransform.passes.fuse_projections import CHOICES
-        from kvtransform.runtime.heads import HEADS
-
-        if self.fuse_projections not in CHOICES:
-            raise ValueError(f"fuse_projections must be one of {list(CHOICES)}; got {self.fuse_projections!r}")
-        if self.head not in HEADS and self.head != "auto":
-            raise ValueError(f"unknown retrieval head {self.head!r}; choose one of {['auto'] + sorted(HEADS)} "
+        RuntimeConfig.validate(self)  # the runtime keys, by RuntimeConfig's rules
+        heads = _known_heads()
+        if self.head not in heads and self.head != "auto":
+            raise ValueError(f"unknown retrieval head {self.head!r}; choose one of {['auto'] + sorted(heads)} "
                              f"(auto, the default: the packaged distilled head when one fits the model, else self)")
 
 
@@ -281,7 +333,10 @@ def config_from_dict(d: dict[str, Any]) -> TransformConfig:
         merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(d))
         cfg = OmegaConf.to_object(merged)
     except Exception as e:  # omegaconf.errors.ConfigKeyError / ValidationError and friends
-        from omegaconf.errors import ConfigKeyError
+        from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+        if isinstance(e, ValueError) and not isinstance(e, OmegaConfBaseException):
+            raise  # the config's own check at construction (__post_init__): it names the key and the fix
 
         key = getattr(e, "full_key", None)
         owner = cls                                             # the (nested) config the key belongs to

@@ -2,9 +2,12 @@
 
 Not a pass (it runs modules, not graph rewrites). Two gates: :func:`verify_logits` for modules with the
 ``(input_ids, attention_mask) -> logits`` signature (canonical), and :func:`verify_packed` for the DualKV module
-(per-response log-probs and every parameter gradient against the original model on the replicated batch,
-:func:`check_exactness`). :func:`check_numerics_rule` checks the DualKV module against a float64 run of the original,
-per tensor (the project's numerics rule; the real-model tests use it).
+(per-sequence log-probs and every parameter gradient against the original model on the replicated batch,
+:func:`check_exactness`; its one-level program on a :class:`~kvtransform.packing.PackedBatch` and its prefix-tree
+program on a :class:`~kvtransform.tree_packing.TreeBatch`). :func:`check_numerics_rule` checks the DualKV module against
+a float64 run of the original, per tensor (the project's numerics rule; the real-model tests use it). Both batch kinds
+go through the same code: :func:`scored_sequences` (what the original runs), :func:`packed_logprobs` (what the packed
+module's logits give) and :func:`loss_masks` are the only places that tell them apart.
 
 Inputs are tokenised text shipped with the package (``kvtransform/data/prompts.txt``) at several lengths, as one
 unpadded row and left-padded rows (so the attention mask's padding path is exercised); without a tokenizer, random
@@ -15,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from importlib import resources
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from kvtransform.config import DualKVConfig, TransformConfig, VerifyConfig
 from kvtransform.packing import PackedBatch, pack_shared_prefix_groups
+from kvtransform.tree_packing import TreeBatch, pack_trajectories
 from kvtransform.report import Report, Verification
 from kvtransform.utils import device_of, stage, timed
 
@@ -166,29 +170,57 @@ def trainable_parameters(model) -> list:
     return out
 
 
-def replicated_logprobs(model, batch: PackedBatch, padded: bool = False) -> list:
-    """Per-response log-probs from the *original* model run on the replicated batch (every response as its own
-    sequence ``prompt + response``): N separate forwards, or with ``padded`` one right-padded ``(N, max_len)``
-    batch with an attention mask (what a trainer without packing runs). Differentiable; list of ``(R_i,)``."""
+Batch = Union[PackedBatch, TreeBatch]
+
+
+def scored_sequences(batch: Batch) -> list:
+    """Per sequence of ``batch`` (responses of a PackedBatch, trajectories of a TreeBatch, packing order) ``(ids
+    (L,) int64 CPU, first)``: the whole sequence the original model runs, and the first position whose log-prob is
+    scored (the response's first token; a trajectory's second token)."""
+    if isinstance(batch, TreeBatch):
+        return [(s, 1) for s in batch.sequences]
+    return [(torch.cat([p, r]), p.numel()) for p, rs in batch.groups for r in rs]
+
+
+def num_sequences(batch: Batch) -> int:
+    return batch.num_trajectories if isinstance(batch, TreeBatch) else batch.num_responses
+
+
+def packed_logprobs(batch: Batch, logits: torch.Tensor) -> list:
+    """The packed logits ``(1, T, vocab)`` as per-sequence log-probs aligned with :func:`scored_sequences`."""
+    return batch.trajectory_logprobs(logits) if isinstance(batch, TreeBatch) else batch.response_logprobs(logits)
+
+
+def loss_masks(batch: Batch) -> Optional[list]:
+    """Per sequence a bool mask over its scored log-probs (a TreeBatch built with loss masks), or None: all count."""
+    if isinstance(batch, TreeBatch) and batch.loss_masks is not None:
+        return batch.loss_mask_tensors()
+    return None
+
+
+def replicated_logprobs(model, batch: Batch, padded: bool = False) -> list:
+    """Per-sequence log-probs from the *original* model run on the replicated batch (every sequence of
+    :func:`scored_sequences` on its own): N separate forwards, or with ``padded`` one right-padded ``(N, max_len)``
+    batch with an attention mask (what a trainer without packing runs). Differentiable; list of ``(L_i - first_i,)``
+    (a PackedBatch: ``(R_i,)``; a TreeBatch: ``(len(seq_i) - 1,)``)."""
     dev = device_of(model)
-    seqs = batch.replicated_sequences()
-    plens = [p.numel() for p, rs in batch.groups for _ in rs]
-    rlens = batch.response_lengths
+    seqs = scored_sequences(batch)
     outs = []
     if padded:
-        n, s = len(seqs), max(x.numel() for x in seqs)
+        n, s = len(seqs), max(x.numel() for x, _ in seqs)
         ids = torch.zeros(n, s, dtype=torch.long)
         am = torch.zeros(n, s, dtype=torch.long)
-        for i, x in enumerate(seqs):
+        for i, (x, _) in enumerate(seqs):
             ids[i, :x.numel()] = x
             am[i, :x.numel()] = 1
         logits = model(input_ids=ids.to(dev), attention_mask=am.to(dev), use_cache=False).logits
         rows = [logits[i] for i in range(n)]
     else:
-        rows = [model(input_ids=x[None].to(dev), use_cache=False).logits[0] for x in seqs]
-    for x, lg, p, r in zip(seqs, rows, plens, rlens):
+        rows = [model(input_ids=x[None].to(dev), use_cache=False).logits[0] for x, _ in seqs]
+    for (x, p), lg in zip(seqs, rows):
         work = torch.float64 if lg.dtype == torch.float64 else torch.float32
-        lp = torch.log_softmax(lg[p - 1:p + r - 1].to(work), -1).gather(1, x[p:p + r].to(dev)[:, None])[:, 0]
+        n = x.numel()
+        lp = torch.log_softmax(lg[p - 1:n - 1].to(work), -1).gather(1, x[p:n].to(dev)[:, None])[:, 0]
         outs.append(lp)
     return outs
 
@@ -200,24 +232,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return err, err / scale if scale > 0 else err
 
 
-def _loss_grads(lps: list, adv: torch.Tensor, params: list) -> list:
-    """fp64 copies of the gradients of ``Σ_i adv_i · Σ_j lps_ij`` for ``params`` (zeros where unused)."""
+def _loss_grads(lps: list, adv: torch.Tensor, params: list, masks: Optional[list] = None) -> list:
+    """fp64 copies of the gradients of ``Σ_i adv_i · Σ_j mask_ij · lps_ij`` (no masks: all 1) for ``params`` (zeros
+    where unused)."""
+    if masks is not None:
+        lps = [lp * m.to(lp.device, lp.dtype) for lp, m in zip(lps, masks)]
     loss = sum(adv[i].to(lp.dtype) * lp.sum() for i, lp in enumerate(lps))
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return [(torch.zeros_like(p) if g is None else g).detach().double() for p, g in zip(params, grads)]
 
 
-def check_exactness(model, opt, batch: PackedBatch, advantages: Optional[torch.Tensor] = None,
+def check_exactness(model, opt, batch: Batch, advantages: Optional[torch.Tensor] = None,
                     backward: bool = True, padded: bool = False) -> dict:
     """Compare the transformed module on ``batch`` with the original model on the replicated batch.
 
-    Compares the per-response log-probs and, with ``backward``, the gradient of every parameter of
-    ``loss = Σ_i advantage_i · Σ_j logprob_ij`` (``torch.autograd.grad``: ``.grad`` of the model is untouched).
+    Compares the per-sequence log-probs and, with ``backward``, the gradient of every parameter of
+    ``loss = Σ_i advantage_i · Σ_j mask_ij · logprob_ij`` (:func:`loss_masks`; ``torch.autograd.grad``: ``.grad`` of
+    the model is untouched).
 
     Args:
         model: the original model (whose parameters ``opt`` shares).
-        opt: the :class:`DualKVModule`.
-        batch: a :class:`PackedBatch`.
+        opt: the :class:`DualKVModule` (or any module ``batch -> logits (1, T, vocab)``).
+        batch: a :class:`PackedBatch` (N responses) or a :class:`TreeBatch` (N trajectories).
         advantages: ``(N,)`` (default: standard normal, seeded 0).
         backward: also compare gradients.
         padded: run the original as one right-padded batch instead of N separate sequences.
@@ -232,14 +268,14 @@ def check_exactness(model, opt, batch: PackedBatch, advantages: Optional[torch.T
     on SmolLM2-135M (30 layers) the original run as N separate sequences and as one padded batch already differ by
     ~3e-5 on some LayerNorm weights (summation order); ``grad_global_rel`` sits at ~4e-6 for both.
     """
-    n = batch.num_responses
+    n = num_sequences(batch)
     if advantages is None:
         advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
     dev = device_of(model)
     params = trainable_parameters(model)
     res: dict[str, Any] = {}
     with torch.set_grad_enabled(backward):
-        lp_new = batch.response_logprobs(opt(batch))
+        lp_new = packed_logprobs(batch, opt(batch))
         lp_ref = replicated_logprobs(model, batch, padded=padded)
     a = torch.cat([x.detach() for x in lp_new])
     b = torch.cat([x.detach() for x in lp_ref])
@@ -247,7 +283,8 @@ def check_exactness(model, opt, batch: PackedBatch, advantages: Optional[torch.T
     if backward:
         adv = advantages.to(dev, torch.float64 if a.dtype == torch.float64 else torch.float32)
         ps = [p for _, p in params]
-        g_new, g_ref = _loss_grads(lp_new, adv, ps), _loss_grads(lp_ref, adv, ps)
+        masks = loss_masks(batch)
+        g_new, g_ref = _loss_grads(lp_new, adv, ps, masks), _loss_grads(lp_ref, adv, ps, masks)
         worst = (0.0, 0.0, "")
         sq_diff, sq_ref = 0.0, 0.0
         for (name, p), x, y in zip(params, g_new, g_ref):
@@ -262,15 +299,16 @@ def check_exactness(model, opt, batch: PackedBatch, advantages: Optional[torch.T
     return res
 
 
-def check_numerics_rule(model, opt, batch: PackedBatch, advantages: Optional[torch.Tensor] = None,
+def check_numerics_rule(model, opt, batch: Batch, advantages: Optional[torch.Tensor] = None,
                         floor: float = 1e-5, original_runs: tuple = ("separate", "padded")) -> dict:
     """The project's numerics rule for the DualKV module, per tensor, against a float64 run of the original model.
 
-    Runs on ``batch``: the packed module ``opt`` (the model's dtype), the original ``model`` on the replicated batch
+    Runs on ``batch`` (a :class:`PackedBatch`: N responses; a :class:`TreeBatch`: N trajectories, loss masks
+    honoured): the packed module ``opt`` (the model's dtype), the original ``model`` on the replicated batch
     (same dtype) in each way of ``original_runs`` (``"separate"``: N sequences; ``"padded"``: one right-padded batch
     with an attention mask; both are how a trainer runs the original), and a float64 copy of the original (N
-    separate sequences). For the per-response log-probs (all responses as one tensor) and the gradient of every
-    parameter (loss ``Σ_i adv_i Σ_j logprob_ij``) the error of a run is ``max|x − x64| / max|x64|``; the original's
+    separate sequences). For the per-sequence log-probs (all sequences as one tensor) and the gradient of every
+    parameter (loss ``Σ_i adv_i Σ_j mask_ij logprob_ij``) the error of a run is ``max|x − x64| / max|x64|``; the original's
     error is the larger over ``original_runs``; the rule holds for a tensor when ``err(opt) <= 2 · err(original) +
     floor``. A fixed tolerance between two runs in the model's dtype sets no bound: the original's own error varies
     with the input and with how it is run (SmolLM2-135M, fp32, one 3-response batch: ``‖g − g64‖ / ‖g64‖`` is
@@ -279,7 +317,7 @@ def check_numerics_rule(model, opt, batch: PackedBatch, advantages: Optional[tor
     Args:
         model: the original model (floating point; the packed module shares its parameters).
         opt: the :class:`DualKVModule`.
-        batch: a :class:`PackedBatch`.
+        batch: a :class:`PackedBatch` or a :class:`TreeBatch`.
         advantages: ``(N,)`` (default: standard normal, seeded 0).
         floor: the absolute floor of the rule, relative to ``max|x64|``. It grows with depth and shrinks with
             precision; measured: 1e-5 holds for fp32 models of 2-3 layers, the 30-layer SmolLM2-135M in fp32 needs
@@ -308,11 +346,11 @@ def check_numerics_rule(model, opt, batch: PackedBatch, advantages: Optional[tor
         raise ValueError(f"original_runs={original_runs!r}: pass a non-empty subset of {runs_ok}")
     if not floor >= 0:
         raise ValueError(f"floor={floor!r}: pass a non-negative float (relative to max|x64|)")
-    n = batch.num_responses
+    n = num_sequences(batch)
     if advantages is None:
         advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
     if tuple(torch.as_tensor(advantages).shape) != (n,):
-        raise ValueError(f"advantages must have shape ({n},), one per response; got "
+        raise ValueError(f"advantages must have shape ({n},), one per response or trajectory; got "
                          f"{tuple(torch.as_tensor(advantages).shape)}")
     dev = device_of(model)
     adv = torch.as_tensor(advantages).to(dev, torch.float64)
@@ -330,15 +368,16 @@ def check_numerics_rule(model, opt, batch: PackedBatch, advantages: Optional[tor
     def flat(lps, grads):
         return [torch.cat([x.detach().double() for x in lps])] + grads
 
+    masks = loss_masks(batch)
     lp = replicated_logprobs(ref, batch)
-    x_64 = flat(lp, _loss_grads(lp, adv, ps64))
+    x_64 = flat(lp, _loss_grads(lp, adv, ps64, masks))
     del ref, lp
-    lp = batch.response_logprobs(opt(batch))
-    x_opt = flat(lp, _loss_grads(lp, adv, ps))
+    lp = packed_logprobs(batch, opt(batch))
+    x_opt = flat(lp, _loss_grads(lp, adv, ps, masks))
     x_orig = []
     for how in dict.fromkeys(original_runs):
         lp = replicated_logprobs(model, batch, padded=how == "padded")
-        x_orig.append(flat(lp, _loss_grads(lp, adv, ps)))
+        x_orig.append(flat(lp, _loss_grads(lp, adv, ps, masks)))
     rows = []
     for i, (name, a, c) in enumerate(zip(["logprobs"] + names, x_opt, x_64)):
         e_opt, e_orig = _rel(a, c)[1], max(_rel(xs[i], c)[1] for xs in x_orig)
@@ -378,14 +417,27 @@ def _verify_batch(cfg: DualKVConfig, tokenizer, vocab: int, device) -> PackedBat
     return pack_shared_prefix_groups(groups, vocab_size=vocab, device=device)
 
 
+def _verify_tree(batch: PackedBatch) -> TreeBatch:
+    """A depth-3 prefix tree from the verification groups: per group ``prompt + first response + response_i`` for
+    every other response, and ``prompt + last response`` (loss masks: the prompt's tokens off)."""
+    seqs, masks = [], []
+    for p, rs in batch.groups:
+        for s in [torch.cat([p, rs[0], r]) for r in rs[1:]] + [torch.cat([p, rs[-1]])]:
+            seqs.append(s)
+            masks.append(torch.arange(s.numel()) >= p.numel())
+    return pack_trajectories(seqs, loss_masks=masks, device=batch.device)
+
+
 def verify_packed(model, opt, cfg: DualKVConfig, tokenizer, report: Report, progress: bool) -> None:
     """The dualkv transform's verification gate: log-probs (and gradients, ``cfg.verify_backward``) of the packed
-    module vs the original model on the replicated ``cfg.verify_groups`` batch of real text; fills
-    ``report.verification`` and raises :class:`VerificationError` beyond tolerance.
+    module vs the original model on the replicated ``cfg.verify_groups`` batch of real text; then, when ``opt``
+    has a prefix-tree program (``opt.tree_core``), the same on a depth-3 tree of those sequences
+    (:func:`_verify_tree`, loss masks on). Fills ``report.verification`` (tree cases named ``tree ...``) and raises
+    :class:`VerificationError` beyond tolerance (the one-level program is checked, and refused, first).
 
-    Enforced: per-response log-probs (max abs error / max |ref|) ``<= verify.tolerance`` (fp32 1e-4, bf16/fp16
-    2e-2 by default) and the gradient of ``Σ adv_i Σ logprobs_i`` over all parameters (``‖g − g_ref‖₂ /
-    ‖g_ref‖₂``) ``<= verify_grad_tolerance`` (fp32 1e-4, bf16/fp16 5e-2 by default).
+    Enforced per program: per-sequence log-probs (max abs error / max |ref|) ``<= verify.tolerance`` (fp32 1e-4,
+    bf16/fp16 2e-2 by default) and the gradient of ``Σ adv_i Σ mask · logprobs_i`` over all parameters (``‖g −
+    g_ref‖₂ / ‖g_ref‖₂``) ``<= verify_grad_tolerance`` (fp32 1e-4, bf16/fp16 5e-2 by default).
     The worst single parameter's max relative error is recorded as an informational case."""
     if not cfg.verify.enabled:
         return
@@ -395,33 +447,37 @@ def verify_packed(model, opt, cfg: DualKVConfig, tokenizer, report: Report, prog
     if gtol is None:
         gtol = {torch.float32: 1e-4, torch.float64: 1e-8}.get(param.dtype, 5e-2)
     batch = _verify_batch(cfg, tokenizer, model.config.vocab_size, param.device)
-    n = batch.num_responses
-    adv = torch.randn(n, generator=torch.Generator().manual_seed(cfg.verify.seed))
-    with stage(progress, f"verifying exactness vs the replicated batch ({n} responses, {batch.num_tokens} packed "
-                         f"{_input_kind(tokenizer, 'tokens')})"), timed(report.timings, "verify"):
-        was_training = model.training
-        model.eval()
-        try:
-            res = check_exactness(model, opt, batch, adv, backward=cfg.verify_backward)
-        finally:
-            model.train(was_training)
+    runs = [("", batch)] + ([("tree ", _verify_tree(batch))] if getattr(opt, "tree_core", None) is not None else [])
     v = Verification(tolerance=float(tol))
-    shape = [1, batch.num_tokens]
-    v.cases.append({"name": "logprobs", "shape": shape, "max_abs_error": res["logprobs_abs"],
-                    "max_rel_error": res["logprobs_rel"]})
-    if "grad_rel" in res:
-        v.cases.append({"name": f"grad, all {res['num_params']} parameters (L2; tolerance {gtol:g})", "shape": shape,
-                        "max_abs_error": res["grad_abs"], "max_rel_error": res["grad_global_rel"]})
-    ok = all(c["max_rel_error"] <= tol for c in v.cases[:1]) and all(c["max_rel_error"] <= gtol for c in v.cases[1:])
-    enforced = list(v.cases)
-    if "grad_rel" in res:
-        # Per parameter (max abs / max |ref|) is reported, not enforced: its floor is the original model's own
-        # summation-order noise (fp32, 30 layers: ~3e-5 between two ways of running the original itself).
-        v.cases.append({"name": f"grad, worst parameter {res['grad_worst']} (informational)", "shape": shape,
-                        "max_abs_error": res["grad_abs"], "max_rel_error": res["grad_rel"]})
-    v.max_abs_error = max(c["max_abs_error"] for c in enforced)
-    v.max_rel_error = max(c["max_rel_error"] for c in enforced)
-    bad = any(c["max_rel_error"] != c["max_rel_error"] for c in v.cases)
-    v.passed = bool(not bad and ok)
-    report.verification = v
-    check(v)
+    enforced = []  # (case, its tolerance)
+    for prefix, b in runs:
+        n = num_sequences(b)
+        adv = torch.randn(n, generator=torch.Generator().manual_seed(cfg.verify.seed))
+        what = f"{n} trajectories as a tree" if prefix else f"{n} responses"
+        with stage(progress, f"verifying exactness vs the replicated batch ({what}, {b.num_tokens} packed "
+                             f"{_input_kind(tokenizer, 'tokens')})"), timed(report.timings, "verify_tree" if prefix else "verify"):
+            was_training = model.training
+            model.eval()
+            try:
+                res = check_exactness(model, opt, b, adv, backward=cfg.verify_backward)
+            finally:
+                model.train(was_training)
+        shape = [1, b.num_tokens]
+        enforced.append(({"name": f"{prefix}logprobs", "shape": shape, "max_abs_error": res["logprobs_abs"],
+                          "max_rel_error": res["logprobs_rel"]}, tol))
+        v.cases.append(enforced[-1][0])
+        if "grad_rel" in res:
+            enforced.append(({"name": f"{prefix}grad, all {res['num_params']} parameters (L2; tolerance {gtol:g})",
+                              "shape": shape, "max_abs_error": res["grad_abs"],
+                              "max_rel_error": res["grad_global_rel"]}, gtol))
+            v.cases.append(enforced[-1][0])
+            # Per parameter (max abs / max |ref|) is reported, not enforced: its floor is the original model's own
+            # summation-order noise (fp32, 30 layers: ~3e-5 between two ways of running the original itself).
+            v.cases.append({"name": f"{prefix}grad, worst parameter {res['grad_worst']} (informational)",
+                            "shape": shape, "max_abs_error": res["grad_abs"], "max_rel_error": res["grad_rel"]})
+        v.max_abs_error = max(c["max_abs_error"] for c, _ in enforced)
+        v.max_rel_error = max(c["max_rel_error"] for c, _ in enforced)
+        bad = any(c["max_rel_error"] != c["max_rel_error"] for c in v.cases)
+        v.passed = bool(not bad and all(c["max_rel_error"] <= t for c, t in enforced))
+        report.verification = v
+        check(v)

@@ -126,3 +126,43 @@ def test_dotted_keys_nest_and_errors_name_the_key():
         config_from_dict({"name": "specontext", "verify.lenghts": [9]})
     with pytest.raises(ValueError, match=r"keys must be strings; got \('a',\)"):
         config_from_dict({"name": "dualkv", ("a",): 1})
+
+
+def test_head_names_and_fuse_choices_match_the_runtime_and_the_passes():
+    """config.py keeps the built-in head names and fuse choices as constants (checking a config imports neither the
+    runtime nor the passes); they must be the runtime's head registry and the fusion pass's choices."""
+    from kvtransform.config import FUSE_CHOICES, HEAD_NAMES
+    from kvtransform.passes.fuse_projections import CHOICES
+    from kvtransform.runtime.heads import HEADS
+
+    assert set(HEAD_NAMES) == set(HEADS) and len(HEAD_NAMES) == len(set(HEAD_NAMES))
+    assert tuple(FUSE_CHOICES) == tuple(CHOICES)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(budget=0), "budget must be >= 1"),
+    (dict(num_sink=4, num_recent=8, budget=8), "num_sink and num_recent"),
+    (dict(page_size=0), "page_size must be >= 1"),
+    (dict(cuda_graphs="yes"), "cuda_graphs must be true or false"),
+    (dict(fuse_projections="qk"), "fuse_projections must be one of"),
+    (dict(head="eagle9"), "unknown retrieval head 'eagle9'"),
+])
+def test_invalid_specontext_config_is_refused_at_construction(kwargs, match):
+    """SpeContextConfig(budget=0) used to be accepted and refused only inside kvt.transform."""
+    with pytest.raises(ValueError, match=match):
+        SpeContextConfig(**kwargs)
+    if "cuda_graphs" not in kwargs:  # (OmegaConf reads "yes" as true on the dict path)
+        with pytest.raises(ValueError, match=match):  # the dict / YAML / CLI path gives the same message
+            config_from_dict({"name": "specontext", **kwargs})
+
+
+def test_runtime_settings_are_one_dataclass():
+    from kvtransform.config import RuntimeConfig
+
+    cfg = SpeContextConfig(compile=True, fuse_projections="qkv", offload=True)
+    assert cfg.runtime == RuntimeConfig(cuda_graphs=True, offload=True, compile=True, fuse_projections="qkv",
+                                        share_fused_weights=True)
+    assert set(f.name for f in dataclasses.fields(RuntimeConfig)) <= set(f.name for f in dataclasses.fields(cfg))
+    assert SpeContextConfig().runtime == RuntimeConfig()  # the same defaults
+    with pytest.raises(ValueError, match="offload must be true or false"):
+        RuntimeConfig(offload=1)

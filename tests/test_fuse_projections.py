@@ -177,9 +177,9 @@ def test_bad_choice():
     rt = sp.runtime
     assert rt._fused() is None
     rt._decode_program("cpu", slot=True)
-    assert rt._slot is not None
+    assert rt.programs._slot is not None
     rt.fuse_projections = "qkv"  # switching drops the derived programs: the slot variant is rebuilt from the fused one
-    assert rt._slot is None and rt._fused() is not None
+    assert rt.programs._slot is None and rt._fused() is not None
     assert "aten.split_with_sizes.default(" in rt._decode_program("cpu", slot=True).code
     with pytest.raises(ValueError, match="fuse_projections must be one of"):
         rt.fuse_projections = "yes"
@@ -241,7 +241,7 @@ def test_share_setting_from_the_config_and_switching_it_later():
 
     assert same_as_hf()
     rt.share_fused_weights = True  # the slot-mode program is rebuilt from the shared fusion
-    assert rt._slot is None and same_as_hf() and all(rt._fused().shared)
+    assert rt.programs._slot is None and same_as_hf() and all(rt._fused().shared)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)

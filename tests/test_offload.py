@@ -7,16 +7,14 @@ import torch
 import kvtransform as kvt
 from kvtransform.kernels.elastic import elastic_copy_reference, elastic_copy_triton
 from kvtransform.models import tiny_model
-from kvtransform.runtime.offload import SlotMap
+from kvtransform.runtime.offload import LayerReady, SlotMap
 
 
 def _weights(rt):
     """The weights the memory plan counts: the decode program's parameters plus the fused projection copies the
     resident run built (fuse_projections)."""
-    from kvtransform.passes.fuse_projections import fused_bytes
-
     params = {id(p): p for p in rt.decode_fn.parameters()}.values()
-    return sum(p.numel() * p.element_size() for p in params) + fused_bytes(rt.decode_fn)
+    return sum(p.numel() * p.element_size() for p in params) + rt.programs.fused_bytes()
 
 
 @pytest.mark.parametrize("head,layers,tokens,budget", [("recent", 2, 21, 8), ("self", 4, 26, 8), ("self", 4, 26, 4)])
@@ -53,7 +51,8 @@ def test_offloaded_tokens_equal_resident(head, layers, tokens, budget):
     # after it only the entries that entered the selection move
     assert all(m < f for m, f in zip(moved[1:], full[1:])) and sum(moved[1:]) < 0.5 * sum(full[1:])
     # the split program runs on the decode program's very weights: one copy, and in-place updates reach it
-    split = [rt._split]
+    split = [rt.programs.layer_split(LayerReady)]  # built once by the offloaded run
+    assert split[0] is rt.programs.layer_split(LayerReady)
     dec = {id(p) for p in rt.decode_fn.parameters()}
     assert split and all(id(p) in dec for m in split for p in m.parameters())
     with torch.no_grad():

@@ -157,6 +157,43 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(sp_llama):
                                          eos_token_id=None), greedy)
 
 
+def test_temperature_that_overflows_the_logits_samples_greedily(sp_llama):
+    """logits / 1e-38 overflows float32: the draw used to fail in torch.multinomial (probability tensor contains
+    inf/nan); such a temperature is the greedy limit of sampling."""
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    greedy = sp_llama.generate(ids, max_new_tokens=6, eos_token_id=None)
+    for temperature in (1e-38, 1e-300):
+        got = sp_llama.generate(ids, max_new_tokens=6, do_sample=True, temperature=temperature, seed=0,
+                                eos_token_id=None)
+        assert torch.equal(got, greedy)
+    from kvtransform.runtime.generate import _sampler
+
+    logits = torch.tensor([[10.0, 30.0, 20.0], [-5.0, -4.0, -6.0], [0.1, 0.3, 0.2]])  # overflows up, down, not
+    draw = _sampler(True, 1e-38, None, None, 0, "cpu")
+    assert draw(logits).tolist() == [1, 1, 1]
+    assert _sampler(True, 1e-38, 2, 0.5, 0, "cpu")(logits).tolist() == [1, 1, 1]  # with top-k / top-p too
+
+
+def test_runtime_imports_no_compiler_module():
+    """The runtime runs programs it is handed (docs/ARCHITECTURE.md, floor "runtime"): no module of
+    kvtransform/runtime imports the passes, transforms, CLI, config or capture, not even inside a function."""
+    import ast
+    from pathlib import Path
+
+    import kvtransform.runtime as rt
+
+    banned = ("kvtransform.passes", "kvtransform.transforms", "kvtransform.cli", "kvtransform.config",
+              "kvtransform.capture")
+    for path in sorted(Path(rt.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [("." * node.level) + (node.module or "")] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                full = "kvtransform" + name[1:] if name.startswith("..") else name
+                assert not full.startswith(banned), f"{path.name} imports {name}"
+        assert len(path.read_text().splitlines()) <= 500, path.name
+
+
 def test_per_row_eos_stop_matches_hf(llama, sp_llama):
     g = torch.Generator().manual_seed(5)
     rows = [torch.randint(3, 128, (n,), generator=g) for n in (11, 6)]
@@ -360,7 +397,7 @@ def test_dense_head_runs_the_slot_mode_program_with_gather_mode_logits(llama):
         idx = all_positions(cache)
         ref = rt.decode_fn(tok[:, None], cache.cache_seqlens, idx, cache.k, cache.v)
         got, _ = rt.decode(cache, tok, rt.head.step(cache, None))
-        assert rt._slot is not None
+        assert rt.programs._slot is not None
         torch.testing.assert_close(got, ref[0], rtol=1e-5, atol=1e-5)
         tok = got.argmax(-1)
     with pytest.raises(ValueError, match="sparse-decode pass"):

@@ -13,6 +13,9 @@ Suites (``kvtransform bench SUITE [overrides...] [-m]``):
 * ``decode-ops``: SpeContext's decode ops (arXiv 2512.00722, §4.3) at one cache length ``S``: retrieval top-k and
   sparse gather decode against dense SDPA decode over the whole cache and a naive ``torch.gather`` + SDPA, with the
   device's copy bandwidth measured in the same job and the HBM floor (bytes moved / copy bandwidth) per row.
+* ``decode``: end-to-end decode throughput (SpeContext Table 5; :class:`DecodeBenchConfig`).
+* ``tree-attn`` / ``tree-layer``: prefix-tree attention on agentic trees (Tree Training, arXiv 2511.00413) and on
+  DualKV's one-level shapes; configs in :mod:`.tree_config`.
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hydra.core.config_store import ConfigStore
+
+from .config_common import DType, _at_least, _check_device, _check_gqa
+from .tree_config import TreeAttnBenchConfig, TreeLayerBenchConfig, validate_tree
 
 
 class Method(Enum):
@@ -40,12 +46,6 @@ class Method(Enum):
 class Mode(Enum):
     layer = "layer"  # whole decoder layer, forward+backward of out.sum()
     attn = "attn"  # attention op alone: forward, backward, forward+backward
-
-
-class DType(Enum):
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    float32 = "float32"
 
 
 @dataclass
@@ -296,6 +296,8 @@ SUITES = {
     "dualkv-attn": DualKVAttnBenchConfig,
     "decode-ops": DecodeOpsConfig,
     "decode": DecodeBenchConfig,
+    "tree-attn": TreeAttnBenchConfig,
+    "tree-layer": TreeLayerBenchConfig,
 }
 
 
@@ -305,29 +307,6 @@ _CHOICES = {
     "flex_mask": ("blocks", "eager", "compiled"),
     "fuse_projections": ("none", "qkv", "all"),
 }
-
-
-def _at_least(cfg, what: dict, minimum: int) -> None:
-    for key, desc in what.items():
-        val = getattr(cfg, key)
-        if val < minimum:
-            raise ValueError(f"{key}={val}: {key} is {desc} and must be >= {minimum}; set {key}={minimum} or more")
-
-
-def _check_device(cfg) -> None:
-    if str(cfg.device) != "auto":
-        import torch
-
-        try:
-            torch.device(str(cfg.device))
-        except (RuntimeError, ValueError, TypeError):
-            raise ValueError(f"device={cfg.device}: device must be auto, cpu, cuda or cuda:N") from None
-
-
-def _check_gqa(cfg) -> None:
-    if cfg.heads % cfg.kv_heads != 0:
-        raise ValueError(f"heads={cfg.heads} is not divisible by kv_heads={cfg.kv_heads} (GQA); pick kv_heads "
-                         f"dividing heads")
 
 
 def validate_decode(cfg) -> None:
@@ -403,6 +382,8 @@ def validate(cfg) -> None:
         return validate_decode(cfg)
     if OmegaConf.get_type(cfg) is DecodeBenchConfig:
         return validate_throughput(cfg)
+    if OmegaConf.get_type(cfg) in (TreeAttnBenchConfig, TreeLayerBenchConfig):
+        return validate_tree(cfg)
     _at_least(cfg, {
         "P": "the prompt (shared prefix) length in tokens",
         "mb": "the number of responses sharing the prompt",

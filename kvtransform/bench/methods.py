@@ -43,7 +43,8 @@ class AttnMethod:
 
     def setup(self, layout, cfg, device) -> None:
         self.layout, self.cfg, self.device = layout, cfg, device
-        self.P, self.R = int(layout.prefix_lens[0]), [int(r) for r in layout.response_lens[0]]
+        if hasattr(layout, "prefix_lens"):  # a DualKVLayout (the tree suites pass a PrefixTreeLayout)
+            self.P, self.R = int(layout.prefix_lens[0]), [int(r) for r in layout.response_lens[0]]
 
     def per_step(self) -> None:
         pass
@@ -123,21 +124,26 @@ class FA2(AttnMethod):
 
     def setup(self, layout, cfg, device):
         super().setup(layout, cfg, device)
-        self.cu = layout.replicated_cu_seqlens()
+        self.init_sequences(layout.replicated_cu_seqlens(), cfg.fa2_impl)
+        self.impl = self.kind
+
+    def init_sequences(self, cu: torch.Tensor, impl: str) -> None:
+        """The causal sequences (int32 offsets ``cu`` on the device) and the implementation (``auto``, ``varlen``,
+        ``sdpa``) that runs them; sets ``kind`` to ``varlen`` or ``sdpa``. Raises :class:`Unavailable`."""
+        self.cu = cu
         self.bounds = [int(x) for x in self.cu.tolist()]
         self.max_len = max(b - a for a, b in zip(self.bounds[:-1], self.bounds[1:]))
-        impl = cfg.fa2_impl
-        kw = _varlen_kwargs() if device.type == "cuda" else None
+        kw = _varlen_kwargs() if self.device.type == "cuda" else None
         if impl == "auto":
             impl = "varlen" if kw is not None else "sdpa"
         if impl == "varlen" and kw is None:
             raise Unavailable("varlen_attn with enable_gqa and a causal flag is not in this torch / device")
         if impl not in ("varlen", "sdpa"):
             raise ValueError(f"fa2_impl must be auto, varlen or sdpa, not {impl!r}")
-        self.impl, self.kw, self.gqa_ok = impl, kw, True
+        self.kind, self.kw, self.gqa_ok = impl, kw, True
 
     def __call__(self, q, k, v):
-        if self.impl == "varlen":
+        if self.kind == "varlen":
             from torch.nn.attention.varlen import varlen_attn
 
             return varlen_attn(q, k, v, self.cu, self.cu, self.max_len, self.max_len, **self.kw)
@@ -244,10 +250,13 @@ def _flex_fn(compile_: bool, static_T: int = 0):
 class Flex(AttnMethod):
     """FlexAttention on the packed tokens with the shared-prefix block mask (:mod:`.masks`), GQA by
     ``enable_gqa``. ``rebuild``: the block mask is rebuilt inside every timed step, as training must when the
-    layout changes each micro-batch. ``flex_mask`` picks how the mask is built (see the suite config)."""
+    layout changes each micro-batch. ``flex_mask`` picks how the mask is built (see the suite config). A subclass
+    for another mask sets ``mask_mod_of`` and ``block_mask_of`` (factories of :mod:`.masks`)."""
 
     name = "flex"
     rebuild = False
+    mask_mod_of = staticmethod(masks.shared_prefix_mask_mod)
+    block_mask_of = staticmethod(masks.shared_prefix_block_mask)
 
     def setup(self, layout, cfg, device):
         super().setup(layout, cfg, device)
@@ -260,7 +269,7 @@ class Flex(AttnMethod):
         comp = cfg.flex_compile
         comp = (device.type == "cuda") if comp == "auto" else str(comp).lower() in ("1", "true", "yes")
         self.T = int(layout.total_tokens)
-        self.mask_mod = masks.shared_prefix_mask_mod(layout)
+        self.mask_mod = self.mask_mod_of(layout)
         self.fn = _flex_fn(comp, self.T if cfg.flex_static else 0)
         kind = ("compiled" + (" static" if cfg.flex_static else "")) if comp else "eager"
         self.impl = f"{kind} {cfg.flex_mask}-mask" + ("/step" if self.rebuild else " once")
@@ -270,7 +279,7 @@ class Flex(AttnMethod):
         how = self.cfg.flex_mask
         if how == "blocks":
             try:
-                return masks.shared_prefix_block_mask(self.layout, mask_mod=self.mask_mod)
+                return self.block_mask_of(self.layout, mask_mod=self.mask_mod)
             except TypeError:  # an older BlockMask.from_kv_blocks (no seq_lengths): let create_block_mask build it
                 how = "eager"
                 self.impl = self.impl.replace("blocks-mask", "eager-mask")

@@ -39,7 +39,7 @@ def response_lengths(mb: int, r_min: int = 131, r_max: int = 2048, seed: int = 4
 
 
 def _mode(cfg) -> Mode:
-    return cfg.mode if isinstance(cfg.mode, Mode) else Mode(str(cfg.mode))
+    return cfg.mode if isinstance(cfg.mode, Mode) else Mode(getattr(cfg.mode, "value", str(cfg.mode)))
 
 
 @dataclass
@@ -62,6 +62,17 @@ class Shape:
     def R(self) -> list:
         return [int(r) for r in self.layout.response_lens[0]]
 
+    @property
+    def key(self) -> tuple:
+        """What identifies the shape's tokens (the check reference is per key)."""
+        return (self.P, tuple(self.R))
+
+    def replicated_index(self, layout) -> torch.Tensor:
+        return layout.replicated_index()
+
+    def packed_from_replicated(self, layout) -> torch.Tensor:
+        return packed_from_replicated(layout)
+
     @staticmethod
     def of(cfg) -> "Shape":
         lay = DualKVLayout.from_lengths([(cfg.P, response_lengths(cfg.mb, cfg.r_min, cfg.r_max, cfg.seed))])
@@ -82,11 +93,15 @@ def packed_from_replicated(layout) -> torch.Tensor:
     return first.scatter_reduce(0, rep, pos, reduce="amin")
 
 
-def estimate_gb(cfg, shape: Shape, method: str) -> float:
+def estimate_gb(cfg, shape: Shape, method: str, replicated: bool = None) -> float:
     """Rough peak-memory estimate (GiB) used only to skip runs that cannot fit: weights + grads and about 160
-    bf16-equivalent activations of width hidden per token in layer mode, plus pg's expanded K/V."""
+    bf16-equivalent activations of width hidden per token in layer mode, plus pg's expanded K/V. ``replicated``:
+    the method runs on the replicated axis (default: ``method == "fa2"``)."""
     bpe = torch.finfo(torch_dtype(cfg)).bits // 8
-    T = shape.T_rep if method == "fa2" else shape.T
+    replicated = method == "fa2" if replicated is None else replicated
+    if hasattr(shape, "estimate_gb"):  # a shape of another suite (the tree suites)
+        return shape.estimate_gb(cfg, method, replicated, bpe)
+    T = shape.T_rep if replicated else shape.T
     if _mode(cfg) == Mode.layer:
         params = flops.layer_matmul_params(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp)
         gb = 2 * params * bpe + T * (10 * cfg.hidden + 4 * cfg.mlp) * bpe * 1.6
@@ -103,12 +118,17 @@ def estimate_gb(cfg, shape: Shape, method: str) -> float:
 _CHECK_REF: dict = {}
 
 
-def run_method(cfg, shape: Shape, name: str, device, launch_config: Optional[dict] = None) -> list:
+def run_method(cfg, shape: Shape, name: str, device, launch_config: Optional[dict] = None,
+               methods: Optional[dict] = None) -> list:
     """Time one method on one shape; returns CSV rows (one in layer mode; fwd, bwd, fwdbwd in attn mode).
-    ``launch_config`` goes to ``dualkv_kernel`` (the ``tune`` sweep's best)."""
+    ``launch_config`` goes to ``dualkv_kernel`` (the ``tune`` sweep's best). ``methods``: the adapter registry
+    (default :data:`.methods.METHODS`; the tree suites pass theirs, with a shape of the same interface:
+    ``T``, ``T_rep``, ``key``, ``layout``, ``replicated_index``, ``packed_from_replicated``, the FLOP counts)."""
     mode = _mode(cfg)
     dtype = torch_dtype(cfg)
-    base = dict(method=name, impl="", T=shape.T_rep if name == "fa2" else shape.T, iters=0, gb=float("nan"),
+    registry = METHODS if methods is None else methods
+    replicated = bool(getattr(registry.get(name), "replicated", False))
+    base = dict(method=name, impl="", T=shape.T_rep if replicated else shape.T, iters=0, gb=float("nan"),
                 check_rel_err=float("nan"), status="ok")
     passes = ["fwdbwd"] if mode == Mode.layer else ["fwd", "bwd", "fwdbwd"]
 
@@ -116,11 +136,12 @@ def run_method(cfg, shape: Shape, name: str, device, launch_config: Optional[dic
         return [dict(base, **{"pass": p, "status": status}) for p in passes]
 
     cap = cfg.max_mem_gb or (torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0)
-    if cap and estimate_gb(cfg, shape, name) > 1.2 * cap:
-        return fail(f"skip-mem (est {estimate_gb(cfg, shape, name):.0f} GiB)")
-    if name not in METHODS:
+    est = estimate_gb(cfg, shape, name, replicated)
+    if cap and est > 1.2 * cap:
+        return fail(f"skip-mem (est {est:.0f} GiB)")
+    if name not in registry:
         return fail(f"unknown method {name}")
-    meth = METHODS[name]()
+    meth = registry[name]()
     if launch_config:
         meth.launch_config = launch_config
     state = {}
@@ -132,8 +153,8 @@ def run_method(cfg, shape: Shape, name: str, device, launch_config: Optional[dic
             return fail(f"unavailable: {e}")
         base["impl"] = meth.impl
         g = torch.Generator(device=device).manual_seed(cfg.seed + 1)
-        rep = layout.replicated_index() if meth.replicated else None
-        back = packed_from_replicated(layout) if meth.replicated else None
+        rep = shape.replicated_index(layout) if meth.replicated else None
+        back = shape.packed_from_replicated(layout) if meth.replicated else None
 
         def leaf(*size, scale=1.0):
             t = torch.randn(*size, generator=g, device=device, dtype=torch.float32).mul_(scale).to(dtype)
@@ -179,7 +200,7 @@ def run_method(cfg, shape: Shape, name: str, device, launch_config: Optional[dic
             if back is not None:
                 a = a[back]
             finite = bool(torch.isfinite(a).all())
-            key = (mode, shape.P, tuple(shape.R), cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.seed, str(dtype))
+            key = (mode, shape.key, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.seed, str(dtype))
             if key not in _CHECK_REF:
                 _CHECK_REF.clear()
                 _CHECK_REF[key] = (name, a.detach().to("cpu"))

@@ -134,7 +134,7 @@ def run_optimize(cfg: DictConfig) -> dict:
     t5 = t4
     if "onnx" in emit:
         with stage(True, "exporting ONNX and checking it in onnxruntime"):
-            onnx_path = opt.export_onnx(out / "model.onnx", tokenizer=tok)
+            onnx_path = opt.export_onnx(out / "model.onnx", tokenizer=tok, overwrite=cfg.overwrite)
         t5 = time.perf_counter()
         console.print(f"[bold]Wrote[/bold] {onnx_path} (ONNX opset 23; onnxruntime matches the module on a probe)")
     times = dict(startup=t0 - _T_START, load=t1 - t0, transform=t2 - t1, demo=demo_s, save=t3 - t_save,

@@ -6,167 +6,44 @@ Semantics follow Hugging Face ``generate``: a batch of prompts of different leng
 ``attention_mask``: the real tokens of each row are its prompt), greedy by default or sampling with
 ``temperature``/``top_k``/``top_p`` (transformers' own logits warpers), per-row stop at EOS (finished rows are
 filled with the pad id), ``(batch, prompt + new)`` ids returned. On CUDA with ``cuda_graphs`` the whole decode
-step -- retrieval head and LLM -- is captured once per batch and replayed (:meth:`SpeContextRuntime._graph_step`).
+step -- retrieval head and LLM -- is captured once per batch and replayed (:mod:`.graph_step`).
+
+The loop runs programs it is handed and never derives one: the transform gives it an object that owns the captured
+decode step and its variants (gather, slot mode, fused projections, the per-layer split of KV offload;
+:mod:`.programs` lists what the loop calls). Sampling is in :mod:`.sampling`, request checks in :mod:`.requests`,
+stats and outputs in :mod:`.outputs` (``docs/ARCHITECTURE.md``, floor "runtime").
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from .cache import KVCache
+from .graph_step import _GraphStep
 from .heads import RetrievalHead
+from .outputs import GenerateOutput, GenerationStats, ModelInfo, _checksum, _count_new, _overlap, _trim
+from .programs import CallableDecode
+from .requests import _as_eos, _check_pad, _check_request, _check_steps, _prompt_rows
+from .sampling import _greedy, _sampler
 
-
-@dataclass
-class GenerationStats:
-    """Per-run numbers of :meth:`SpeContextRuntime.generate`.
-
-    Attributes:
-        batch: rows.
-        prompt_tokens: real prompt tokens (sum over rows; padding not counted).
-        new_tokens: tokens generated (sum over rows, up to and including each row's EOS).
-        prefill_s, decode_s: wall seconds of the prefill (with the first token) and of the decode steps.
-        prefill_tokens_per_s: ``prompt_tokens / prefill_s``.
-        decode_tokens_per_s: tokens produced by the decode steps (rows still running) per second.
-        decode_steps: decode steps run. Whether every row has stopped is checked every 8 steps (each check is a host
-            sync), so up to 7 steps can run after the last EOS: ``decode_steps`` may exceed ``new_tokens``.
-        ms_per_step: ``1000 * decode_s / decode_steps``.
-        selection_overlap: mean fraction of the tokens selected at a step that were also selected at the
-            previous step (per row and KV head; ``1 - 1/len`` for ``dense``; None without two comparable steps).
-        kv_bytes: bytes allocated for the KV cache (``2 * L * batch * H_kv * max_length * D * itemsize``).
-        cache_max_length: ``max_length`` of the cache (longest prompt + ``max_new_tokens``).
-        head, budget: the retrieval head and the budget (tokens per KV head; ignored by ``dense``).
-        cuda_graph: whether the decode steps replayed a CUDA graph.
-        fused_weight_bytes: extra memory (on the model's device) of the decode program's fused projection weights:
-            the groups kept as a copy of the model's (``fuse_projections``); 0 when nothing is fused or every group
-            took the parameters' place.
-        offload: whether layers' KV moved to CPU (``SpeContextConfig.offload`` and a plan that needs it).
-        offload_bytes_per_step: per decode step with an offloaded layer, bytes copied to the GPU by elastic loading
-            (entries that entered the selection × offloaded layers × K+V bytes of one entry).
-        offload_full_bytes_per_step: the same steps, bytes of loading all ``W`` selected tokens of every offloaded
-            layer (what loading without elastic reuse would copy).
-        offload_layers_per_step: layers on CPU at each decode step.
-        offload_moves: ``(decode step, length in tokens, layer)`` of every layer move.
-        offload_copy_hidden: CUDA, eager decode with ``offload_timing``: mean over steps of ``1 − exposed / copy``,
-            ``copy`` the side stream's copy time, ``exposed`` the part of it still running when the compute stream
-            reached the first offloaded layer's wait (1 = fully hidden); None under CUDA graphs (timing events are
-            not captured) and on the CPU stand-in.
-        selection_checksums: per decode step and row, an int64 hash of the selected positions of every KV head
-            (of the set: the order a head returns them in does not count): equal lists mean equal selections (used
-            to check a graph replay against eager).
-    """
-
-    batch: int = 0
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    decode_steps: int = 0
-    ms_per_step: float = 0.0
-    selection_overlap: Optional[float] = None
-    kv_bytes: int = 0
-    cache_max_length: int = 0
-    head: str = ""
-    budget: int = 0
-    cuda_graph: bool = False
-    fused_weight_bytes: int = 0
-    offload: bool = False
-    offload_bytes_per_step: list = field(default_factory=list, repr=False)
-    offload_full_bytes_per_step: list = field(default_factory=list, repr=False)
-    offload_layers_per_step: list = field(default_factory=list, repr=False)
-    offload_moves: list = field(default_factory=list, repr=False)
-    offload_copy_hidden: Optional[float] = None
-    selection_checksums: list = field(default_factory=list, repr=False)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("selection_checksums")
-        return d
-
-
-@dataclass
-class GenerateOutput:
-    """``generate(..., return_dict_in_generate=True)``: ``sequences`` int64 ``(batch, prompt + new)`` and
-    ``stats`` (:class:`GenerationStats`)."""
-
-    sequences: torch.Tensor
-    stats: GenerationStats
-
-
-@dataclass
-class ModelInfo:
-    """What the runtime needs to know about the model (stored in the artifact's ``meta.json``)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_positions: int
-    dtype: str
-    eos_token_id: list
-    pad_token_id: Optional[int]
-
-    @classmethod
-    def from_model(cls, model) -> "ModelInfo":
-        cfg = model.config
-        gen = getattr(model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        eos = cfg.eos_token_id if eos is None else eos
-        eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        pad = getattr(gen, "pad_token_id", None) if gen is not None else None
-        from kvtransform.capture import max_positions
-
-        return cls(num_layers=cfg.num_hidden_layers,
-                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-                   vocab_size=int(cfg.vocab_size), max_positions=max_positions(model),
-                   dtype=str(next(model.parameters()).dtype).replace("torch.", ""), eos_token_id=eos,
-                   pad_token_id=None if pad is None else int(pad))
-
-
-def _check_steps(max_new_tokens) -> None:
-    """Raises ValueError unless ``max_new_tokens`` is an int >= 1 (not a bool)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
-
-
-def _as_eos(eos, vocab: int) -> list:
-    if eos is None:
-        return []
-    ids = [eos] if isinstance(eos, int) or (isinstance(eos, torch.Tensor) and eos.dim() == 0) else list(eos)
-    out = []
-    for e in ids:
-        if isinstance(e, bool) or not isinstance(e, (int, torch.Tensor)) or not 0 <= int(e) < vocab:
-            raise ValueError(f"eos_token_id {e!r} is outside the vocabulary [0, {vocab}): pass the tokenizer's "
-                             f"eos_token_id, or None to never stop early")
-        out.append(int(e))
-    return out
-
-
-def _check_pad(pad, vocab_size: int) -> None:
-    """``pad_token_id`` is written into finished rows and fed back as their next token: it must be a vocabulary id.
-
-    Raises:
-        ValueError: not an int in ``[0, vocab_size)``.
-    """
-    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab_size:
-        raise ValueError(f"pad_token_id must be an id in [0, {vocab_size}) or None; got {pad!r}")
+__all__ = ["SpeContextRuntime", "GenerateOutput", "GenerationStats", "ModelInfo", "_GraphStep", "_sampler",
+           "_checksum"]
 
 
 class SpeContextRuntime:
-    """Prefill + decode loop around two captured programs and a retrieval head.
+    """Prefill + decode loop around two programs and a retrieval head.
 
     Args:
         prefill: ``(input_ids (1, T), position_ids (1, T), cu_seqlens (S+1,) int32, segment_prefix (S,) int32,
             logits_index (S,) int64) -> (logits (1, S, vocab), k (L, 1, H_kv, T, D), v)`` (packed prompts, each its
             own causal segment; ``S >= 2``).
-        decode: ``(input_ids (B, 1), cache_seqlens (B,) int32, indices (B, H_kv, W) int32, k_cache, v_cache) ->
-            (logits (B, vocab), k_new (L, B, H_kv, D), v_new, queries (L, B, H, D))``.
+        decode: the decode programs (``kvtransform.passes.programs.DecodePrograms``, which the SpeContext transform
+            builds: the captured step and every variant derived from it; :mod:`.programs` lists what the loop calls),
+            or a plain callable step ``(input_ids (B, 1), cache_seqlens (B,) int32, indices (B, H_kv, W) int32,
+            k_cache, v_cache) -> (logits (B, vocab), k_new (L, B, H_kv, D), v_new, queries (L, B, H, D))``, run as
+            it is (gather mode over the head's indices, nothing fused, no offload).
         head: the :class:`~kvtransform.runtime.heads.RetrievalHead`.
         info: :class:`ModelInfo`.
         cuda_graphs: capture the decode step in a CUDA graph when the tensors are on CUDA.
@@ -176,92 +53,55 @@ class SpeContextRuntime:
             key write and selection become a few fused kernels around the scoring kernel). Offloaded steps stay
             eager.
         fuse_projections: ``"qkv"``, ``"all"`` or ``"none"``: the decode program's sibling projections fused into
-            one GEMM each (:mod:`kvtransform.passes.fuse_projections`: the model's parameters become views of the
-            fused weights, or, with :attr:`share_fused_weights` off or where they cannot, a copy refreshed when the
-            originals change).
+            one GEMM each (the model's parameters become views of the fused weights, or, with
+            :attr:`share_fused_weights` off or where they cannot, a copy refreshed when the originals change;
+            ``docs/ARCHITECTURE.md``, floor "passes", ``fuse_projections.py``); None keeps the setting of
+            ``decode``.
+        share_fused_weights: see the attribute; None keeps the setting of ``decode``.
         offload: move layers' KV to CPU during decoding when the memory model says so (:mod:`.offload`, §5–6).
 
     Attributes:
+        programs: the decode programs (``decode``, or :class:`~.programs.CallableDecode` around a callable).
         gpu_memory_bytes: the GPU memory offload plans for (bytes; None: on CUDA the free memory at the start of
             ``generate`` plus what is already allocated; required on the CPU stand-in).
         offload_chunk: tokens by which resident layers' caches grow (layer moves happen at these boundaries).
         offload_timing: record CUDA timing events around the copies and steps (eager decode only) for
             ``GenerationStats.offload_copy_hidden``.
         share_fused_weights: fused projections take the place of the model's parameters (they become views of the
-            fused weights: no extra memory; see :mod:`kvtransform.passes.fuse_projections`) rather than being a copy
-            (``SpeContextConfig.share_fused_weights``). Setting it drops the derived programs; parameters that an
-            earlier shared fusion already turned into views stay views.
+            fused weights: no extra memory) rather than being a copy (``SpeContextConfig.share_fused_weights``).
+            Setting it drops the derived programs; parameters that an earlier shared fusion already turned into
+            views stay views.
     """
 
     RECOMPILE_LIMIT = 64  # static compiles kept per decode program (see _decode_program)
 
-    def __init__(self, prefill: Callable, decode: Callable, head: RetrievalHead, info: ModelInfo,
+    def __init__(self, prefill: Callable, decode, head: RetrievalHead, info: ModelInfo,
                  cuda_graphs: bool = True, offload: bool = False, compile: bool = False,
-                 fuse_projections: str = "all", share_fused_weights: bool = True):
-        self.prefill_fn, self.decode_fn, self.head, self.info = prefill, decode, head, info
+                 fuse_projections: Optional[str] = None, share_fused_weights: Optional[bool] = None):
+        self.prefill_fn, self.head, self.info = prefill, head, info
+        self.programs = decode if callable(getattr(decode, "layer_split", None)) else CallableDecode(decode)
         self.cuda_graphs = bool(cuda_graphs)
         self.compile = bool(compile)
-        self._share = bool(share_fused_weights)
-        self.fuse_projections = fuse_projections  # validated; resets the derived programs below
-        self._compiled: dict = {}  # slot mode -> the compiled program
+        if share_fused_weights is not None:
+            self.share_fused_weights = share_fused_weights
+        if fuse_projections is not None:
+            self.fuse_projections = fuse_projections
+        self._compiled: dict = {}  # slot mode -> (program, its torch.compile)
         self._head_compiled = None  # (head, head.step through torch.compile) (compile on CUDA)
-        self._slot = None  # the slot-mode variant of the (fused) decode program (built on first use)
-        self._slot_rewrite = None
         self.offload = bool(offload)
         self.gpu_memory_bytes: Optional[int] = None
         self.offload_chunk = 1024
         self.offload_timing = False
-        self._split = None
+
+    @property
+    def decode_fn(self) -> Callable:
+        """The captured decode step (``programs.source``)."""
+        return self.programs.source
 
     # ---- validation ------------------------------------------------------------------------------------------
     def _rows(self, input_ids, attention_mask) -> list:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
-                or input_ids.dtype == torch.bool:
-            one_row = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1 and \
-                not input_ids.dtype.is_floating_point and input_ids.dtype != torch.bool
-            raise ValueError(f"input_ids must be an integer tensor (batch, seq); got "
-                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                             f"{tuple(getattr(input_ids, 'shape', ()))}"
-                             + (": one prompt needs a batch dimension, pass input_ids[None]" if one_row else ""))
-        if input_ids.shape[0] < 1:
-            raise ValueError("input_ids has no rows: pass at least one prompt")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        elif not isinstance(attention_mask, torch.Tensor):
-            raise ValueError(f"attention_mask must be a 0/1 tensor of shape {tuple(input_ids.shape)} like input_ids; "
-                             f"got {type(attention_mask).__name__}")
-        elif tuple(attention_mask.shape) != tuple(input_ids.shape) or attention_mask.dtype.is_floating_point or \
-                not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError(f"attention_mask must be 0/1 (int or bool) of shape {tuple(input_ids.shape)} like "
-                             f"input_ids; got {attention_mask.dtype} {tuple(attention_mask.shape)}")
-        keep = attention_mask.bool().cpu()
-        ids = input_ids.cpu()
-        rows = [ids[b][keep[b]] for b in range(ids.shape[0])]
-        empty = [b for b, r in enumerate(rows) if r.numel() == 0]
-        if empty:
-            raise ValueError(f"prompt row {empty[0]} is empty (no token with attention_mask 1): every row needs at "
-                             f"least one prompt token")
-        vocab = self.info.vocab_size
-        for b, r in enumerate(rows):
-            lo, hi = int(r.min()), int(r.max())
-            if lo < 0 or hi >= vocab:
-                raise ValueError(f"token id {lo if lo < 0 else hi} in prompt row {b} is outside the vocabulary "
-                                 f"[0, {vocab})")
-        return rows
-
-    def _check_request(self, rows, max_new_tokens, temperature, top_k, top_p):
-        _check_steps(max_new_tokens)
-        longest = max(r.numel() for r in rows)
-        if longest + max_new_tokens > self.info.max_positions:
-            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
-                             f"{self.info.max_positions} positions: shorten the prompt or lower max_new_tokens to "
-                             f"{max(self.info.max_positions - longest, 0)}")
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"temperature must be a number > 0; got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-            raise ValueError(f"top_k must be an integer >= 0 (0 or None = off); got {top_k!r}")
-        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] (1 or None = off); got {top_p!r}")
+        """:func:`~.requests._prompt_rows` for this model's vocabulary."""
+        return _prompt_rows(input_ids, attention_mask, self.info.vocab_size)
 
     # ---- the two programs ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -306,9 +146,9 @@ class SpeContextRuntime:
         every layer attends to each row's whole cache (the slot-mode program, :meth:`_decode_program`); ``slot``
         False forces the gather program over ``indices`` (True: slot mode where the program allows it). In gather
         mode the selection is passed sorted by position (once per step, shared by every layer), so each layer's
-        gather reads the cache in address order (H200, H 32 / H_kv 8, budget 2048 of ~35K positions, one process,
-        ``tools/gather_split_probe.py --order``: 0.107 → 0.097 ms per layer at 44 requests, 0.119 → 0.105 at 49,
-        0.079 → 0.074 at 26, unchanged at 23); the attention does not depend on the order. Returns
+        gather reads the cache in address order (H200, H 32 / H_kv 8, budget 2048 of ~35K positions, one process:
+        0.107 → 0.097 ms per layer at 44 requests, 0.119 → 0.105 at 49, 0.079 → 0.074 at 26, unchanged at 23); the
+        attention does not depend on the order. Returns
         ``(logits (batch, vocab), queries (L, batch, H, D))``."""
         if engine is None:
             slot = self._slot_mode(slot)
@@ -346,38 +186,29 @@ class SpeContextRuntime:
                 setattr(cfg, key, max(int(getattr(cfg, key)), self.RECOMPILE_LIMIT))
 
     def _slot_mode(self, want: Optional[bool] = None) -> bool:
-        """Whether the step runs the slot-mode program: ``want`` (None: the head's ``slot_mode``) and the decode
-        program is a graph the sparse-decode pass rewrote (a plain callable ``decode`` keeps gather mode over the
-        head's indices)."""
+        """Whether the step runs the slot-mode program: ``want`` (None: the head's ``slot_mode``) and the programs
+        have a slot-mode variant (a plain callable ``decode`` keeps gather mode over the head's indices)."""
         want = getattr(self.head, "slot_mode", False) if want is None else want
-        return bool(want) and isinstance(self.decode_fn, torch.fx.GraphModule)
+        return bool(want) and self.programs.slot_capable
 
     @property
     def fuse_projections(self) -> str:
         """``"qkv"``, ``"all"`` or ``"none"`` (see the class docstring); setting it drops the derived programs (slot
         variant, compiled programs), which are rebuilt on the next step."""
-        return self._fuse
+        return self.programs.fuse_projections
 
     @fuse_projections.setter
     def fuse_projections(self, which: str) -> None:
-        from kvtransform.passes.fuse_projections import CHOICES
-
-        if which not in CHOICES:
-            raise ValueError(f"fuse_projections must be one of {CHOICES}; got {which!r}")
-        self._fuse = which
-        self._compiled, self._slot = {}, None
+        self.programs.fuse_projections = which
 
     @property
     def share_fused_weights(self) -> bool:
         """See the class docstring."""
-        return self._share
+        return self.programs.share_fused_weights
 
     @share_fused_weights.setter
     def share_fused_weights(self, share: bool) -> None:
-        if not isinstance(share, bool):
-            raise ValueError(f"share_fused_weights must be true or false; got {share!r}")
-        self._share = share
-        self._compiled, self._slot = {}, None
+        self.programs.share_fused_weights = share
 
     @property
     def slot_rewrite(self) -> Optional[Callable]:
@@ -385,48 +216,28 @@ class SpeContextRuntime:
         e.g. the decode benchmark's ``flashinfer`` method, which swaps the attention kernel
         (:func:`kvtransform.bench.flashinfer_decode.flashinfer_program`). Setting it drops the derived programs;
         it survives a change of :attr:`fuse_projections`."""
-        return self._slot_rewrite
+        return self.programs.slot_rewrite
 
     @slot_rewrite.setter
     def slot_rewrite(self, fn: Optional[Callable]) -> None:
-        if fn is not None and not callable(fn):
-            raise ValueError(f"slot_rewrite must be a callable GraphModule -> GraphModule or None; got {fn!r}")
-        self._slot_rewrite = fn
-        self._compiled, self._slot = {}, None
+        self.programs.slot_rewrite = fn
 
     def _fused(self):
-        """The decode program's :class:`~kvtransform.passes.fuse_projections.FusedProjections` (None: not fused)."""
-        from kvtransform.passes.fuse_projections import fused_program
-
-        return fused_program(self.decode_fn, self.fuse_projections, self.share_fused_weights)
+        """The decode program's fused projections (``programs.fused()``; None: not fused)."""
+        return self.programs.fused()
 
     def _decode_program(self, device, slot: bool = False) -> Callable:
-        """The decode program (its sibling projections fused per :attr:`fuse_projections`, the fused weights
-        refreshed from the originals outside CUDA-graph captures; ``slot``: its slot-mode variant,
-        :func:`~kvtransform.passes.sparse_decode.slot_mode_program`, whose ``indices`` input is unused), through
-        ``torch.compile`` when :attr:`compile` is set and ``device`` is CUDA."""
-        fused = self._fused()
-        fn = self.decode_fn if fused is None else fused.program
-        if fused is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-            fused.refresh()
-        if slot:
-            if self._slot is None:
-                from kvtransform.passes.sparse_decode import slot_mode_program
-
-                slot_fn = slot_mode_program(fn)
-                if self._slot_rewrite is not None:
-                    slot_fn = self._slot_rewrite(slot_fn)
-                    if not callable(slot_fn):
-                        raise ValueError(f"slot_rewrite returned {type(slot_fn).__name__}, not a program: it must "
-                                         f"return the rewritten GraphModule")
-                self._slot = slot_fn  # only a finished rewrite is kept: a failing hook fails again next time
-            fn = self._slot
+        """The program of one step (``programs.program(slot)``: fused per :attr:`fuse_projections`, ``slot``: its
+        slot-mode variant, whose ``indices`` input is unused), through ``torch.compile`` when :attr:`compile` is
+        set and ``device`` is CUDA (compiled again when the programs hand out another one)."""
+        fn = self.programs.program(slot)
         if not (self.compile and torch.device(device).type == "cuda"):
             return fn
-        if self._compiled.get(slot) is None:
+        done = self._compiled.get(slot)
+        if done is None or done[0] is not fn:
             self._raise_recompile_limit()
-            self._compiled[slot] = torch.compile(fn, dynamic=False, fullgraph=True)
-        return self._compiled[slot]
+            done = self._compiled[slot] = (fn, torch.compile(fn, dynamic=False, fullgraph=True))
+        return done[1]
 
     def _offload_engine(self, rows, max_new_tokens, device):
         """The :class:`~.offload.OffloadEngine` plan of this request, or None when no layer needs to move.
@@ -471,7 +282,7 @@ class SpeContextRuntime:
         """
         info = self.info
         rows = self._rows(input_ids, attention_mask)
-        self._check_request(rows, max_new_tokens, temperature, top_k, top_p)
+        _check_request(rows, max_new_tokens, temperature, top_k, top_p, info.max_positions)
         eos = _as_eos(info.eos_token_id if isinstance(eos_token_id, str) else eos_token_id, info.vocab_size)
         pad = pad_token_id if pad_token_id is not None else (
             info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0))
@@ -488,14 +299,12 @@ class SpeContextRuntime:
         longest = max(int(r.numel()) for r in rows)
         engine = None
         if plan is not None:
-            from .offload import OffloadEngine, initial_capacity, split_decode_inputs
+            from .offload import LayerReady, OffloadEngine, initial_capacity
 
             chunk = max(1, int(self.offload_chunk))
             cache, logits = self.prefill(rows, longest + max_new_tokens, device,
                                          initial_capacity(plan, longest, longest + max_new_tokens, chunk))
-            if self._split is None:
-                self._split = split_decode_inputs(self.decode_fn, self.info.num_layers)
-            engine = OffloadEngine(cache, plan, int(self.head.budget), chunk, self._split)
+            engine = OffloadEngine(cache, plan, int(self.head.budget), chunk, self.programs.layer_split(LayerReady))
             engine.record_timing = self.offload_timing
             engine.preallocate()
         else:
@@ -592,7 +401,7 @@ class SpeContextRuntime:
         sync()
         t0 = time.perf_counter()
         out, produced = self._decode_loop(cache, tokens.to(device=device, dtype=torch.long), running,
-                                          max_new_tokens, lambda logits: logits.argmax(dim=-1), eos_t,
+                                          max_new_tokens, _greedy, eos_t,
                                           pad_token_id, None, stats, progress)
         sync()
         stats.decode_s = time.perf_counter() - t0
@@ -612,10 +421,8 @@ class SpeContextRuntime:
         # per-layer waits) fails on the H200 (cudaErrorStreamCaptureIsolation), so an offloaded request decodes
         # eagerly (the copies still overlap compute on the side stream).
         use_graph = self.cuda_graphs and torch.device(device).type == "cuda" and engine is None
-        fused = self._fused() if engine is None else None  # offloaded steps run the unfused program
-        if fused is not None:  # the fused projection weights = the model's now, however it was updated
-            fused.refresh(force=True)
-            stats.fused_weight_bytes = fused.extra_bytes
+        if engine is None:  # the fused projection weights = the model's now, however it was updated (offloaded
+            stats.fused_weight_bytes = self.programs.refresh(force=True)  # steps run the unfused split)
         stepper = _GraphStep(self, cache, engine) if use_graph else None
         stats.cuda_graph = use_graph
         overlap = torch.zeros((), device=device)
@@ -656,135 +463,3 @@ class SpeContextRuntime:
         stats.selection_overlap = float(overlap) / n_overlap if n_overlap else None
         stats.selection_checksums = torch.stack(checksums).tolist() if checksums else []
         return out, produced
-
-
-def _first_eos(new: torch.Tensor, eos: list) -> torch.Tensor:
-    """Per row, the column of its first EOS in ``new`` ``(batch, n)``, or ``n`` when none."""
-    n = new.shape[1]
-    if not eos:
-        return torch.full((new.shape[0],), n, dtype=torch.long)
-    hit = torch.isin(new.cpu(), torch.tensor(eos))
-    col = torch.where(hit, torch.arange(n)[None], torch.full_like(hit, n, dtype=torch.long))
-    return col.amin(dim=1)
-
-
-def _trim(new: torch.Tensor, eos: list) -> torch.Tensor:
-    """Drop the columns after every row has finished (HF stops when the last row reaches EOS)."""
-    last = int(_first_eos(new, eos).max())
-    return new[:, :last + 1]
-
-
-def _count_new(new: torch.Tensor, eos: list) -> int:
-    """Tokens generated per row up to and including its first EOS, summed."""
-    return int((_first_eos(new, eos) + 1).clamp(max=new.shape[1]).sum())
-
-
-def _checksum(sel: torch.Tensor) -> torch.Tensor:
-    """Per row, a hash of the selected set of each KV head (order-independent: heads may return their selection
-    in any order; ``-1`` padding adds nothing)."""
-    x = sel.to(torch.int64) + 1
-    head = torch.arange(1, sel.shape[1] + 1, device=sel.device, dtype=torch.int64)[None, :, None]
-    key = (x * 2654435761 + head * 40503) % 2147483647  # (position, KV head), then xor-shift-multiply rounds: no
-    key = ((key ^ (key >> 13)) * 1103515245) % 2147483647  # linear term survives, so exchanging positions between
-    key = key ^ (key >> 16)                                # heads changes the sum
-    return (key * (x > 0)).sum(dim=(1, 2))
-
-
-def _overlap(prev: torch.Tensor, cur: torch.Tensor, s_max: int) -> torch.Tensor:
-    """Mean over (row, KV head) of |cur ∩ prev| / |cur| (valid entries only)."""
-    b, h, _ = prev.shape
-    member = torch.zeros(b, h, s_max + 1, dtype=torch.bool, device=prev.device)
-    member.scatter_(2, (prev.long() + 1).clamp(min=0), True)
-    member[:, :, 0] = False
-    valid = cur >= 0
-    hit = member.gather(2, (cur.long() + 1).clamp(min=0)) & valid
-    return (hit.sum(-1).float() / valid.sum(-1).clamp(min=1).float()).mean()
-
-
-def _sampler(do_sample: bool, temperature: float, top_k, top_p, seed, device) -> Callable:
-    """``logits (batch, vocab) -> tokens (batch,)``: argmax, or transformers' temperature / top-k / top-p warpers
-    then a multinomial draw from a generator seeded with ``seed``."""
-    if not do_sample:
-        return lambda logits: logits.argmax(dim=-1)
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
-
-    warpers = []
-    if temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(float(temperature)))
-    if top_k:
-        warpers.append(TopKLogitsWarper(int(top_k)))
-    if top_p is not None and top_p < 1.0:
-        warpers.append(TopPLogitsWarper(float(top_p)))
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2 ** 62, ()).item()))
-
-    def draw(logits):
-        scores = logits.float()
-        for w in warpers:
-            scores = w(None, scores)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=gen)[:, 0]
-
-    return draw
-
-
-class _GraphStep:
-    """The whole decode step -- ``head.step`` → LLM step → K/V append -- captured in one ``torch.cuda.CUDAGraph``
-    for this batch and cache, replayed per token. Inputs live in static buffers (``tokens``, ``q``, the cache and
-    its ``cache_seqlens``, which the graph advances itself); the head runs inside the graph on the replayed
-    tensors, so a replay selects exactly what eager would for the same state (no value is baked in at capture).
-    The warm-up step on a side stream writes K/V at position ``cache_seqlens`` and is undone by restoring
-    ``cache_seqlens`` (the next real step overwrites that slot)."""
-
-    def __init__(self, runtime: SpeContextRuntime, cache: KVCache, engine=None):
-        self.rt, self.cache, self.engine = runtime, cache, engine
-        self.version = None
-        dev = cache.k.device
-        self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)
-        self.q: Optional[torch.Tensor] = None  # set by the caller after the first (eager) step
-        self.graph = None
-
-    def _capture(self):
-        cache = self.cache
-        self.graph = None  # release the previous graph (and its memory pool) before capturing again
-        saved = cache.cache_seqlens.clone()
-        saved_q = self.q.clone()
-        eng = self.engine
-        saved_slots = eng.slotmap.slot_pos.clone() if eng is not None else None
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self._body()  # warm-up (allocations, Triton autotune/compile)
-        torch.cuda.current_stream().wait_stream(s)
-        cache.cache_seqlens.copy_(saved)
-        self.q.copy_(saved_q)
-        if eng is not None:  # the warm-up's copies are redone (same slots, same data) by the first replay
-            eng.slotmap.slot_pos.copy_(saved_slots)
-            # No uncaptured work may be pending on the offload side stream when it joins the capture (a layer
-            # move's device-to-host copy would make the capture fail: cudaErrorStreamCaptureIsolation). Captures
-            # happen only when a layer moves or the cache grows, so this host wait is rare.
-            torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._body()
-        cache.cache_seqlens.copy_(saved)  # capture does not run kernels; keep state exact anyway
-        self.q.copy_(saved_q)
-        if eng is not None:
-            eng.slotmap.slot_pos.copy_(saved_slots)
-            self.version = eng.version
-
-    def _body(self):
-        self.cache.set_current(self.tokens)
-        sel = self.rt.head_step(self.cache, self.q)
-        logits, q = self.rt.decode(self.cache, self.tokens, sel, self.engine)
-        self.q.copy_(q)
-        return logits, sel
-
-    def __call__(self, tokens: torch.Tensor):
-        self.tokens.copy_(tokens)
-        if self.graph is None or (self.engine is not None and self.engine.version != self.version):
-            self._capture()
-        self.graph.replay()
-        logits, sel = self.out
-        return logits, sel

@@ -1,15 +1,14 @@
 """KV offload for the SpeContext runtime (arXiv 2512.00722 §5–6): whole layers' KV in pinned CPU memory, elastic
 loading into budget-sized GPU slot buffers, asynchronous prefetch on a side CUDA stream.
 
-**How offloaded layers enter the captured decode program.** The captured step reads layer ``l``'s cache as
-``select(k_cache, 0, l)`` of one stacked ``(L, batch, H_kv, S_max, D)`` tensor and passes the step's shared
-``indices`` to every ``kvt::sparse_decode_attention``. :func:`split_decode_inputs` rewrites (a copy of) that graph
-once into ``(input_ids, cache_seqlens, k_0, v_0, idx_0, ..., k_{L-1}, v_{L-1}, idx_{L-1})``: one (cache, indices)
-triple per layer, no recapture with ``torch.export`` when a layer moves. A resident layer gets its GPU cache
+**How offloaded layers enter the decode program.** The runtime runs the decode step split per layer, which its
+decode programs derive once (``layer_split``; ``passes/layer_split.py``): ``(input_ids, cache_seqlens, k_0, v_0,
+idx_0, ..., k_{L-1}, v_{L-1}, idx_{L-1})``, one (cache, indices) triple per layer, no recapture with
+``torch.export`` when a layer moves. A resident layer gets its GPU cache
 ``(batch, H_kv, capacity, D)`` and the selection; an offloaded layer gets its slot buffer ``(batch, H_kv, W, D)``
 and the selection mapped to slots (``slot_of[b, h, j]``: the slot holding ``indices[b, h, j]``, ``-1`` padding). The
 op gathers the same K/V rows in the same order as the resident path, so the two paths give bit-identical outputs.
-Each offloaded layer's K input passes through a :class:`_LayerReady` node, where the compute stream waits on that
+Each offloaded layer's K input passes through a :class:`LayerReady` node, where the compute stream waits on that
 layer's copy event just before the layer's attention.
 
 **Elastic loading** (:class:`SlotMap`): per (row, KV head) the slots keep the positions still selected; positions
@@ -24,7 +23,7 @@ waits come last) → append: new K/V of resident layers into their GPU cache, of
 memory (written by a GPU kernel through the unified-address view) → the compute stream joins the side stream.
 CUDA graphs stop where offload begins: an offloaded request decodes eagerly (the runtime does not capture it),
 because capturing the side stream's fork/join and per-layer waits failed on the H200 with
-``cudaErrorStreamCaptureIsolation``; :class:`~kvtransform.runtime.generate._GraphStep` keeps the recapture-on-move
+``cudaErrorStreamCaptureIsolation``; :class:`~kvtransform.runtime.graph_step._GraphStep` keeps the recapture-on-move
 logic (:meth:`OffloadEngine.version`) for when that is fixed.
 
 **Layer moves** (:meth:`OffloadEngine.before_step`): resident layers are allocated for ``capacity`` tokens and grow
@@ -39,7 +38,6 @@ stream and the events are no-ops and the copies run :func:`~kvtransform.kernels.
 """
 from __future__ import annotations
 
-import copy
 import math
 from typing import Optional
 
@@ -50,18 +48,16 @@ from kvtransform.kernels.elastic import elastic_copy_reference, elastic_copy_tri
 from .cache import KVCache
 from .memory import HeadMemory, MemoryPlan, ModelMemory, plan_memory
 
-__all__ = ["split_decode_inputs", "SlotMap", "OffloadedKVCache", "OffloadEngine", "OFFLOAD_HEADS"]
-
-aten = torch.ops.aten
-_SPARSE = torch.ops.kvt.sparse_decode_attention.default
+__all__ = ["LayerReady", "SlotMap", "OffloadedKVCache", "OffloadEngine", "OFFLOAD_HEADS", "make_plan",
+           "initial_capacity"]
 
 #: Heads that never read the full cache of every layer (``quest``/``oracle`` read all layers' keys, ``dense``
 #: selects the whole cache): the ones offload works with.
 OFFLOAD_HEADS = ("recent", "self", "distilled", "eagle3")
 
 
-class _LayerReady(torch.nn.Module):
-    """Graph node before an offloaded layer's attention: the current stream waits on the layer's copy event (set
+class LayerReady(torch.nn.Module):
+    """The module before an offloaded layer's attention: the current stream waits on the layer's copy event (set
     by :class:`OffloadEngine`; None = no wait: resident layer, or the CPU stand-in). Returns its input."""
 
     def __init__(self):
@@ -75,72 +71,6 @@ class _LayerReady(torch.nn.Module):
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         return x
-
-
-def split_decode_inputs(gm: torch.fx.GraphModule, num_layers: int) -> torch.fx.GraphModule:
-    """A copy of the rewritten decode step taking one (K cache, V cache, indices) triple per layer.
-
-    Args:
-        gm: the decode program (``input_ids, cache_seqlens, indices, k_cache, v_cache``; every attention a
-            ``kvt::sparse_decode_attention`` reading ``select(k_cache, 0, l)``).
-
-    Returns:
-        a ``GraphModule`` called as ``(input_ids (B, 1), cache_seqlens (B,), k_0, v_0, idx_0, ...)`` with the
-        decode program's outputs; submodules ``ready_<l>`` (:class:`_LayerReady`).
-
-    Raises:
-        ValueError: the graph uses the stacked cache or the indices in a way this split cannot map (anything but
-            per-layer ``select``, the attention's indices argument and size queries of batch, heads or head_dim).
-    """
-    # a copy of the graph, not of the weights: the split program uses the decode program's very parameters and
-    # buffers (no second copy in memory, and in-place updates of the model reach both)
-    gm = copy.deepcopy(gm, memo={id(t): t for t in (*gm.parameters(), *gm.buffers())})
-    g = gm.graph
-    ph = {n.target: n for n in g.nodes if n.op == "placeholder"}
-    need = ("input_ids", "cache_seqlens", "indices", "k_cache", "v_cache")
-    if any(k not in ph for k in need):
-        raise ValueError(f"split_decode_inputs needs a decode program with inputs {need}; got {sorted(ph)}")
-    from kvtransform.passes.sparse_decode import drop_input_guards
-
-    drop_input_guards(g)  # shape guards of the old signature
-    anchor, raw = ph["v_cache"], []
-    for l in range(num_layers):
-        trio = []
-        for name in (f"k_{l}", f"v_{l}", f"idx_{l}"):
-            with g.inserting_after(anchor):
-                anchor = g.placeholder(name)
-            trio.append(anchor)
-        raw.append(trio)
-        gm.add_submodule(f"ready_{l}", _LayerReady())
-    layer_of_k = {}
-    for n in list(g.nodes):
-        if n.op == "call_function" and n.target is aten.select.int and n.args[0] in (ph["k_cache"], ph["v_cache"]):
-            l = int(n.args[2])
-            if n.args[1] != 0 or not 0 <= l < num_layers:
-                raise ValueError(f"decode program reads the stacked cache as {n.format_node()}: cannot split it")
-            src = raw[l][0 if n.args[0] is ph["k_cache"] else 1]
-            if n.args[0] is ph["k_cache"]:
-                with g.inserting_after(raw[-1][-1]):
-                    src = g.call_module(f"ready_{l}", (src,))
-                layer_of_k[src] = l
-            n.replace_all_uses_with(src)
-            g.erase_node(n)
-    for n in list(g.nodes):
-        if n.op == "call_function" and n.target is _SPARSE:
-            l = layer_of_k.get(n.args[1])
-            if l is None or n.args[3] is not ph["indices"]:
-                raise ValueError(f"attention {n.name} does not read one layer's cache with the step's indices")
-            n.args = n.args[:3] + (raw[l][2],) + n.args[4:]
-    for key, col, shift in (("k_cache", 0, 1), ("v_cache", 1, 1), ("indices", 2, 0)):
-        for u in list(ph[key].users):
-            d = u.args[1] - shift if u.target is aten.sym_size.int else None
-            if d is None or (shift and d not in (0, 1, 3)):  # batch, H_kv, head_dim (never S_max or L)
-                raise ValueError(f"the decode program uses {key} in {u.format_node()}: cannot split it per layer")
-            u.args = (raw[0][col], d)
-        g.erase_node(ph[key])
-    g._codegen = torch.fx.graph.CodeGen()  # flat positional signature
-    gm.recompile()
-    return gm
 
 
 class SlotMap:
@@ -298,7 +228,7 @@ class OffloadEngine:
     Args:
         cache: :class:`OffloadedKVCache`. plan: :class:`~kvtransform.runtime.memory.MemoryPlan` (thresholds in
         tokens). width: the selection width ``W`` (tokens per KV head). chunk: resident capacity growth (tokens).
-        graph: the split decode program (:func:`split_decode_inputs`).
+        graph: the decode step split per layer (the decode programs' ``layer_split(LayerReady)``).
     """
 
     def __init__(self, cache: OffloadedKVCache, plan: MemoryPlan, width: int, chunk: int, graph):
@@ -459,7 +389,7 @@ class OffloadEngine:
 
     # ---- counters -----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters for :class:`~kvtransform.runtime.generate.GenerationStats` (bytes, fractions; host sync)."""
+        """Counters for :class:`~kvtransform.runtime.outputs.GenerationStats` (bytes, fractions; host sync)."""
         c = self.cache
         row = 2 * c.head_dim * torch.empty((), dtype=c.dtype).element_size()  # K+V bytes of one entry
         full = c.batch * c.num_kv_heads * self.width * row
@@ -484,18 +414,15 @@ class OffloadEngine:
 
 def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: Optional[int]) -> MemoryPlan:
     """The :class:`MemoryPlan` for a generation: model facts from the decode program's parameters (and its fused
-    projection copies, when built), the head's
-    state as its weights, ``gpu_bytes`` (default on CUDA: free memory now plus what is already allocated).
+    projection copies, when built: ``runtime.programs.fused_bytes()``), the head's state as its weights, ``gpu_bytes`` (default on CUDA: free memory now plus what is already allocated).
 
     Raises:
         ValueError: no ``gpu_bytes`` on the CPU stand-in, or a batch that does not fit (see :func:`plan_memory`).
     """
     info = runtime.info
-    from kvtransform.passes.fuse_projections import fused_bytes
-
     params = {id(p): p for p in runtime.decode_fn.parameters()} if hasattr(runtime.decode_fn, "parameters") else {}
     # + fused projection copies a non-offloaded generate may have built (they stay allocated)
-    weight = sum(p.numel() * p.element_size() for p in params.values()) + fused_bytes(runtime.decode_fn)
+    weight = sum(p.numel() * p.element_size() for p in params.values()) + runtime.programs.fused_bytes()
     e = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
     mm = ModelMemory(weight, info.num_layers, info.num_kv_heads, info.head_dim, e)
     state = runtime.head.state_dict()

@@ -11,6 +11,13 @@ another response. Log-probabilities and gradients equal those of the N separate 
     logprobs = batch.response_logprobs(opt(batch))              # [ (R_i,) ... ]
     loss = -sum(a * lp.sum() for a, lp in zip(advantages, logprobs)); loss.backward()   # grads on model's params
 
+Prefix trees (multi-turn / agentic rollouts, any depth of shared prefix; Tree Training, arXiv 2511.00413) go through
+the same module: ``opt(kvt.pack_trajectories(seqs, loss_masks=...))`` runs a second program, the packed one with every
+``kvt.dualkv_attention`` rewritten into ``kvt.prefix_tree_attention`` (:mod:`kvtransform.passes.prefix_tree`). It is
+derived at transform time from the same capture (no second ``torch.export``: the packed capture is layout-agnostic,
+only the attention differs; ~0.1 s) and verified by the same gate before the module is returned. An artifact stores
+the one-level program; a loaded module derives the tree program from it with the same pass on its first tree batch.
+
 The transformed module's parameters are the original model's ``Parameter`` objects, so an optimiser built on
 ``model.parameters()`` trains it.
 """
@@ -28,7 +35,11 @@ from kvtransform.packing import PackedBatch, check_packed, pack_shared_prefix
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.passes.dualkv import DualKVPass, count_square_tensors
+from kvtransform.passes.manager import PassContext
+from kvtransform.passes.prefix_tree import prefix_tree_program
 from kvtransform.report import Report
+from kvtransform.tree_layout import PrefixTreeLayout
+from kvtransform.tree_packing import TreeBatch
 from kvtransform.utils import device_of
 from kvtransform.verify import verify_packed
 
@@ -53,33 +64,46 @@ class _PackedLogits(torch.nn.Module):
 class DualKVModule(OptimizedModule):
     """A model transformed for packed shared-prefix batches (trainable; parameters are the original model's).
 
-    Call it as ``opt(batch) -> logits (1, T, vocab)`` with a :class:`PackedBatch`, or
-    ``opt(input_ids (1, T), cu_seqlens=..., segment_prefix=..., position_ids=None)`` with the layout tensors
-    (int32; ``position_ids`` derived from the layout when omitted), or ``opt(input_ids, layout)`` with a
-    :class:`~kvtransform.layout.DualKVLayout`. Use :meth:`PackedBatch.response_logprobs` on the logits.
+    Call it as ``opt(batch) -> logits (1, T, vocab)`` with a :class:`PackedBatch` (one shared level) or a
+    :class:`~kvtransform.tree_packing.TreeBatch` (prefix trees, any depth), or ``opt(input_ids (1, T),
+    cu_seqlens=..., segment_prefix=..., position_ids=None)`` with the DualKV layout tensors (int32; ``position_ids``
+    derived from the layout when omitted), or ``opt(input_ids, layout)`` with a
+    :class:`~kvtransform.layout.DualKVLayout` or a :class:`~kvtransform.tree_layout.PrefixTreeLayout`. Use
+    :meth:`PackedBatch.response_logprobs` / :meth:`TreeBatch.trajectory_logprobs` on the logits.
+
+    Attributes:
+        core: the one-level program ``(input_ids, position_ids, cu_seqlens, segment_prefix) -> logits``.
+        tree_core: the prefix-tree program ``(input_ids, position_ids, *PrefixTreeLayout.kernel_tensors()) ->
+            logits`` (same parameters), or None until the first tree batch of a loaded module derives it.
 
     Raises (forward):
         ValueError: a plain ``(B, S)`` batch without a layout, a layout whose offsets do not sum to ``T`` or are
             malformed, ``position_ids`` that disagree with the layout, or token ids outside the vocabulary.
     """
 
-    def __init__(self, core: torch.nn.Module, config: DualKVConfig, report: Report, max_seq_len: int = 1 << 20):
+    def __init__(self, core: torch.nn.Module, config: DualKVConfig, report: Report, max_seq_len: int = 1 << 20,
+                 tree_core: Optional[torch.nn.Module] = None):
         super().__init__(core, config, report, max_seq_len=max_seq_len)
+        self.tree_core = tree_core
 
-    def forward(self, batch: Union[PackedBatch, torch.Tensor, None] = None, layout: Optional[DualKVLayout] = None,
-                *, input_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                cu_seqlens: Optional[torch.Tensor] = None, segment_prefix: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+    def forward(self, batch: Union[PackedBatch, TreeBatch, torch.Tensor, None] = None,
+                layout: Union[DualKVLayout, PrefixTreeLayout, None] = None, *, input_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                segment_prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
         input_ids, position_ids, lay = self._normalise(batch, layout, input_ids, position_ids, cu_seqlens,
                                                        segment_prefix)
         check_packed(input_ids, position_ids, lay, self.vocab_size)
+        if isinstance(lay, PrefixTreeLayout):
+            if self.tree_core is None:  # a loaded artifact: derive the tree program from the one-level one
+                self.tree_core = prefix_tree_program(self.core, PassContext(Report()))
+            return self.tree_core(input_ids, position_ids, *lay.kernel_tensors())
         return self.core(input_ids, position_ids, lay.cu_seqlens, lay.segment_prefix)
 
     def _normalise(self, batch, layout, input_ids, position_ids, cu_seqlens, segment_prefix):
         dev = device_of(self)
-        if isinstance(batch, PackedBatch):
+        if isinstance(batch, (PackedBatch, TreeBatch)):
             if any(x is not None for x in (layout, input_ids, position_ids, cu_seqlens, segment_prefix)):
-                raise ValueError("pass either a PackedBatch or input_ids with layout tensors, not both")
+                raise ValueError(f"pass either a {type(batch).__name__} or input_ids with a layout, not both")
             b = batch.to(dev) if batch.device != dev else batch
             return b.input_ids, b.position_ids, b.layout
         if batch is not None:
@@ -87,8 +111,9 @@ class DualKVModule(OptimizedModule):
                 raise ValueError("input_ids given twice (positionally and as a keyword)")
             input_ids = batch
         if not isinstance(input_ids, torch.Tensor):
-            raise ValueError("DualKVModule takes a PackedBatch (kvt.pack_shared_prefix / pack_shared_prefix_groups) "
-                             f"or input_ids (1, T) with cu_seqlens and segment_prefix; got {type(batch).__name__}")
+            raise ValueError("DualKVModule takes a PackedBatch (kvt.pack_shared_prefix / pack_shared_prefix_groups), a "
+                             "TreeBatch (kvt.pack_trajectories) or input_ids (1, T) with cu_seqlens and "
+                             f"segment_prefix; got {type(batch).__name__}")
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if layout is None:
@@ -104,8 +129,8 @@ class DualKVModule(OptimizedModule):
                 layout = DualKVLayout.from_tensors(cu_seqlens, segment_prefix)
             except ValueError as e:
                 raise ValueError(f"invalid packed layout: {e}") from None
-        elif not isinstance(layout, DualKVLayout):
-            raise ValueError(f"layout must be a DualKVLayout; got {type(layout).__name__}")
+        elif not isinstance(layout, (DualKVLayout, PrefixTreeLayout)):
+            raise ValueError(f"layout must be a DualKVLayout or a PrefixTreeLayout; got {type(layout).__name__}")
         layout = layout.to(dev) if layout.device != dev else layout
         input_ids = input_ids.to(dev)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -142,7 +167,8 @@ class DualKVModule(OptimizedModule):
 @register_transform(DualKVConfig, module_type=DualKVModule)
 def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = True) -> DualKVModule:
     """DualKV transform: packed capture → canonical attention (mask proven causal) → ``kvt.dualkv_attention`` →
-    cleanup → exactness gate on the replicated batch.
+    cleanup; the prefix-tree program derived from it (``kvt.prefix_tree_attention``); exactness gate on the
+    replicated batch for both.
 
     Raises:
         ValueError: not a causal LM, or an attention the packed layout cannot express (sliding window, custom mask):
@@ -164,6 +190,7 @@ def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = 
         raise ValueError(f"{remaining} attention nodes were left unrewritten; refusing to build a packed module")
     rec.notes.append(f"mask construction gone ({report.pass_record('cleanup').nodes_removed} dead nodes removed); "
                      f"{count_square_tensors(gm)} (T,T) tensors left")
-    opt = DualKVModule(_PackedLogits(gm), cfg, report, max_seq_len=cap.max_seq_len)
-    verify_packed(model, opt, cfg, tokenizer, report, progress)
+    tree = prefix_tree_program(gm, ctx)  # same capture, attention rewired to the tree layout (passes/prefix_tree.py)
+    opt = DualKVModule(_PackedLogits(gm), cfg, report, max_seq_len=cap.max_seq_len, tree_core=tree)
+    verify_packed(model, opt, cfg, tokenizer, report, progress)  # the one-level program, then the tree program
     return opt

@@ -14,6 +14,8 @@ Two captured programs and a runtime::
 * **prefill** (:func:`kvtransform.capture.capture_prefill`): the prompts packed on one token axis without padding,
   each its own causal segment (the canonical + dualkv passes: ``kvt.dualkv_attention`` with no responses is
   varlen causal attention), returning every layer's post-RoPE K/V for the cache;
+* **decode programs** (:class:`kvtransform.passes.programs.DecodePrograms`): every variant of the decode step the
+  runtime runs (fused projections, slot mode, the per-layer split of KV offload), derived on first use;
 * **runtime** (:mod:`kvtransform.runtime`): cache, retrieval head, step loop, sampling, CUDA graphs.
 
 The gate (:func:`verify_decode`) runs a ragged batch of real prompts through the packed prefill and a few
@@ -31,11 +33,12 @@ import torch
 from torch.export import Dim
 
 from kvtransform.capture import capture_decode_step, capture_prefill, decode_example, export_dynamic, \
-    prefill_example
+    max_positions, prefill_example
 from kvtransform.config import SpeContextConfig
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.passes.dualkv import DualKVPass
+from kvtransform.passes.programs import DecodePrograms
 from kvtransform.passes.sparse_decode import SparseDecodePass, count_cache_copies, drop_input_guards
 from kvtransform.report import Report, Verification
 from kvtransform.runtime.generate import GenerateOutput, ModelInfo, SpeContextRuntime
@@ -90,10 +93,10 @@ class SpeContextModule(OptimizedModule):
         if head_state:
             self.head.load_state_dict(head_state)
         self.head.bind(model if model is not None else decode)
-        self.runtime = SpeContextRuntime(prefill, decode, self.head, info, cuda_graphs=config.cuda_graphs,
-                                          offload=config.offload, compile=config.compile,
-                                          fuse_projections=config.fuse_projections,
-                                          share_fused_weights=config.share_fused_weights)
+        rc = config.runtime  # the runtime settings (RuntimeConfig); every decode variant comes from DecodePrograms
+        programs = DecodePrograms(decode, info.num_layers, rc.fuse_projections, rc.share_fused_weights)
+        self.runtime = SpeContextRuntime(prefill, programs, self.head, info, cuda_graphs=rc.cuda_graphs,
+                                          offload=rc.offload, compile=rc.compile)
         self._source = None  # _SourceLink: the model and the Parameters the programs hold (a deep copy drops it)
         if model is not None:
             held = {id(p): p for prog in (prefill, decode) if isinstance(prog, torch.nn.Module)
@@ -480,6 +483,6 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
     report.timings.update({f"prefill/{k}": t for k, t in pre_report.timings.items()})
     scale = next((float(n.args[7]) for n in dec.graph.nodes if n.op == "call_function"
                   and n.target is torch.ops.kvt.sparse_decode_attention.default), None)
-    opt = SpeContextModule(pre, dec, cfg, report, ModelInfo.from_model(model), scale, model=model)
+    opt = SpeContextModule(pre, dec, cfg, report, ModelInfo.from_model(model, max_positions(model)), scale, model=model)
     verify_decode(model, opt, cfg, tokenizer, report, progress)
     return opt
