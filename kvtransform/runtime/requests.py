@@ -1,0 +1,95 @@
+"""Checks of a generation request (HF ``generate`` semantics): prompt rows, step counts, EOS and pad ids, sampling
+parameters. Each raises ``ValueError`` naming the argument and the fix."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["_prompt_rows", "_check_request", "_check_steps", "_as_eos", "_check_pad"]
+
+
+def _check_steps(max_new_tokens) -> None:
+    """Raises ValueError unless ``max_new_tokens`` is an int >= 1 (not a bool)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+
+
+def _as_eos(eos, vocab: int) -> list:
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) or (isinstance(eos, torch.Tensor) and eos.dim() == 0) else list(eos)
+    out = []
+    for e in ids:
+        if isinstance(e, bool) or not isinstance(e, (int, torch.Tensor)) or not 0 <= int(e) < vocab:
+            raise ValueError(f"eos_token_id {e!r} is outside the vocabulary [0, {vocab}): pass the tokenizer's "
+                             f"eos_token_id, or None to never stop early")
+        out.append(int(e))
+    return out
+
+
+def _check_pad(pad, vocab_size: int) -> None:
+    """``pad_token_id`` is written into finished rows and fed back as their next token: it must be a vocabulary id.
+
+    Raises:
+        ValueError: not an int in ``[0, vocab_size)``.
+    """
+    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab_size:
+        raise ValueError(f"pad_token_id must be an id in [0, {vocab_size}) or None; got {pad!r}")
+
+
+def _prompt_rows(input_ids, attention_mask, vocab: int) -> list:
+    """The real tokens of each row (1-D int tensors on the CPU): ``input_ids`` ``(batch, seq)`` where
+    ``attention_mask`` (0/1, default all ones) is 1.
+
+    Raises:
+        ValueError: not an integer ``(batch, seq)`` tensor, no rows, a mask of another shape or not 0/1, an empty
+            row, a token outside ``[0, vocab)``.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+            or input_ids.dtype == torch.bool:
+        one_row = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1 and \
+            not input_ids.dtype.is_floating_point and input_ids.dtype != torch.bool
+        raise ValueError(f"input_ids must be an integer tensor (batch, seq); got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                         f"{tuple(getattr(input_ids, 'shape', ()))}"
+                         + (": one prompt needs a batch dimension, pass input_ids[None]" if one_row else ""))
+    if input_ids.shape[0] < 1:
+        raise ValueError("input_ids has no rows: pass at least one prompt")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    elif not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a 0/1 tensor of shape {tuple(input_ids.shape)} like input_ids; "
+                         f"got {type(attention_mask).__name__}")
+    elif tuple(attention_mask.shape) != tuple(input_ids.shape) or attention_mask.dtype.is_floating_point or \
+            not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError(f"attention_mask must be 0/1 (int or bool) of shape {tuple(input_ids.shape)} like "
+                         f"input_ids; got {attention_mask.dtype} {tuple(attention_mask.shape)}")
+    keep = attention_mask.bool().cpu()
+    ids = input_ids.cpu()
+    rows = [ids[b][keep[b]] for b in range(ids.shape[0])]
+    empty = [b for b, r in enumerate(rows) if r.numel() == 0]
+    if empty:
+        raise ValueError(f"prompt row {empty[0]} is empty (no token with attention_mask 1): every row needs at "
+                         f"least one prompt token")
+    for b, r in enumerate(rows):
+        lo, hi = int(r.min()), int(r.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"token id {lo if lo < 0 else hi} in prompt row {b} is outside the vocabulary "
+                             f"[0, {vocab})")
+    return rows
+
+
+def _check_request(rows, max_new_tokens, temperature, top_k, top_p, max_positions: int) -> None:
+    """Raises ValueError for a request the programs cannot run: ``max_new_tokens < 1``, the longest prompt plus
+    ``max_new_tokens`` beyond ``max_positions``, a temperature that is not a number > 0, a bad ``top_k``/``top_p``."""
+    _check_steps(max_new_tokens)
+    longest = max(r.numel() for r in rows)
+    if longest + max_new_tokens > max_positions:
+        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"{max_positions} positions: shorten the prompt or lower max_new_tokens to "
+                         f"{max(max_positions - longest, 0)}")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a number > 0; got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be an integer >= 0 (0 or None = off); got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (1 or None = off); got {top_p!r}")
