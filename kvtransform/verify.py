@@ -308,9 +308,9 @@ def check_numerics_rule(model, opt, batch: Batch, advantages: Optional[torch.Ten
     (same dtype) in each way of ``original_runs`` (``"separate"``: N sequences; ``"padded"``: one right-padded batch
     with an attention mask; both are how a trainer runs the original), and a float64 copy of the original (N
     separate sequences). For the per-sequence log-probs (all sequences as one tensor) and the gradient of every
-    parameter (loss ``Σ_i adv_i Σ_j mask_ij logprob_ij``) the error of a run is ``max|x − x64| / max|x64|``; the original's
-    error is the larger over ``original_runs``; the rule holds for a tensor when ``err(opt) <= 2 · err(original) +
-    floor``. A fixed tolerance between two runs in the model's dtype sets no bound: the original's own error varies
+    parameter (loss ``Σ_i adv_i Σ_j mask_ij logprob_ij``) the error of a run is ``max|x − x64| / max|x64|``; the
+    original's error is the larger over ``original_runs``; the rule holds for a tensor when ``err(opt) <= 2 ·
+    err(original) + floor``. A fixed tolerance between two runs in the model's dtype sets no bound: the original's own error varies
     with the input and with how it is run (SmolLM2-135M, fp32, one 3-response batch: ``‖g − g64‖ / ‖g64‖`` is
     1.4e-5 run separately and 3.1e-5 padded).
 
@@ -455,7 +455,8 @@ def verify_packed(model, opt, cfg: DualKVConfig, tokenizer, report: Report, prog
         adv = torch.randn(n, generator=torch.Generator().manual_seed(cfg.verify.seed))
         what = f"{n} trajectories as a tree" if prefix else f"{n} responses"
         with stage(progress, f"verifying exactness vs the replicated batch ({what}, {b.num_tokens} packed "
-                             f"{_input_kind(tokenizer, 'tokens')})"), timed(report.timings, "verify_tree" if prefix else "verify"):
+                             f"{_input_kind(tokenizer, 'tokens')})"), \
+                timed(report.timings, "verify_tree" if prefix else "verify"):
             was_training = model.training
             model.eval()
             try:

@@ -9,7 +9,9 @@ by Hydra's own override parser and basic sweeper into the cartesian product of j
 
 Suites: ``dualkv-layer`` and ``dualkv-attn`` (DualKV, arXiv 2605.15422; runner :mod:`.runner`, methods
 :mod:`.methods`, masks :mod:`.masks`, test layer :mod:`.layer`) and ``decode-ops`` (SpeContext, arXiv 2512.00722;
-runner :mod:`.decode_ops`) and ``decode`` (end-to-end decode throughput, SpeContext Table 5; runner :mod:`.decode`).
+runner :mod:`.decode_ops`) and ``decode`` (end-to-end decode throughput, SpeContext Table 5; runner :mod:`.decode`) and
+``tree-attn`` / ``tree-layer`` (prefix-tree attention on agentic trees, Tree Training arXiv 2511.00413; runner
+:mod:`.tree_runner`, configs :mod:`.tree_config`, shapes :mod:`.tree_shapes`, methods :mod:`.tree_methods`).
 One timing loop (:mod:`.timing`), one CSV format (:mod:`.report`). Where a benchmark goes
 in the package: ``docs/ARCHITECTURE.md``.
 
@@ -20,6 +22,9 @@ Example (on a GPU)::
     kvtransform bench dualkv-attn -m P=4096,8192 mb=8,16 kernel_check=true tune=true
     kvtransform bench decode-ops -m S=4096,16384,32768 kernel_check=true tune=small retrieval_tune=true
     kvtransform bench decode -m model=llama-8b,qwen3-8b input=2048 output=16384,32768
+    kvtransform bench tree-attn -m prompt=4096 fanout=4x2x2,4x2x2x2 turn_min=256 turn_max=2048 kernel_check=true
+    kvtransform bench tree-attn shape=one_level P=8192 mb=16
+    kvtransform bench tree-layer fanout=4x2x2
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from typing import List, Optional
 
 __all__ = ["run", "compose_jobs", "SUITES"]
 
-SUITES = ("dualkv-layer", "dualkv-attn", "decode-ops", "decode")
+SUITES = ("dualkv-layer", "dualkv-attn", "decode-ops", "decode", "tree-attn", "tree-layer")
 
 _FLAGS_MULTIRUN = ("-m", "--multirun")
 
@@ -150,6 +155,8 @@ def run(suite: str, argv: List[str]) -> list:
         from .decode_ops import run_job
     elif suite == "decode":
         from .decode import run_job
+    elif suite in ("tree-attn", "tree-layer"):
+        from .tree_runner import run_job
     else:
         from .runner import run_job
 

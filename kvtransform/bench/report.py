@@ -16,6 +16,7 @@ from typing import Iterable, List
 from .report_markdown import markdown
 from .report_plot import plot_png
 from .report_rows import fmt, num
+from .report_tree import TREE_SUITES, plot_tree
 
 COLUMNS = ["suite", "mode", "method", "op", "impl", "pass", "params", "P", "mb", "T", "T_packed", "T_replicated", "S",
            "batch", "budget", "ms_p20", "ms_p50", "ms_p80", "ms_mean", "iters", "gb", "bytes_gb", "gbps", "pct_copy",
@@ -26,8 +27,28 @@ _TEXT = ["suite", "mode", "method", "op", "impl", "pass", "params", "status", "d
          "timestamp", "cmd", "check_vs"]
 
 
+def plot_any(df, path: str) -> bool:
+    """The PNG of the long CSV: :func:`.report_tree.plot_tree` for the prefix-tree suites, else
+    :func:`.report_plot.plot_png`. False when nothing was measured."""
+    if "suite" in df.columns and df["suite"].isin(TREE_SUITES).any():
+        return plot_tree(df, path)
+    return plot_png(df, path)
+
+
+def _tree_line(r: dict) -> str:
+    head = f"{r['method']:<18} {r.get('pass', ''):<6} {r.get('params', '')} T={r.get('T')}"
+    if r.get("status", "ok") != "ok" or num(r.get("ms_p50")) is None:
+        detail = f"{fmt(r.get('check_rel_err'), 2)} of bound  " if str(r.get("pass", "")).startswith("check") else ""
+        return f"{head}  {detail}{r.get('status')}   # {r.get('cmd', '')}"
+    return (f"{head}  p50 {r['ms_p50']:.2f} ms [{r['ms_p20']:.2f}, {r['ms_p80']:.2f}]  {fmt(r.get('gb'), 2)} GB  "
+            f"{fmt(r.get('tflops'), 0)} TFLOP/s  floor {fmt(r.get('floor_ms'), 2)} ms  "
+            f"err {num(r.get('check_rel_err')) or 0:.1e}  {r.get('impl', '')}   # {r.get('cmd', '')}")
+
+
 def row_line(r: dict) -> str:
     """One console line for a row: method, pass, shape, times, memory, status, and the reproduce command."""
+    if r.get("suite") in TREE_SUITES:
+        return _tree_line(r)
     if r.get("suite") == "decode":
         what = {"run": lambda: (f"{r.get('requests')} requests  prefill {fmt(r.get('prefill_s'), 2)} s  decode "
                                 f"{fmt(r.get('decode_s'), 1)} s  {fmt(r.get('tokens_per_s'), 1)} tokens/s"),
@@ -121,7 +142,7 @@ def write_all(rows: List[dict], out_dir: str, append: bool = False, plot: bool =
     paths = [csv_path, md_path]
     if plot:
         png = os.path.join(out_dir, "results.png")
-        if plot_png(df, png):
+        if plot_any(df, png):
             paths.append(png)
     return paths
 
@@ -142,7 +163,7 @@ def main(argv=None) -> int:
     if a.repro:
         print("\n".join(repro_lines(df)))
     if a.plot:
-        plot_png(df, a.plot)
+        plot_any(df, a.plot)
     if a.md or not (a.repro or a.plot):
         print(markdown(df))
     return 0

@@ -1,11 +1,13 @@
 """Markdown tables of the long benchmark CSV, one per suite: DualKV layer (ours next to the paper's and the H200
 calibration, with ratios, the FLOP floor and the targets), DualKV attention op, ``decode-ops`` (GB/s against the copy
-bandwidth and the HBM floor) and ``decode`` (end-to-end tokens/s beside SpeContext Table 5)."""
+bandwidth and the HBM floor) and ``decode`` (end-to-end tokens/s beside SpeContext Table 5); the prefix-tree suites'
+table is in :mod:`.report_tree`."""
 from __future__ import annotations
 
 from . import seed
 from .report_rows import (LAYER_METHODS, THROUGHPUT_DENSE, cell_gb, cell_ms, commits, config_key, fmt, get_row,
                           in_config, ms, num, ratio, shapes, tick)
+from .report_tree import TREE_SUITES, markdown_tree
 
 __all__ = ["TARGETS", "COMPILED_TARGETS", "markdown", "markdown_layer", "markdown_attn", "markdown_decode",
            "markdown_throughput"]
@@ -204,17 +206,13 @@ def markdown_throughput(df) -> str:
     return "\n".join(out)
 
 
-def markdown(df) -> str:
-    """All tables for the suites and modes present in ``df`` (a DataFrame of the long CSV)."""
-    dk = df[~df["suite"].isin(["decode-ops", "decode"])] if "suite" in df.columns else df
-    dk = dk[~dk["pass"].isin(["tune", "check", "check_tuned"])]
-    parts = [p for p in (markdown_layer(dk), markdown_attn(dk), markdown_decode(df), markdown_throughput(df)) if p]
-    return "\n\n".join(parts)
 
 
 def markdown(df) -> str:
     """All tables for the suites and modes present in ``df`` (a DataFrame of the long CSV)."""
-    dk = df[~df["suite"].isin(["decode-ops", "decode"])] if "suite" in df.columns else df
+    dk = df[~df["suite"].isin(["decode-ops", "decode", *TREE_SUITES])] if "suite" in df.columns else df
     dk = dk[~dk["pass"].isin(["tune", "check", "check_tuned"])]
-    parts = [p for p in (markdown_layer(dk), markdown_attn(dk), markdown_decode(df), markdown_throughput(df)) if p]
+    tree = markdown_tree(df) if "suite" in df.columns else ""
+    parts = [p for p in (markdown_layer(dk), markdown_attn(dk), markdown_decode(df), markdown_throughput(df), tree)
+             if p]
     return "\n\n".join(parts)

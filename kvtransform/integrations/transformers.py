@@ -8,13 +8,24 @@
                    segment_prefix=batch.segment_prefix, use_cache=False).logits      # (1, T, vocab)
     logprobs = batch.response_logprobs(logits)
 
+    tree = kvt.pack_trajectories([traj_1, traj_2, traj_3], loss_masks=[...])  # prefix trees, any depth
+    logits = model(tree.input_ids, position_ids=tree.position_ids, prefix_tree_layout=tree.layout,
+                   use_cache=False).logits
+    logprobs = tree.trajectory_logprobs(logits)
+
+    logits = model(**packed_inputs(batch_or_tree)).logits                   # either kind, the same call
+
 :func:`enable` registers ``kvt_dualkv`` with transformers' ``AttentionInterface`` (attention) and
 ``AttentionMaskInterface`` (its mask function) and switches the model to it. The keyword arguments of the model's
 forward reach every attention layer (transformers' ``**kwargs`` path), so the layout (``cu_seqlens`` int32 ``(S+1,)``,
 ``segment_prefix`` int32 ``(S,)``; :class:`kvtransform.layout.DualKVLayout`) arrives with the queries, and the
 attention runs ``kvt.dualkv_attention`` (DualKV, arXiv 2605.15422, §2–3; ``docs/ARCHITECTURE.md``): a response token
 sees its group's prompt and its own response so far, so log-probs and gradients equal those of the N separate
-sequences. Calls without a layout (generation, a plain padded batch) fall through to transformers' SDPA attention.
+sequences. A :class:`~kvtransform.tree_packing.TreeBatch`'s layout (``prefix_tree_layout``, a
+:class:`~kvtransform.tree_layout.PrefixTreeLayout`) runs ``kvt.prefix_tree_attention`` instead (Tree Training, arXiv
+2511.00413): a token sees every ancestor node and its own node so far, so each trajectory's log-probs and gradients
+equal those of the trajectory run alone. Calls without a layout (generation, a plain padded batch) fall through to
+transformers' SDPA attention.
 
 The mask function is transformers' SDPA mask, registered under the same name: without one, transformers builds no
 causal mask for a custom attention name and the fallback path would silently attend to future tokens. In the
@@ -27,7 +38,7 @@ import torch
 
 ATTENTION_NAME = "kvt_dualkv"
 
-__all__ = ["ATTENTION_NAME", "enable", "disable", "dualkv_attention_forward", "dualkv_mask"]
+__all__ = ["ATTENTION_NAME", "enable", "disable", "dualkv_attention_forward", "dualkv_mask", "packed_inputs"]
 
 
 def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -35,36 +46,70 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """transformers attention function (``AttentionInterface``): ``query (1, H, T, D)``, ``key``/``value``
     ``(1, H_kv, T, D)`` → ``(attn_output (1, T, H, D), None)``.
 
-    With ``cu_seqlens`` and ``segment_prefix`` in ``kwargs`` it runs ``kvt.dualkv_attention`` over the packed
-    layout; without them, transformers' ``sdpa_attention_forward`` with the given mask.
+    With ``cu_seqlens`` and ``segment_prefix`` (int32) in ``kwargs`` it runs ``kvt.dualkv_attention`` over the packed
+    layout; with ``prefix_tree_layout`` (a :class:`~kvtransform.tree_layout.PrefixTreeLayout`),
+    ``kvt.prefix_tree_attention``; without either, transformers' ``sdpa_attention_forward`` with the given mask.
 
     Raises:
-        ValueError: only one of the two layout tensors, a batch other than 1, keys of another length than the
-            queries (a KV cache), attention dropout, or a sliding-window layer: none of these is expressible in the
-            packed layout.
+        ValueError: only one of the two DualKV layout tensors, both kinds of layout, a ``prefix_tree_layout`` that is
+            not a PrefixTreeLayout, a batch other than 1, keys of another length than the queries (a KV cache),
+            attention dropout, or a sliding-window layer: none of these is expressible in a packed layout.
     """
     cu, sp = kwargs.pop("cu_seqlens", None), kwargs.pop("segment_prefix", None)
-    if cu is None and sp is None:
+    tree = kwargs.pop("prefix_tree_layout", None)
+    if cu is None and sp is None and tree is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if cu is None or sp is None:
+    if tree is not None and (cu is not None or sp is not None):
+        raise ValueError("pass either prefix_tree_layout (a TreeBatch) or cu_seqlens/segment_prefix (a PackedBatch), "
+                         "not both")
+    if tree is None and (cu is None or sp is None):
         raise ValueError("a packed DualKV batch needs both cu_seqlens and segment_prefix")
+    what = "packed DualKV" if tree is None else "packed prefix-tree"
     if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
-        raise ValueError(f"a packed DualKV batch is one row (1, T) without a KV cache (use_cache=False); got query "
+        raise ValueError(f"a {what} batch is one row (1, T) without a KV cache (use_cache=False); got query "
                          f"{tuple(query.shape)} and key {tuple(key.shape)}")
     if dropout:
-        raise ValueError(f"attention dropout {dropout} is not supported by kvt.dualkv_attention (set the model's "
+        raise ValueError(f"attention dropout {dropout} is not supported by packed attention (set the model's "
                          f"attention_dropout to 0)")
-    if getattr(module, "sliding_window", None):
-        raise ValueError(f"sliding-window attention (window {module.sliding_window}) cannot be expressed in the "
-                         f"packed shared-prefix layout")
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)  # Mistral passes it as kwarg
+    if window:
+        raise ValueError(f"sliding-window attention (window {window}) cannot be expressed in the {what} layout")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D)
+    if tree is not None:
+        from kvtransform.ops.prefix_tree import PrefixTreeLayout, prefix_tree_attention
+
+        if not isinstance(tree, PrefixTreeLayout):
+            raise ValueError(f"prefix_tree_layout must be a PrefixTreeLayout (TreeBatch.layout from "
+                             f"kvt.pack_trajectories); got {type(tree).__name__}")
+        return prefix_tree_attention(q, k, v, tree, softmax_scale=scaling)[None], None
     from kvtransform.ops.dualkv import dualkv_attention
 
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D)
     out = dualkv_attention(q, k, v, cu.to(q.device), sp.to(q.device), softmax_scale=scaling)
     return out[None], None
+
+
+def packed_inputs(batch) -> dict:
+    """The keyword arguments of ``model(**packed_inputs(batch))`` for a :class:`~kvtransform.packing.PackedBatch`
+    (``cu_seqlens``, ``segment_prefix``) or a :class:`~kvtransform.tree_packing.TreeBatch` (``prefix_tree_layout``),
+    with ``input_ids`` and ``position_ids`` ``(1, T)`` and ``use_cache=False``.
+
+    Raises:
+        ValueError: ``batch`` is neither (build one with kvt.pack_shared_prefix_groups or kvt.pack_trajectories).
+    """
+    from kvtransform.packing import PackedBatch
+    from kvtransform.tree_packing import TreeBatch
+
+    out = {"input_ids": getattr(batch, "input_ids", None), "position_ids": getattr(batch, "position_ids", None),
+           "use_cache": False}
+    if isinstance(batch, TreeBatch):
+        return {**out, "prefix_tree_layout": batch.layout}
+    if isinstance(batch, PackedBatch):
+        return {**out, "cu_seqlens": batch.cu_seqlens, "segment_prefix": batch.segment_prefix}
+    raise ValueError(f"packed_inputs takes a PackedBatch (kvt.pack_shared_prefix_groups) or a TreeBatch "
+                     f"(kvt.pack_trajectories); got {type(batch).__name__}")
 
 
 def dualkv_mask(*args, **kwargs):
@@ -84,7 +129,8 @@ def _register() -> None:
 
 
 def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
-    """Register the DualKV attention and mask functions with transformers and switch ``model`` to them.
+    """Register the DualKV attention and mask functions with transformers and switch ``model`` to them (packed
+    shared-prefix batches and prefix-tree batches, :func:`dualkv_attention_forward`).
 
     Args:
         model: a transformers ``PreTrainedModel`` (decoder-only, causal, full attention).
@@ -102,10 +148,11 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     if cfg is None or not hasattr(cfg, "_attn_implementation"):
         raise ValueError(f"enable() takes a transformers model; got {type(model).__name__}")
     layer_types = getattr(cfg, "layer_types", None) or []
-    if any("sliding" in str(t) for t in layer_types) or (getattr(cfg, "use_sliding_window", False) and
+    # Mistral has no use_sliding_window: its sliding_window alone turns the window on
+    if any("sliding" in str(t) for t in layer_types) or (getattr(cfg, "use_sliding_window", True) and
                                                          getattr(cfg, "sliding_window", None)):
         raise ValueError(f"{type(model).__name__} has sliding-window attention layers, which the packed shared-prefix "
-                         f"layout cannot express")
+                         f"and prefix-tree layouts cannot express")
     _register()
     if not hasattr(model, "_kvt_previous_attn"):
         model._kvt_previous_attn = cfg._attn_implementation

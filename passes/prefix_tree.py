@@ -1,0 +1,104 @@
+"""Prefix-tree pass: the packed DualKV program becomes the prefix-tree program (any depth of shared prefix).
+
+Input: the dualkv transform's rewritten program (after :class:`~.dualkv.DualKVPass` and cleanup; a freshly captured
+graph or one reloaded from ``model.pt2``): inputs ``(input_ids (1, T), position_ids (1, T), cu_seqlens (S+1,),
+segment_prefix (S,))``, every attention a ``kvt.dualkv_attention(q3, k3, v3, cu_seqlens, segment_prefix, scale)``.
+The packed capture itself is layout-agnostic (the layout only enters through the attention), so no second
+``torch.export`` is needed: this pass rewires the same graph. Output program::
+
+    (input_ids (1, T), position_ids (1, T), cu_seqlens (N+1,), parent (N,), key_range_ptr (N+1,), key_ranges (RK, 2),
+     query_range_ptr (N+1,), query_ranges (RQ, 2)) -> logits (1, T, vocab)
+
+with every ``kvt.dualkv_attention`` replaced in place by ``kvt.prefix_tree_attention(q3, k3, v3, *layout, scale)``
+(same ``(out, lse)`` result; the layout tensors are
+:meth:`kvtransform.tree_layout.PrefixTreeLayout.kernel_tensors`). A root→leaf path of nodes then computes what that
+path computes as one causal sequence (Tree Training, arXiv 2511.00413; DualKV, arXiv 2605.15422, is its one-level
+case). The capture's input guard call (``_guards_fn``, bounds of the one-level layout axes) is removed: the op checks
+the layout, :class:`~kvtransform.transforms.dualkv.DualKVModule` the token axis.
+
+What the dualkv pass refused (sliding window, custom masks, padding) never reaches this pass: the transform raised.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .manager import KVPass, PassContext, derived_program, run_passes
+
+KVT_DUALKV = torch.ops.kvt.dualkv_attention.default
+KVT_TREE = torch.ops.kvt.prefix_tree_attention.default
+#: the tree program's layout inputs after ``cu_seqlens``, in :meth:`PrefixTreeLayout.kernel_tensors` order
+TREE_INPUTS = ("parent", "key_range_ptr", "key_ranges", "query_range_ptr", "query_ranges")
+
+__all__ = ["PrefixTreePass", "prefix_tree_program", "TREE_INPUTS"]
+
+
+class PrefixTreePass(KVPass):
+    """Rewrite every ``kvt.dualkv_attention`` into ``kvt.prefix_tree_attention`` and the program's layout inputs
+    ``(cu_seqlens, segment_prefix)`` into the tree's six (module docstring). Mutates ``gm`` in place: run it on a
+    copy (:func:`prefix_tree_program`). Records a pass named ``prefix_tree`` (matched = DualKV attention nodes,
+    rewritten); site statuses stay ``"dualkv"`` (the one-level program's).
+
+    Raises:
+        ValueError: no ``kvt.dualkv_attention`` in the graph (run the dualkv pass first), or its layout arguments are
+            not the same two graph inputs everywhere.
+    """
+
+    name = "prefix_tree"
+
+    def run(self, gm: torch.fx.GraphModule, rec) -> bool:
+        graph = gm.graph
+        calls = [n for n in graph.nodes if n.op == "call_function" and n.target is KVT_DUALKV]
+        rec.matched = len(calls)
+        if not calls:
+            raise ValueError("the prefix_tree pass needs a program with kvt.dualkv_attention nodes: run the dualkv "
+                             "pass (kvt.transform(model, 'dualkv')) first")
+        layouts = {(c.args[3], c.args[4]) for c in calls}
+        cu, sp = next(iter(layouts))
+        if len(layouts) != 1 or cu.op != "placeholder" or sp.op != "placeholder":
+            raise ValueError("the prefix_tree pass needs every kvt.dualkv_attention to read the same two graph inputs "
+                             "(cu_seqlens, segment_prefix), as the dualkv pass wires them")
+        for n in [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+            graph.erase_node(n)  # guards of the one-level axes (e.g. S >= 2); the tree axes have other bounds
+            rec.notes.append("input guard call of the packed capture removed (the op checks the layout)")
+        new = []
+        with graph.inserting_after(sp):
+            for name in reversed(TREE_INPUTS):
+                new.insert(0, graph.placeholder(name))
+        for c in calls:
+            c.target = KVT_TREE
+            c.args = (*c.args[:3], cu, *new, c.args[5])
+            rec.rewritten += 1
+        graph.erase_node(sp)
+        _reset_input_spec(gm)
+        rec.notes.append(f"{rec.rewritten} kvt.dualkv_attention -> kvt.prefix_tree_attention; inputs "
+                         f"{[n.target for n in graph.nodes if n.op == 'placeholder']}")
+        return True
+
+
+def _reset_input_spec(gm: torch.fx.GraphModule) -> None:
+    """An unlifted torch.export module flattens its positional inputs with ``_in_spec``: give it one for the graph's
+    placeholders now (a new codegen object: the source program's is shared, never mutated)."""
+    cg = gm.graph._codegen
+    if not isinstance(cg, torch.fx.graph._PyTreeCodeGen):
+        return
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    spec = pytree.tree_flatten((tuple(range(len(names))), {}))[1]
+    gm.graph._codegen = torch.fx.graph._PyTreeCodeGen(cg.pytree_info._replace(orig_args=names, in_spec=spec))
+    gm._in_spec = spec
+
+
+def prefix_tree_program(program: torch.nn.Module, ctx: PassContext) -> torch.fx.GraphModule:
+    """The prefix-tree program derived from a packed DualKV ``program`` (a ``GraphModule``, or a module holding one
+    as ``.gm``); shares its parameters and buffers, leaves it unchanged, records the pass in ``ctx.report``.
+
+    Returns:
+        ``GraphModule``: ``(input_ids, position_ids, *PrefixTreeLayout.kernel_tensors()) -> logits (1, T, vocab)``.
+
+    Raises:
+        ValueError: as :class:`PrefixTreePass`.
+    """
+    gm = getattr(program, "gm", program)
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # node metadata comes along; the calling convention below
+    return run_passes(derived_program(gm, graph), [PrefixTreePass(ctx)])
