@@ -99,8 +99,8 @@ def main(argv=None) -> dict:
 
     d2 = sum(float(((a - b).double() ** 2).sum()) for a, b in zip(g_packed, g_ref))
     grad_rel = math.sqrt(d2 / sum(float((b.double() ** 2).sum()) for b in g_ref))
-    print(f"loss packed {float(loss):+.6f}  flattened {float(loss_ref):+.6f}; ‖g_packed − g_flat‖/‖g_flat‖ = "
-          f"{grad_rel:.2e}")
+    print(f"loss packed {float(loss.detach()):+.6f}  flattened {float(loss_ref.detach()):+.6f}; "
+          f"‖g_packed − g_flat‖/‖g_flat‖ = {grad_rel:.2e}")
     print(f"step (fwd+bwd): packed {t1 - t0:.2f} s, flattened (padded) {t2 - t1:.2f} s")
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for p, g in zip((p for p in model.parameters() if p.requires_grad), g_packed):
