@@ -15,7 +15,7 @@ import importlib
 
 from . import ops  # noqa: F401  registers torch.ops.kvt.*
 from .api import inspect, load, transform  # noqa: F401
-from .config import CanonicalConfig, DualKVConfig, SpeContextConfig, TransformConfig, VerifyConfig  # noqa: F401
+from .config import CanonicalConfig, DualKVConfig, RuntimeConfig, SpeContextConfig, TransformConfig, VerifyConfig  # noqa: F401
 from .report import Report  # noqa: F401
 from .transforms import register_transform  # noqa: F401
 from .transforms.base import OptimizedModule  # noqa: F401

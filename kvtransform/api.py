@@ -19,6 +19,7 @@ from .passes.attention import AttentionPass
 from .report import Report
 from .transforms import spec_for
 from .transforms.base import OptimizedModule, capture_and_rewrite
+from .utils import stage
 
 
 def transform(model: torch.nn.Module, config="canonical", tokenizer=None, progress: bool = True) -> OptimizedModule:
@@ -71,9 +72,10 @@ def inspect(model: torch.nn.Module, progress: bool = True) -> Report:
     return report
 
 
-def load(path: str | os.PathLike) -> OptimizedModule:
+def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
     """Load a directory written by :meth:`OptimizedModule.save` into the module class of the transform that wrote
-    it (works in a fresh process: importing kvtransform registers every transform).
+    it (works in a fresh process: importing kvtransform registers every transform). ``progress``: say on stderr
+    what loads and how long it took (deserialising a ``.pt2`` takes minutes on a small CPU).
 
     Raises:
         FileNotFoundError: ``path`` is not a saved kvtransform artifact.
@@ -87,4 +89,5 @@ def load(path: str | os.PathLike) -> OptimizedModule:
     report = Report.from_dict(json.loads((path / "report.json").read_text())) if (path / "report.json").exists() \
         else Report()
     meta = json.loads((path / "meta.json").read_text()) if (path / "meta.json").exists() else {}
-    return check_available(config).module_type.from_artifact(path, config, report, meta)
+    with stage(progress, f"loading the {config.name} artifact {path}"):
+        return check_available(config).module_type.from_artifact(path, config, report, meta)

@@ -412,10 +412,11 @@ def test_inspect_default_model_real(capsys):
     assert "attention sites (30)" in stdout
 
 
-def test_redirected_console_does_not_wrap_at_80_columns(capsys):
-    from kvtransform.utils import console
-
-    c = console()
-    assert not c.is_terminal and c.width > 200
-    c.print("x" * 150)
-    assert capsys.readouterr().out.strip() == "x" * 150
+def test_redirected_console_does_not_wrap_at_80_columns():
+    """Output piped to a file (a log) keeps lines whole: a fresh process whose stdout is a pipe, no COLUMNS."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_TERMINAL", "TTY_COMPATIBLE")}
+    code = "from kvtransform.utils import console; c = console(); print(c.is_terminal, c.width); c.print('x' * 150)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    first, second = out.splitlines()[:2]
+    assert first.split()[0] == "False" and int(first.split()[1]) > 200
+    assert second == "x" * 150

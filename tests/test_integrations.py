@@ -17,23 +17,17 @@ def _packed_logits(model):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_packed_forward_equals_unpacked_original(family):
-    """Log-probs and every parameter gradient of the enabled model on the packed batch equal the *unmodified*
-    model (SDPA) on the replicated sequences."""
-    original = kvt.tiny_model(family)
-    model = kvt.integrations.transformers.enable(copy.deepcopy(original), "dualkv")
+    """Log-probs and every parameter gradient of the enabled model on the packed batch equal the model run on the
+    replicated sequences, under the numerics rule against float64 (``kvtransform.verify.check_numerics_rule``: a
+    fixed tolerance between two fp32 runs flakes, the embedding gradient alone differs by ~1.4e-6)."""
+    from kvtransform.verify import check_numerics_rule
+
+    model = kvt.tiny_model(family)
+    kvt.integrations.transformers.enable(model, "dualkv")
     assert model.config._attn_implementation == "kvt_dualkv"
     batch = kvt.pack_shared_prefix_groups(GROUPS)
-    adv = torch.randn(batch.num_responses, generator=torch.Generator().manual_seed(0))
-    lp_new = batch.response_logprobs(_packed_logits(model)(batch))
-    loss_new = sum(a * lp.sum() for a, lp in zip(adv, lp_new))
-    loss_new.backward()
-    from kvtransform.verify import replicated_logprobs
-
-    lp_ref = replicated_logprobs(original, batch)
-    sum(a * lp.sum() for a, lp in zip(adv, lp_ref)).backward()
-    assert max(float((a - b).abs().max()) for a, b in zip(lp_new, lp_ref)) < 1e-5
-    for (name, p), q in zip(model.named_parameters(), original.parameters()):
-        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
+    res = check_numerics_rule(model, _packed_logits(model), batch, floor=1e-5)
+    assert res["passed"], [r for r in res["rows"] if not r[1] <= r[3]][:5]
 
 
 def test_without_layout_falls_back_to_causal_sdpa():

@@ -123,7 +123,7 @@ def run_optimize(cfg: DictConfig) -> dict:
     t_save = t3 = t4 = time.perf_counter()
     if "pt2" in emit:
         with stage(True, f"saving the artifact to {out}"):
-            opt.save(str(out), overwrite=cfg.overwrite)
+            opt.save(str(out), overwrite=cfg.overwrite, progress=False)
         t3 = time.perf_counter()
         console.print(f"[bold]Saved[/bold] artifact to {out}")
         with stage(True, "reloading the artifact in a fresh Python process and comparing outputs"):

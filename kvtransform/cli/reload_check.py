@@ -19,7 +19,7 @@ def main(argv=None) -> int:
 
     artifact, probe_file = (argv or sys.argv[1:])[:2]
     probe = torch.load(probe_file, weights_only=False)
-    opt = kvt.load(artifact)
+    opt = kvt.load(artifact, progress=False)
     got = opt.probe(probe["inputs"]).cpu()
     want = probe["outputs"]
     same_shape = tuple(got.shape) == tuple(want.shape)

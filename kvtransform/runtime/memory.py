@@ -149,29 +149,29 @@ class MemoryPlan:
                     len(self.offloaded_at(length)))
 
     def rows(self) -> list:
-        """One dict per offload event, in order: ``k``, ``layer``, ``length`` (tokens), ``gpu_gib`` before and
-        after the move, ``cpu_gib`` (pinned CPU memory holding offloaded K/V at ``S``)."""
+        """One dict per offload event, in order: ``k``, ``layer``, ``length`` (tokens), ``gpu_gb`` before and
+        after the move, ``cpu_gb`` (pinned CPU memory holding offloaded K/V at ``S``), in GB (1e9 bytes)."""
         out, c, b = [], self.model.kv_token_bytes, self.batch
         for k, l in enumerate(sorted((l for l, t in enumerate(self.thresholds) if t is not None),
                                      key=lambda l: (self.thresholds[l], -l)), start=1):
             n = self.thresholds[l]
             before = _m_k(self.model, self.head, self.reserve_bytes, b, self.budget, n, k - 1)
             after = _m_k(self.model, self.head, self.reserve_bytes, b, self.budget, n, k)
-            out.append({"k": k, "layer": l, "length": n, "gpu_gib_before": before / 2 ** 30,
-                        "gpu_gib_after": after / 2 ** 30, "cpu_gib": k * b * self.final_len * c / 2 ** 30})
+            out.append({"k": k, "layer": l, "length": n, "gpu_gb_before": before / 1e9,
+                        "gpu_gb_after": after / 1e9, "cpu_gb": k * b * self.final_len * c / 1e9})
         return out
 
     def table(self) -> str:
         """The plan as a markdown table plus a summary line."""
-        head = (f"GPU {self.gpu_bytes / 1e9:.1f} GB, weights {self.model.weight_bytes / 1e9:.2f} GB, batch "
+        head = (f"GB = 1e9 bytes. GPU {self.gpu_bytes / 1e9:.1f} GB, weights {self.model.weight_bytes / 1e9:.2f} GB, batch "
                 f"{self.batch}, [{self.input_len} in, {self.output_len} out], budget {self.budget}: without "
                 f"offload {self.resident_bytes / 1e9:.1f} GB; with it peak {self.peak_bytes / 1e9:.1f} GB; largest "
                 f"batch {self.max_batch_resident} resident, {self.max_batch} with offload")
-        lines = [head, "", "| # | layer | moves at length (tokens) | GPU GiB before | GPU GiB after | pinned CPU GiB "
+        lines = [head, "", "| # | layer | moves at length (tokens) | GPU GB before | GPU GB after | pinned CPU GB "
                            "(at the end) |", "|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows():
-            lines.append(f"| {r['k']} | {r['layer']} | {r['length']} | {r['gpu_gib_before']:.2f} | "
-                         f"{r['gpu_gib_after']:.2f} | {r['cpu_gib']:.2f} |")
+            lines.append(f"| {r['k']} | {r['layer']} | {r['length']} | {r['gpu_gb_before']:.2f} | "
+                         f"{r['gpu_gb_after']:.2f} | {r['cpu_gb']:.2f} |")
         if not self.needs_offload:
             lines.append("| - | - | never: every layer stays on the GPU | | | |")
         return "\n".join(lines)

@@ -189,10 +189,11 @@ class OptimizedModule(torch.nn.Module):
         ep = torch.export.load(path / "model.pt2")
         return cls(ep.module(), config, report, max_seq_len=meta.get("max_seq_len", 4096))
 
-    def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
+    def save(self, path: str | os.PathLike, overwrite: bool = False, progress: bool = True) -> Path:
         """Write the artifact into directory ``path``, atomically (a temporary sibling directory renamed into
         place): :meth:`write_artifact`'s files, ``config.yaml`` (resolved config), ``report.json`` and ``meta.json``
-        (transform name, maximum sequence length, torch version).
+        (transform name, maximum sequence length, torch version). ``progress``: say on stderr what is written and
+        how long it took (serialising the exported programs takes minutes on a small CPU).
 
         Raises:
             FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is false; or ``path`` is a file, the
@@ -203,7 +204,8 @@ class OptimizedModule(torch.nn.Module):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
-            extra = self.write_artifact(tmp)
+            with stage(progress, f"saving the {self.config.name} artifact to {path}"):
+                extra = self.write_artifact(tmp)
             (tmp / "config.yaml").write_text(self.config.to_yaml())
             (tmp / "report.json").write_text(self.report.to_json())
             meta = {"transform": self.config.name, "max_seq_len": self.max_seq_len, "torch": torch.__version__,

@@ -437,15 +437,7 @@ def head_summary(opt: SpeContextModule) -> str:
     return line
 
 
-def _cli_step(model, tokenizer, opt, cfg, console) -> dict:
-    """``kvtransform optimize transform=specontext``: print :func:`head_summary`."""
-    from rich.markup import escape
-
-    console.print(escape(head_summary(opt)))
-    return {}
-
-
-@register_transform(SpeContextConfig, module_type=SpeContextModule, cli_step=_cli_step)
+@register_transform(SpeContextConfig, module_type=SpeContextModule)
 def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress: bool = True) -> SpeContextModule:
     """SpeContext transform: decode-step capture → sparse_decode pass → cleanup; packed prefill capture →
     canonical → dualkv (varlen causal) → cleanup; gate (:func:`verify_decode`).
