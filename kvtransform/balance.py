@@ -12,6 +12,16 @@ it fits, first-fit decreasing otherwise); micro-batch sizes need not divide any 
     for mb in plan[rank]:                          # list of micro-batches, each a list of groups
         batch = kvt.pack_shared_prefix_groups(mb)   # an empty micro-batch: run a filler batch with zero loss weight
     print(plan.summary())                           # imbalance max/mean per rank
+
+Prefix trees (multi-turn / agentic rollouts; Tree Training, arXiv 2511.00413; ``docs/PREFIX_TREES.md``): with
+``trees=True`` each item is one tree, given as its list of trajectories (what :func:`kvt.pack_trajectories` takes).
+The keyword is what tells a tree from a DualKV group: a two-trajectory tree ``[[1, 2, 3], [1, 2, 4]]`` is also a
+valid group ``(prompt of 3 tokens, responses of 1, 2 and 4 tokens)``. A tree is never split; it costs its packed
+(deduplicated) tokens plus ``pair_weight`` times its visible attention pairs (:func:`tree_cost`)::
+
+    plan = kvt.balance_groups(trees, world_size=8, max_tokens=16384, trees=True)   # trees: [[traj, ...], ...]
+    for mb in plan[rank]:
+        batch = kvt.pack_trajectories([s for tree in mb for s in tree])
 """
 from __future__ import annotations
 
@@ -21,7 +31,13 @@ from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-__all__ = ["GroupBalance", "balance_groups", "group_tokens"]
+__all__ = ["GroupBalance", "balance_groups", "group_tokens", "tree_cost", "PAIR_WEIGHT"]
+
+PAIR_WEIGHT = 1.0 / (6 * 4096)
+"""Default token-equivalents per visible (query, key) pair of a tree: per layer, attention costs ``4·d`` FLOPs per
+pair (``QKᵀ`` and ``PV``) and the projections + MLP of a Llama-style layer ``~24·d²`` per token (``~12·d²``
+parameters, 2 FLOPs each), the same factor 3 for forward + backward on both; so a pair weighs ``1 / (6·d)`` tokens,
+here for ``d = 4096``. Pass ``pair_weight=1 / (6 * hidden_size)`` for another model."""
 
 
 def _length(x: Any, what: str) -> int:
@@ -55,7 +71,10 @@ def group_tokens(group: Any, index: int = 0) -> int:
         ValueError: not a pair, no responses, an empty prompt or response (the message names group ``index``).
     """
     if not isinstance(group, (tuple, list)) or len(group) != 2:
-        raise ValueError(f"group {index} must be a pair (prompt, [responses]); got {type(group).__name__}")
+        hint = ", or pass trees=True for prefix trees (a list of trajectories per item)" if isinstance(
+            group, (tuple, list)) or type(group).__name__ == "TreeBatch" else ""
+        raise ValueError(f"group {index} must be a pair (prompt, [responses]); got {type(group).__name__}"
+                         f"{' of length ' + str(len(group)) if isinstance(group, (tuple, list)) else ''}{hint}")
     prompt, responses = group
     if isinstance(responses, (str, bytes)) or not hasattr(responses, "__len__") or hasattr(responses, "shape"):
         raise ValueError(f"group {index}: responses must be a list of response lengths or token sequences")
@@ -63,6 +82,36 @@ def group_tokens(group: Any, index: int = 0) -> int:
         raise ValueError(f"group {index} has no responses")
     return _length(prompt, f"group {index}: prompt") + sum(
         _length(r, f"group {index}: response {i}") for i, r in enumerate(responses))
+
+
+def tree_cost(tree: Any, index: int = 0, pair_weight: float = PAIR_WEIGHT, min_shared: int = 1) -> tuple:
+    """``(packed tokens, visible pairs, cost)`` of one prefix tree given as its trajectories (each a 1-D id tensor,
+    list or NumPy array, as :func:`kvtransform.tree_packing.pack_trajectories` takes them, packed with the same
+    ``min_shared``): tokens = the trie's tokens (each shared prefix once), pairs =
+    :meth:`~kvtransform.tree_layout.PrefixTreeLayout.visible_pairs`, cost = ``tokens + pair_weight · pairs``
+    (float; :data:`PAIR_WEIGHT`).
+
+    Raises:
+        ValueError: a TreeBatch, a non-list, no trajectories or a malformed one (the message names tree ``index``).
+    """
+    from .tree_packing import pack_trajectories
+
+    if type(tree).__name__ == "TreeBatch":
+        raise ValueError(f"tree {index} is a TreeBatch: pass its trajectories (batch.sequences) so that each rank can "
+                         f"pack its own trees with kvt.pack_trajectories")
+    if isinstance(tree, (str, bytes)) or hasattr(tree, "shape") or not isinstance(tree, _SequenceABC) or \
+            len(tree) == 0:
+        raise ValueError(f"tree {index} must be a non-empty list of trajectories (1-D token-id sequences); got "
+                         f"{type(tree).__name__}")
+    try:
+        b = pack_trajectories(list(tree), min_shared=min_shared)
+    except ValueError as e:
+        pair = len(tree) == 2 and isinstance(tree[1], (list, tuple)) and any(
+            isinstance(r, _SequenceABC) or hasattr(r, "shape") for r in tree[1])
+        raise ValueError(f"tree {index}: {e}" + ("; a DualKV group (prompt, [responses])? pass trees=False" if pair
+                                                 else "")) from None
+    pairs = b.layout.visible_pairs()
+    return b.num_tokens, pairs, b.num_tokens + pair_weight * pairs
 
 
 @dataclass
@@ -79,6 +128,10 @@ class GroupBalance(_SequenceABC):
         tokens: packed tokens per rank, ``(world_size,)`` list of ints.
         micro_batch_tokens: with ``max_tokens``, per rank the packed tokens of each micro-batch; else ``None``.
         max_tokens: the micro-batch limit (``None``: no micro-batches).
+        group_tokens: packed tokens of each input item.
+        costs: with ``trees=True``, per rank the balanced cost (tokens + ``pair_weight`` · visible pairs, float);
+            else ``None`` (the cost is the token count).
+        group_costs: with ``trees=True``, each tree's cost (:func:`tree_cost`); else ``None``.
     """
 
     ranks: list
@@ -87,6 +140,8 @@ class GroupBalance(_SequenceABC):
     micro_batch_tokens: Optional[list] = None
     max_tokens: Optional[int] = None
     group_tokens: list = field(default_factory=list)
+    costs: Optional[list] = None
+    group_costs: Optional[list] = None
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -99,14 +154,17 @@ class GroupBalance(_SequenceABC):
 
     @property
     def imbalance(self) -> float:
-        """``max / mean`` packed tokens per rank (1.0 is perfect)."""
-        mean = sum(self.tokens) / len(self.tokens)
-        return max(self.tokens) / mean if mean > 0 else 1.0
+        """``max / mean`` load per rank (1.0 is perfect): packed tokens, or :attr:`costs` for trees."""
+        load = self.costs if self.costs is not None else self.tokens
+        mean = sum(load) / len(load)
+        return max(load) / mean if mean > 0 else 1.0
 
     @property
     def lower_bound(self) -> float:
-        """A lower bound on the best possible maximum rank load: ``max(mean, largest group)``."""
-        return max(sum(self.tokens) / len(self.tokens), max(self.group_tokens, default=0))
+        """A lower bound on the best possible maximum rank load: ``max(mean, largest item)`` (tokens; costs for
+        trees)."""
+        load, items = (self.costs, self.group_costs) if self.costs is not None else (self.tokens, self.group_tokens)
+        return max(sum(load) / len(load), max(items, default=0))
 
     @property
     def num_micro_batches(self) -> int:
@@ -116,30 +174,38 @@ class GroupBalance(_SequenceABC):
         """One line: tokens per rank, ``max/mean``, and the micro-batch count."""
         mb = f", {self.num_micro_batches} micro-batches of <= {self.max_tokens} tokens per rank" \
             if self.max_tokens is not None else ""
-        return (f"{len(self.group_tokens)} groups on {len(self.tokens)} ranks: packed tokens per rank "
-                f"{self.tokens} (max/mean {self.imbalance:.3f}; max/lower bound "
-                f"{max(self.tokens) / max(self.lower_bound, 1):.3f}){mb}")
+        what = "trees" if self.costs is not None else "groups"
+        cost = f", cost per rank {[round(c) for c in self.costs]}" if self.costs is not None else ""
+        load = self.costs if self.costs is not None else self.tokens
+        return (f"{len(self.group_tokens)} {what} on {len(self.tokens)} ranks: packed tokens per rank "
+                f"{self.tokens}{cost} (max/mean {self.imbalance:.3f}; max/lower bound "
+                f"{max(load) / max(self.lower_bound, 1):.3f}){mb}")
 
 
-def _lpt(sizes: Sequence[int], order: Sequence[int], bins: int, cap: Optional[int] = None):
-    """Longest-processing-time-first: each item (in ``order``, largest first) to the least-loaded bin (that still
-    fits under ``cap``); returns (bins as lists of item ids, loads) or ``None`` when an item fits nowhere."""
+def _lpt(sizes: Sequence[int], order: Sequence[int], bins: int, cap: Optional[int] = None,
+         weights: Optional[Sequence[float]] = None):
+    """Longest-processing-time-first: each item (in ``order``, largest first) to the least-loaded bin (load: the
+    sum of ``weights``, default ``sizes``) whose ``sizes`` still fit under ``cap``; returns (bins as lists of item
+    ids, loads) or ``None`` when an item fits nowhere."""
+    w = sizes if weights is None else weights
     heap = [(0, b) for b in range(bins)]
     out: list = [[] for _ in range(bins)]
     loads = [0] * bins
+    used = [0] * bins
     for i in order:
         if cap is None:
             load, b = heapq.heappop(heap)
             out[b].append(i)
-            loads[b] = load + sizes[i]
+            loads[b] = load + w[i]
             heapq.heappush(heap, (loads[b], b))
         else:
-            fits = [b for b in range(bins) if loads[b] + sizes[i] <= cap]
+            fits = [b for b in range(bins) if used[b] + sizes[i] <= cap]
             if not fits:
                 return None
             b = min(fits, key=lambda k: (loads[k], k))
             out[b].append(i)
-            loads[b] += sizes[i]
+            loads[b] += w[i]
+            used[b] += sizes[i]
     return out, loads
 
 
@@ -159,61 +225,89 @@ def _ffd(sizes: Sequence[int], order: Sequence[int], cap: int) -> list:
     return bins
 
 
-def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[int] = None) -> GroupBalance:
-    """Assign prompt groups to ``world_size`` ranks (and micro-batches) with balanced packed token counts.
+def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[int] = None, *, trees: bool = False,
+                   pair_weight: float = PAIR_WEIGHT) -> GroupBalance:
+    """Assign prompt groups (or prefix trees) to ``world_size`` ranks (and micro-batches) with balanced loads.
 
     Args:
         groups: ``[(prompt, [response, ...]), ...]``; prompt and responses as token counts (ints) or 1-D token
             sequences (lists of ids, tensors, arrays). A group costs ``P + Σ_i R_i`` packed tokens and is never split.
+            With ``trees=True``: ``[tree, ...]``, each tree a list of trajectories (1-D id tensors, lists or NumPy
+            arrays, as :func:`kvtransform.tree_packing.pack_trajectories` takes them); a tree is never split and
+            costs its packed tokens plus ``pair_weight`` · its visible attention pairs (:func:`tree_cost`).
         world_size: number of data-parallel ranks (>= 1).
-        max_tokens: when given, each rank's groups are packed into micro-batches of at most this many packed
+        max_tokens: when given, each rank's items are packed into micro-batches of at most this many packed
             tokens; every rank gets the same number of micro-batches (the most any rank needs), so that all ranks
             run the same number of forward/backward passes (FSDP's collectives must match); micro-batch ``k`` of
-            each rank is the ``k``-th largest.
+            each rank is the ``k``-th largest (by cost for trees).
+        trees: the items are prefix trees, not ``(prompt, [responses])`` groups (keyword only: the two shapes can
+            coincide, see the module docstring).
+        pair_weight: trees only, token-equivalents per visible (query, key) pair (:data:`PAIR_WEIGHT`, derived for
+            hidden size 4096; ``0`` balances packed tokens only).
 
     Returns:
         :class:`GroupBalance`, a sequence of the ``world_size`` per-rank lists (``plan[r]``, ``for rank_groups in
-        plan``), with ``ranks``, ``indices``, ``tokens``, ``imbalance``, ``summary()``. Ranks: greedy
-        longest-first (LPT), max load <= mean + largest group. Ranks may get no group when there are fewer groups
-        than ranks (they must still run a filler step).
+        plan``), with ``ranks``, ``indices``, ``tokens``, ``imbalance``, ``summary()`` (and ``costs`` for trees).
+        Ranks: greedy longest-first (LPT), max load <= mean + largest item. Ranks may get no item when there are
+        fewer items than ranks (they must still run a filler step). Pack a rank's (micro-batch's) trees with
+        ``kvt.pack_trajectories([s for tree in mb for s in tree])``; trees that share a prefix (one system prompt)
+        merge there, so its packed tokens can only be fewer than the plan's.
 
     Raises:
-        ValueError: ``world_size`` < 1 or not an int, no groups, a malformed group, ``max_tokens`` < 1, or a group
-            larger than ``max_tokens`` (the message names the group, its size and the fix).
+        ValueError: ``world_size`` < 1 or not an int, no groups, a malformed group or tree (a tree without
+            ``trees=True`` and a group with it name the keyword), ``max_tokens`` < 1, ``pair_weight`` < 0, or an
+            item larger than ``max_tokens`` (the message names it, its size and the fix).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1 (the number of data-parallel ranks); got {world_size!r}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive integer (packed tokens per micro-batch) or None; "
                          f"got {max_tokens!r}")
+    if isinstance(pair_weight, bool) or not isinstance(pair_weight, (int, float)) or not pair_weight >= 0:
+        raise ValueError(f"pair_weight must be a number >= 0 (token-equivalents per attention pair); got "
+                         f"{pair_weight!r}")
+    what = "tree" if trees else "group"
     if isinstance(groups, (str, bytes)) or not hasattr(groups, "__len__") or len(groups) == 0:
-        raise ValueError("balance_groups needs a non-empty list of (prompt, [responses]) groups")
+        raise ValueError("balance_groups needs a non-empty list of " + (
+            "trees (each a list of trajectories)" if trees else "(prompt, [responses]) groups"))
     groups = list(groups)
-    sizes = [group_tokens(g, i) for i, g in enumerate(groups)]
+    costs = None
+    if trees:
+        tc = [tree_cost(g, i, pair_weight) for i, g in enumerate(groups)]
+        sizes, costs = [t[0] for t in tc], [t[2] for t in tc]
+    else:
+        sizes = [group_tokens(g, i) for i, g in enumerate(groups)]
+    weight = costs if trees else sizes
     if max_tokens is not None:
         too_big = [(i, s) for i, s in enumerate(sizes) if s > max_tokens]
         if too_big:
             i, s = max(too_big, key=lambda t: t[1])
-            raise ValueError(f"group {i} packs to {s} tokens (prompt + all responses) > max_tokens={max_tokens}"
-                             f"{f' (and {len(too_big) - 1} more groups)' if len(too_big) > 1 else ''}: a group "
-                             f"cannot be split across micro-batches (its responses share the prompt's K/V); raise "
-                             f"max_tokens to at least {s} or give that prompt fewer/shorter responses")
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
-    rank_items, rank_tokens = _lpt(sizes, order, world_size)
+            more = f" (and {len(too_big) - 1} more {what}s)" if len(too_big) > 1 else ""
+            why = ("its trajectories share the tree's prefixes' K/V); raise max_tokens to at least "
+                   f"{s} or give that tree fewer/shorter trajectories") if trees else (
+                f"its responses share the prompt's K/V); raise max_tokens to at least {s} or give that prompt "
+                f"fewer/shorter responses")
+            raise ValueError(f"{what} {i} packs to {s} tokens ({'its trie' if trees else 'prompt + all responses'}) > "
+                             f"max_tokens={max_tokens}{more}: a {what} cannot be split across micro-batches ({why}")
+    order = sorted(range(len(sizes)), key=lambda i: (-weight[i], i))
+    rank_items, _ = _lpt(sizes, order, world_size, weights=weight)
+    rank_tokens = [sum(sizes[i] for i in r) for r in rank_items]
+    rank_costs = [sum(costs[i] for i in r) for r in rank_items] if trees else None
     if max_tokens is None:
         idx = [sorted(r) for r in rank_items]
-        return GroupBalance([[groups[i] for i in r] for r in idx], idx, rank_tokens, None, None, sizes)
+        return GroupBalance([[groups[i] for i in r] for r in idx], idx, rank_tokens, None, None, sizes, rank_costs,
+                            costs)
 
-    per_rank_order = [sorted(r, key=lambda i: (-sizes[i], i)) for r in rank_items]
-    ffd = [_ffd(sizes, o, max_tokens) for o in per_rank_order]
+    per_rank_order = [sorted(r, key=lambda i: (-weight[i], i)) for r in rank_items]
+    ffd = [_ffd(sizes, sorted(r, key=lambda i: (-sizes[i], i)), max_tokens) for r in rank_items]
     m = max(1, max(len(b) for b in ffd))
     mbs = []
     for o, packed in zip(per_rank_order, ffd):
-        lpt = _lpt(sizes, o, m, cap=max_tokens)
+        lpt = _lpt(sizes, o, m, cap=max_tokens, weights=weight)
         bins = lpt[0] if lpt is not None else packed + [[] for _ in range(m - len(packed))]
         bins = [sorted(b) for b in bins]
-        bins.sort(key=lambda b: -sum(sizes[i] for i in b))
+        bins.sort(key=lambda b: -sum(weight[i] for i in b))
         mbs.append(bins)
     mb_tokens = [[sum(sizes[i] for i in b) for b in r] for r in mbs]
     return GroupBalance([[[groups[i] for i in b] for b in r] for r in mbs], mbs, rank_tokens, mb_tokens,
-                        max_tokens, sizes)
+                        max_tokens, sizes, rank_costs, costs)

@@ -14,6 +14,10 @@ translation per ``kvt`` op:
   ``segment_prefix``: segment id of each token = number of segment ends ``<= t``; a query sees key ``j <= i`` whose
   segment is its own or its group's prefix; then ``Attention`` over ``(1, H, T, D)``. ``lse`` ``(H, T)`` fp32 comes
   from ``MatMul`` + ``ReduceLogSumExp`` and is removed as dead code when the graph does not use it.
+* ``kvt.prefix_tree_attention(q, k, v, *PrefixTreeLayout.kernel_tensors(), softmax_scale) -> (out, lse)`` → the
+  prefix-tree mask (Tree Training, arXiv 2511.00413; ``docs/PREFIX_TREES.md``) computed in the graph, loop-free,
+  from ``cu_seqlens`` and the ancestor token ranges ``key_range_ptr`` / ``key_ranges``: a token sees every token
+  of every ancestor node and, causally, its own node; then the same ``Attention`` and ``lse`` as DualKV's.
 
 Ops with no ONNX translation (``kvt.retrieval_topk``, ``kvt.sparse_decode_attention``: the sparse decode step of
 the SpeContext runtime) are refused by name before anything is written. The file is written atomically.
@@ -126,11 +130,39 @@ def dualkv_keep_mask(cu_seqlens, segment_prefix, t_len):
     return op.And(causal, same)
 
 
-def kvt_dualkv_attention_onnx(q, k, v, cu_seqlens, segment_prefix, softmax_scale: float = 1.0):
-    """ONNX translation of ``kvt.dualkv_attention``: q ``(T, H, D)``, k/v ``(T, H_kv, D)`` → ``(out (T, H, D),
-    lse (H, T) fp32)``."""
+def prefix_tree_keep_mask(cu_seqlens, key_range_ptr, key_ranges, t_len):
+    """Bool ``(T, T)`` prefix-tree keep-mask from int32 ``cu_seqlens (N+1,)``, ``key_range_ptr (N+1,)``,
+    ``key_ranges (RK, 2)`` (:class:`kvtransform.tree_layout.PrefixTreeLayout`) and the int64 1-element token count
+    ``t_len``: query ``i`` of node ``n`` sees key ``j`` iff ``j`` lies in one of ``n``'s ancestor token ranges, or
+    ``j`` is in node ``n`` and ``j <= i``. Loop-free: range ``r``'s owner node = number of ``key_range_ptr[1:]``
+    entries ``<= r``; node × key visibility ``(N, T)`` = one-hot(owner) ``(N, RK)`` @ range hits ``(RK, T)`` > 0."""
     op = _ops()
-    keep = dualkv_keep_mask(cu_seqlens, segment_prefix, op.Shape(q, start=0, end=1))  # (T, T)
+    t = _arange(t_len)  # (T,)
+    ends = op.Slice(op.Cast(cu_seqlens, to=_int64()), _i64(1), _i64(2 ** 62))  # (N,)
+    node = op.ReduceSum(op.Cast(op.LessOrEqual(op.Unsqueeze(ends, _i64(0)), op.Unsqueeze(t, _i64(1))), to=_int64()),
+                        _i64(1), keepdims=0)  # (T,) node of each token
+    kr = op.Cast(key_ranges, to=_int64())  # (RK, 2)
+    lo = op.Slice(kr, _i64(0), _i64(1), _i64(1))  # (RK, 1)
+    hi = op.Slice(kr, _i64(1), _i64(2), _i64(1))
+    tj = op.Unsqueeze(t, _i64(0))  # (1, T)
+    hit = op.Cast(op.And(op.LessOrEqual(lo, tj), op.Less(tj, hi)), to=_float())  # (RK, T)
+    r = _arange(op.Shape(key_ranges, start=0, end=1))  # (RK,)
+    rends = op.Slice(op.Cast(key_range_ptr, to=_int64()), _i64(1), _i64(2 ** 62))  # (N,)
+    owner = op.ReduceSum(op.Cast(op.LessOrEqual(op.Unsqueeze(rends, _i64(0)), op.Unsqueeze(r, _i64(1))),
+                                 to=_int64()), _i64(1), keepdims=0)  # (RK,)
+    n_ids = _arange(op.Shape(rends, start=0, end=1))  # (N,)
+    onehot = op.Cast(op.Equal(op.Unsqueeze(n_ids, _i64(1)), op.Unsqueeze(owner, _i64(0))), to=_float())  # (N, RK)
+    anc = op.Greater(op.MatMul(onehot, hit), op.Constant(value_float=0.5))  # (N, T) key j in an ancestor of n
+    anc_tok = op.Gather(anc, node, axis=0)  # (T, T)
+    causal = op.LessOrEqual(tj, op.Unsqueeze(t, _i64(1)))
+    same = op.Equal(op.Unsqueeze(node, _i64(0)), op.Unsqueeze(node, _i64(1)))
+    return op.Or(anc_tok, op.And(causal, same))
+
+
+def _packed_attention(q, k, v, keep, softmax_scale: float):
+    """``Attention`` of packed q ``(T, H, D)``, k/v ``(T, H_kv, D)`` under keep-mask ``(T, T)`` (every row keeps
+    its own token) → ``(out (T, H, D), lse (H, T) fp32)``."""
+    op = _ops()
     perm = [1, 0, 2]
     qh, kh, vh = (op.Transpose(x, perm=perm) for x in (q, k, v))  # (H, T, D), (H_kv, T, D)
     out = op.Attention(op.Unsqueeze(qh, _i64(0)), op.Unsqueeze(kh, _i64(0)), op.Unsqueeze(vh, _i64(0)),
@@ -148,10 +180,27 @@ def kvt_dualkv_attention_onnx(q, k, v, cu_seqlens, segment_prefix, softmax_scale
     return out, lse
 
 
+def kvt_dualkv_attention_onnx(q, k, v, cu_seqlens, segment_prefix, softmax_scale: float = 1.0):
+    """ONNX translation of ``kvt.dualkv_attention``: q ``(T, H, D)``, k/v ``(T, H_kv, D)`` → ``(out (T, H, D),
+    lse (H, T) fp32)``."""
+    keep = dualkv_keep_mask(cu_seqlens, segment_prefix, _ops().Shape(q, start=0, end=1))  # (T, T)
+    return _packed_attention(q, k, v, keep, softmax_scale)
+
+
+def kvt_prefix_tree_attention_onnx(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr,
+                                   query_ranges, softmax_scale: float = 1.0):
+    """ONNX translation of ``kvt.prefix_tree_attention``: q ``(T, H, D)``, k/v ``(T, H_kv, D)`` and the layout's
+    six int32 tensors → ``(out (T, H, D), lse (H, T) fp32)``; the mask from ``cu_seqlens`` and the ancestor key
+    ranges (:func:`prefix_tree_keep_mask`). ``parent`` and the query ranges (dK/dV only) are not read."""
+    keep = prefix_tree_keep_mask(cu_seqlens, key_range_ptr, key_ranges, _ops().Shape(q, start=0, end=1))
+    return _packed_attention(q, k, v, keep, softmax_scale)
+
+
 def onnx_translations() -> dict:
     """``{torch op overload: onnxscript translation}`` for ``torch.onnx.export(custom_translation_table=...)``."""
     return {torch.ops.kvt.attention.default: kvt_attention_onnx,
-            torch.ops.kvt.dualkv_attention.default: kvt_dualkv_attention_onnx}
+            torch.ops.kvt.dualkv_attention.default: kvt_dualkv_attention_onnx,
+            torch.ops.kvt.prefix_tree_attention.default: kvt_prefix_tree_attention_onnx}
 
 
 _WHY_NOT = {
@@ -159,6 +208,7 @@ _WHY_NOT = {
     "sparse_decode_attention": "the sparse decode step (Gather + Attention over the selected positions) follows with "
                                "the SpeContext runtime",
     "dualkv_attention_backward": "ONNX emission is inference only (no backward)",
+    "prefix_tree_attention_backward": "ONNX emission is inference only (no backward)",
 }
 
 
@@ -170,7 +220,8 @@ def _check_translatable(ep: torch.export.ExportedProgram) -> None:
     if bad:
         names = [b.split(".")[-2] if b.count(".") >= 2 else b for b in bad]
         why = "; ".join(f"kvt.{n}: {_WHY_NOT.get(n, 'no ONNX translation')}" for n in names)
-        raise UnsupportedOpError(f"cannot emit ONNX: {why}. Exportable: kvt.attention, kvt.dualkv_attention")
+        raise UnsupportedOpError(f"cannot emit ONNX: {why}. Exportable: kvt.attention, kvt.dualkv_attention, "
+                                f"kvt.prefix_tree_attention")
 
 
 def check_onnx_target(path: str | os.PathLike, overwrite: bool = False, names: Sequence[str] = ()) -> Path:

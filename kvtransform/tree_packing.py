@@ -210,8 +210,15 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
         loss_masks: optional, per trajectory a bool ``(len(seq_i),)`` over its tokens (True: trained, e.g.
             assistant turns; False: prompt and tool output), a tensor or a list of bools / 0-1 ints.
         min_shared: a run shared by several trajectories shorter than this many tokens is duplicated into each
-            branch instead of becoming its own node (fewer, longer nodes; 1 = always share). Default 1: no GPU
-            measurement yet says a short node costs more than its duplicated tokens.
+            branch instead of becoming its own node (fewer, longer nodes; 1 = always share). Default 1. Counted on
+            CPU with the kernels' tile structure (every node costs whole ``BLOCK_M``-row query tiles, each reading
+            all its ancestors' key blocks; ``kernels/dualkv.py`` ``_default_fwd_cfg``, bf16 D=128: 128/128) plus
+            the per-token ops (a visible pair weighs ``1/(6·d)`` tokens, d=4096; ``kvtransform.balance.PAIR_WEIGHT``):
+            sharing an s-token run by 2 branches under a 2K-token context costs +13 token-equivalents at s=1 and
+            saves from s=16 on; under 8K, +45 at s=1, break-even near s=32-64; with 4 branches it saves from s=4
+            (2K) / s=16 (8K). Within ~0.5 % of the step either way, so the default keeps every share (and the
+            depth the transform's verification tree needs); pass ~32 for contexts of 8K tokens and more
+            (``docs/PREFIX_TREES.md``, "Packing"). GPU timing: not measured.
         vocab_size: when given, every id must be ``< vocab_size``.
         device: device of the batch tensors (default: the first tensor's, else CPU).
 

@@ -100,3 +100,90 @@ def test_plan_is_a_sequence_of_ranks(max_tokens):
     r0, r1, r2 = plan  # unpacking, as per-rank lists
     assert r2 == plan.ranks[2]
     assert plan.tokens and plan.indices and "groups on 3 ranks" in plan.summary()
+
+
+# ---------------------------------------------------------------------------------------------- prefix trees
+def _tree(gen, prefix, branches, depth):
+    """Trajectories of a random tree: a shared ``prefix`` of ids, ``branches`` children per level, ``depth`` levels
+    of random 1..12-token turns."""
+    paths = [torch.randint(0, 500, (prefix,), generator=gen)]
+    for _ in range(depth):
+        paths = [torch.cat([p, torch.randint(0, 500, (int(torch.randint(1, 13, (1,), generator=gen)),),
+                                             generator=gen)]) for p in paths for _ in range(branches)]
+    return paths
+
+
+def test_tree_cost_counts_packed_tokens_and_visible_pairs():
+    from kvtransform.balance import PAIR_WEIGHT, tree_cost
+
+    tree = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7]]  # trie: [1 2] -> [3] -> [4], [5 6]; [1 2] -> [7]
+    tokens, pairs, cost = tree_cost(tree)
+    assert tokens == 7 < sum(map(len, tree))
+    b = kvt.pack_trajectories(tree)
+    assert pairs == b.layout.visible_pairs() == int(b.layout.dense_mask().sum())
+    assert cost == pytest.approx(tokens + PAIR_WEIGHT * pairs)
+    assert tree_cost(tree, pair_weight=0.5)[2] == pytest.approx(7 + 0.5 * pairs)
+    plan = kvt.balance_groups([tree, [[9, 9]]], 1, trees=True, pair_weight=0.5)
+    assert plan.tokens == [9] and plan.group_tokens == [7, 2]
+    assert plan.costs == [pytest.approx(7 + 0.5 * pairs + 2 + 0.5 * 3)] and "2 trees on 1 ranks" in plan.summary()
+
+
+@pytest.mark.parametrize("max_tokens", [None, 700])
+def test_trees_never_split_and_beat_round_robin_on_skewed_trees(max_tokens):
+    gen = torch.Generator().manual_seed(0)
+    # skewed: a few deep, wide agentic trees with long prompts among many small ones
+    trees = [_tree(gen, 200, 3, 3) for _ in range(3)] + [_tree(gen, int(torch.randint(5, 60, (1,), generator=gen)),
+                                                               2, 1) for _ in range(29)]
+    trees = [trees[i] for i in torch.randperm(len(trees), generator=gen).tolist()]
+    plan = kvt.balance_groups(trees, 4, max_tokens=max_tokens, trees=True, pair_weight=0.01)
+    flat = _flat(plan)
+    assert sorted(flat) == list(range(len(trees)))  # each tree exactly once, whole
+    items = [t for r in plan.ranks for t in (r if max_tokens is None else [x for mb in r for x in mb])]
+    assert all(any(x is t for t in trees) for x in items)
+    if max_tokens is not None:
+        assert all(t <= max_tokens for r in plan.micro_batch_tokens for t in r)
+        assert all(len(r) == plan.num_micro_batches for r in plan.indices)
+    cost = plan.group_costs
+    rr = [sum(cost[i] for i in range(r, len(trees), 4)) for r in range(4)]
+    assert max(plan.costs) < 0.8 * max(rr)  # round-robin leaves a rank with two of the three big trees
+    assert max(plan.costs) <= sum(cost) / 4 + max(cost) + 1e-6  # the LPT bound, in cost
+    # what a rank packs: its trees' tries (never more tokens than the plan counts)
+    r0 = plan.ranks[0] if max_tokens is None else [t for mb in plan.ranks[0] for t in mb]
+    assert kvt.pack_trajectories([s for t in r0 for s in t]).num_tokens <= plan.tokens[0]
+
+
+def test_tree_cost_weights_attention_work():
+    """Equal packed tokens, different attention work: one long chain vs many short roots; the pair weight moves
+    the balance, pair_weight=0 balances tokens only."""
+    from kvtransform.balance import tree_cost
+
+    chain = [list(range(1, 201))]
+    bush = [[1000 + i] + [7] * 9 for i in range(20)]  # 20 trajectories of 10 tokens sharing nothing
+    (tc, pc, _), (tb, pb, _) = tree_cost(chain), tree_cost(bush)
+    assert tc == tb == 200 and pc > 10 * pb
+    assert kvt.balance_groups([chain, bush], 2, trees=True, pair_weight=0).imbalance == 1.0
+    assert kvt.balance_groups([chain, bush], 2, trees=True, pair_weight=0.1).imbalance > 1.5
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (([], 2), {"trees": True}, "non-empty list of trees"),
+    (([[[1, 2]], []], 2), {"trees": True}, "tree 1 must be a non-empty list of trajectories"),
+    (([[[1, 2]], [[1, 2], []]], 2), {"trees": True}, "tree 1: trajectory 1"),
+    (([[[1, 2]], torch.tensor([1, 2])], 2), {"trees": True}, "tree 1 must be a non-empty list"),
+    (([([1, 2], [[3], [4, 5]])], 2), {"trees": True}, "pass trees=False"),
+    (([[[1, 2, 3], [1, 2, 4], [1, 5]]], 2), {}, "pass trees=True"),
+    (([[[1, 2]]], 2), {"trees": True, "pair_weight": -1.0}, "pair_weight must be a number >= 0"),
+    (([[[1, 2, 3, 4]], [[1] * 9, [1] * 8 + [2]]], 2, 5), {"trees": True},
+     r"tree 1 packs to 10 tokens .* > max_tokens=5.*raise max_tokens to at least 10"),
+])
+def test_tree_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kvt.balance_groups(*args, **kwargs)
+
+
+def test_tree_batch_is_refused_with_the_fix():
+    b = kvt.pack_trajectories([[1, 2, 3], [1, 2, 4]])
+    with pytest.raises(ValueError, match=r"tree 0 is a TreeBatch: pass its trajectories \(batch.sequences\)"):
+        kvt.balance_groups([b], 2, trees=True)
+    with pytest.raises(ValueError, match="pass trees=True"):
+        kvt.balance_groups([b], 2)

@@ -89,6 +89,44 @@ def test_dualkv_mask_in_graph_matches_op(tmp_path):
         assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_lse, want_lse, atol=1e-5)
 
 
+_TREE_NAMES = ("q", "k", "v", "cu_seqlens", "parent", "key_range_ptr", "key_ranges", "query_range_ptr",
+               "query_ranges")
+
+
+def _tree_inputs(lengths, parents, gen):
+    lay = kvt.PrefixTreeLayout.from_parents(lengths, parents)
+    t = lay.total_tokens
+    return (torch.randn(t, 4, 8, generator=gen), torch.randn(t, 2, 8, generator=gen),
+            torch.randn(t, 2, 8, generator=gen), *lay.kernel_tensors())
+
+
+def test_prefix_tree_mask_in_graph_matches_op(tmp_path):
+    """kvt.prefix_tree_attention → tree mask from cu_seqlens/key ranges in the graph + Attention; out and lse equal
+    the op on trees of other depths, node, range and token counts than the exported example (several roots, a
+    non-first child whose ancestor ranges are not contiguous)."""
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, cu, par, kp, kr, qp, qr):
+            return torch.ops.kvt.prefix_tree_attention(q, k, v, cu, par, kp, kr, qp, qr, 0.4)
+
+    gen = torch.Generator().manual_seed(2)
+    d = torch.export.Dim
+    tok, nod, rk, rq = d("t", min=2, max=4096), d("n", min=2, max=4096), d("rk", min=1, max=4096), \
+        d("rq", min=1, max=4096)
+    ex = _tree_inputs([3, 2, 4, 1, 2], [-1, 0, 1, 0, -1], gen)
+    assert ex[6].shape[0] != ex[8].shape[0] and ex[6].shape[0] != ex[3].shape[0]  # distinct example sizes
+    ep = torch.export.export(M(), ex, dynamic_shapes=(
+        {0: tok}, {0: tok}, {0: tok}, {0: nod + 1}, {0: nod}, {0: nod + 1}, {0: rk}, {0: nod + 1}, {0: rq}))
+    path = ox.export_onnx(ep, tmp_path / "tree.onnx", _TREE_NAMES, output_names=("out", "lse"))
+    sess = ort.InferenceSession(str(path))
+    for lengths, parents in (([5, 1, 4, 2], [-1, 0, 1, 0]), ([2, 3, 1, 5, 2, 3, 1], [-1, 0, 1, 1, 0, -1, 5]),
+                             ([4, 3], [-1, -1])):
+        args = _tree_inputs(lengths, parents, gen)
+        want_out, want_lse = torch.ops.kvt.prefix_tree_attention(*args, 0.4)
+        got_out, got_lse = (torch.from_numpy(x) for x in sess.run(None, {
+            n: a.numpy() for n, a in zip(_TREE_NAMES, args)}))
+        assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_lse, want_lse, atol=1e-5)
+
+
 def _unverified(name):
     from kvtransform.config import config_from_dict
 
@@ -134,6 +172,34 @@ def test_dualkv_module_onnx_matches_module(tmp_path, tiny):
     with torch.no_grad():
         ref = replicated_logprobs(tiny, batch)
     assert max(float((a - b).abs().max()) for a, b in zip(lp, ref)) < 1e-5
+
+
+def test_dualkv_tree_program_onnx_matches_module(tmp_path, tiny):
+    """``export_onnx(tree=True)``: the prefix-tree program with its mask built in the graph, checked in onnxruntime
+    against the module on trees other than the exported example (depth 3 and 4, two roots, loss-masked log-probs
+    against the original model run per trajectory)."""
+    opt = kvt.transform(tiny, _unverified("dualkv"), progress=False)
+    path = opt.export_onnx(tmp_path / "t.onnx", tree=True)  # with the onnxruntime check on a probe tree
+    sess = ort.InferenceSession(str(path))
+    assert [i.name for i in sess.get_inputs()] == list(opt.tree_input_names)
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randint(0, tiny.config.vocab_size, (40,), generator=gen).tolist()
+    for seqs in ([base[:9] + base[20:23], base[:9] + base[23:27] + base[30:33], base[:9] + base[23:27] + base[33:35],
+                  base[10:14]],
+                 [base[:5] + base[6:8], base[:5] + base[8:12] + base[1:4] + base[2:3], base[:5] + base[8:12]
+                  + base[1:4] + base[12:15], base[:5] + base[8:12] + base[16:18]]):
+        batch = kvt.pack_trajectories(seqs)
+        assert batch.layout.depth >= 3
+        feeds = dict(zip(opt.tree_input_names, (batch.input_ids, batch.position_ids, *batch.layout.kernel_tensors())))
+        logits = ox.run_onnx(path, feeds, sess)
+        with torch.no_grad():
+            want = opt(batch)
+            ref = [tiny(torch.tensor(s)[None]).logits[0].log_softmax(-1)[:-1]
+                   .gather(-1, torch.tensor(s)[1:, None])[:, 0] for s in seqs]
+        assert ox.max_rel_error(logits, want)[1] < 1e-5
+        lp = batch.trajectory_logprobs(logits)
+        assert max(float((a - b).abs().max()) for a, b in zip(lp, ref)) < 1e-5
+    assert opt.export_onnx(tmp_path / "d.onnx").exists()  # the one-level program still the default
 
 
 def test_untranslatable_op_refused_by_name_and_nothing_written(tmp_path):

@@ -163,6 +163,30 @@ def test_min_shared_duplicates_short_shared_runs():
     assert kvt.pack_trajectories([[1, 2], [1, 2]], min_shared=3).layout.lengths == [2, 2]
 
 
+def test_min_shared_default_and_threshold_on_a_long_context_tree():
+    """The documented default (1: every shared run becomes a node) and the threshold: below ``min_shared`` the
+    tiny run under a long shared context is copied into each branch ((k-1)·s more tokens, one node fewer, the long
+    context still shared); at ``min_shared`` it stays one node. Log-probs of random logits agree either way."""
+    import inspect
+
+    assert inspect.signature(kvt.pack_trajectories).parameters["min_shared"].default == 1
+    ctx, run = list(range(2, 302)), [900, 901, 902, 903]
+    seqs = [ctx + run + [1000 + 10 * b + j for j in range(5)] for b in range(3)] + [ctx + [2000, 2001]]
+    share = kvt.pack_trajectories(seqs)
+    assert share.layout.lengths == [300, 4, 5, 5, 5, 2]
+    for ms, dup in ((4, False), (5, True), (50, True)):
+        b = kvt.pack_trajectories(seqs, min_shared=ms)
+        b.validate()
+        assert b.layout.lengths[0] == 300  # the long context is shared whatever the threshold
+        assert b.num_tokens == share.num_tokens + (2 * len(run) if dup else 0)
+        assert b.layout.num_nodes == share.layout.num_nodes - (1 if dup else 0)
+        logits = torch.randn(b.num_tokens, 3000, generator=torch.Generator().manual_seed(0))
+        lp = b.trajectory_logprobs(logits)
+        ref = [torch.log_softmax(logits[b.token_index(i)], -1)[:-1].gather(-1, b.sequences[i][1:, None])[:, 0]
+               for i in range(len(seqs))]
+        assert all(torch.equal(x, y) for x, y in zip(lp, ref))
+
+
 def test_trajectory_logprobs_gather_predecessor_rows_and_sum_gradients():
     seqs = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]
     batch = kvt.pack_trajectories(seqs)  # nodes [1, 2] [3] [4] [5]: packed 1 2 3 4 5
