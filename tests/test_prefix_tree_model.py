@@ -152,12 +152,23 @@ def test_hf_refusals_are_named():
         kvt.integrations.transformers.enable(tiny_model("mistral", sliding_window=8), "dualkv")
 
 
+def test_tree_program_is_not_a_second_owner_of_the_parameters(tiny):
+    """parameters()/state_dict() (and so FSDP2's fully_shard) see each parameter once: the tree program shares
+    core's parameters without being a registered submodule."""
+    _, opt = tiny
+    assert opt.tree_core is not None
+    names = [n for n, _ in opt.named_parameters(remove_duplicate=False)]
+    assert names and not any(n.startswith("tree_core") for n in names)
+    assert len({id(p) for p in opt.parameters()}) == len(names)
+    assert not any(k.startswith("tree_core") for k in opt.state_dict())
+
+
 def test_saved_artifact_runs_tree_batches(tiny, tmp_path):
     """The artifact holds the one-level program; a loaded module derives the tree program on its first tree batch."""
     _, opt = tiny
     opt.save(tmp_path / "a")
     opt2 = kvt.load(tmp_path / "a")
-    assert isinstance(opt2, DualKVModule) and opt2.tree_core is None
+    assert isinstance(opt2, DualKVModule) and opt2.__dict__.get("_tree_core") is None
     batch = case_batch("depth2+depth3", _rand_piece(128))
     assert torch.allclose(opt(batch), opt2(batch), atol=1e-6, rtol=0)
     one = kvt.pack_shared_prefix([1, 2, 3], [[4, 5], [6]])

@@ -76,7 +76,8 @@ class DualKVModule(OptimizedModule):
     Attributes:
         core: the one-level program ``(input_ids, position_ids, cu_seqlens, segment_prefix) -> logits``.
         tree_core: the prefix-tree program ``(input_ids, position_ids, *PrefixTreeLayout.kernel_tensors()) ->
-            logits`` (same parameters), or None until the first tree batch of a loaded module derives it.
+            logits``, sharing ``core``'s parameters (derived from ``core`` on first use in a loaded module). It is not
+            a registered submodule, so ``parameters()``, ``state_dict()`` and FSDP2 see each parameter once.
 
     Raises (forward):
         ValueError: a plain ``(B, S)`` batch without a layout, a layout whose offsets do not sum to ``T`` or are
@@ -86,7 +87,13 @@ class DualKVModule(OptimizedModule):
     def __init__(self, core: torch.nn.Module, config: DualKVConfig, report: Report, max_seq_len: int = 1 << 20,
                  tree_core: Optional[torch.nn.Module] = None):
         super().__init__(core, config, report, max_seq_len=max_seq_len)
-        self.tree_core = tree_core
+        self.__dict__["_tree_core"] = tree_core  # not registered: the same parameters as core
+
+    @property
+    def tree_core(self) -> torch.nn.Module:
+        if self.__dict__.get("_tree_core") is None:  # a loaded artifact: derive it from the one-level program
+            self.__dict__["_tree_core"] = prefix_tree_program(self.core, PassContext(Report()))
+        return self.__dict__["_tree_core"]
 
     def forward(self, batch: Union[PackedBatch, TreeBatch, torch.Tensor, None] = None,
                 layout: Union[DualKVLayout, PrefixTreeLayout, None] = None, *, input_ids: Optional[torch.Tensor] = None,
@@ -96,8 +103,6 @@ class DualKVModule(OptimizedModule):
                                                        segment_prefix)
         check_packed(input_ids, position_ids, lay, self.vocab_size)
         if isinstance(lay, PrefixTreeLayout):
-            if self.tree_core is None:  # a loaded artifact: derive the tree program from the one-level one
-                self.tree_core = prefix_tree_program(self.core, PassContext(Report()))
             return self.tree_core(input_ids, position_ids, *lay.kernel_tensors())
         return self.core(input_ids, position_ids, lay.cu_seqlens, lay.segment_prefix)
 
@@ -199,8 +204,6 @@ class DualKVModule(OptimizedModule):
         from kvtransform.verify import default_tolerance
 
         path = onnx_export.check_onnx_target(path, overwrite)
-        if self.tree_core is None:
-            self.tree_core = prefix_tree_program(self.core, PassContext(Report()))
         dev = device_of(self)
         ex = pack_trajectories([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 7, 9, 10, 11], [12, 13]], device=dev)
         tok, nod = Dim("tokens", min=2, max=self.max_seq_len), Dim("nodes", min=2, max=self.max_seq_len)
