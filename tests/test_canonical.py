@@ -187,22 +187,6 @@ def test_bert_is_refused():
         kvt.transform(bert, "canonical", progress=False)
 
 
-@pytest.mark.slow
-def test_real_smollm2_end_to_end(tmp_path):
-    model, tok = kvt.load_model("smollm2-135m")
-    opt = kvt.transform(model, "canonical", tokenizer=tok, progress=False)
-    r = opt.report
-    assert len(r.sites) == 30 and r.count("canonical") == 30
-    assert {(s.q_heads, s.kv_heads, s.head_dim) for s in r.sites} == {(9, 3, 64)}
-    assert r.verification.passed and r.verification.max_rel_error < 1e-5
-    opt.save(tmp_path / "smol")
-    loaded = kvt.load(tmp_path / "smol")
-    ids = tok("The library on the hill keeps its oldest maps", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        ref = model(input_ids=ids, use_cache=False).logits
-        torch.testing.assert_close(loaded(ids), ref, rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("bad, match", [
     ({"lengths": []}, "verify.lengths is empty"),
     ({"lengths": [1]}, "lengths must be integers >= 2"),

@@ -276,10 +276,20 @@ def test_existing_file_is_replaced_only_with_overwrite(tmp_path, tiny, monkeypat
 @pytest.mark.slow
 @pytest.mark.parametrize("transform", ["canonical", "dualkv"])
 def test_real_model_onnx(tmp_path, transform):
-    """SmolLM2-135M: the ONNX file loads in onnxruntime and its logits match the module (rel 5e-4, fp32) on
+    """SmolLM2-135M end to end: every site rewritten and verified (canonical: the artifact reloads with the same
+    logits); the ONNX file loads in onnxruntime and its logits match the module (rel 5e-4, fp32) on
     inputs of other batch sizes / lengths than the exported example."""
     model, tok = kvt.load_model("smollm2-135m")
     opt = kvt.transform(model, transform, tokenizer=tok, progress=False)
+    r = opt.report
+    assert len(r.sites) == 30 and r.count(transform) == 30 and r.verification.passed
+    assert {(s.q_heads, s.kv_heads, s.head_dim) for s in r.sites} == {(9, 3, 64)}
+    if transform == "canonical":  # the end-to-end path of the default model: artifact round trip too
+        assert r.verification.max_rel_error < 1e-5
+        ids = tok("The library on the hill keeps its oldest maps", return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            torch.testing.assert_close(kvt.load(opt.save(tmp_path / "smol"))(ids),
+                                       model(input_ids=ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
     path = opt.export_onnx(tmp_path / "m.onnx", tokenizer=tok)
     sess = ort.InferenceSession(str(path))
     gen = torch.Generator().manual_seed(0)

@@ -26,6 +26,9 @@ CASES = {
     "depth4": ([(9, [(5, [(5, [(3, []), (5, [])]), (3, [])]), (7, [])])], 4, 1),
     "disjoint": ([(19, []), (17, [])], 1, 2),
     "chain": ([(23, [])], 1, 1),
+    # trees of depth 2, 3 and 4 and a trajectory sharing nothing, all in one batch (the real-model case)
+    "depths2-4+unshared": ([(11, [(7, []), (9, [])]), (9, [(5, [(3, []), (7, [])]), (9, [])]),
+                            (9, [(5, [(5, [(3, []), (5, [])]), (3, [])]), (7, [])]), (19, [])], 4, 4),
 }
 
 
@@ -62,9 +65,9 @@ def case_batch(name, piece):
 
 
 # On SmolLM2 each check costs ~8 s fixed (float64 copy, 272 gradients in float64 for four runs) plus ~2.3 s per
-# trajectory on one core; "disjoint" already runs every trajectory as its own one-node tree (a chain), so the
-# one-trajectory batch is checked on the tiny model only.
-SLOW_CASES = ["depth2+depth3", "depth4", "disjoint"]
+# trajectory on one core: one batch holds every depth and an unshared trajectory (a one-node tree); the separate
+# cases run on the tiny model.
+SLOW_CASES = ["depths2-4+unshared"]
 
 
 def hf_logits(model):
