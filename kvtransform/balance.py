@@ -26,6 +26,7 @@ valid group ``(prompt of 3 tokens, responses of 1, 2 and 4 tokens)``. A tree is 
 from __future__ import annotations
 
 import heapq
+import math
 import operator
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass, field
@@ -84,6 +85,13 @@ def group_tokens(group: Any, index: int = 0) -> int:
         _length(r, f"group {index}: response {i}") for i, r in enumerate(responses))
 
 
+def _check_pair_weight(w) -> float:
+    """``w`` as a finite float >= 0; ValueError (one line) otherwise (bools, NaN, inf, negatives, non-numbers)."""
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf:
+        raise ValueError(f"pair_weight must be a finite number >= 0 (token-equivalents per attention pair); got {w!r}")
+    return float(w)
+
+
 def tree_cost(tree: Any, index: int = 0, pair_weight: float = PAIR_WEIGHT, min_shared: int = 1) -> tuple:
     """``(packed tokens, visible pairs, cost)`` of one prefix tree given as its trajectories (each a 1-D id tensor,
     list or NumPy array, as :func:`kvtransform.tree_packing.pack_trajectories` takes them, packed with the same
@@ -92,10 +100,12 @@ def tree_cost(tree: Any, index: int = 0, pair_weight: float = PAIR_WEIGHT, min_s
     (float; :data:`PAIR_WEIGHT`).
 
     Raises:
-        ValueError: a TreeBatch, a non-list, no trajectories or a malformed one (the message names tree ``index``).
+        ValueError: a TreeBatch, a non-list, no trajectories or a malformed one (the message names tree ``index``),
+            a pair_weight that is not a finite number >= 0.
     """
     from .tree_packing import pack_trajectories
 
+    pair_weight = _check_pair_weight(pair_weight)
     if type(tree).__name__ == "TreeBatch":
         raise ValueError(f"tree {index} is a TreeBatch: pass its trajectories (batch.sequences) so that each rank can "
                          f"pack its own trees with kvt.pack_trajectories")
@@ -226,7 +236,7 @@ def _ffd(sizes: Sequence[int], order: Sequence[int], cap: int) -> list:
 
 
 def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[int] = None, *, trees: bool = False,
-                   pair_weight: float = PAIR_WEIGHT) -> GroupBalance:
+                   pair_weight: Optional[float] = None) -> GroupBalance:
     """Assign prompt groups (or prefix trees) to ``world_size`` ranks (and micro-batches) with balanced loads.
 
     Args:
@@ -242,8 +252,9 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
             each rank is the ``k``-th largest (by cost for trees).
         trees: the items are prefix trees, not ``(prompt, [responses])`` groups (keyword only: the two shapes can
             coincide, see the module docstring).
-        pair_weight: trees only, token-equivalents per visible (query, key) pair (:data:`PAIR_WEIGHT`, derived for
-            hidden size 4096; ``0`` balances packed tokens only).
+        pair_weight: trees only (refused with ``trees=False``), a finite number >= 0 of token-equivalents per
+            visible (query, key) pair (default :data:`PAIR_WEIGHT`, derived for hidden size 4096; ``0`` balances
+            packed tokens only).
 
     Returns:
         :class:`GroupBalance`, a sequence of the ``world_size`` per-rank lists (``plan[r]``, ``for rank_groups in
@@ -255,7 +266,8 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
 
     Raises:
         ValueError: ``world_size`` < 1 or not an int, no groups, a malformed group or tree (a tree without
-            ``trees=True`` and a group with it name the keyword), ``max_tokens`` < 1, ``pair_weight`` < 0, or an
+            ``trees=True`` and a group with it name the keyword), ``max_tokens`` < 1, ``trees`` not a bool,
+            ``pair_weight`` negative / NaN / inf or given without ``trees=True``, or an
             item larger than ``max_tokens`` (the message names it, its size and the fix).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -263,9 +275,15 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive integer (packed tokens per micro-batch) or None; "
                          f"got {max_tokens!r}")
-    if isinstance(pair_weight, bool) or not isinstance(pair_weight, (int, float)) or not pair_weight >= 0:
-        raise ValueError(f"pair_weight must be a number >= 0 (token-equivalents per attention pair); got "
-                         f"{pair_weight!r}")
+    if not isinstance(trees, bool):
+        raise ValueError(f"trees must be True (items are prefix trees) or False ((prompt, [responses]) groups); got "
+                         f"{trees!r}")
+    if pair_weight is None:
+        pair_weight = PAIR_WEIGHT
+    elif not trees:
+        raise ValueError("pair_weight applies to prefix trees only: pass trees=True, or drop pair_weight (groups are "
+                         "balanced by packed tokens)")
+    pair_weight = _check_pair_weight(pair_weight)
     what = "tree" if trees else "group"
     if isinstance(groups, (str, bytes)) or not hasattr(groups, "__len__") or len(groups) == 0:
         raise ValueError("balance_groups needs a non-empty list of " + (

@@ -308,7 +308,18 @@ def load_model(
         FileNotFoundError: a registry model whose wheel is not installed (names the pip command), or a hub id that is
             not in the local cache.
     """
-    model, tok = _load(os.fspath(name_or_path), resolve_dtype(dtype), attn_implementation)
+    import sys
+
+    from transformers.utils import logging as hf_logging
+
+    quiet = not sys.stderr.isatty() and hf_logging.is_progress_bar_enabled()
+    if quiet:  # redirected (a log): transformers' per-tensor progress bars would write kilobytes of updates
+        hf_logging.disable_progress_bar()
+    try:
+        model, tok = _load(os.fspath(name_or_path), resolve_dtype(dtype), attn_implementation)
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
     model.kvt_tokenizer = tok  # kvt.transform verifies on real text with it
     return model, tok
 

@@ -272,6 +272,12 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str | os.PathLike, input
     path = check_onnx_target(path, overwrite)
     _check_translatable(ep)
     path.parent.mkdir(parents=True, exist_ok=True)
+    import logging
+
+    # torch's exporter warns once per torchvision op it cannot register when torchvision is absent: noise here
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
     try:
         # opset 23 + dynamic shapes: onnxscript's optimizer folds the dynamic Attention shapes wrongly; the program
         # is exported unoptimised and only dead nodes are removed (an unused lse, constant-shape scaffolding).
@@ -280,6 +286,8 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str | os.PathLike, input
                                  output_names=list(output_names), verbose=False, report=False)
     except Exception as e:
         raise RuntimeError(f"torch.onnx.export failed: {type(e).__name__}: {e}") from e
+    finally:
+        registration.setLevel(level)
     from onnxscript.ir.passes.common import RemoveUnusedNodesPass
 
     RemoveUnusedNodesPass()(prog.model)

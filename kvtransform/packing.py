@@ -31,9 +31,13 @@ def _token_id(v, what: str, j: int) -> int:
         or type(v).__name__ in ("bool_", "bool") and type(v).__module__ == "numpy"
     if not bad:
         try:
-            return operator.index(v)
+            i = operator.index(v)
         except TypeError:
             pass
+        else:
+            if -2 ** 63 <= i < 2 ** 63:
+                return i
+            raise ValueError(f"{what}: element {j} is {i}, outside int64: token ids are vocabulary indices (>= 0)")
     raise ValueError(f"{what}: element {j} is {v!r}, not an integer token id (ints, NumPy integers or an integer "
                      f"tensor; not floats, bools or strings)")
 
@@ -260,6 +264,8 @@ def check_packed(input_ids, position_ids, layout: DualKVLayout, vocab_size: Opti
         raise ValueError(f"the batch layout does not match its {t} tokens: {e}") from None
     if tuple(position_ids.shape) != (1, t):
         raise ValueError(f"position_ids must be (1, T={t}); got shape {tuple(position_ids.shape)}")
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids must be integer positions (batch.position_ids); got {position_ids.dtype}")
     expect = layout.position_ids().to(position_ids.device)
     if not torch.equal(position_ids[0].long(), expect):
         bad = int((position_ids[0].long() != expect).nonzero()[0])

@@ -28,6 +28,7 @@ Python lists ``lengths`` and ``parents`` mirror the tensors (the host-side code 
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping, Set
 from typing import Optional, Sequence, Union
 
 import torch
@@ -65,8 +66,9 @@ def _int_list(name: str, x) -> list:
                              f"torch.compile): build the layout from real tensors before compiling")
         vals = [int(v) for v in x.tolist()]
     else:
-        if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
-            raise ValueError(f"{name} must be a sequence of integers or a 1-D integer tensor; got {type(x).__name__}")
+        if isinstance(x, (str, bytes, Mapping, Set)) or not hasattr(x, "__iter__"):
+            raise ValueError(f"{name} must be an ordered sequence of integers (a list, tuple or 1-D integer tensor); "
+                             f"got {type(x).__name__}")
         vals = [_as_index(v, f"{name}[{i}]") for i, v in enumerate(x)]
     for i, v in enumerate(vals):
         if not -2 ** 31 <= v <= _I32_MAX:
@@ -176,7 +178,7 @@ class PrefixTreeLayout:
         t = sum(lengths)
         if t > _I32_MAX:
             raise ValueError(f"{t} tokens do not fit int32 offsets (at most 2**31 - 1 tokens per batch)")
-        if total_tokens is not None and t != int(total_tokens):
+        if total_tokens is not None and t != _as_index(total_tokens, "total_tokens"):
             raise ValueError(f"the node lengths sum to {t} tokens but there are {int(total_tokens)} tokens (T)")
         return cls._build(lengths, parents, device)
 
@@ -267,16 +269,45 @@ class PrefixTreeLayout:
         """Python list: the position (in its root→node path) of each node's first token."""
         return list(self._starts)
 
+    def _node(self, node) -> int:
+        """``node`` as an index in ``0..N-1``: ValueError for a non-integer, IndexError (one line) outside."""
+        i = _as_index(node, "node")
+        if not 0 <= i < self.num_nodes:
+            raise IndexError(f"node {i} is out of range: valid nodes are 0..{self.num_nodes - 1}")
+        return i
+
     def ancestors_of(self, node: int) -> list:
-        """Python list of ``node``'s ancestors, root first."""
-        return list(self._anc[node])
+        """Python list of ``node``'s ancestors, root first (``node`` in ``0..N-1``, else IndexError)."""
+        return list(self._anc[self._node(node)])
 
     def to(self, device) -> "PrefixTreeLayout":
         obj = PrefixTreeLayout.__new__(PrefixTreeLayout)
         obj.__dict__.update(self.__dict__)
+        obj.__dict__.pop("_dualkv", None)
         for name in self._TENSORS:
             setattr(obj, name, getattr(self, name).to(device))
         return obj
+
+    def as_dualkv(self):
+        """This layout as a :class:`~kvtransform.layout.DualKVLayout` when it is one level deep (every tree a root
+        whose children are leaves: a prompt and its responses, DualKV arXiv 2605.15422), else None. The DualKV
+        kernels plan their work tables on the GPU and are faster on that shape, so the frontends run one-level trees
+        through them (BENCHMARKS.md, "Prefix-tree attention"). Cached; on this layout's device."""
+        if "_dualkv" not in self.__dict__:
+            groups, ok = [], self.depth <= 2
+            for i, (n, p) in enumerate(zip(self.lengths, self.parents)):
+                if not ok:
+                    break
+                if p < 0:
+                    groups.append((n, []))
+                elif p == i - 1 - len(groups[-1][1]) and self.parents[p] < 0:  # children right after their root
+                    groups[-1][1].append(n)
+                else:
+                    ok = False
+            from .layout import DualKVLayout
+
+            self.__dict__["_dualkv"] = DualKVLayout.from_lengths(groups, device=self.device) if ok else None
+        return self.__dict__["_dualkv"]
 
     def kernel_tensors(self) -> tuple:
         """``(cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges)``: the op's layout
@@ -297,7 +328,7 @@ class PrefixTreeLayout:
                 raise ValueError(f"{name} must be int32; got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device} but cu_seqlens on {self.device}")
-        if total_tokens is not None and int(total_tokens) != self.total_tokens:
+        if total_tokens is not None and _as_index(total_tokens, "total_tokens") != self.total_tokens:
             raise ValueError(f"the layout's nodes sum to {self.total_tokens} tokens but there are {int(total_tokens)} "
                              f"tokens (T): cu_seqlens must end at T")
         if _has_data(self.cu_seqlens):
@@ -315,8 +346,9 @@ class PrefixTreeLayout:
         return torch.cat([torch.arange(s, s + ln) for s, ln in zip(self._starts, self.lengths)]).to(self.device)
 
     def path_index(self, node: int) -> torch.Tensor:
-        """int64 packed positions of the root→``node`` path's tokens, in sequence order (CPU)."""
-        cu = self._cu
+        """int64 packed positions of the root→``node`` path's tokens, in sequence order (CPU); ``node`` in
+        ``0..N-1``, else IndexError."""
+        cu, node = self._cu, self._node(node)
         return torch.cat([torch.arange(cu[m], cu[m + 1]) for m in self._anc[node] + [node]])
 
     def visible_pairs(self) -> int:

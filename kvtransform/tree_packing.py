@@ -17,6 +17,7 @@ autograd sums its gradient over those trajectories: the loss and gradients equal
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -163,13 +164,49 @@ class TreeBatch:
         for i, s in enumerate(self.sequences):
             if not torch.equal(ids[self.token_index(i)], s):
                 raise ValueError(f"trajectory {i} is not the root→node path of node {self.end_nodes[i]}")
-        if vocab_size is not None and int(ids.max()) >= vocab_size:
+        if vocab_size is not None and int(ids.max()) >= _as_vocab(vocab_size):
             raise ValueError(f"token id {int(ids.max())} is outside the vocabulary of {vocab_size} tokens")
+
+
+def _as_vocab(v) -> int:
+    """``vocab_size`` as a python int >= 1; ValueError (one line) for anything else."""
+    try:
+        ok = not isinstance(v, (bool, float, str, bytes)) and operator.index(v) >= 1
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"vocab_size must be a positive integer (the model's vocabulary size) or None; got {v!r}")
+    return operator.index(v)
+
+
+def _as_device(device) -> Optional[torch.device]:
+    """``device`` as a usable torch.device (None stays None); ValueError (one line) naming the fix."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0'; got {device!r}") from None
+    if dev.type == "meta":
+        raise ValueError("device='meta' holds no data: pack on 'cpu' or a GPU")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but no CUDA GPU is available here: pass device='cpu'")
+    try:
+        torch.empty(0, device=dev)
+    except Exception as e:  # an absent index or backend: one line instead of torch's traceback
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"device={device!r} is not usable here ({why}): pass 'cpu' or an available GPU") from None
+    return dev
 
 
 def _as_mask(m, n: int, i: int) -> torch.Tensor:
     """Trajectory ``i``'s loss mask as a bool ``(n,)`` CPU tensor; ValueError on a wrong length or non-bool values."""
+    if isinstance(m, (Mapping, Set)):
+        raise ValueError(f"loss_masks[{i}] is a {type(m).__name__} (unordered): pass a list or 1-D tensor of bools, "
+                         f"one per token")
     if isinstance(m, torch.Tensor):
+        if m.device.type == "meta":
+            raise ValueError(f"loss_masks[{i}] is on the meta device (no data): pass real bools")
         if m.dim() != 1:
             raise ValueError(f"loss_masks[{i}] must be 1-D over the trajectory's {n} tokens; got shape "
                              f"{tuple(m.shape)}")
@@ -206,7 +243,8 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
 
     Args:
         seqs: N >= 1 trajectories, each a whole conversation: a list of ints (or NumPy integers), a 1-D integer
-            tensor or a 1-D integer NumPy array, >= 1 token.
+            tensor or a 1-D integer NumPy array, >= 1 token. A list, a tuple, a generator (materialised) or the
+            rows of a 2-D tensor / NumPy array.
         loss_masks: optional, per trajectory a bool ``(len(seq_i),)`` over its tokens (True: trained, e.g.
             assistant turns; False: prompt and tool output), a tensor or a list of bools / 0-1 ints.
         min_shared: a run shared by several trajectories shorter than this many tokens is duplicated into each
@@ -219,28 +257,44 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
             (2K) / s=16 (8K). Within ~0.5 % of the step either way, so the default keeps every share (and the
             depth the transform's verification tree needs); pass ~32 for contexts of 8K tokens and more
             (``docs/PREFIX_TREES.md``, "Packing"). GPU timing: not measured.
-        vocab_size: when given, every id must be ``< vocab_size``.
-        device: device of the batch tensors (default: the first tensor's, else CPU).
+        vocab_size: when given, a positive integer; every id must be ``< vocab_size``.
+        device: device of the batch tensors (default: the first tensor's, else CPU); must be usable here.
 
     Returns:
         :class:`TreeBatch` (``T`` = tokens of the trie's nodes).
 
     Raises:
-        ValueError: no trajectories, an empty trajectory, a non-integer / negative / out-of-vocabulary id, a loss
-            mask of the wrong length or with non-bool values, loss_masks not one per trajectory, min_shared < 1.
+        ValueError: no trajectories, an empty trajectory, a non-integer / negative / out-of-int64 /
+            out-of-vocabulary id, meta tensors, a loss mask of the wrong length, unordered (a set) or with non-bool
+            values, loss_masks not one per trajectory, min_shared < 1, a vocab_size that is not a positive integer,
+            an unusable device.
     """
     from .packing import _as_ids  # here: kvtransform.packing re-exports this module's names at its end
 
+    if isinstance(seqs, torch.Tensor) and seqs.dim() == 2:  # rows of a 2-D tensor, as of a 2-D NumPy array
+        seqs = list(seqs.unbind(0))
+    elif hasattr(seqs, "__iter__") and not hasattr(seqs, "__len__") and not isinstance(seqs, torch.Tensor):
+        seqs = list(seqs)  # a generator / iterator of trajectories
+    if isinstance(seqs, (Mapping, Set)):
+        raise ValueError(f"pack_trajectories takes trajectories in order: pass a list, not a {type(seqs).__name__}")
     if isinstance(seqs, (torch.Tensor, str, bytes)) or not hasattr(seqs, "__len__") or len(seqs) == 0:
-        raise ValueError("pack_trajectories needs a non-empty list of trajectories (1-D token-id sequences)")
+        raise ValueError("pack_trajectories needs a non-empty list of trajectories (1-D token-id sequences); got "
+                         + (f"a tensor of shape {tuple(seqs.shape)} (one trajectory? pass [ids])"
+                            if isinstance(seqs, torch.Tensor) else type(seqs).__name__))
     if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 1:
         raise ValueError(f"min_shared must be an integer >= 1; got {min_shared!r}")
+    if vocab_size is not None:
+        vocab_size = _as_vocab(vocab_size)
+    device = _as_device(device)
+    for i, s in enumerate(seqs):
+        if isinstance(s, torch.Tensor) and s.device.type == "meta":
+            raise ValueError(f"trajectory {i} is on the meta device (no data): pass real token ids")
     if device is None:
         device = next((s.device for s in seqs if isinstance(s, torch.Tensor)), None)
     seqs = [_as_ids(s, f"trajectory {i}", vocab_size) for i, s in enumerate(seqs)]
     masks = None
     if loss_masks is not None:
-        if isinstance(loss_masks, torch.Tensor) or not hasattr(loss_masks, "__len__") or \
+        if isinstance(loss_masks, (torch.Tensor, Mapping, Set)) or not hasattr(loss_masks, "__len__") or \
                 len(loss_masks) != len(seqs):
             got = len(loss_masks) if hasattr(loss_masks, "__len__") and not isinstance(loss_masks, torch.Tensor) \
                 else type(loss_masks).__name__

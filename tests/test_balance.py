@@ -172,13 +172,36 @@ def test_tree_cost_weights_attention_work():
     (([[[1, 2]], torch.tensor([1, 2])], 2), {"trees": True}, "tree 1 must be a non-empty list"),
     (([([1, 2], [[3], [4, 5]])], 2), {"trees": True}, "pass trees=False"),
     (([[[1, 2, 3], [1, 2, 4], [1, 5]]], 2), {}, "pass trees=True"),
-    (([[[1, 2]]], 2), {"trees": True, "pair_weight": -1.0}, "pair_weight must be a number >= 0"),
+    (([[[1, 2]]], 2), {"trees": True, "pair_weight": -1.0}, "pair_weight must be a finite number >= 0"),
     (([[[1, 2, 3, 4]], [[1] * 9, [1] * 8 + [2]]], 2, 5), {"trees": True},
      r"tree 1 packs to 10 tokens .* > max_tokens=5.*raise max_tokens to at least 10"),
 ])
 def test_tree_errors(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvt.balance_groups(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"trees": True, "pair_weight": float("inf")}, r"pair_weight must be a finite number >= 0 .*; got inf"),
+    ({"trees": True, "pair_weight": float("nan")}, r"pair_weight must be a finite number >= 0 .*; got nan"),
+    ({"trees": True, "pair_weight": -0.5}, r"pair_weight must be a finite number >= 0 .*; got -0.5"),
+    ({"trees": True, "pair_weight": "0.1"}, r"pair_weight must be a finite number >= 0"),
+    ({"trees": "no"}, r"trees must be True .* or False .*; got 'no'"),
+    ({"trees": 1}, r"trees must be True"),
+    ({"pair_weight": 0.1}, r"pair_weight applies to prefix trees only: pass trees=True"),
+    ({"trees": False, "pair_weight": 0}, r"pair_weight applies to prefix trees only"),
+])
+def test_tree_flags_are_checked(kwargs, match):
+    """pair_weight finite and >= 0, trees a bool, pair_weight refused without trees=True: one line each."""
+    with pytest.raises(ValueError, match=match):
+        kvt.balance_groups([[[1, 2]]], 2, **kwargs)
+
+
+def test_tree_cost_checks_pair_weight():
+    from kvtransform.balance import tree_cost
+
+    with pytest.raises(ValueError, match="pair_weight must be a finite number >= 0"):
+        tree_cost([[1, 2]], pair_weight=float("inf"))
 
 
 def test_tree_batch_is_refused_with_the_fix():

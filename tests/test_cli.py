@@ -333,7 +333,7 @@ def test_generate_threads_default_to_one_on_a_small_cpu(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert choose_threads("auto")[0] == 1
-    assert choose_threads(2) == (2, "threads=")
+    assert choose_threads(2) == (2, "threads=2")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert choose_threads("auto")[0] == 2
     monkeypatch.delenv("OMP_NUM_THREADS")

@@ -71,3 +71,31 @@ def test_real_model_packed_equals_unpacked():
     batch = kvt.pack_shared_prefix_groups([(ids[:10], [ids[10:14], ids[14:]])])
     res = check_exactness(model, _packed_logits(model), batch)  # the replicated path: same model, SDPA fallback
     assert res["logprobs_rel"] < 1e-4 and res["grad_global_rel"] < 1e-4
+
+
+def test_packed_calls_are_checked_before_the_model_runs():
+    """A packed call without its position_ids (transformers would number the packed axis 0..T-1: a silently wrong
+    answer), with ids outside the vocabulary or with a KV cache is refused in one line; a packed call never leaves a
+    KV cache behind (it would mix every branch's K/V); disable() removes the check."""
+    from kvtransform.integrations.transformers import packed_inputs
+
+    model = kvt.integrations.transformers.enable(kvt.tiny_model("llama"), "dualkv")
+    tree = kvt.pack_trajectories([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [1, 2, 3, 9], [1, 11]])
+    packed = kvt.pack_shared_prefix_groups(GROUPS)
+    for batch in (tree, packed):
+        kw = packed_inputs(batch)
+        with pytest.raises(ValueError, match="position_ids=batch.position_ids"):
+            model(**{k: v for k, v in kw.items() if k != "position_ids"})
+        with pytest.raises(ValueError, match="integer positions"):
+            model(**{**kw, "position_ids": kw["position_ids"].float()})
+        bad_ids = kw["input_ids"].clone()
+        bad_ids[0, -1] = model.config.vocab_size
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model(**{**kw, "input_ids": bad_ids})
+        with torch.no_grad():
+            out = model(**{**kw, "use_cache": True})
+        assert out.past_key_values is None
+    with pytest.raises(ValueError, match="without a KV cache"):
+        model(**packed_inputs(tree), past_key_values=out.past_key_values or object())
+    kvt.integrations.transformers.disable(model)
+    assert not model._forward_pre_hooks

@@ -326,3 +326,11 @@ def test_cli_emit_onnx(tmp_path, monkeypatch, capsys):
     except SystemExit as e:
         rc = e.code
     assert rc == 2 and "emit=['pt2', 'tflite']" in capsys.readouterr().err
+
+
+def test_export_tree_flag_must_be_a_bool(tmp_path):
+    opt = kvt.transform(kvt.tiny_model("llama"), kvt.DualKVConfig(verify=kvt.VerifyConfig(enabled=False)),
+                        progress=False)
+    with pytest.raises(ValueError, match="tree must be True or False"):
+        opt.export_onnx(tmp_path / "m.onnx", tree="no")
+    assert not (tmp_path / "m.onnx").exists()

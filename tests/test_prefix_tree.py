@@ -83,6 +83,9 @@ def _i32(x):
      "sum to 5 tokens but there are 4"),
     (lambda: PrefixTreeLayout.from_tensors(torch.zeros(2, 2, dtype=torch.int32), _i32([-1])), "must be 1-D"),
     (lambda: PrefixTreeLayout.from_tensors(_i32([0, 3]).to("meta"), _i32([-1]).to("meta")), "no data"),
+    (lambda: PrefixTreeLayout.from_parents([2, 3], [-1, 0], total_tokens=3.5), "total_tokens must be an integer"),
+    (lambda: PrefixTreeLayout.from_parents({1: 1}, [-1]), "lengths must be an ordered sequence.*got dict"),
+    (lambda: PrefixTreeLayout.from_parents([2], {-1}), "parents must be an ordered sequence.*got set"),
     (lambda: PrefixTreeLayout([1], [-1]), None),
 ])
 def test_layout_refuses_malformed_input_in_one_line(build, match):
@@ -91,6 +94,12 @@ def test_layout_refuses_malformed_input_in_one_line(build, match):
             build()
         return
     one_line_error(build, match)
+
+
+@pytest.mark.parametrize("call, node, exc, match", [("path_index", -1, IndexError, "node -1 is out of range: valid "
+    "nodes are 0..1"), ("ancestors_of", 10, IndexError, "node 10"), ("path_index", 0.5, ValueError, "an integer")])
+def test_layout_node_index_is_checked(call, node, exc, match):
+    pytest.raises(exc, getattr(PrefixTreeLayout.from_parents([2, 3], [-1, 0]), call), node).match(match)
 
 
 # ====================================================================================================== packing
@@ -228,9 +237,20 @@ def test_loss_masks():
     (dict(seqs=[[1, 2]], loss_masks=[torch.tensor([0.0, 1.0])]), "must hold bools"),
     (dict(seqs=[[1, 2], [3]], loss_masks=[[True, True]]), "one mask per trajectory \\(2\\)"),
     (dict(seqs=[[1, 2]], min_shared=0), "min_shared must be an integer >= 1"),
+    *[(dict(seqs=[[1, 2]], vocab_size=v), "vocab_size must be a positive integer") for v in (2.5, 0, -5, "100", True)],
+    *[(dict(seqs=[[1, 2]], device=d), "device") for d in ("foo", "meta", "cuda:99")],
+    (dict(seqs=[torch.tensor([1, 2], device="meta")]), "trajectory 0 is on the meta device"),
+    (dict(seqs=[[1, 2]], loss_masks=[{True, False}]), r"loss_masks\[0\] is a set \(unordered\)"),
+    (dict(seqs=[[1, 2]], loss_masks={(True, True)}), "loss_masks must be a list"),
+    (dict(seqs={(1, 2)}), "pass a list, not a set"), (dict(seqs=[[1, 2 ** 64]]), "outside int64"),
 ])
 def test_pack_refuses_malformed_input_in_one_line(kwargs, match):
     one_line_error(lambda: kvt.pack_trajectories(**kwargs), match)
+
+
+def test_pack_takes_rows_of_a_2d_tensor_or_array_and_generators():
+    for make in (torch.tensor, lambda x: __import__("numpy").array(x), lambda x: (r for r in x)):
+        assert kvt.pack_trajectories(make([[1, 2, 3], [1, 2, 4]])).layout.lengths == [2, 1, 1]
 
 
 def test_trajectory_logprobs_refuses_foreign_logits():
@@ -383,6 +403,17 @@ def test_op_refuses_bad_inputs_in_one_line():
     bad = list(lay.kernel_tensors())
     bad[0] = torch.tensor([0, 5, 8], dtype=torch.int64)
     one_line_error(lambda: torch.ops.kvt.prefix_tree_attention(q, k, v, *bad, 0.25), "cu_seqlens must be int32")
+
+
+@pytest.mark.parametrize("scale, d, dev, match", [(x, 16, "cpu", "softmax_scale must be a finite") for x in (
+    float("nan"), float("inf"), "a", True)] + [(0, 0, "cpu", "dim 0:"), (1, 16, "meta", "meta"), (.3, 16, "cpu", 0)])
+def test_wrapper_checks_scale_head_dim_meta_and_float64_lse(scale, d, dev, match):
+    lay, (q, k, v) = PrefixTreeLayout.from_parents([5, 3], [-1, 0]), torch.randn(3, 8, 2, d).double().to(dev)
+    run = lambda: kvt.prefix_tree_attention(q, k, v, lay, softmax_scale=scale, return_lse=True)  # noqa: E731
+    if match:
+        return one_line_error(run, match)
+    (out, lse), want = run(), K.prefix_tree_attention_reference(q, k, v, lay, 0.3)[1]  # fp64 lse, computed in fp64
+    assert out.dtype == lse.dtype == want.dtype == torch.float64 and torch.equal(lse, want)
 
 
 # ====================================================================================================== model level

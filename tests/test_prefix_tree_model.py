@@ -155,6 +155,39 @@ def test_hf_refusals_are_named():
         kvt.integrations.transformers.enable(tiny_model("mistral", sliding_window=8), "dualkv")
 
 
+def test_one_level_tree_runs_the_dualkv_program(tiny):
+    """A tree one level deep (prompts and their responses) runs the DualKV program in both frontends, with the
+    same logits as the same batch packed by pack_shared_prefix_groups; the tree program is not called."""
+    model, opt = tiny
+    piece = _rand_piece(model.config.vocab_size)
+    p1, p2 = piece(9).tolist(), piece(6).tolist()
+    r = [piece(n).tolist() for n in (4, 7, 5)]
+    groups = [(p1, [[1] + r[0], [2] + r[1]]), (p2, [[3] + r[2]])]   # distinct first tokens: a clean one-level trie
+    tree = kvt.pack_trajectories([p + x for p, xs in groups for x in xs])
+    assert tree.layout.as_dualkv() is not None and tree.layout.depth == 2
+    packed = kvt.pack_shared_prefix_groups(groups)
+    opt.__dict__["_tree_core_saved"], opt.__dict__["_tree_core"] = opt.__dict__["_tree_core"], _Boom()
+    try:
+        with torch.no_grad():
+            assert torch.allclose(opt(tree), opt(packed), atol=1e-5, rtol=0)  # a lone trajectory is one segment
+    finally:
+        opt.__dict__["_tree_core"] = opt.__dict__.pop("_tree_core_saved")
+    hf = kvt.integrations.transformers.enable(tiny_model("llama"), "dualkv")
+    calls = []
+    real = torch.ops.kvt.prefix_tree_attention
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        import kvtransform.ops.prefix_tree as opmod
+
+        mp.setattr(opmod, "prefix_tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        hf(tree.input_ids, position_ids=tree.position_ids, prefix_tree_layout=tree.layout, use_cache=False)
+    assert calls == []
+
+
+class _Boom(torch.nn.Module):
+    def forward(self, *args):
+        raise AssertionError("the tree program ran on a one-level tree")
+
+
 def test_tree_program_is_not_a_second_owner_of_the_parameters(tiny):
     """parameters()/state_dict() (and so FSDP2's fully_shard) see each parameter once: the tree program shares
     core's parameters without being a registered submodule."""

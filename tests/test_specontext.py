@@ -296,7 +296,13 @@ def test_unknown_head_lists_valid_ones(llama):
     (dict(max_new_tokens=250), "exceeds the model's 256 positions"),
     (dict(eos_token_id=128), "eos_token_id 128 is outside the vocabulary"),
     (dict(eos_token_id=[2, -1]), "outside the vocabulary"),
-    (dict(do_sample=True, temperature=0.0), "temperature must be a number > 0"),
+    (dict(do_sample=True, temperature=0.0), "temperature must be a finite number > 0"),
+    (dict(do_sample=True, temperature=float("inf")), "temperature must be a finite number > 0"),  # was uniform
+    (dict(do_sample=True, temperature=float("nan")), "temperature must be a finite number > 0"),
+    (dict(do_sample=True, temperature=True), "temperature must be a finite number > 0"),
+    (dict(temperature=True), r"temperature must be a number \(ignored when do_sample=False\)"),
+    (dict(do_sample="yes"), "do_sample must be True or False; got 'yes'"),
+    (dict(do_sample=1), "do_sample must be True or False"),
     (dict(attention_mask=[[1] * 10] * 2), "attention_mask must be a 0/1 tensor"),  # was AttributeError
     (dict(pad_token_id=128), r"pad_token_id must be an id in \[0, 128\)"),  # was IndexError at a row's EOS
     (dict(pad_token_id=-1), "pad_token_id must be an id"),
@@ -306,6 +312,15 @@ def test_bad_generate_arguments(sp_llama, kwargs, match):
     kwargs = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         sp_llama.generate(ids, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [0, 0.0, -1.0, None, float("inf")])
+def test_greedy_ignores_temperature_like_hf(sp_llama, temperature):
+    """do_sample=False decodes greedily whatever the temperature (HF ignores it there)."""
+    ids = torch.randint(3, 128, (2, 10))
+    got = sp_llama.generate(ids, max_new_tokens=3, do_sample=False, temperature=temperature, eos_token_id=None)
+    want = sp_llama.generate(ids, max_new_tokens=3, eos_token_id=None)
+    assert torch.equal(got, want)
 
 
 def test_one_prompt_without_a_batch_dimension_names_the_fix(sp_llama):

@@ -94,7 +94,7 @@ def choose_threads(threads) -> tuple[int, str]:
     import torch
 
     if threads != "auto":
-        return int(threads), "threads="
+        return int(threads), f"threads={int(threads)}"
     if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ or (os.cpu_count() or 1) > SMALL_CPU:
         return torch.get_num_threads(), "torch's default"
     return 1, f"auto: a {os.cpu_count()}-core CPU"

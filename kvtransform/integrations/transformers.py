@@ -84,7 +84,10 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         if not isinstance(tree, PrefixTreeLayout):
             raise ValueError(f"prefix_tree_layout must be a PrefixTreeLayout (TreeBatch.layout from "
                              f"kvt.pack_trajectories); got {type(tree).__name__}")
-        return prefix_tree_attention(q, k, v, tree, softmax_scale=scaling)[None], None
+        one_level = tree.as_dualkv()  # a one-level tree runs DualKV's kernels (faster on that shape)
+        if one_level is None:
+            return prefix_tree_attention(q, k, v, tree, softmax_scale=scaling)[None], None
+        cu, sp = one_level.cu_seqlens, one_level.segment_prefix
     from kvtransform.ops.dualkv import dualkv_attention
 
     out = dualkv_attention(q, k, v, cu.to(q.device), sp.to(q.device), softmax_scale=scaling)
@@ -110,6 +113,44 @@ def packed_inputs(batch) -> dict:
         return {**out, "cu_seqlens": batch.cu_seqlens, "segment_prefix": batch.segment_prefix}
     raise ValueError(f"packed_inputs takes a PackedBatch (kvt.pack_shared_prefix_groups) or a TreeBatch "
                      f"(kvt.pack_trajectories); got {type(batch).__name__}")
+
+
+def _check_packed_call(model, args, kwargs):
+    """Forward pre-hook that :func:`enable` installs: a call with a packed layout (``prefix_tree_layout``, or
+    ``cu_seqlens``/``segment_prefix``) must bring the batch's ``position_ids`` (without them transformers numbers the
+    packed axis 0..T-1, a silently wrong answer), ids inside the vocabulary, and no KV cache; such a call never
+    writes a cache (``use_cache`` is forced off: a cache of a packed batch mixes every branch's K/V).
+
+    Raises:
+        ValueError: no ``position_ids``, ``position_ids`` or ids that disagree with the layout, ``past_key_values``.
+    """
+    from kvtransform.layout import DualKVLayout
+    from kvtransform.packing import check_packed
+    from kvtransform.tree_layout import PrefixTreeLayout
+
+    tree, cu, sp = (kwargs.get(k) for k in ("prefix_tree_layout", "cu_seqlens", "segment_prefix"))
+    if tree is None and cu is None and sp is None:
+        return None
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError("a packed batch runs without a KV cache: drop past_key_values (and use_cache)")
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError("a packed batch needs input_ids (1, T): call model(**kvt.integrations.transformers."
+                         "packed_inputs(batch))")
+    if kwargs.get("position_ids") is None:
+        raise ValueError("a packed batch needs position_ids=batch.position_ids (each segment continues its parent's "
+                         "positions): call model(**kvt.integrations.transformers.packed_inputs(batch))")
+    if isinstance(tree, PrefixTreeLayout) and cu is None and sp is None:
+        layout = tree
+    elif tree is None and isinstance(cu, torch.Tensor) and isinstance(sp, torch.Tensor):
+        try:
+            layout = DualKVLayout.from_tensors(cu, sp)
+        except ValueError as e:
+            raise ValueError(f"invalid packed layout: {e}") from None
+    else:
+        return None  # the attention function names what is wrong with the layout arguments
+    check_packed(input_ids, kwargs["position_ids"], layout, getattr(model.config, "vocab_size", None))
+    return args, {**kwargs, "use_cache": False}
 
 
 def dualkv_mask(*args, **kwargs):
@@ -160,6 +201,8 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
         model.set_attn_implementation(ATTENTION_NAME)
     else:  # pragma: no cover - older transformers
         cfg._attn_implementation = ATTENTION_NAME
+    if getattr(model, "_kvt_packed_hook", None) is None:
+        model._kvt_packed_hook = model.register_forward_pre_hook(_check_packed_call, with_kwargs=True)
     return model
 
 
@@ -172,4 +215,8 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
         else:  # pragma: no cover
             model.config._attn_implementation = prev
         del model._kvt_previous_attn
+    hook = getattr(model, "_kvt_packed_hook", None)
+    if hook is not None:
+        hook.remove()
+        del model._kvt_packed_hook
     return model

@@ -7,7 +7,8 @@ query_ranges, softmax_scale) -> (out, lse)``
 * the layout tensors of :class:`kvtransform.tree_layout.PrefixTreeLayout` (int32; ``PrefixTreeLayout.kernel_tensors()``
   in this order): ``cu_seqlens (N+1,)``, ``parent (N,)``, ``key_range_ptr (N+1,)``, ``key_ranges (RK, 2)`` (the
   ancestors as token ranges), ``query_range_ptr (N+1,)``, ``query_ranges (RQ, 2)`` (the descendants);
-* out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log of the softmax denominator (scaled scores).
+* out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)`` (fp64 for fp64 inputs, the CPU reference), natural log of the
+  softmax denominator (scaled scores).
 
 A token attends to every token of its node's ancestors and causally within its node (Tree Training, arXiv
 2511.00413; the one-level case is DualKV, arXiv 2605.15422, ``kvt::dualkv_attention``). CUDA tensors run the Triton
@@ -26,6 +27,7 @@ wrapper's :class:`PrefixTreeLayout` (built and validated on the host).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -137,13 +139,18 @@ def _tree_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torc
     with torch.no_grad():
         out, lse = _k.prefix_tree_attention_reference(q, k, v, (cu_seqlens, key_range_ptr, key_ranges),
                                                       softmax_scale)
-    return out.contiguous(), lse.float().contiguous()
+    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs (the CPU reference computes in fp64), else fp32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @_tree_op.register_fake
 def _(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges, softmax_scale):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("kvt::prefix_tree_attention_backward", mutates_args=())
@@ -194,6 +201,19 @@ def _backward(ctx, grad_out, grad_lse):
 _tree_op.register_autograd(_backward, setup_context=_setup_ctx)
 
 
+def _as_scale(x) -> float:
+    """softmax_scale as a finite python float; ValueError (one line) for NaN/inf, bools, strings, tensors of more
+    than one element."""
+    ok = not isinstance(x, (bool, str, bytes)) and not (isinstance(x, torch.Tensor) and x.numel() != 1)
+    try:
+        val = float(x) if ok else None
+    except (TypeError, ValueError):
+        val = None
+    if val is None or not math.isfinite(val):
+        raise ValueError(f"softmax_scale must be a finite real number (default: head_dim ** -0.5); got {x!r}")
+    return val
+
+
 def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PrefixTreeLayout,
                           softmax_scale: Optional[float] = None, return_lse: bool = False):
     """Prefix-tree attention (validating wrapper of ``torch.ops.kvt.prefix_tree_attention``).
@@ -203,21 +223,25 @@ def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
         k, v: ``(T, H_kv, D)``, same dtype and device; ``H % H_kv == 0``.
         layout: a :class:`~kvtransform.tree_layout.PrefixTreeLayout` (moved to q's device if needed; validated when
             it was built, so no device sync here).
-        softmax_scale: default ``D ** -0.5``.
-        return_lse: also return the fp32 ``(H, T)`` natural-log LSE.
+        softmax_scale: a finite real number; default ``D ** -0.5``.
+        return_lse: also return the ``(H, T)`` natural-log LSE: fp32 (fp64 for fp64 inputs, computed in fp64).
 
     Returns:
         out ``(T, H, D)`` in q.dtype, or ``(out, lse)``.
 
     Raises:
         ValueError: a layout that is not a PrefixTreeLayout or whose nodes do not sum to T, an unsupported head_dim
-            (outside 1..256) or dtype, H not divisible by H_kv, q/k/v dtypes or shapes that disagree.
+            (outside 1..256; 0 on every path) or dtype, H not divisible by H_kv, q/k/v dtypes or shapes that
+            disagree, meta tensors, a softmax_scale that is not a finite real number.
     """
     if not isinstance(layout, PrefixTreeLayout):
         raise ValueError(f"layout must be a PrefixTreeLayout (PrefixTreeLayout.from_parents(lengths, parents)); got "
                          f"{type(layout).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a 3-D tensor (T, heads, head_dim)")
+    if q.device.type == "meta":
+        raise ValueError("q is on the meta device (no data): prefix_tree_attention needs real tensors (under "
+                         "torch.compile/export use FakeTensors, which trace through the op)")
     if layout.device != q.device:
         layout = layout.to(q.device)
     if layout.total_tokens != q.shape[0]:
@@ -226,6 +250,8 @@ def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     check_shapes(q, k, v, *tensors)
     if q.dtype != torch.float64 or q.is_cuda:
         check_kernel_support(q)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    elif q.shape[-1] == 0:
+        raise ValueError("unsupported head_dim 0: q, k, v need head_dim >= 1")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else _as_scale(softmax_scale)
     out, lse = torch.ops.kvt.prefix_tree_attention(q, k, v, *tensors, scale)
     return (out, lse) if return_lse else out

@@ -268,6 +268,8 @@ class SpeContextRuntime:
             input_ids: int ``(batch, seq)``; attention_mask: 0/1 ``(batch, seq)`` (default all ones).
             eos_token_id: an id or a list (``"default"``: the model's generation config; None: never stop).
             pad_token_id: id written after a row's EOS (default: the model's pad id, else its first EOS id, else 0).
+            do_sample: a bool; False (greedy) ignores ``temperature``/``top_k``/``top_p`` as HF does (temperature
+                may then be any number, e.g. 0, or None); True needs a finite temperature > 0.
             seed: seed of the sampling generator (``do_sample``).
             device: the programs' device. progress: a tqdm bar over decode steps (default: when
                 ``max_new_tokens >= 256``).
@@ -282,7 +284,7 @@ class SpeContextRuntime:
         """
         info = self.info
         rows = self._rows(input_ids, attention_mask)
-        _check_request(rows, max_new_tokens, temperature, top_k, top_p, info.max_positions)
+        _check_request(rows, max_new_tokens, temperature, top_k, top_p, info.max_positions, do_sample)
         eos = _as_eos(info.eos_token_id if isinstance(eos_token_id, str) else eos_token_id, info.vocab_size)
         pad = pad_token_id if pad_token_id is not None else (
             info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0))

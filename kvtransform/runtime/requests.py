@@ -2,6 +2,8 @@
 parameters. Each raises ``ValueError`` naming the argument and the fix."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["_prompt_rows", "_check_request", "_check_steps", "_as_eos", "_check_pad"]
@@ -78,17 +80,24 @@ def _prompt_rows(input_ids, attention_mask, vocab: int) -> list:
     return rows
 
 
-def _check_request(rows, max_new_tokens, temperature, top_k, top_p, max_positions: int) -> None:
+def _check_request(rows, max_new_tokens, temperature, top_k, top_p, max_positions: int,
+                   do_sample: bool = True) -> None:
     """Raises ValueError for a request the programs cannot run: ``max_new_tokens < 1``, the longest prompt plus
-    ``max_new_tokens`` beyond ``max_positions``, a temperature that is not a number > 0, a bad ``top_k``/``top_p``."""
+    ``max_new_tokens`` beyond ``max_positions``, ``do_sample`` not a bool, a temperature that is not a finite number
+    > 0 when sampling (greedy decoding ignores it, as HF does: any number or None), a bad ``top_k``/``top_p``."""
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True or False; got {do_sample!r}")
     _check_steps(max_new_tokens)
     longest = max(r.numel() for r in rows)
     if longest + max_new_tokens > max_positions:
         raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
                          f"{max_positions} positions: shorten the prompt or lower max_new_tokens to "
                          f"{max(max_positions - longest, 0)}")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a number > 0; got {temperature!r}")
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if do_sample and not (number and 0 < temperature < math.inf):
+        raise ValueError(f"temperature must be a finite number > 0 when do_sample=True; got {temperature!r}")
+    if not do_sample and temperature is not None and not number:
+        raise ValueError(f"temperature must be a number (ignored when do_sample=False) or None; got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 or None = off); got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):

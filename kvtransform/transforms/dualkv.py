@@ -103,7 +103,11 @@ class DualKVModule(OptimizedModule):
                                                        segment_prefix)
         check_packed(input_ids, position_ids, lay, self.vocab_size)
         if isinstance(lay, PrefixTreeLayout):
-            return self.tree_core(input_ids, position_ids, *lay.kernel_tensors())
+            # One level deep: the DualKV program (its kernels are faster on that shape); it was captured for at
+            # least two segments, so a lone sequence stays on the tree program.
+            if lay.as_dualkv() is None or lay.num_nodes < 2:
+                return self.tree_core(input_ids, position_ids, *lay.kernel_tensors())
+            lay = lay.as_dualkv()
         return self.core(input_ids, position_ids, lay.cu_seqlens, lay.segment_prefix)
 
     def _normalise(self, batch, layout, input_ids, position_ids, cu_seqlens, segment_prefix):
@@ -138,6 +142,8 @@ class DualKVModule(OptimizedModule):
                 raise ValueError(f"invalid packed layout: {e}") from None
         elif not isinstance(layout, (DualKVLayout, PrefixTreeLayout)):
             raise ValueError(f"layout must be a DualKVLayout or a PrefixTreeLayout; got {type(layout).__name__}")
+        elif cu_seqlens is not None or segment_prefix is not None:
+            raise ValueError("pass either a layout or cu_seqlens/segment_prefix, not both")
         layout = layout.to(dev) if layout.device != dev else layout
         input_ids = input_ids.to(dev)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -197,6 +203,8 @@ class DualKVModule(OptimizedModule):
         Raises:
             as :meth:`OptimizedModule.export_onnx` (``FileExistsError``, ``VerificationError``, ``RuntimeError``).
         """
+        if not isinstance(tree, bool):
+            raise ValueError(f"tree must be True or False; got {tree!r}")
         if not tree:
             return super().export_onnx(path, verify=verify, tokenizer=tokenizer, overwrite=overwrite)
         from kvtransform import onnx_export
