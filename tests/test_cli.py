@@ -10,6 +10,12 @@ import yaml
 from kvtransform.cli import main
 
 
+def kvt_load_default():
+    import kvtransform as kvt
+
+    return kvt.load_model("smollm2-135m")
+
+
 def _run(args, capsys):
     """Call main(args); return (exit code, stdout, stderr)."""
     try:
@@ -354,13 +360,21 @@ def test_generate_threads_key_is_accepted(capsys):
 
 
 @pytest.mark.slow
-def test_generate_threads_one_on_the_default_model(capsys):
+def test_generate_threads_one(tmp_path, capsys):
+    """`kvtransform generate threads=1` end to end: the default model's tokenizer with a tiny random model of its
+    vocabulary (the whole SmolLM2 path costs ~50 s on 2 cores; the README snippet test generates with SmolLM2)."""
     import torch
 
+    from kvtransform.models import tiny_model
+
+    _, tok = kvt_load_default()
+    model_dir = tmp_path / "tiny-smol-vocab"
+    tiny_model("llama", vocab_size=len(tok)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
     before = torch.get_num_threads()
     try:
-        rc, out, err = _run(["generate", "prompt=The capital of France is", "max_new_tokens=4", "chat=false",
-                             "threads=1", "transform.budget=64"], capsys)
+        rc, out, err = _run(["generate", str(model_dir), "prompt=The capital of France is", "max_new_tokens=4",
+                             "chat=false", "threads=1", "transform.budget=64"], capsys)
         assert rc == 0, err
         assert out.strip() and "4 new tokens" in err and "1 CPU thread:" in err
     finally:
