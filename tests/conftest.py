@@ -29,3 +29,10 @@ def pytest_runtest_makereport(item, call):
         seed = item.funcargs.get("_seed_everything")
         if seed is not None:
             item.add_report_section("call", "seed", f"rerun with KVT_TEST_SEED={seed}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow (real-model) tests first: with pytest-xdist's load scheduling, a minutes-long test collected last
+    (the README snippet test) would run alone at the end while the other worker idles; longest-first keeps both
+    workers busy (stable sort: the order within each kind is the collection order)."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
