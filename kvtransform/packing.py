@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .layout import DualKVLayout
+from .packed_logits import packed_logits
 
 __all__ = ["PackedBatch", "pack_shared_prefix", "pack_shared_prefix_groups", "check_packed"]
 
@@ -174,23 +175,7 @@ class PackedBatch:
             ValueError: logits that are not a floating-point tensor, of the wrong rank, a length that is not ``T``,
                 or a vocabulary smaller than the largest token id of the batch.
         """
-        if not isinstance(logits, torch.Tensor):
-            raise ValueError(f"logits must be a tensor (1, T, vocab); got {type(logits).__name__}")
-        if not logits.dtype.is_floating_point:
-            raise ValueError(f"logits must be a floating-point tensor (the model's output, e.g. float32/bfloat16); "
-                             f"got dtype {logits.dtype}: pass the logits, not token ids or argmax indices")
-        if logits.dim() == 3:
-            if logits.shape[0] != 1:
-                raise ValueError(f"logits must be (1, T, vocab) for a packed batch; got {tuple(logits.shape)}")
-            logits = logits[0]
-        elif logits.dim() != 2:
-            raise ValueError(f"logits must be (1, T, vocab) or (T, vocab); got shape {tuple(logits.shape)}")
-        if logits.shape[0] != self.num_tokens:
-            raise ValueError(f"logits have {logits.shape[0]} positions but the packed batch has T = "
-                             f"{self.num_tokens} tokens: these logits do not belong to this batch")
-        vmax = int(self.input_ids.max())
-        if logits.shape[1] <= vmax:
-            raise ValueError(f"logits have a vocabulary of {logits.shape[1]} but the batch holds token id {vmax}")
+        logits = packed_logits(logits, self.num_tokens, self.input_ids)
         rows, tgts = self._index()
         rows, tgts = rows.to(logits.device), tgts.to(logits.device)
         work = torch.float64 if logits.dtype == torch.float64 else torch.float32

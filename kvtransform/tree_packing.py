@@ -23,6 +23,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .packed_logits import packed_logits
 from .tree_layout import PrefixTreeLayout
 
 TokenIds = Union[Sequence[int], torch.Tensor]
@@ -120,21 +121,7 @@ class TreeBatch:
             ValueError: not a floating-point tensor, a wrong rank, a length other than T, or a vocabulary smaller
                 than the largest token id.
         """
-        if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point:
-            raise ValueError(f"logits must be a floating-point tensor (1, T, vocab); got "
-                             f"{getattr(logits, 'dtype', type(logits).__name__)}")
-        if logits.dim() == 3:
-            if logits.shape[0] != 1:
-                raise ValueError(f"logits must be (1, T, vocab) for a packed batch; got {tuple(logits.shape)}")
-            logits = logits[0]
-        elif logits.dim() != 2:
-            raise ValueError(f"logits must be (1, T, vocab) or (T, vocab); got shape {tuple(logits.shape)}")
-        if logits.shape[0] != self.num_tokens:
-            raise ValueError(f"logits have {logits.shape[0]} positions but the packed batch has T = {self.num_tokens} "
-                             f"tokens: these logits do not belong to this batch")
-        vmax = int(self.input_ids.max())
-        if logits.shape[1] <= vmax:
-            raise ValueError(f"logits have a vocabulary of {logits.shape[1]} but the batch holds token id {vmax}")
+        logits = packed_logits(logits, self.num_tokens, self.input_ids)
         tgt, pred, per = self._targets()
         work = torch.float64 if logits.dtype == torch.float64 else torch.float32
         dev = logits.device

@@ -8,8 +8,8 @@ from typing import Sequence
 
 from ..config import config_from_dict
 from ..utils import stage
-from .errors import UsageError, console as _console, guard
-from .keyvalue import parse_key_values
+from .errors import UsageError, console as _console
+from .keyvalue import key_value_main, parse_key_values
 
 __all__ = ["main", "choose_threads"]
 
@@ -145,8 +145,4 @@ def run(args: Sequence[str]) -> None:
 
 def main(args: Sequence[str]) -> int:
     """``kvtransform generate [MODEL] prompt="..." [key=value ...]``."""
-    if any(a in ("-h", "--help") for a in args):
-        print(HELP)
-        return 0
-    guard(run, args)
-    return 0
+    return key_value_main(args, HELP, run)

@@ -1,18 +1,20 @@
 """``kvtransform inspect [MODEL] [key=value ...]``: load MODEL, capture it with torch.export and print the attention
-sites found (layer, kind, q/kv heads, head_dim, mask kind, status). Nothing is rewritten or written."""
+sites found (layer, kind, q/kv heads, head_dim, mask kind, the attention variants: sliding window, logit soft-cap,
+learned sinks, and status). Nothing is rewritten or written."""
 from __future__ import annotations
 
 from typing import Sequence
 
-from .errors import console as _console, guard
-from .keyvalue import parse_key_values
+from .errors import console as _console
+from .keyvalue import key_value_main, parse_key_values
 
 __all__ = ["main"]
 
 HELP = """usage: kvtransform inspect [MODEL] [key=value ...]
 
 Load MODEL (default smollm2-135m), capture it with torch.export and print the table of attention sites found
-(layer, kind, q/kv heads, head_dim, mask kind, status). Nothing is rewritten or written.
+(layer, kind, q/kv heads, head_dim, mask kind, status; and per layer its sliding window, logit soft-cap and learned
+sinks where the model has them: Gemma 2/3, gpt-oss, Mistral with a window). Nothing is rewritten or written.
 
 keys:
   model.dtype=float32                 float32 | bfloat16 | float16 | auto
@@ -74,8 +76,4 @@ def run(args: Sequence[str]) -> None:
 
 def main(args: Sequence[str]) -> int:
     """``kvtransform inspect [MODEL] [key=value ...]``."""
-    if any(a in ("-h", "--help") for a in args):
-        print(HELP)
-        return 0
-    guard(run, args)
-    return 0
+    return key_value_main(args, HELP, run)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import difflib
 from typing import Callable, Optional, Sequence
 
-from .errors import UsageError
+from .errors import UsageError, guard
 
-__all__ = ["DEFAULT_MODEL", "parse_key_values"]
+__all__ = ["DEFAULT_MODEL", "parse_key_values", "key_value_main"]
 
 DEFAULT_MODEL = "smollm2-135m"  # conf/model/smollm2-135m.yaml: the Hydra commands' default model too
 
@@ -58,3 +58,13 @@ def parse_key_values(args: Sequence[str], defaults: dict, raw_keys: Sequence[str
             raise UsageError(f"unknown key {key!r}{f' (did you mean {close!r}?)' if close else ''}; keys: "
                              f"{', '.join(opts)}, model.name{more}")
     return model or DEFAULT_MODEL, opts, extra
+
+
+def key_value_main(args: Sequence[str], help_text: str, run: Callable[[Sequence[str]], object]) -> int:
+    """The ``main`` of a key=value command: ``-h``/``--help`` prints ``help_text``; otherwise ``run(args)`` under
+    :func:`~kvtransform.cli.errors.guard` (a usage or input error is one line and exit status 2). Returns 0."""
+    if any(a in ("-h", "--help") for a in args):
+        print(help_text)
+        return 0
+    guard(run, args)
+    return 0
