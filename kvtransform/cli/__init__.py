@@ -8,17 +8,18 @@ Subcommands::
     kvtransform generate [MODEL] prompt="..." [key=value ...]   # SpeContext generation, prints the text
     kvtransform distill-retrieval-head [MODEL] [key=value ...]  # train the distilled retrieval head
     kvtransform eval-sparse [MODEL] [key=value ...] [-m]        # sparse-decode accuracy table
+    kvtransform rollout-mismatch [MODEL] [key=value ...]        # KL / importance weights of sparse rollouts
     kvtransform plan-memory [MODEL] gpu_gb=80 batch=32 ...      # KV offload plan
 
 Command ``c`` lives in ``kvtransform/cli/<c>.py`` (``distill-retrieval-head``: ``distill.py``; dashes as
 underscores), with a ``main(args) -> exit status``.
 
 Every command but ``bench`` takes ``[MODEL] key=value ...`` and defaults to the model ``smollm2-135m``. ``optimize``,
-``eval-sparse``, ``distill-retrieval-head`` and ``plan-memory`` are Hydra apps composed from ``kvtransform.conf``
-(:mod:`.hydra_app`) on structured configs registered in Hydra's ConfigStore (:mod:`.schema`): a misspelt key is an
-error that names the valid keys, a bad value names what the key accepts; ``--cfg job`` prints the composed config,
-resolved; ``--help`` lists groups and keys. Hydra writes no run directory, ``.hydra/`` folder or log file.
-``generate`` and ``inspect`` parse the same ``key=value`` form themselves (:mod:`.keyvalue`).
+``eval-sparse``, ``rollout-mismatch``, ``distill-retrieval-head`` and ``plan-memory`` are Hydra apps composed from
+``kvtransform.conf`` (:mod:`.hydra_app`) on structured configs registered in Hydra's ConfigStore (:mod:`.schema`): a
+misspelt key is an error that names the valid keys, a bad value names what the key accepts; ``--cfg job`` prints the
+composed config, resolved; ``--help`` lists groups and keys. Hydra writes no run directory, ``.hydra/`` folder or log
+file. ``generate`` and ``inspect`` parse the same ``key=value`` form themselves (:mod:`.keyvalue`).
 
 Bad input (unknown model, bad path, existing ``out``, config typo, verification failure) prints one ``error:`` line
 and exits with status 2 (:mod:`.errors`); set ``KVT_DEBUG=1`` for the full traceback.
@@ -30,7 +31,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import optimize  # noqa: I001  (first: optimize's wall time counts from its import)
-from . import bench, distill, eval_sparse, generate, inspect, plan_memory
+from . import bench, distill, eval_sparse, generate, inspect, plan_memory, rollout_mismatch
 from .errors import USER_ERROR_EXIT, UsageError, fail, guard
 from .optimize import reload_check, run_optimize
 from .schema import ModelConfig, OptimizeConfig
@@ -39,7 +40,8 @@ __all__ = ["main", "COMMANDS", "ModelConfig", "OptimizeConfig", "UsageError", "r
 
 #: command name -> ``fn(args) -> exit status``.
 COMMANDS = {"optimize": optimize.main, "inspect": inspect.main, "bench": bench.main, "generate": generate.main,
-            "distill-retrieval-head": distill.main, "eval-sparse": eval_sparse.main, "plan-memory": plan_memory.main}
+            "distill-retrieval-head": distill.main, "eval-sparse": eval_sparse.main, "plan-memory": plan_memory.main,
+            "rollout-mismatch": rollout_mismatch.main}
 
 _HELP = """usage: kvtransform COMMAND [ARGS ...]
 
@@ -54,6 +56,7 @@ commands:
   generate [MODEL] prompt="..."      generate text with SpeContext sparse decode (transform.budget=..., threads=...)
   distill-retrieval-head [MODEL]     train the distilled retrieval head on MODEL's own attention (Hydra)
   eval-sparse [MODEL] [-m]           recall / NLL / greedy agreement of retrieval heads on real text (Hydra)
+  rollout-mismatch [MODEL]           KL(sparse || dense) and importance weights of sparse-sampled rollouts (Hydra)
   plan-memory [MODEL] gpu_gb=80 batch=32 input_len=2048 output_len=32768
                                      when each layer's KV moves to CPU (SpeContext offload) and the largest batch
 

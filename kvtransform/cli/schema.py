@@ -79,6 +79,9 @@ def register_configs() -> None:
     from ..runtime.memory import PlanMemoryConfig
 
     cs.store(name="kvt_plan_memory_schema", node=PlanMemoryConfig)
+    from ..rollout_mismatch import RolloutMismatchConfig
+
+    cs.store(name="kvt_rollout_mismatch_schema", node=RolloutMismatchConfig)
     if not OmegaConf.has_resolver("kvt_slug"):
         OmegaConf.register_new_resolver("kvt_slug", _slug)
 
