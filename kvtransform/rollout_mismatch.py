@@ -308,8 +308,9 @@ def score_dense(model, prompts: torch.Tensor, r: Rollouts, sparse_lp: torch.Tens
             dense = teacher.trace(roll[:-1]).logp if m > 1 else first[None][:0]
             dense = torch.cat([first[None], (dense / temperature).log_softmax(-1)])  # (m, vocab)
             for lo in range(0, m, 1024):                                   # fp64 temporaries of 1024 tokens
-                kl, logw = token_kl_logw(sparse_lp[i, lo:lo + 1024], dense[lo:lo + 1024], roll[lo:lo + 1024])
-                r.kl[i, lo:lo + 1024], r.logw[i, lo:lo + 1024] = kl.cpu(), logw.cpu()
+                hi = min(lo + 1024, m)  # a decode stopped by max_seconds: sparse_lp holds more steps than m
+                kl, logw = token_kl_logw(sparse_lp[i, lo:hi], dense[lo:hi], roll[lo:hi])
+                r.kl[i, lo:hi], r.logw[i, lo:hi] = kl.cpu(), logw.cpu()
 
 
 # ---- the rollout-mismatch job --------------------------------------------------------------------------------------
@@ -323,8 +324,10 @@ class RolloutMismatchConfig:
         lengths: rollout lengths reported (tokens); rollouts are ``max(lengths)`` long, each length's statistics
             over their first ``n`` tokens.
         prompt: prompt tokens (the first ``prompt`` tokens of each document).
-        documents: one prompt per document, paths relative to the standard library (default: evaluation files the
-            distilled head never trained on, :data:`kvtransform.textdata.EVAL_FILES`).
+        documents: one prompt per document, paths relative to the standard library (default: ``argparse.py``,
+            code and docstrings, and ``LICENSE.txt``, legal English; the distilled head never trained on either,
+            :data:`kvtransform.textdata.TRAIN_FILES`, and both ship with every CPython build, where some Linux
+            distributions' Python lacks ``idlelib/NEWS2x.txt``).
         samples: rollouts per prompt and (head, budget); temperature: of both distributions (1: plain softmax);
             seed: of the sampling generator.
         retrieval, num_sink: ``SpeContextConfig.retrieval`` (``self``: the packaged distilled head) / ``num_sink``.
@@ -338,7 +341,7 @@ class RolloutMismatchConfig:
     budget: Any = field(default_factory=lambda: [256, 512, 1024, 2048])
     lengths: Any = field(default_factory=lambda: [1024, 2048, 4096])
     prompt: int = 1024
-    documents: list = field(default_factory=lambda: ["argparse.py", "idlelib/NEWS2x.txt"])
+    documents: list = field(default_factory=lambda: ["argparse.py", "LICENSE.txt"])
     samples: int = 1
     temperature: float = 1.0
     seed: int = 0

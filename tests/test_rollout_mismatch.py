@@ -104,6 +104,7 @@ def test_the_job_writes_the_table(tmp_path):
 
     r = sample_rollouts(model, torch.randint(3, 128, (1, 20)), [("self", 4)], 6, deadline=time.perf_counter())
     assert r.steps == 1 and table(r, [6]).reached.tolist() == [1]       # the time limit stops decoding
+    assert not r.kl[:, 1:].any() and not r.logw[:, 1:].any()  # only the decoded steps are scored
     cfg.budget = [0]
     with pytest.raises(ValueError, match="budget and lengths must be integers >= 1"):
         run_rollout_mismatch(cfg, model=tiny_model("llama"), tokenizer=Tok())
