@@ -23,6 +23,11 @@ Kernels (one launch each, covering every group and segment):
 
 GQA: query head ``h`` reads KV head ``h // (H // H_kv)``; K/V are never copied. Head dims up to 256 are padded to the
 next power of two with masks. fp16/bf16 use the tensor cores with fp32 accumulation; fp32 inputs use IEEE fp32 dots.
+
+The tile bodies (shared with the prefix-tree kernels, which are these kernels with ``CSR`` context ranges) and the
+attention variants (sliding window with block skipping, logit soft-capping, sinks; each behind a ``tl.constexpr``,
+so the default compiles to the code without them) are in ``kernels/attention_tiles.py``; the planning launches in
+``kernels/dualkv_plan.py``. :func:`launch_fwd` / :func:`launch_bwd` are the host launchers both layouts use.
 """
 from __future__ import annotations
 
@@ -31,9 +36,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -44,248 +46,29 @@ from ._common import interpreting as _interpreting  # kvtransform.ops.dualkv rea
 from .dualkv_reference import dualkv_attention_reference, dualkv_attention_reference_backward  # the CPU path
 
 
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
+from .dualkv_plan import LAYOUT_ASSERT_MSG, plan_layout as _plan_layout, plan_work as _plan_work  # noqa: E402,F401
+from .attention_tiles import (LOG2E, LN2, _bwd_delta_kernel, _dkdv_desc_range, _dkdv_own,  # noqa: F401
+                              _dq_ctx, _dq_own, _fwd_ctx, _fwd_own, _fwd_store, _query_rows, _row_positions,
+                              sinks_grad, variant_args, variant_tables)
 
 
-@triton.jit
-def _plan_layout_kernel(CU, SP, CUB, CTX, OK, S, T, SB: tl.constexpr):
-    """One program: the layout as the kernels use it (what ``bounded_layout`` and ``segment_tables`` of
-    ``kernels/dualkv_reference.py`` compute with ~30 small torch ops): ``CUB`` (S+1) = running max of ``cu_seqlens``
-    clamped into ``[0, T]``; ``CTX`` (4, S) int32 rows = ``kctx_lo, kctx_hi, qctx_lo, qctx_hi`` (row 3 first holds the
-    group ends, a deterministic integer atomic max); ``OK`` (1,) = :func:`kvtransform.layout.structure_ok` of the raw
-    offsets (1 or 0)."""
-    carry = 0
-    latest = -1
-    bad = 0
-    for c in range(0, S + 1, SB):
-        s = c + tl.arange(0, SB)
-        m = s < S + 1
-        raw = tl.load(CU + s, mask=m, other=0)
-        ms = s < S
-        nxt = tl.load(CU + s + 1, mask=ms, other=0)
-        sp = tl.load(SP + s, mask=ms, other=-1)
-        own = tl.maximum(tl.associative_scan(tl.where(ms & (sp == -1), s, -1), 0, _max_combine), latest)
-        wrong = (ms & (nxt <= raw)) | ((s == 0) & (raw != 0)) | ((s == S) & (raw != T)) | (ms & (sp != -1) & (sp != own))
-        bad = tl.maximum(bad, tl.max(wrong.to(tl.int32), 0))
-        latest = tl.maximum(latest, tl.max(own, 0))
-        x = tl.minimum(tl.maximum(raw, 0), T)
-        x = tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
-        tl.store(CUB + s, x, mask=m)
-        tl.store(CTX + 3 * S + s, tl.zeros([SB], tl.int32), mask=ms)
-        carry = tl.maximum(carry, tl.max(x, 0))
-    tl.store(OK, 1 - bad)
-    tl.debug_barrier()
-    for c in range(0, S, SB):
-        s = c + tl.arange(0, SB)
-        m = s < S
-        sp = tl.minimum(tl.maximum(tl.load(SP + s, mask=m, other=-1), -1), S - 1)
-        owner = tl.where(sp >= 0, sp, s)
-        tl.atomic_max(CTX + 3 * S + owner, tl.load(CUB + s + 1, mask=m, other=0), mask=m)
-    tl.debug_barrier()
-    for c in range(0, S, SB):
-        s = c + tl.arange(0, SB)
-        m = s < S
-        sp = tl.minimum(tl.maximum(tl.load(SP + s, mask=m, other=-1), -1), S - 1)
-        resp = sp >= 0
-        p = tl.maximum(sp, 0)
-        tl.store(CTX + s, tl.where(resp, tl.load(CUB + p, mask=m, other=0), 0), mask=m)
-        tl.store(CTX + S + s, tl.where(resp, tl.load(CUB + p + 1, mask=m, other=0), 0), mask=m)
-        tl.store(CTX + 2 * S + s, tl.where(resp, 0, tl.load(CUB + s + 1, mask=m, other=0)), mask=m)
-        gend = tl.load(CTX + 3 * S + s, mask=m, other=0)
-        tl.store(CTX + 3 * S + s, tl.where(resp, 0, gend), mask=m)
-
-
-@triton.jit
-def _plan_work_kernel(CUB, CTX_LO, CTX_HI, WSEG, WBLK, S, W, BLOCK, SIGN: tl.constexpr, JB: tl.constexpr,
-                      SB: tl.constexpr):
-    """The work table of ``work_table`` (``kernels/dualkv_reference.py``) without a sort: job ``i`` (blocks of every
-    segment in layout order) is written at its rank = jobs of higher cost + jobs of equal cost and lower index, counted
-    per segment in closed form (costs within a segment are an arithmetic sequence). Each program places ``JB`` jobs;
-    unused entries keep their index and get ``seg = -1``."""
-    i = tl.program_id(0) * JB + tl.arange(0, JB)
-    seg = tl.zeros([JB], tl.int32)
-    bstart = tl.zeros([JB], tl.int32)
-    carry = 0
-    for c in range(0, S, SB):
-        s = c + tl.arange(0, SB)
-        m = s < S
-        nb = tl.where(m, (tl.load(CUB + s + 1, mask=m, other=0) - tl.load(CUB + s, mask=m, other=0) + BLOCK - 1)
-                      // BLOCK, 0)
-        incl = carry + tl.cumsum(nb, 0)
-        excl = incl - nb
-        hit = (excl[None, :] <= i[:, None]) & (i[:, None] < incl[None, :])
-        seg += tl.sum(tl.where(hit, s[None, :], 0), 1)
-        bstart += tl.sum(tl.where(hit, excl[None, :], 0), 1)
-        carry += tl.sum(nb, 0)
-    valid = i < carry
-    blk = i - bstart
-    ln = tl.load(CUB + seg + 1, mask=valid, other=0) - tl.load(CUB + seg, mask=valid, other=0)
-    ctx = tl.load(CTX_HI + seg, mask=valid, other=0) - tl.load(CTX_LO + seg, mask=valid, other=0)
-    if SIGN > 0:
-        cost = ctx + (blk + 1) * BLOCK
-    else:
-        cost = ctx + ln - blk * BLOCK
-    rank = tl.zeros([JB], tl.int32)
-    carry = 0
-    for c in range(0, S, SB):
-        s = c + tl.arange(0, SB)
-        m = s < S
-        lo = tl.load(CUB + s, mask=m, other=0)
-        hi = tl.load(CUB + s + 1, mask=m, other=0)
-        nb = tl.where(m, (hi - lo + BLOCK - 1) // BLOCK, 0)
-        excl = carry + tl.cumsum(nb, 0) - nb
-        cx = tl.load(CTX_HI + s, mask=m, other=0) - tl.load(CTX_LO + s, mask=m, other=0)
-        if SIGN > 0:  # cost(b) = cx + (b+1)*BLOCK
-            x = cost[:, None] - cx[None, :]
-            q = tl.where(x > 0, x // BLOCK, 0)
-            gt = nb[None, :] - tl.minimum(q, nb[None, :])
-            beq = q - 1
-            eq = (x > 0) & (x % BLOCK == 0) & (beq < nb[None, :]) & (excl[None, :] + beq < i[:, None])
-        else:  # cost(b) = cx + len - b*BLOCK
-            x = (cx + hi - lo)[None, :] - cost[:, None]
-            q = tl.where(x > 0, x // BLOCK, 0)
-            gt = tl.where(x > 0, tl.minimum((x + BLOCK - 1) // BLOCK, nb[None, :]), 0)
-            eq = (x >= 0) & (x % BLOCK == 0) & (q < nb[None, :]) & (excl[None, :] + q < i[:, None])
-        rank += tl.sum(tl.where(m[None, :], gt + eq.to(tl.int32), 0), 1)
-        carry += tl.sum(nb, 0)
-    rank = tl.where(valid, rank, i)
-    tl.store(WSEG + rank, tl.where(valid, seg, -1), mask=i < W)
-    tl.store(WBLK + rank, tl.where(valid, blk, 0), mask=i < W)
-
-
-LAYOUT_ASSERT_MSG = ("kvt::dualkv_attention: inconsistent cu_seqlens/segment_prefix (cu_seqlens must start at 0, "
-                     "increase and end at T = q.shape[0]; segment_prefix must be -1 or the group's prefix)")
-
-
-def _plan_layout(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_tokens: int,
-                 assert_layout: bool = False):
-    """``(cu_bounded, ctx)``: the offsets of ``bounded_layout`` and the four ranges of ``segment_tables``
-    (``kernels/dualkv_reference.py``; rows of the int32 ``(4, S)`` ``ctx``), in one launch. ``assert_layout``: also
-    ``torch._assert_async`` that the raw layout is consistent (:func:`kvtransform.layout.structure_ok`, computed in the
-    same launch; no host sync on CUDA)."""
-    s = segment_prefix.numel()
-    cub = torch.empty(s + 1, dtype=torch.int32, device=cu_seqlens.device)
-    ctx = torch.empty((4, s), dtype=torch.int32, device=cu_seqlens.device)
-    ok = torch.empty(1, dtype=torch.int32, device=cu_seqlens.device)
-    _plan_layout_kernel[(1,)](cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), cub, ctx, ok, s,
-                              total_tokens, SB=min(1024, next_pow2(s + 1, 16)), num_warps=4)
-    if assert_layout:
-        torch._assert_async(ok[0], LAYOUT_ASSERT_MSG)
-    return cub, ctx
-
-
-def _plan_work(cub: torch.Tensor, ctx_lo: torch.Tensor, ctx_hi: torch.Tensor, block: int, total_tokens: int,
-               per_block_sign: int):
-    """``work_table`` of ``kernels/dualkv_reference.py`` (same tables) in one launch, from :func:`_plan_layout`'s
-    outputs."""
-    s = ctx_lo.numel()
-    w = triton.cdiv(total_tokens, block) + s
-    wseg = torch.empty(w, dtype=torch.int32, device=cub.device)
-    wblk = torch.empty(w, dtype=torch.int32, device=cub.device)
-    jb = 64
-    _plan_work_kernel[(triton.cdiv(w, jb),)](cub, ctx_lo, ctx_hi, wseg, wblk, s, w, block, SIGN=per_block_sign, JB=jb,
-                                              SB=min(32, next_pow2(s, 16)), num_warps=4)
-    return wseg, wblk, w
-
-
-# ====================================================================================================== forward
-@triton.jit
-def _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D: tl.constexpr,
-                   EVEN_D: tl.constexpr, MASK_K: tl.constexpr):
-    """One (BLOCK_N, D_pad) block of K and of V at token indices ``k_idx``; rows ``>= kbound`` and padded head-dim
-    columns read as 0 (masks only where the caller says the block can be ragged)."""
-    k_off = k_idx.to(tl.int64)
-    if MASK_K:
-        lm = k_idx[:, None] < kbound
-        if not EVEN_D:
-            lm = lm & (offs_d[None, :] < D)
-        k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=lm, other=0.0)
-        v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=lm, other=0.0)
-    else:
-        if EVEN_D:
-            k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :])
-            v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :])
-        else:
-            dm = offs_d[None, :] < D
-            k = tl.load(k_base + k_off[:, None] * stride_kt + offs_d[None, :], mask=dm, other=0.0)
-            v = tl.load(v_base + k_off[:, None] * stride_vt + offs_d[None, :], mask=dm, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _fwd_inner(acc, l_i, m_i, q, q_idx, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi, kbound,
-               qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
-               CAUSAL: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr, KD, VD, kcol,
-               TMA: tl.constexpr):
-    """Online-softmax steps over key blocks ``[lo, hi)``. With ``SCALE_POS`` (a positive scale) the scale is applied
-    after the row max and fused into the exponent's argument (one FMA per score instead of a multiply and a
-    subtraction, as Triton's fused-attention tutorial does); otherwise the scores are scaled first. With ``TMA``
-    the K/V blocks come through the tensor descriptors ``KD``/``VD`` (rows past ``kbound`` are then real rows of the
-    next segment, or zeros past T: their scores are masked to -inf, so they add nothing)."""
-    for start in range(lo, hi, BLOCK_N):
-        k_idx = start + offs_n
-        if TMA:
-            k = KD.load([start, kcol])
-            v = VD.load([start, kcol])
-        else:
-            k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if not SCALE_POS:
-            qk = qk * qk_scale
-        if MASK_K:
-            keep = k_idx[None, :] < kbound
-            if CAUSAL:
-                keep = keep & (k_idx[None, :] <= q_idx[:, None])
-            qk = tl.where(keep, qk, float("-inf"))
-        if SCALE_POS:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _query_rows(u, blk, ss, se, GROUP, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
-    """The query tile of head unit ``u``, query block ``blk`` of the segment ``[ss, se)``: ``(KV head, first query
-    token, token per row, query head per row, row valid)``. ``PACK > 1``: rows ``j * BLOCK_M + i`` = query head ``j``
-    of KV head ``u``'s group, token ``i`` (heads ``j >= GROUP`` are padding); else ``u`` is the query head."""
-    q_start = ss + blk * BLOCK_M
-    rows = tl.arange(0, PACK * BLOCK_M)
-    if PACK > 1:
-        hk = u
-        jh = rows // BLOCK_M
-        offs_m = q_start + rows % BLOCK_M
-        head = hk * GROUP + jh
-        rm = (offs_m < se) & (jh < GROUP)
-    else:
-        hk = u // GROUP
-        offs_m = q_start + rows
-        head = u + rows * 0
-        rm = offs_m < se
-    return hk, q_start, offs_m, head, rm
-
-
+# ====================================================================================================== kernels
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 T, H, GROUP, qk_scale,
                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr = False,
-                KD=None, VD=None, TMA: tl.constexpr = False):
+                KD=None, VD=None, TMA: tl.constexpr = False, KPTR=None, POS=None, SINKS=None, window=0, cap2=1.0,
+                CSR: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+                HAS_SINKS: tl.constexpr = False, FAST_TANH: tl.constexpr = False):
     """One program per (work entry, head unit): ``PACK == 1``: one query head, ``BLOCK_M`` query tokens;
     ``PACK > 1`` (a power of two >= GROUP): every query head of one KV head (the GQA group, rows ``j * BLOCK_M + i``
     = head ``j``, token ``i``; rows of heads ``j >= GROUP`` are padding), so K/V blocks are loaded once for the
     group and the tile has ``PACK * BLOCK_M`` rows. ``TMA``: K/V blocks through the host-built tensor descriptors
-    ``KD``/``VD`` (2-D ``(T, H_kv*D)`` views, blocks ``(BLOCK_N, D)``)."""
+    ``KD``/``VD`` (2-D ``(T, H_kv*D)`` views, blocks ``(BLOCK_N, D)``). Context keys: the one range ``[KCTX_LO[s],
+    KCTX_HI[s])`` of segment ``s``, or with ``CSR`` (the prefix tree) the ranges ``KPTR[s]..KPTR[s+1]`` of
+    ``KCTX_LO``/``KCTX_HI``. The variants (``WINDOW``, ``SOFTCAP``, ``HAS_SINKS``): ``kernels/attention_tiles.py``."""
     pid = tl.program_id(0)
     n_units = H // GROUP if PACK > 1 else H
     w = pid // n_units
@@ -296,8 +79,6 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     blk = tl.load(WBLK + w)
     ss = tl.load(CU + seg)
     se = tl.load(CU + seg + 1)
-    cs = tl.load(KCTX_LO + seg)
-    ce = tl.load(KCTX_HI + seg)
     hk, q_start, offs_m, head, rm = _query_rows(u, blk, ss, se, GROUP, BLOCK_M, PACK)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
@@ -306,74 +87,28 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
         qm = qm & (offs_d[None, :] < D)
     q_row = offs_m.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     q = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=qm, other=0.0)
+    qpos, qmin, qmax = _row_positions(POS, offs_m, rm, q_start, se, BLOCK_M, WINDOW)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
     m_i = tl.full([PACK * BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([PACK * BLOCK_M], tl.float32)
     acc = tl.zeros([PACK * BLOCK_M, D_PAD], tl.float32)
-    # phase 1: the group prefix (response queries only): whole blocks unmasked, then the tail
-    c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS, KD, VD, hk * D, TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC, SCALE_POS, KD, VD, hk * D, TMA)
-    # phase 2: own segment: whole key blocks strictly below the query block unmasked, then the causal rest
-    d_lo = ss + ((q_start - ss) // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, SCALE_POS, KD, VD, hk * D, TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               d_lo, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True,
-                               True, PREC, SCALE_POS, KD, VD, hk * D, TMA)
-    l_i = tl.where(rm, l_i, 1.0)
-    out = acc / l_i[:, None]
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    o_row = offs_m.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-    tl.store(O + o_row[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=qm)
-    tl.store(LSE + head.to(tl.int64) * T + offs_m, lse, mask=rm)
-
-
-# ====================================================================================================== backward
-@triton.jit
-def _bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dt, stride_dh, T,
-                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """``Delta = rowsum(dO * O) - dLSE`` per (head, token), fp32 ``(H, T)``."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    msk = (offs_m[:, None] < T) & (offs_d[None, :] < D)
-    o = tl.load(O + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=msk, other=0.0)
-    do = tl.load(DO + offs_m.to(tl.int64)[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=msk,
-                 other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + h.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
-    tl.store(DELTA + h.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
-
-
-@triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, q_idx, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi,
-                  kbound, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-                  MASK_K: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
-    """dQ steps over key blocks ``[lo, hi)`` (``TMA``: K/V blocks through the descriptors, as :func:`_fwd_inner`)."""
-    for start in range(lo, hi, BLOCK_N):
-        k_idx = start + offs_n
-        if TMA:
-            k = KD.load([start, kcol])
-            v = VD.load([start, kcol])
-        else:
-            k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.math.exp2(qk - lse2[:, None])
-        if MASK_K:
-            keep = k_idx[None, :] < kbound
-            if CAUSAL:
-                keep = keep & (k_idx[None, :] <= q_idx[:, None])
-            p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
-    return dq
+    # the context (a response's prefix; a node's ancestors, root first), then the own segment causally
+    if CSR:
+        for r in range(tl.load(KPTR + seg), tl.load(KPTR + seg + 1)):
+            acc, l_i, m_i = _fwd_ctx(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt,
+                                     offs_n, offs_d, tl.load(KCTX_LO + r), tl.load(KCTX_HI + r), qk_scale, cap2, POS,
+                                     window, D, BLOCK_N, EVEN_D, PREC, SCALE_POS, WINDOW, SOFTCAP, FAST_TANH, KD, VD,
+                                     hk * D, TMA)
+    else:
+        acc, l_i, m_i = _fwd_ctx(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt,
+                                 offs_n, offs_d, tl.load(KCTX_LO + seg), tl.load(KCTX_HI + seg), qk_scale, cap2, POS,
+                                 window, D, BLOCK_N, EVEN_D, PREC, SCALE_POS, WINDOW, SOFTCAP, FAST_TANH, KD, VD,
+                                 hk * D, TMA)
+    acc, l_i, m_i = _fwd_own(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, ss,
+                             se, q_start, qk_scale, cap2, POS, window, D, BLOCK_M, BLOCK_N, EVEN_D, PREC, SCALE_POS,
+                             WINDOW, SOFTCAP, FAST_TANH, KD, VD, hk * D, TMA)
+    _fwd_store(acc, l_i, m_i, offs_m, head, rm, qm, offs_d, O, LSE, SINKS, stride_ot, stride_oh, T, HAS_SINKS)
 
 
 @triton.jit
@@ -382,10 +117,14 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
                    stride_dqt, stride_dqh, T, H, GROUP, qk_scale, sm_scale,
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    EVEN_D: tl.constexpr, PREC: tl.constexpr, PACK: tl.constexpr = 1, KD=None, VD=None,
-                   TMA: tl.constexpr = False):
-    """One program per (work entry, head unit), the forward's tiling (:func:`_fwd_kernel`: ``PACK > 1`` packs the
-    GQA group's query heads into one tile so K/V blocks are loaded once for the group; ``TMA`` loads them through
-    tensor descriptors). Each dQ row has one owner program: no atomics."""
+                   TMA: tl.constexpr = False, KPTR=None, POS=None, window=0, cap2=1.0, CSR: tl.constexpr = False,
+                   WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, FAST_TANH: tl.constexpr = False,
+                   RSUM=None, HAS_SINKS: tl.constexpr = False):
+    """One program per (work entry, head unit), the forward's tiling and key ranges (:func:`_fwd_kernel`: ``PACK >
+    1`` packs the GQA group's query heads into one tile so K/V blocks are loaded once for the group; ``TMA`` loads
+    them through tensor descriptors; ``CSR`` the tree's context ranges). Each dQ row has one owner program: no
+    atomics. ``HAS_SINKS``: each row's fp32 ``rowsum(P * dP)`` is also stored in ``RSUM`` ``(H, T)`` (the sinks'
+    gradient, ``attention_tiles.sinks_grad``)."""
     pid = tl.program_id(0)
     n_units = H // GROUP if PACK > 1 else H
     w = pid // n_units
@@ -396,8 +135,6 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
     blk = tl.load(WBLK + w)
     ss = tl.load(CU + seg)
     se = tl.load(CU + seg + 1)
-    cs = tl.load(KCTX_LO + seg)
-    ce = tl.load(KCTX_HI + seg)
     hk, q_start, offs_m, head, rm = _query_rows(u, blk, ss, se, GROUP, BLOCK_M, PACK)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
@@ -410,81 +147,31 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
     do = tl.load(DO + (row * stride_dot + hrow * stride_doh)[:, None] + offs_d[None, :], mask=qm, other=0.0)
     lse2 = tl.load(LSE + hrow * T + offs_m, mask=rm, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + hrow * T + offs_m, mask=rm, other=0.0)
+    qpos, qmin, qmax = _row_positions(POS, offs_m, rm, q_start, se, BLOCK_M, WINDOW)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
     kcol = hk * D
     dq = tl.zeros([PACK * BLOCK_M, D_PAD], tl.float32)
-    # the group prefix (response queries only): whole blocks unmasked, then the tail
-    c_full = cs + ((ce - cs) // BLOCK_N) * BLOCK_N
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                       cs, c_full, ce, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, KD, VD, kcol, TMA)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                       c_full, ce, ce, qk_scale, D, BLOCK_N, EVEN_D, True, False, PREC, KD, VD, kcol, TMA)
-    # own segment: whole key blocks strictly below the query block unmasked, then the causal rest
-    d_lo = ss + ((q_start - ss) // BLOCK_N) * BLOCK_N
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                       ss, d_lo, se, qk_scale, D, BLOCK_N, EVEN_D, False, False, PREC, KD, VD, kcol, TMA)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                       d_lo, tl.minimum(q_start + BLOCK_M, se), se, qk_scale, D, BLOCK_N, EVEN_D, True, True,
-                       PREC, KD, VD, kcol, TMA)
+    rsum = tl.zeros([PACK * BLOCK_M], tl.float32)
+    if CSR:
+        for r in range(tl.load(KPTR + seg), tl.load(KPTR + seg + 1)):
+            dq, rsum = _dq_ctx(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt,
+                               stride_vt, offs_n, offs_d, tl.load(KCTX_LO + r), tl.load(KCTX_HI + r), qk_scale, cap2,
+                               POS, window, D, BLOCK_N, EVEN_D, PREC, WINDOW, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA,
+                               HAS_SINKS)
+    else:
+        dq, rsum = _dq_ctx(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt,
+                           stride_vt, offs_n, offs_d, tl.load(KCTX_LO + seg), tl.load(KCTX_HI + seg), qk_scale, cap2,
+                           POS, window, D, BLOCK_N, EVEN_D, PREC, WINDOW, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA,
+                           HAS_SINKS)
+    dq, rsum = _dq_own(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                       offs_d, ss, se, q_start, qk_scale, cap2, POS, window, D, BLOCK_M, BLOCK_N, EVEN_D, PREC, WINDOW,
+                       SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
+    if HAS_SINKS:
+        tl.store(RSUM + hrow * T + offs_m, rsum, mask=rm)
     dq = dq * sm_scale
     tl.store(DQ + (row * stride_dqt + hrow * stride_dqh)[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qm)
-
-
-@triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, k_idx, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                    offs_m, offs_d, lo, hi, qbound, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    EVEN_D: tl.constexpr, MASK_Q: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                    QD, DOD, qcol, TMA: tl.constexpr):
-    """dK/dV steps over query blocks ``[lo, hi)`` of one query head. ``TMA``: the Q/dO blocks through the tensor
-    descriptors ``QD``/``DOD`` at column ``qcol`` (rows past ``qbound`` are then real rows of other segments, or
-    zeros past T: their probabilities are masked to 0)."""
-    for start in range(lo, hi, BLOCK_M):
-        q_idx = start + offs_m
-        q_off = q_idx.to(tl.int64)
-        if TMA:
-            q = QD.load([start, qcol])
-            do = DOD.load([start, qcol])
-            if MASK_Q:
-                rm = q_idx < qbound
-                lse2 = tl.load(lse_base + q_idx, mask=rm, other=0.0) * 1.4426950408889634
-                delta = tl.load(delta_base + q_idx, mask=rm, other=0.0)
-            else:
-                lse2 = tl.load(lse_base + q_idx) * 1.4426950408889634
-                delta = tl.load(delta_base + q_idx)
-        elif MASK_Q:
-            rm = q_idx < qbound
-            lm = rm[:, None]
-            if not EVEN_D:
-                lm = lm & (offs_d[None, :] < D)
-            q = tl.load(q_base + q_off[:, None] * stride_qt + offs_d[None, :], mask=lm, other=0.0)
-            do = tl.load(do_base + q_off[:, None] * stride_dot + offs_d[None, :], mask=lm, other=0.0)
-            lse2 = tl.load(lse_base + q_idx, mask=rm, other=0.0) * 1.4426950408889634
-            delta = tl.load(delta_base + q_idx, mask=rm, other=0.0)
-        else:
-            if EVEN_D:
-                q = tl.load(q_base + q_off[:, None] * stride_qt + offs_d[None, :])
-                do = tl.load(do_base + q_off[:, None] * stride_dot + offs_d[None, :])
-            else:
-                dm = offs_d[None, :] < D
-                q = tl.load(q_base + q_off[:, None] * stride_qt + offs_d[None, :], mask=dm, other=0.0)
-                do = tl.load(do_base + q_off[:, None] * stride_dot + offs_d[None, :], mask=dm, other=0.0)
-            lse2 = tl.load(lse_base + q_idx) * 1.4426950408889634
-            delta = tl.load(delta_base + q_idx)
-        # (BLOCK_N, BLOCK_M) orientation: K and V are the A operands, loaded once per program
-        qkT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-        pT = tl.math.exp2(qkT - lse2[None, :])
-        if MASK_Q:
-            keep = q_idx[None, :] < qbound
-            if CAUSAL:
-                keep = keep & (q_idx[None, :] >= k_idx[:, None])
-            pT = tl.where(keep, pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
-    return dk, dv
 
 
 @triton.jit
@@ -492,10 +179,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh, T, H_KV, GROUP, qk_scale, sm_scale,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     EVEN_D: tl.constexpr, PREC: tl.constexpr, QD=None, DOD=None, TMA: tl.constexpr = False):
+                     EVEN_D: tl.constexpr, PREC: tl.constexpr, QD=None, DOD=None, TMA: tl.constexpr = False,
+                     QPTR=None, POS=None, NODE_OF=None, S=0, window=0, cap2=1.0, CSR: tl.constexpr = False,
+                     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, FAST_TANH: tl.constexpr = False):
     """One program per (work entry = BLOCK_N keys of one segment, KV head): dK/dV over every query head of the GQA
-    group and every query that sees these keys; each dK/dV row has one owner program (no atomics). ``TMA``: the
-    Q/dO blocks through host tensor descriptors (2-D ``(T, H*D)`` views, blocks ``(BLOCK_M, D)``)."""
+    group and every query that sees these keys (its own segment's, causally; then the context query range: a
+    prefix's responses, contiguous after it, or with ``CSR`` the tree's descendant ranges ``QPTR[s]..QPTR[s+1]``);
+    each dK/dV row has one owner program (no atomics). ``TMA``: the Q/dO blocks through host tensor descriptors (2-D
+    ``(T, H*D)`` views, blocks ``(BLOCK_M, D)``)."""
     pid = tl.program_id(0)
     w = pid // H_KV
     g = pid % H_KV
@@ -505,8 +196,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
     blk = tl.load(WBLK + w)
     ss = tl.load(CU + seg)
     se = tl.load(CU + seg + 1)
-    cs = tl.load(QCTX_LO + seg)
-    ce = tl.load(QCTX_HI + seg)
     k_start = ss + blk * BLOCK_N
     offs_n = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -517,34 +206,35 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, QCTX_LO, QCTX_HI, WSEG
     krow = offs_n.to(tl.int64)[:, None]
     k = tl.load(K + krow * stride_kt + g * stride_kh + offs_d[None, :], mask=km, other=0.0)
     v = tl.load(V + krow * stride_vt + g * stride_vh + offs_d[None, :], mask=km, other=0.0)
+    kpos, kmin, kmax = _row_positions(POS, offs_n, offs_n < se, k_start, se, BLOCK_N, WINDOW)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    diag_hi = tl.minimum(k_start + BLOCK_N, se)
-    o_full = diag_hi + ((se - diag_hi) // BLOCK_M) * BLOCK_M
-    c_full = cs + ((ce - cs) // BLOCK_M) * BLOCK_M
+    if CSR:
+        r0 = tl.load(QPTR + seg)
+        r1 = tl.load(QPTR + seg + 1)
+    else:
+        cs = tl.load(QCTX_LO + seg)
+        ce = tl.load(QCTX_HI + seg)
     for hh in range(0, GROUP):
         h = g * GROUP + hh
         q_base = Q + h * stride_qh
         do_base = DO + h * stride_doh
         lse_base = LSE + h.to(tl.int64) * T
         delta_base = DELTA + h.to(tl.int64) * T
-        # own segment: the diagonal (causal, masked), then the queries after it (whole blocks, then the tail)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, k_start, diag_hi, se, qk_scale, D, BLOCK_M, EVEN_D, True, True, PREC,
-                                 QD, DOD, h * D, TMA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, diag_hi, o_full, se, qk_scale, D, BLOCK_M, EVEN_D, False, False,
-                                 PREC, QD, DOD, h * D, TMA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                 offs_m, offs_d, o_full, se, se, qk_scale, D, BLOCK_M, EVEN_D, True, False, PREC,
-                                 QD, DOD, h * D, TMA)
-        # a prefix key block: every response query of its group (contiguous after the prefix), unmasked
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
-                                 stride_dot, offs_m, offs_d, cs, c_full, ce, qk_scale, D, BLOCK_M, EVEN_D, False,
-                                 False, PREC, QD, DOD, h * D, TMA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, stride_qt,
-                                 stride_dot, offs_m, offs_d, c_full, ce, ce, qk_scale, D, BLOCK_M, EVEN_D, True,
-                                 False, PREC, QD, DOD, h * D, TMA)
+        dk, dv = _dkdv_own(dk, dv, k, v, offs_n, kpos, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                           offs_m, offs_d, k_start, se, qk_scale, cap2, POS, window, D, BLOCK_M, BLOCK_N, EVEN_D,
+                           PREC, WINDOW, SOFTCAP, FAST_TANH, QD, DOD, h * D, TMA)
+        if CSR:
+            for r in range(r0, r1):
+                dk, dv = _dkdv_desc_range(dk, dv, k, v, offs_n, kpos, kmin, kmax, q_base, do_base, lse_base,
+                                          delta_base, stride_qt, stride_dot, offs_m, offs_d, tl.load(QCTX_LO + r),
+                                          tl.load(QCTX_HI + r), qk_scale, cap2, POS, window, CU, NODE_OF, S, D,
+                                          BLOCK_M, EVEN_D, PREC, WINDOW, SOFTCAP, FAST_TANH, QD, DOD, h * D, TMA)
+        else:
+            dk, dv = _dkdv_desc_range(dk, dv, k, v, offs_n, kpos, kmin, kmax, q_base, do_base, lse_base, delta_base,
+                                      stride_qt, stride_dot, offs_m, offs_d, cs, ce, qk_scale, cap2, POS, window, CU,
+                                      NODE_OF, S, D, BLOCK_M, EVEN_D, PREC, WINDOW, SOFTCAP, FAST_TANH, QD, DOD,
+                                      h * D, TMA)
     dk = dk * sm_scale
     tl.store(DK + krow * stride_dkt + g * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=km)
     tl.store(DV + krow * stride_dvt + g * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=km)
@@ -667,9 +357,119 @@ def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
                                   [block_n, d]) for x in (k, v))
 
 
+def _only(kernel, kwargs: dict) -> dict:
+    """The entries of ``kwargs`` that ``kernel`` takes."""
+    return {key: val for key, val in kwargs.items() if key in kernel.arg_names}
+
+
+def _variants(q, cu, ctx_tokens, scale, window, softcap, sinks) -> dict:
+    """Kernel arguments of the attention variants (``kernels/attention_tiles.py``), the window's position tables
+    built on the device only when a window is given."""
+    va = variant_args(scale, q.dtype, window, softcap, sinks, _interpreting())
+    pos = node_of = None
+    if window is not None:
+        pos, node_of = variant_tables(cu, ctx_tokens(), q.shape[0])
+    va.update(POS=pos, NODE_OF=node_of, S=cu.numel() - 1)
+    return va
+
+
+def launch_fwd(q, k, v, cu, kctx_lo, kctx_hi, kptr, ctx_tokens, plan, scale, config, window=None, softcap=None,
+               sinks=None):
+    """The forward launch shared by :func:`dualkv_fwd` and ``kernels/prefix_tree.py``'s: ``cu`` the bounded
+    offsets, ``kctx_lo``/``kctx_hi`` the context key ranges (one per segment, or with ``kptr`` the CSR ranges of the
+    tree), ``ctx_tokens()`` the context tokens per segment (int ``(S,)``; called only with a window),
+    ``plan(block, sign)`` the work table
+    ``(seg, blk, entries)``. Returns ``(out, lse)``."""
+    q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
+    t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
+    out = torch.empty_like(q)
+    lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    group = h // h_kv
+    cfg = _cfg("fwd", d_pad, q.dtype, config, group)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
+    wseg, wblk, w = plan(bm, +1)
+    kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
+    va = _variants(q, cu, ctx_tokens, scale, window, softcap, sinks)
+    _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
+        q, k, v, out, lse, cu, kctx_lo, kctx_hi, wseg, wblk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        t, h, group, va.pop("qk_scale"),
+        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec, KD=kd, VD=vd,
+        TMA=kd is not None, KPTR=kptr, CSR=kptr is not None, **_only(_fwd_kernel, va), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return out, lse
+
+
+def launch_bwd(do, q, k, v, out, lse, dlse, cu, kctx_lo, kctx_hi, kptr, qctx_lo, qctx_hi, qptr, ctx_tokens, plan,
+               scale, config, window=None, softcap=None, sinks=None):
+    """The backward launches shared by :func:`dualkv_bwd` and ``kernels/prefix_tree.py``'s (arguments as
+    :func:`launch_fwd`'s; ``qctx_lo``/``qctx_hi`` (``qptr``) the context query ranges that see a segment's keys):
+    ``Delta``, dQ (with sinks also each row's exact fp32 Delta for the sinks' gradient), dK/dV, and the sinks'
+    gradient. Returns ``(dq, dk, dv, dsinks or None)``."""
+    q, k, v, out, do = (_lastdim_contig(x) for x in (q, k, v, out, do))
+    t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if t == 0:
+        return dq, dk, dv, (None if sinks is None else torch.zeros_like(sinks))
+    group = h // h_kv
+    lse = lse.contiguous()
+    delta = torch.empty((h, t), dtype=torch.float32, device=q.device)
+    bmd = 32 if _interpreting() else 64
+    has_dlse = dlse is not None
+    _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
+        out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
+        do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
+    va = _variants(q, cu, ctx_tokens, scale, window, softcap, sinks)
+    qk_scale = va.pop("qk_scale")
+    common = dict(D=d, D_PAD=d_pad, EVEN_D=(d == d_pad), PREC=prec)
+
+    cfg = _cfg("dq", d_pad, q.dtype, config, group)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
+    wseg, wblk, w = plan(bm, +1)
+    kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
+    rsum = None if sinks is None else torch.empty((h, t), dtype=torch.float32, device=q.device)
+    _bwd_dq_kernel[(w * (h_kv if pack > 1 else h),)](
+        q, k, v, do, dq, lse, delta, cu, kctx_lo, kctx_hi, wseg, wblk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dq.stride(0), dq.stride(1), t, h, group, qk_scale, scale, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, KD=kd, VD=vd,
+        TMA=kd is not None, KPTR=kptr, CSR=kptr is not None, RSUM=rsum, **common, **_only(_bwd_dq_kernel, va),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    cfg = _cfg("dkdv", d_pad, q.dtype, config)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if bn % bm:
+        raise ValueError(f"dkdv launch config: BLOCK_N ({bn} keys per program) must be a multiple of BLOCK_M ({bm} "
+                         f"queries per step); e.g. BLOCK_M={bm} BLOCK_N={bm * max(1, bn // bm)}")
+    wseg, wblk, w = plan(bn, -1)
+    qd, dod = _tma_descriptors(q, do, bm) if cfg.get("TMA") else (None, None)
+    _bwd_dkdv_kernel[(w * h_kv,)](
+        q, k, v, do, dk, dv, lse, delta, cu, qctx_lo, qctx_hi, wseg, wblk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, group, qk_scale, scale, BLOCK_M=bm,
+        BLOCK_N=bn, QD=qd, DOD=dod, TMA=qd is not None, QPTR=qptr, CSR=qptr is not None, **common,
+        **_only(_bwd_dkdv_kernel, va), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq, dk, dv, (None if sinks is None else sinks_grad(sinks, lse, rsum, dlse))
+
+
+def _dualkv_plan(cu_seqlens, segment_prefix, t, assert_layout):
+    """``(cub, ctx, plan)`` of a DualKV layout for :func:`launch_fwd` / :func:`launch_bwd`."""
+    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
+
+    def plan(block, sign):
+        return _plan_work(cub, ctx[0], ctx[1], block, t, +1) if sign > 0 else \
+            _plan_work(cub, ctx[2], ctx[3], block, t, -1)
+
+    return cub, ctx, plan
+
+
 def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                segment_prefix: torch.Tensor, scale: float, *, config: Optional[dict] = None,
-               assert_layout: bool = False):
+               assert_layout: bool = False, window: Optional[int] = None, softcap: Optional[float] = None,
+               sinks: Optional[torch.Tensor] = None):
     """Triton DualKV forward (one launch for every group and segment).
 
     Args:
@@ -686,35 +486,22 @@ def dualkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
             otherwise (tuned on an H200).
         assert_layout: ``torch._assert_async`` the layout's consistency (``kvt::dualkv_attention`` on CUDA: the check
             comes from the planning kernel, no extra launches).
+        window, softcap, sinks: the attention variants (``kernels/attention_tiles.py``; checked by the op, not here):
+            int >= 1, float > 0, ``(H,)`` float tensor on q's device.
 
     Returns:
-        ``(out, lse)``: out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log.
+        ``(out, lse)``: out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log (the sink term included).
     """
-    q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
-    t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
-    out = torch.empty_like(q)
-    lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
-    if t == 0:
-        return out, lse
-    group = h // h_kv
-    cfg = _cfg("fwd", d_pad, q.dtype, config, group)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
-    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
-    wseg, wblk, w = _plan_work(cub, ctx[0], ctx[1], bm, t, +1)
-    kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
-    _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
-        q, k, v, out, lse, cub, ctx[0], ctx[1], wseg, wblk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        t, h, group, scale * LOG2E,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec, SCALE_POS=scale > 0,
-        KD=kd, VD=vd, TMA=kd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out, lse
+    t = q.shape[0]
+    cub, ctx, plan = _dualkv_plan(cu_seqlens, segment_prefix, t, assert_layout)
+    return launch_fwd(q, k, v, cub, ctx[0], ctx[1], None, lambda: ctx[1] - ctx[0], plan, scale, config, window,
+                      softcap, sinks)
 
 
 def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, scale: float,
-               dlse: Optional[torch.Tensor] = None, *, config: Optional[dict] = None, assert_layout: bool = False):
+               dlse: Optional[torch.Tensor] = None, *, config: Optional[dict] = None, assert_layout: bool = False,
+               window: Optional[int] = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
     """Triton DualKV backward, bitwise deterministic (no atomics; every gradient element has one owner program).
 
     Args:
@@ -724,65 +511,19 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         config: optional launch configs ``{"dq": {...}, "dkdv": {...}}`` as :func:`dualkv_fwd`'s (dq: the forward's
             tiling, ``PACK`` and ``TMA`` included; dkdv: ``BLOCK_N`` keys per program, ``BLOCK_N % BLOCK_M == 0``).
         assert_layout: as :func:`dualkv_fwd`'s.
+        window, softcap, sinks: as the forward's.
 
     Returns:
-        ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v; the shared prefix's dK/dV include the contributions of
-        every response of its group plus its own causal part.
+        ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v (with ``sinks``: also ``dsinks`` ``(H,)``, a fixed-order
+        reduction of each row's fp32 ``rowsum(P * dP) - dLSE`` from the dQ kernel); the shared prefix's dK/dV include the contributions of every response of its group plus its own
+        causal part.
     """
-    q, k, v, out, do = (_lastdim_contig(x) for x in (q, k, v, out, do))
-    t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    if t == 0:
-        return dq, dk, dv
-    lse = lse.contiguous()
-    delta = torch.empty((h, t), dtype=torch.float32, device=q.device)
-    bmd = 32 if _interpreting() else 64
-    has_dlse = dlse is not None
-    _bwd_delta_kernel[(triton.cdiv(t, bmd), h)](
-        out, do, dlse.contiguous().float() if has_dlse else delta, delta, out.stride(0), out.stride(1),
-        do.stride(0), do.stride(1), t, D=d, D_PAD=d_pad, BLOCK_M=bmd, HAS_DLSE=has_dlse)
-    cub, ctx = _plan_layout(cu_seqlens, segment_prefix, t, assert_layout)
-    _launch_dq(q, k, v, do, dq, lse, delta, cub, ctx[0], ctx[1], t, h, h_kv, d, d_pad, prec, scale,
-               _cfg("dq", d_pad, q.dtype, config, h // h_kv))
-    _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cub, ctx[2], ctx[3], t, h, h_kv, d, d_pad, prec, scale,
-                 _cfg("dkdv", d_pad, q.dtype, config))
-    return dq, dk, dv
+    t = q.shape[0]
+    cub, ctx, plan = _dualkv_plan(cu_seqlens, segment_prefix, t, assert_layout)
+    dq, dk, dv, dsinks = launch_bwd(do, q, k, v, out, lse, dlse, cub, ctx[0], ctx[1], None, ctx[2], ctx[3], None,
+                                    lambda: ctx[1] - ctx[0], plan, scale, config, window, softcap, sinks)
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
-def _launch_dq(q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, t, h, h_kv, d, d_pad, prec, scale, cfg):
-    """The dQ kernel over query blocks in heaviest-first order; returns the launched (compiled) kernel."""
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    group = h // h_kv
-    pack = next_pow2(group) if cfg.get("PACK") and group > 1 else 1
-    wseg, wblk, w = _plan_work(cu_seqlens, kctx_lo, kctx_hi, bm, t, +1)
-    kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
-    return _bwd_dq_kernel[(w * (h_kv if pack > 1 else h),)](
-        q, k, v, do, dq, lse, delta, cu_seqlens, kctx_lo, kctx_hi, wseg, wblk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1), t, h, group, scale * LOG2E, scale,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, PACK=pack, KD=kd, VD=vd,
-        TMA=kd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
-def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, t, h, h_kv, d, d_pad, prec, scale,
-                 cfg):
-    """The dK/dV kernel over key blocks in heaviest-first order. Returns the launched (compiled) kernel (its
-    ``n_regs``/``n_spills`` on CUDA)."""
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if bn % bm:
-        raise ValueError(f"dkdv launch config: BLOCK_N ({bn} keys per program) must be a multiple of BLOCK_M ({bm} "
-                         f"queries per step); e.g. BLOCK_M={bm} BLOCK_N={bm * max(1, bn // bm)}")
-    wseg, wblk, w = _plan_work(cu_seqlens, qctx_lo, qctx_hi, bn, t, -1)
-    qd, dod = _tma_descriptors(q, do, bm) if cfg.get("TMA") else (None, None)
-    return _bwd_dkdv_kernel[(w * h_kv,)](
-        q, k, v, do, dk, dv, lse, delta, cu_seqlens, qctx_lo, qctx_hi, wseg, wblk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), t, h_kv, h // h_kv, scale * LOG2E, scale,
-        D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=(d == d_pad), PREC=prec, QD=qd, DOD=dod,
-        TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
-__all__ = ["dualkv_fwd", "dualkv_bwd", "dualkv_attention_reference", "dualkv_attention_reference_backward",
-           "KERNELS", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["dualkv_fwd", "dualkv_bwd", "launch_fwd", "launch_bwd", "dualkv_attention_reference",
+           "dualkv_attention_reference_backward", "KERNELS", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

@@ -14,10 +14,125 @@ import torch
 import triton
 
 
+def segment_attention(qs, ks, vs, scale: float, soft: torch.dtype, window: Optional[int] = None,
+                      softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
+    """One dense bottom-right-aligned causal attention of ``n`` queries against ``m >= n`` keys (the last ``n`` keys
+    are the queries' own tokens; key ``j`` is at sequence position ``j``, query ``i`` at ``i + m - n``), the shared
+    body of the DualKV and prefix-tree references.
+
+    Args:
+        qs ``(H, n, D)``, ks/vs ``(H, m, D)`` (GQA heads already repeated), in the matmul dtype; scale: softmax
+            scale; soft: the softmax dtype; window/softcap/sinks: the attention variants
+            (:func:`kvtransform.ops._common.check_attention_variants`; sinks ``(H,)``).
+
+    Returns:
+        ``(o, lse, p, t)``: o ``(H, n, D)`` in vs.dtype, lse ``(H, n)`` in ``soft`` (the sink term included), p the
+        probabilities ``(H, n, m)`` and t the ``tanh`` of the soft-capped scores (None without softcap).
+    """
+    n, m = qs.shape[1], ks.shape[1]
+    s = torch.matmul(qs, ks.transpose(-1, -2)).to(soft) * scale
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    pos = torch.arange(n, device=qs.device)[:, None] + (m - n)
+    j = torch.arange(m, device=qs.device)[None, :]
+    keep = j <= pos
+    if window is not None:
+        keep = keep & (j > pos - window)
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is None:
+        lse = torch.logsumexp(s, dim=-1)
+    else:
+        lse = torch.logsumexp(torch.cat([s, sinks.to(soft)[:, None, None].expand(-1, n, 1)], -1), dim=-1)
+    p = torch.exp(s - lse[..., None])
+    return torch.matmul(p.to(vs.dtype), vs), lse, p, t
+
+
+def segment_attention_backward(qs, ks, vs, dos, dlse, scale: float, window=None, softcap=None, sinks=None):
+    """Explicit gradients of :func:`segment_attention` (all inputs in one float dtype, ``dlse`` ``(H, n)`` or None):
+    ``(dq (H, n, D), dk (H, m, D), dv (H, m, D), dsinks (H,) or None)``. ``Delta = rowsum(dO∘O) - dLSE``;
+    soft-capping multiplies dS by ``1 - tanh^2``; ``dsinks[h] = -sum_rows exp(sinks[h] - lse) * Delta``."""
+    o, lse, p, t = segment_attention(qs, ks, vs, scale, qs.dtype, window, softcap, sinks)
+    delta = (o * dos).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse
+    ds = p * (torch.matmul(dos, vs.transpose(-1, -2)) - delta[..., None])
+    if t is not None:
+        ds = ds * (1 - t * t)
+    dsink = None if sinks is None else -(torch.exp(sinks.to(qs.dtype)[:, None] - lse) * delta).sum(-1)
+    return torch.matmul(ds, ks) * scale, torch.matmul(ds.transpose(-1, -2), qs) * scale, \
+        torch.matmul(p.transpose(-1, -2), dos), dsink
+
+
+def segment_rows(cu: list, sp: list, s: int) -> list:
+    """Token ranges ``[(lo, hi), ...]`` of the keys segment ``s`` sees, in sequence order (prefix, then itself)."""
+    return [(cu[s], cu[s + 1])] if sp[s] < 0 else [(cu[sp[s]], cu[sp[s] + 1]), (cu[s], cu[s + 1])]
+
+
+def packed_reference(q, k, v, cu: list, rows: list, softmax_scale, upcast: bool, window, softcap, sinks):
+    """Forward of :func:`dualkv_attention_reference` for any layout given as ``rows[s]`` = the key token ranges of
+    segment ``s`` (``[cu[s], cu[s+1])`` last; shared by the prefix-tree reference)."""
+    t, h, d = q.shape
+    grp = h // k.shape[1]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    work = torch.float64 if q.dtype == torch.float64 else (torch.float32 if upcast else q.dtype)
+    soft = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses = [], []
+    for s, rs in enumerate(rows):
+        a, b = cu[s], cu[s + 1]
+        qs = q[a:b].to(work).transpose(0, 1)  # (H, n, D)
+        ks = torch.cat([k[x:y] for x, y in rs]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        vs = torch.cat([v[x:y] for x, y in rs]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        o, lse, _, _ = segment_attention(qs, ks, vs, scale, soft, window, softcap, sinks)
+        outs.append(o.transpose(0, 1).to(q.dtype))
+        lses.append(lse)
+    out = torch.cat(outs) if outs else q.new_zeros(q.shape)
+    lse = torch.cat(lses, dim=1) if lses else torch.zeros(h, t, dtype=soft, device=q.device)
+    return out, lse
+
+
+def packed_reference_backward(grad_out, grad_lse, q, k, v, cu: list, rows: list, softmax_scale, window, softcap,
+                              sinks):
+    """Backward of :func:`packed_reference` (fp32, fp64 for fp64 inputs): ``(dq, dk, dv)``, plus ``dsinks`` (in
+    sinks' dtype) when ``sinks`` is given; a key's dK/dV sum every segment that sees it."""
+    t, h, d = q.shape
+    h_kv = k.shape[1]
+    grp = h // h_kv
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=work, device=q.device)
+    dk = torch.zeros(k.shape, dtype=work, device=q.device)
+    dv = torch.zeros(v.shape, dtype=work, device=q.device)
+    dsinks = None if sinks is None else torch.zeros(h, dtype=work, device=q.device)
+    for s, rs in enumerate(rows):
+        a, b = cu[s], cu[s + 1]
+        qs = q[a:b].to(work).transpose(0, 1)
+        ks = torch.cat([k[x:y] for x, y in rs]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        vs = torch.cat([v[x:y] for x, y in rs]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
+        dlse = None if grad_lse is None else grad_lse[:, a:b].to(work)
+        dqs, dks, dvs, dsk = segment_attention_backward(qs, ks, vs, grad_out[a:b].to(work).transpose(0, 1), dlse,
+                                                        scale, window, softcap, sinks)
+        dq[a:b] = dqs.transpose(0, 1)
+        m = ks.shape[1]
+        dks = dks.view(h_kv, grp, m, d).sum(1).transpose(0, 1)
+        dvs = dvs.view(h_kv, grp, m, d).sum(1).transpose(0, 1)
+        off = 0
+        for x, y in rs:
+            dk[x:y] += dks[off:off + y - x]
+            dv[x:y] += dvs[off:off + y - x]
+            off += y - x
+        if dsinks is not None:
+            dsinks += dsk
+    grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+    return grads if sinks is None else (*grads, dsinks.to(sinks.dtype))
+
+
 def dualkv_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                                segment_prefix: torch.Tensor, softmax_scale: Optional[float] = None,
-                               upcast: bool = True):
-    """Plain-PyTorch (differentiable) DualKV attention, segment by segment.
+                               upcast: bool = True, *, window: Optional[int] = None,
+                               softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
+    """Plain-PyTorch (differentiable, also in ``sinks``) DualKV attention, segment by segment.
 
     Each query segment is one dense attention: a prefix against its own keys (causal); a response ``r`` against
     ``cat(prefix keys, own keys)`` with the bottom-right aligned causal mask (the whole prefix plus ``0..r``).
@@ -28,48 +143,27 @@ def dualkv_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         softmax_scale: default ``D ** -0.5``.
         upcast: compute in fp32 (or fp64 if the inputs are fp64); if False, the matmuls run in the input dtype and
             only the softmax in fp32 (PyTorch's own low-precision error, used by the numerics rule of the tests).
+        window, softcap, sinks: the attention variants (``kvtransform.ops._common.check_attention_variants``; not
+            validated here). Positions are each token's position in its own sequence: a response token continues
+            its prefix's positions.
 
     Returns:
-        ``(out, lse)``: out ``(T, H, D)`` in ``q.dtype``; lse ``(H, T)`` fp32 (fp64 for fp64 inputs), natural log.
+        ``(out, lse)``: out ``(T, H, D)`` in ``q.dtype``; lse ``(H, T)`` fp32 (fp64 for fp64 inputs), natural log
+        (the sink term included).
 
     Reads the offsets on the host (one sync); not for use under tracing.
     """
-    t, h, d = q.shape
-    h_kv = k.shape[1]
-    grp = h // h_kv
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     cu = [int(x) for x in cu_seqlens.tolist()]
     sp = [int(x) for x in segment_prefix.tolist()]
-    work = torch.float64 if q.dtype == torch.float64 else (torch.float32 if upcast else q.dtype)
-    soft = torch.float64 if q.dtype == torch.float64 else torch.float32
-    outs, lses = [], []
-    for s in range(len(sp)):
-        a, b = cu[s], cu[s + 1]
-        qs = q[a:b].to(work).transpose(0, 1)  # (H, n, D)
-        if sp[s] < 0:
-            ks, vs = k[a:b], v[a:b]
-        else:
-            pa, pb = cu[sp[s]], cu[sp[s] + 1]
-            ks, vs = torch.cat([k[pa:pb], k[a:b]]), torch.cat([v[pa:pb], v[a:b]])
-        ks = ks.to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        vs = vs.to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        n, m = b - a, ks.shape[1]
-        scores = torch.matmul(qs, ks.transpose(-1, -2)).to(soft) * scale
-        keep = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
-        scores = scores.masked_fill(~keep, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # (H, n)
-        p = torch.exp(scores - lse[..., None])
-        o = torch.matmul(p.to(vs.dtype), vs)
-        outs.append(o.transpose(0, 1).to(q.dtype))
-        lses.append(lse)
-    out = torch.cat(outs) if outs else q.new_zeros(q.shape)
-    lse = torch.cat(lses, dim=1) if lses else torch.zeros(h, t, dtype=soft, device=q.device)
-    return out, lse
+    return packed_reference(q, k, v, cu, [segment_rows(cu, sp, s) for s in range(len(sp))], softmax_scale, upcast,
+                            window, softcap, sinks)
 
 
 def dualkv_attention_reference_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor,
                                         k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                        segment_prefix: torch.Tensor, softmax_scale: Optional[float] = None):
+                                        segment_prefix: torch.Tensor, softmax_scale: Optional[float] = None, *,
+                                        window: Optional[int] = None, softcap: Optional[float] = None,
+                                        sinks: Optional[torch.Tensor] = None):
     """Explicit (no autograd) gradients of :func:`dualkv_attention_reference`, computed in fp32 (fp64 for fp64
     inputs) segment by segment; the prefix's dK/dV sum its own causal part and every response of its group.
 
@@ -77,44 +171,12 @@ def dualkv_attention_reference_backward(grad_out: torch.Tensor, grad_lse: Option
         grad_out: ``(T, H, D)``; grad_lse: optional ``(H, T)``; the rest as :func:`dualkv_attention_reference`.
 
     Returns:
-        ``(dq, dk, dv)`` in the dtypes and shapes of q, k, v.
+        ``(dq, dk, dv)`` in the dtypes and shapes of q, k, v; with ``sinks`` also ``dsinks`` ``(H,)``.
     """
-    t, h, d = q.shape
-    h_kv = k.shape[1]
-    grp = h // h_kv
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
     cu = [int(x) for x in cu_seqlens.tolist()]
     sp = [int(x) for x in segment_prefix.tolist()]
-    dq = torch.zeros(q.shape, dtype=work, device=q.device)
-    dk = torch.zeros(k.shape, dtype=work, device=q.device)
-    dv = torch.zeros(v.shape, dtype=work, device=q.device)
-    for s in range(len(sp)):
-        a, b = cu[s], cu[s + 1]
-        rows = [(a, b)] if sp[s] < 0 else [(cu[sp[s]], cu[sp[s] + 1]), (a, b)]
-        qs = q[a:b].to(work).transpose(0, 1)
-        ks = torch.cat([k[x:y] for x, y in rows]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        vs = torch.cat([v[x:y] for x, y in rows]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        dos = grad_out[a:b].to(work).transpose(0, 1)
-        n, m = b - a, ks.shape[1]
-        scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale
-        keep = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
-        p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-        o = torch.matmul(p, vs)
-        delta = (o * dos).sum(-1)
-        if grad_lse is not None:
-            delta = delta - grad_lse[:, a:b].to(work)
-        dp = torch.matmul(dos, vs.transpose(-1, -2))
-        ds = p * (dp - delta[..., None])
-        dq[a:b] = (torch.matmul(ds, ks) * scale).transpose(0, 1)
-        dks = (torch.matmul(ds.transpose(-1, -2), qs) * scale).view(h_kv, grp, m, d).sum(1).transpose(0, 1)
-        dvs = torch.matmul(p.transpose(-1, -2), dos).view(h_kv, grp, m, d).sum(1).transpose(0, 1)
-        off = 0
-        for x, y in rows:
-            dk[x:y] += dks[off:off + y - x]
-            dv[x:y] += dvs[off:off + y - x]
-            off += y - x
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return packed_reference_backward(grad_out, grad_lse, q, k, v, cu, [segment_rows(cu, sp, s) for s in range(len(sp))],
+                                     softmax_scale, window, softcap, sinks)
 
 
 # ====================================================================================================== work tables
@@ -183,5 +245,7 @@ def work_table(cu_seqlens: torch.Tensor, block: int, total_tokens: int, extra: t
     return seg_out, blk_out, w
 
 
-__all__ = ["dualkv_attention_reference", "dualkv_attention_reference_backward", "bounded_layout", "segment_tables",
+__all__ = ["dualkv_attention_reference", "dualkv_attention_reference_backward", "segment_attention",
+           "segment_attention_backward", "packed_reference", "packed_reference_backward", "bounded_layout",
+           "segment_tables",
            "work_table"]

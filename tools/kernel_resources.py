@@ -14,6 +14,7 @@ Triton, whose register allocation can differ: a config is decided by timing it o
 default's numbers.
 """
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -60,6 +61,10 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
     for name in _DESCRIPTORS[kind]:
         if not tma:
             const[name] = None
+    for p in fn.params:  # the attention variants' arguments (kernels/attention_tiles.py): off, as by default
+        if (p.name not in const and p.name not in _DESCRIPTORS[kind] and p.default is not inspect.Parameter.empty
+                and (p.is_constexpr or p.default is None)):
+            const[p.name] = p.default
     sig = {}
     for p in fn.params:
         name = p.name
@@ -73,7 +78,7 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
             sig[name] = "*fp32"
         elif name in _I32_PTRS:
             sig[name] = "*i32"
-        elif name in ("qk_scale", "sm_scale"):
+        elif name in ("qk_scale", "sm_scale", "cap2"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"

@@ -99,16 +99,40 @@ def _verdict(name: str, got, torch_bf16, ref, floor: float = 2e-3) -> tuple:
     return good, eg / bound, f"{name} | {eg:.3e} | {ep:.3e} | {bound:.3e} | {'ok' if good else 'FAIL'}"
 
 
-def check_dualkv_kernels(device, config: Optional[dict] = None, cases: Optional[Sequence[int]] = None) -> tuple:
+def _variants_fp64_reference(K, q, k, v, do, cu, sp, scale, variants: dict) -> tuple:
+    """fp64 ``(out, lse, dq, dk, dv, dsinks...)`` of the DualKV reference with the attention variants (the
+    segment-by-segment reference, checked against a dense brute force in tests/test_attention_variants_op.py), by
+    autograd; and the same in PyTorch's bf16 (``upcast=False``) for the numerics rule's yardstick."""
+    out = []
+    for up in (True, False):
+        leaves = [x.detach().to(torch.float64 if up else x.dtype).requires_grad_(True) for x in (q, k, v)]
+        sinks = variants.get("sinks")
+        if sinks is not None:
+            leaves.append(sinks.detach().to(torch.float64 if up else torch.float32).requires_grad_(True))
+        var = dict(variants, sinks=leaves[3] if sinks is not None else None)
+        o, lse = K.dualkv_attention_reference(*leaves[:3], cu, sp, scale, upcast=up, **var)
+        grads = torch.autograd.grad(o, leaves, do.to(o.dtype))
+        out.append((o.detach(), lse.detach(), *grads))
+        del o, lse, leaves
+    return out[0], out[1]
+
+
+def check_dualkv_kernels(device, config: Optional[dict] = None, cases: Optional[Sequence[int]] = None,
+                         variants: Optional[dict] = None, dtype: torch.dtype = torch.bfloat16) -> tuple:
     """bf16 checks of ``dualkv_fwd``/``dualkv_bwd`` (launch ``config`` as the kernels take it) on
-    :data:`DUALKV_CASES` (``cases``: indices, default all). Returns ``(ok, worst error / bound)``."""
+    :data:`DUALKV_CASES` (``cases``: indices, default all); with ``variants`` (``window``/``softcap``/``sinks`` as
+    the kernels take them; sinks are redrawn per case with the case's head count) against the fp64 DualKV reference
+    with them, dsinks included. ``dtype``: bf16 (fp16 for Triton's CPU interpreter, whose bf16 dots are wrong).
+    Returns ``(ok, worst error / bound)``."""
     from kvtransform.kernels import dualkv as K
     from kvtransform.layout import DualKVLayout
 
-    print(f"## DualKV kernels, bf16 vs fp64 replicated reference (bound = 2 x torch-bf16 error + 2e-3; "
-          f"launch config {config or 'default'})")
+    variants = dict(variants or {})
+    yardstick = f"reference with {sorted(variants)}" if variants else "replicated reference"
+    print(f"## DualKV kernels, bf16 vs fp64 {yardstick} (bound = 2 x torch-bf16 error + 2e-3; launch config "
+          f"{config or 'default'})")
     print("| layout | H/H_kv | D | tensor | kernel err | torch-bf16 err | bound | ok |\n|---|---|---|---|---|---|---|---|")
-    ok, worst, dt = True, 0.0, torch.bfloat16
+    ok, worst, dt = True, 0.0, dtype
     for ci, (groups, h, h_kv, d) in enumerate(DUALKV_CASES):
         if cases is not None and ci not in cases:
             continue
@@ -118,19 +142,26 @@ def check_dualkv_kernels(device, config: Optional[dict] = None, cases: Optional[
         k, v = (torch.randn(t, h_kv, d, device=device, dtype=dt) for _ in range(2))
         scale = d ** -0.5
         cu, sp = lay.cu_seqlens, lay.segment_prefix
-        ref = replicated_reference_fp64(q, k, v, do, lay, scale)
-        qp, kp, vp = (x.clone().requires_grad_(True) for x in (q, k, v))
-        po, pl = K.dualkv_attention_reference(qp, kp, vp, cu, sp, scale, upcast=False)
-        pt = (po.detach(), pl.detach(), *torch.autograd.grad(po, (qp, kp, vp), do))
-        del po, pl, qp, kp, vp
-        out, lse = K.dualkv_fwd(q, k, v, cu, sp, scale, config=config)
-        got = (out, lse, *K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale, config=config))
-        again = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale, config=config)
+        var = dict(variants)
+        if var.get("sinks") is not None:
+            var["sinks"] = torch.randn(h, device=device) * 2
+        if var:
+            ref, pt = _variants_fp64_reference(K, q, k, v, do, cu, sp, scale, var)
+        else:
+            ref = replicated_reference_fp64(q, k, v, do, lay, scale)
+            qp, kp, vp = (x.clone().requires_grad_(True) for x in (q, k, v))
+            po, pl = K.dualkv_attention_reference(qp, kp, vp, cu, sp, scale, upcast=False)
+            pt = (po.detach(), pl.detach(), *torch.autograd.grad(po, (qp, kp, vp), do))
+            del po, pl, qp, kp, vp
+        out, lse = K.dualkv_fwd(q, k, v, cu, sp, scale, config=config, **var)
+        got = (out, lse, *K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale, config=config, **var))
+        again = K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale, config=config, **var)
         det = all(torch.equal(a, b) for a, b in zip(got[2:], again))
-        oo, ll = torch.ops.kvt.dualkv_attention(q, k, v, cu, sp, scale)  # the registered op gives the same bits
+        oo, ll = torch.ops.kvt.dualkv_attention(q, k, v, cu, sp, scale, var.get("window"), var.get("softcap"),
+                                                var.get("sinks"))  # the registered op gives the same bits
         same = torch.equal(oo, out) and torch.equal(ll, lse)
         name = "+".join(f"{p}x{len(r)}" for p, r in groups)
-        for tn, g, p_, r in zip(("out", "lse", "dq", "dk", "dv"), got, pt, ref):
+        for tn, g, p_, r in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, pt, ref):
             good, ratio, cells = _verdict(tn, g, p_, r)
             ok, worst = ok and good, max(worst, ratio)
             print(f"| {name} | {h}/{h_kv} | {d} | {cells} |")

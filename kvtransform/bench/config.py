@@ -90,6 +90,11 @@ class DualKVBenchConfig:
         out_dir: where ``results.csv``, ``results.md`` and ``results.png`` are written.
         append: append to an existing ``results.csv`` in ``out_dir`` instead of replacing it.
         plot: write the PNG plot.
+        window, softcap, sinks: the attention variants of the DualKV op and kernels (``kvt.dualkv_attention``'s
+            arguments; ``kernels/attention_tiles.py``): a sliding window of ``window`` tokens (0 = none), logit
+            soft-capping at ``softcap`` (0 = none), learned per-head sinks (random logits, with their gradient).
+            Only ``dualkv`` and ``dualkv_kernel`` take them (the other methods are recorded ``unavailable``);
+            ``kernel_check`` then also checks the kernels with them.
     """
 
     suite: str = "dualkv-layer"
@@ -125,6 +130,9 @@ class DualKVBenchConfig:
     out_dir: str = "out/bench/dualkv-layer"
     append: bool = False
     plot: bool = True
+    window: int = 0
+    softcap: float = 0.0
+    sinks: bool = False
 
 
 @dataclass
@@ -408,6 +416,9 @@ def validate(cfg) -> None:
             raise ValueError(f"{key}={val}: {key} counts {what} and must be >= 0")
     if not cfg.matmul_tflops > 0:
         raise ValueError(f"matmul_tflops={cfg.matmul_tflops}: the matmul rate of the FLOP floor must be > 0")
+    if cfg.window < 0 or not 0 <= cfg.softcap < float("inf"):
+        raise ValueError(f"window={cfg.window} softcap={cfg.softcap}: window is a token count and softcap a finite "
+                         f"logit cap, both >= 0 (0 = off)")
     for key, allowed in _CHOICES.items():
         if not hasattr(cfg, key):  # a key of another suite
             continue

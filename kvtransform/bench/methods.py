@@ -40,9 +40,13 @@ class AttnMethod:
     name = "?"
     replicated = False  # runs on the replicated token axis
     impl = ""
+    takes_variants = False  # the suite's window / softcap / sinks options
 
     def setup(self, layout, cfg, device) -> None:
         self.layout, self.cfg, self.device = layout, cfg, device
+        self.variants = variant_kwargs(cfg, device)
+        if self.variants and not self.takes_variants:
+            raise Unavailable(f"{self.name} does not take window/softcap/sinks (only dualkv and dualkv_kernel do)")
         if hasattr(layout, "prefix_lens"):  # a DualKVLayout (the tree suites pass a PrefixTreeLayout)
             self.P, self.R = int(layout.prefix_lens[0]), [int(r) for r in layout.response_lens[0]]
 
@@ -62,6 +66,20 @@ class AttnMethod:
         out = self(q, k, v)
         mark()
         out.backward(do)
+
+
+def variant_kwargs(cfg, device) -> dict:
+    """The suite's attention variants as keyword arguments of ``kvt.dualkv_attention`` / the kernels (empty when
+    all are off): ``sinks`` are random fp32 logits ``(heads,)`` (seeded) that require grad."""
+    out = {}
+    if getattr(cfg, "window", 0):
+        out["window"] = int(cfg.window)
+    if getattr(cfg, "softcap", 0):
+        out["softcap"] = float(cfg.softcap)
+    if getattr(cfg, "sinks", False):
+        g = torch.Generator(device="cpu").manual_seed(int(cfg.seed) + 7)
+        out["sinks"] = torch.randn(int(cfg.heads), generator=g).to(device).requires_grad_(True)
+    return out
 
 
 def _repeat_kv(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -313,6 +331,7 @@ class DualKV(AttnMethod):
     (built inside every timed step when ``dualkv_layout_per_step``)."""
 
     name = "dualkv"
+    takes_variants = True
 
     def setup(self, layout, cfg, device):
         super().setup(layout, cfg, device)
@@ -323,15 +342,20 @@ class DualKV(AttnMethod):
             raise Unavailable(f"DualKV op not importable: {type(e).__name__}: {e}")
         self.op, self.Layout = dualkv_attention, DualKVLayout
         self.per_step_layout = bool(cfg.dualkv_layout_per_step)
-        self.impl = "kvt.dualkv_attention" + (" layout/step" if self.per_step_layout else "")
+        self.impl = "kvt.dualkv_attention" + (" layout/step" if self.per_step_layout else "") + _variant_str(self)
 
     def per_step(self):
         if self.per_step_layout:
             self.layout = self.Layout.from_lengths([(self.P, list(self.R))], device=self.device)
 
     def __call__(self, q, k, v):
-        out = self.op(q, k, v, self.layout)
+        out = self.op(q, k, v, self.layout, **self.variants)
         return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _variant_str(meth) -> str:
+    """`` window=.. softcap=.. sinks`` of the method's variants for the ``impl`` column."""
+    return "".join(f" {k}" if k == "sinks" else f" {k}={v}" for k, v in meth.variants.items())
 
 
 class DualKVKernel(AttnMethod):
@@ -341,6 +365,7 @@ class DualKVKernel(AttnMethod):
 
     name = "dualkv_kernel"
     launch_config: Optional[dict] = None
+    takes_variants = True
 
     def setup(self, layout, cfg, device):
         super().setup(layout, cfg, device)
@@ -353,12 +378,13 @@ class DualKVKernel(AttnMethod):
         if device.type != "cuda" and not interpreting():
             raise Unavailable("Triton needs CUDA (or TRITON_INTERPRET=1 on CPU)")
         self.K = K
-        self.impl = "triton " + (_config_str(self.launch_config) if self.launch_config else "default config")
+        self.impl = "triton " + (_config_str(self.launch_config) if self.launch_config else "default config") + \
+            _variant_str(self)
 
     def _fwd(self, q, k, v):
         d = q.shape[-1]
         return self.K.dualkv_fwd(q, k, v, self.layout.cu_seqlens, self.layout.segment_prefix, d ** -0.5,
-                                 config=self.launch_config)
+                                 config=self.launch_config, **self.variants)
 
     def __call__(self, q, k, v):
         return self._fwd(q.detach(), k.detach(), v.detach())[0]
@@ -368,7 +394,7 @@ class DualKVKernel(AttnMethod):
         out, lse = self._fwd(q, k, v)
         mark()
         self.K.dualkv_bwd(do, q, k, v, out, lse, self.layout.cu_seqlens, self.layout.segment_prefix,
-                          q.shape[-1] ** -0.5, config=self.launch_config)
+                          q.shape[-1] ** -0.5, config=self.launch_config, **self.variants)
 
 
 def _dualkv_layer(layer, x, cu_seqlens, segment_prefix):
@@ -407,6 +433,7 @@ class DualKVCompiled(DualKV):
     ``kvt::dualkv_attention`` opaque inside; the layout tensors are graph inputs (rebuilt per step as ``dualkv``)."""
 
     name = "dualkv_compiled"
+    takes_variants = False
 
     def setup(self, layout, cfg, device):
         super().setup(layout, cfg, device)

@@ -25,7 +25,7 @@ from . import flops
 from .config import Mode
 from .device import resolve_device
 from .layer import get_layer, release_grads, torch_dtype
-from .methods import METHODS, Unavailable, methods_for
+from .methods import METHODS, Unavailable, methods_for, variant_kwargs
 from .timing import quantiles, time_steps
 
 __all__ = ["response_lengths", "Shape", "packed_from_replicated", "resolve_device", "estimate_gb", "run_method",
@@ -261,18 +261,26 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     device = resolve_device(cfg)
     shape = Shape.of(cfg)
     rows, best = [], None
+    # the attention variants name the rows too (a window=0,4096 sweep keeps both in one CSV; TFLOP/s count the
+    # pairs of the full causal mask)
+    variants = "".join(f" {key}={cfg.get(key)}" for key in ("window", "softcap", "sinks") if cfg.get(key, 0))
 
     def emit(r):
         r.setdefault("op", "decoder_layer" if _mode(cfg) == Mode.layer else "dualkv_attention")
         r.update(mode=_mode(cfg).value, P=shape.P, mb=len(shape.R), T_packed=shape.T, T_replicated=shape.T_rep,
                  floor_ms=shape.floor_ms)
-        r["params"] = f"P={shape.P} mb={len(shape.R)}" + (f" {r['params']}" if r.get("params") else "")
+        r["params"] = f"P={shape.P} mb={len(shape.R)}" + variants + (f" {r['params']}" if r.get("params") else "")
         rows.append(r)
         if on_row is not None:
             on_row(r)
 
     if cfg.kernel_check:
         emit(checks.check_row("dualkv_kernel", "default config", checks.check_dualkv_kernels(device)))
+        var = variant_kwargs(cfg, device)  # the variants' kernel paths too: each alone, then together
+        for one in [{key: val} for key, val in var.items()] + ([var] if len(var) > 1 else []):
+            what = " ".join(one)  # in params too: the CSV keys rows by (method, pass, params)
+            emit(dict(checks.check_row("dualkv_kernel", f"default config, {what}",
+                                       checks.check_dualkv_kernels(device, variants=one)), params=what))
     if cfg.tune:
         best, tune_rows = tune.tune_dualkv(shape.layout.to(device), cfg, device)
         for r in tune_rows:

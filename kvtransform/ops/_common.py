@@ -1,7 +1,9 @@
-"""Helpers shared by the op wrappers: tracing detection, integer checks, deprecated keyword names."""
+"""Helpers shared by the op wrappers: tracing detection, integer checks, deprecated keyword names, the attention
+variants' arguments (``window``, ``softcap``, ``sinks``: ``docs/ARCHITECTURE.md``)."""
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import warnings
 from typing import Optional
@@ -74,3 +76,63 @@ def kernel_path(t: torch.Tensor, on_cpu: bool) -> bool:
     from kvtransform.kernels._common import interpreting
 
     return t.is_cuda or (on_cpu and interpreting())
+
+
+def check_attention_variants(window, softcap, sinks, num_heads: int, device=None):
+    """The three optional attention-variant arguments of every kvt attention op, checked and normalised; each bad
+    value raises a one-line ValueError naming the fix.
+
+    * ``window``: HF ``sliding_window`` semantics (Mistral, Gemma 2/3, gpt-oss): the query at sequence position
+      ``i`` sees keys at positions ``i - window < j <= i``; a python/NumPy/torch int ``>= 1`` (a traced SymInt
+      passes), returned as an int; ``None``: no window.
+    * ``softcap``: Gemma 2's logit soft-capping ``s = softcap * tanh(s / softcap)`` on the scaled scores, before
+      the mask; a finite real ``> 0``, returned as a float; ``None``: off.
+    * ``sinks``: gpt-oss's learned attention sinks, a float tensor ``(H,)`` (one logit per query head; any float
+      dtype, computed in fp32) on ``device`` (when given): an extra ``exp(sinks[h])`` term in every row's softmax
+      denominator (a virtual key with value 0); ``None``: off.
+
+    Returns ``(window, softcap, sinks)``.
+    """
+    if window is not None and not isinstance(window, torch.SymInt):
+        ok = not isinstance(window, bool) and not (isinstance(window, torch.Tensor) and window.numel() != 1)
+        try:
+            w = operator.index(window) if ok else None
+        except TypeError:
+            w = None
+        if w is None or w < 1:
+            raise ValueError(f"window must be a positive int (tokens a query sees, including itself); got {window!r}")
+        window = int(w)
+    if softcap is not None:
+        ok = not isinstance(softcap, (bool, str, bytes)) and not (isinstance(softcap, torch.Tensor)
+                                                                 and softcap.numel() != 1)
+        try:
+            c = float(softcap) if ok else None
+        except (TypeError, ValueError):
+            c = None
+        if c is None or not math.isfinite(c) or c <= 0:
+            raise ValueError(f"softcap must be a finite float > 0 (Gemma 2's attn_logit_softcapping, e.g. 50.0); got "
+                             f"{softcap!r}")
+        softcap = c
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (int(num_heads),) \
+                or not sinks.dtype.is_floating_point:
+            got = (f"{tuple(sinks.shape)} {sinks.dtype}" if isinstance(sinks, torch.Tensor)
+                   else type(sinks).__name__)
+            raise ValueError(f"sinks must be (H,) = ({num_heads},) floats, one learned logit per query head "
+                             f"(gpt-oss); got {got}")
+        if device is not None and sinks.device != torch.device(device):
+            raise ValueError(f"sinks must be on {device} like q; got {sinks.device} (move them with .to(q.device))")
+    return window, softcap, sinks
+
+
+def variant_kwargs(q: torch.Tensor, window, softcap, sinks) -> dict:
+    """:func:`check_attention_variants` for q's heads and device, as keyword arguments of the DualKV / prefix-tree
+    kernels and references (``window``, ``softcap``, ``sinks``)."""
+    window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
+    return dict(window=window, softcap=softcap, sinks=sinks)
+
+
+def no_sinks_grad(q: torch.Tensor) -> torch.Tensor:
+    """The ``dsinks`` output of the DualKV / prefix-tree backward ops when there are no sinks: an empty fp32 ``(0,)``
+    tensor (a custom op's outputs cannot be None)."""
+    return q.new_empty((0,), dtype=torch.float32)

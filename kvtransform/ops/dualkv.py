@@ -1,10 +1,16 @@
 """``kvt::dualkv_attention``: attention over the packed shared-prefix (DualKV) layout.
 
-``torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, softmax_scale) -> (out, lse)``
+``torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, softmax_scale, window=None, softcap=None,
+sinks=None) -> (out, lse)``
 
 * q ``(T, H, D)``, k/v ``(T, H_kv, D)`` (GQA: query head ``h`` reads KV head ``h // (H // H_kv)``), fp16/bf16/fp32;
 * cu_seqlens int32 ``(S+1,)``, segment_prefix int32 ``(S,)``: the layout of :class:`kvtransform.layout.DualKVLayout`;
-* out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log of the softmax denominator (scaled scores).
+* out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)``, natural log of the softmax denominator (scaled scores; with
+  sinks, their term included);
+* the attention variants (``kvtransform.ops._common.check_attention_variants``): ``window`` (int >= 1, a sliding
+  window over each token's position in its own sequence: a response token continues its prefix's positions),
+  ``softcap`` (float > 0, Gemma 2's logit soft-capping) and ``sinks`` (``(H,)`` float, gpt-oss's per-head sink
+  logits); all off by default.
 
 A prefix token attends causally within its prefix; token ``r`` of a response attends to its group's whole prefix
 plus tokens ``0..r`` of its own response (DualKV, arXiv 2605.15422, §2–3).
@@ -13,7 +19,7 @@ CUDA tensors run the Triton kernels of ``kvtransform.kernels.dualkv`` (forward i
 backward); CPU tensors run the plain-PyTorch reference. The fake implementation needs no data, so the op is an opaque
 node under ``torch.export``/``torch.compile`` with cu_seqlens/segment_prefix as ordinary tensor inputs.
 
-Autograd: gradients for q, k, v. The gradient of ``lse`` is honoured exactly (it enters the backward as
+Autograd: gradients for q, k, v (and sinks). The gradient of ``lse`` is honoured exactly (it enters the backward as
 ``Delta = rowsum(dO∘O) - dLSE``); the offsets get none. The backward is its own op,
 ``kvt::dualkv_attention_backward``, so AOT autograd traces it as an opaque node too.
 
@@ -37,7 +43,7 @@ import torch
 
 from ..kernels import dualkv as _k
 from ..layout import DualKVLayout, _check_structure, structure_ok
-from ._common import is_tracing, kernel_path
+from ._common import check_attention_variants, is_tracing, kernel_path, no_sinks_grad, variant_kwargs
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 USE_TRITON_ON_CPU = False
@@ -47,8 +53,8 @@ def _use_triton(t: torch.Tensor) -> bool:
     return kernel_path(t, USE_TRITON_ON_CPU)
 
 
-def _reference_fwd(q, k, v, cu_seqlens, segment_prefix, scale):
-    out, lse = _k.dualkv_attention_reference(q, k, v, cu_seqlens, segment_prefix, scale)
+def _reference_fwd(q, k, v, cu_seqlens, segment_prefix, scale, variants: dict):
+    out, lse = _k.dualkv_attention_reference(q, k, v, cu_seqlens, segment_prefix, scale, **variants)
     return out.contiguous(), lse.float().contiguous()
 
 
@@ -91,17 +97,22 @@ def _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels: bool) -> bool
 
 @torch.library.custom_op("kvt::dualkv_attention", mutates_args=())
 def _dualkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-               segment_prefix: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+               segment_prefix: torch.Tensor, softmax_scale: float, window: Optional[int] = None,
+               softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = _use_triton(q)
     in_kernel_check = _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels)
+    var = variant_kwargs(q, window, softcap, sinks)
     if kernels:
-        return _k.dualkv_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale, assert_layout=in_kernel_check)
+        return _k.dualkv_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale, assert_layout=in_kernel_check,
+                             **var)
     with torch.no_grad():
-        return _reference_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale)
+        return _reference_fwd(q, k, v, cu_seqlens, segment_prefix, softmax_scale, var)
 
 
 @_dualkv_op.register_fake
-def _(q, k, v, cu_seqlens, segment_prefix, softmax_scale):
+def _(q, k, v, cu_seqlens, segment_prefix, softmax_scale, window=None, softcap=None, sinks=None):
+    check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # the op returns contiguous tensors
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
@@ -109,8 +120,10 @@ def _(q, k, v, cu_seqlens, segment_prefix, softmax_scale):
 @torch.library.custom_op("kvt::dualkv_attention_backward", mutates_args=())
 def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
-                   segment_prefix: torch.Tensor, softmax_scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   segment_prefix: torch.Tensor, softmax_scale: float, window: Optional[int] = None,
+                   softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsinks)``; dsinks ``(H,)`` in sinks' dtype, an empty fp32 ``(0,)`` without sinks."""
     kernels = _use_triton(q)
     t, h, _ = q.shape
     for name, x, want in (("grad_out", grad_out, tuple(q.shape)), ("out", out, tuple(q.shape)),
@@ -118,33 +131,38 @@ def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
         if x is not None and tuple(x.shape) != want:
             raise ValueError(f"kvt::dualkv_attention_backward: {name} must have shape {want}; got {tuple(x.shape)}")
     in_kernel_check = _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels)
+    var = variant_kwargs(q, window, softcap, sinks)
     if kernels:
-        return _k.dualkv_bwd(grad_out, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale, grad_lse,
-                             assert_layout=in_kernel_check)
-    dq, dk, dv = _k.dualkv_attention_reference_backward(grad_out, grad_lse, q, k, v, cu_seqlens, segment_prefix,
-                                                        softmax_scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        grads = _k.dualkv_bwd(grad_out, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale, grad_lse,
+                              assert_layout=in_kernel_check, **var)
+    else:
+        grads = _k.dualkv_attention_reference_backward(grad_out, grad_lse, q, k, v, cu_seqlens, segment_prefix,
+                                                       softmax_scale, **var)
+    return tuple(x.contiguous() for x in grads) + (() if sinks is not None else (no_sinks_grad(q),))
 
 
 @_dualkv_bwd_op.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, segment_prefix, softmax_scale, window=None, softcap=None,
+      sinks=None):
+    ds = no_sinks_grad(q) if sinks is None else torch.empty_like(sinks, memory_format=torch.contiguous_format)
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)) + (ds,)
 
 
 def _setup_ctx(ctx, inputs, output):
-    q, k, v, cu_seqlens, segment_prefix, softmax_scale = inputs
+    q, k, v, cu_seqlens, segment_prefix, softmax_scale, window, softcap, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, segment_prefix)
-    ctx.scale = softmax_scale
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, segment_prefix, sinks)
+    ctx.scale, ctx.window, ctx.softcap = softmax_scale, window, softcap
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens, segment_prefix = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens, segment_prefix, sinks = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.kvt.dualkv_attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse,
-                                                        cu_seqlens, segment_prefix, ctx.scale)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv, dsinks = torch.ops.kvt.dualkv_attention_backward(
+        grad_out.contiguous(), grad_lse, q, k, v, out, lse, cu_seqlens, segment_prefix, ctx.scale, ctx.window,
+        ctx.softcap, sinks)
+    return dq, dk, dv, None, None, None, None, None, (dsinks if sinks is not None else None)
 
 
 _dualkv_op.register_autograd(_backward, setup_context=_setup_ctx)
@@ -206,7 +224,9 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
 
 def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      layout: Union[DualKVLayout, torch.Tensor], segment_prefix: Optional[torch.Tensor] = None,
-                     softmax_scale: Optional[float] = None, return_lse: bool = False):
+                     softmax_scale: Optional[float] = None, return_lse: bool = False, *,
+                     window: Optional[int] = None, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None):
     """DualKV attention over the packed shared-prefix layout (validating wrapper of ``torch.ops.kvt.dualkv_attention``).
 
     Args:
@@ -215,7 +235,13 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         layout: a :class:`DualKVLayout` (moved to q's device if needed), or the int32 ``cu_seqlens`` ``(S+1,)``
             tensor, in which case ``segment_prefix`` (int32 ``(S,)``) is required.
         softmax_scale: default ``D ** -0.5``.
-        return_lse: also return the fp32 ``(H, T)`` natural-log LSE.
+        return_lse: also return the fp32 ``(H, T)`` natural-log LSE (with sinks, their term included).
+        window: sliding window (HF ``sliding_window``): the query at position ``i`` of its sequence sees keys at
+            ``i - window < j <= i``; a response token's positions continue its prefix's. None: full causal.
+        softcap: Gemma 2 logit soft-capping ``s = softcap * tanh(s / softcap)`` on the scaled scores (before the
+            mask). None: off.
+        sinks: gpt-oss learned sinks, ``(H,)`` float on q's device (one logit per query head; an extra
+            ``exp(sinks[h])`` in each softmax denominator); differentiable. None: off.
 
     Returns:
         out ``(T, H, D)`` in q.dtype, or ``(out, lse)``.
@@ -224,7 +250,9 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ValueError: offsets not starting at 0 or not monotone, offsets that do not sum to T, a prompt or response of
             length 0, a response not directly after its prefix, an unsupported head_dim (outside 1..256) or
             dtype, H not divisible by H_kv, q/k/v dtypes or shapes that disagree, or tensors on
-            different devices. The data checks (offset values) are skipped while tracing (export/compile).
+            different devices, a window that is not an int >= 1, a softcap that is not a finite float > 0, sinks
+            that are not ``(H,)`` floats on q's device (one line each). The data checks (offset values) are skipped
+            while tracing (export/compile).
     """
     check_data = True
     if isinstance(layout, DualKVLayout):
@@ -244,8 +272,9 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if segment_prefix is None:
             raise ValueError("segment_prefix is required when layout is a cu_seqlens tensor")
     check_inputs(q, k, v, cu_seqlens, segment_prefix, check_data=check_data and not is_tracing(q, cu_seqlens))
+    window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, scale)
+    out, lse = torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, scale, window, softcap, sinks)
     return (out, lse) if return_lse else out
 
 

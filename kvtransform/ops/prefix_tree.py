@@ -1,14 +1,16 @@
 """``kvt::prefix_tree_attention``: attention over the packed prefix-tree layout (any depth of shared prefix).
 
 ``torch.ops.kvt.prefix_tree_attention(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr,
-query_ranges, softmax_scale) -> (out, lse)``
+query_ranges, softmax_scale, window=None, softcap=None, sinks=None) -> (out, lse)``
 
 * q ``(T, H, D)``, k/v ``(T, H_kv, D)`` (GQA: query head ``h`` reads KV head ``h // (H // H_kv)``), fp16/bf16/fp32;
 * the layout tensors of :class:`kvtransform.tree_layout.PrefixTreeLayout` (int32; ``PrefixTreeLayout.kernel_tensors()``
   in this order): ``cu_seqlens (N+1,)``, ``parent (N,)``, ``key_range_ptr (N+1,)``, ``key_ranges (RK, 2)`` (the
   ancestors as token ranges), ``query_range_ptr (N+1,)``, ``query_ranges (RQ, 2)`` (the descendants);
 * out ``(T, H, D)`` in q.dtype; lse fp32 ``(H, T)`` (fp64 for fp64 inputs, the CPU reference), natural log of the
-  softmax denominator (scaled scores).
+  softmax denominator (scaled scores; with sinks, their term included);
+* the attention variants (``kvtransform.ops._common.check_attention_variants``): ``window`` (over each token's
+  position on its root-to-node path), ``softcap``, ``sinks`` ``(H,)`` (differentiable); all off by default.
 
 A token attends to every token of its node's ancestors and causally within its node (Tree Training, arXiv
 2511.00413; the one-level case is DualKV, arXiv 2605.15422, ``kvt::dualkv_attention``). CUDA tensors run the Triton
@@ -34,7 +36,7 @@ import torch
 
 from ..kernels import prefix_tree as _k
 from ..tree_layout import PrefixTreeLayout
-from ._common import kernel_path
+from ._common import check_attention_variants, kernel_path, no_sinks_grad, variant_kwargs
 
 __all__ = ["prefix_tree_attention", "check_shapes", "PrefixTreeLayout"]
 
@@ -130,15 +132,18 @@ def _check_op_inputs(q, k, v, layout_tensors, kernels: bool) -> None:
 @torch.library.custom_op("kvt::prefix_tree_attention", mutates_args=())
 def _tree_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, parent: torch.Tensor,
              key_range_ptr: torch.Tensor, key_ranges: torch.Tensor, query_range_ptr: torch.Tensor,
-             query_ranges: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+             query_ranges: torch.Tensor, softmax_scale: float, window: Optional[int] = None,
+             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = _use_triton(q)
     lay = (cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges)
     _check_op_inputs(q, k, v, lay, kernels)
+    var = variant_kwargs(q, window, softcap, sinks)
     if kernels:
-        return _k.prefix_tree_fwd(q, k, v, cu_seqlens, key_range_ptr, key_ranges, softmax_scale)
+        return _k.prefix_tree_fwd(q, k, v, cu_seqlens, key_range_ptr, key_ranges, softmax_scale, **var)
     with torch.no_grad():
         out, lse = _k.prefix_tree_attention_reference(q, k, v, (cu_seqlens, key_range_ptr, key_ranges),
-                                                      softmax_scale)
+                                                      softmax_scale, **var)
     return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
 
 
@@ -148,7 +153,9 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 @_tree_op.register_fake
-def _(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges, softmax_scale):
+def _(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges, softmax_scale,
+      window=None, softcap=None, sinks=None):
+    check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
 
@@ -157,8 +164,10 @@ def _(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, q
 def _tree_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
                  parent: torch.Tensor, key_range_ptr: torch.Tensor, key_ranges: torch.Tensor,
-                 query_range_ptr: torch.Tensor, query_ranges: torch.Tensor, softmax_scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 query_range_ptr: torch.Tensor, query_ranges: torch.Tensor, softmax_scale: float,
+                 window: Optional[int] = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsinks)``; dsinks ``(H,)`` in sinks' dtype, an empty fp32 ``(0,)`` without sinks."""
     kernels = _use_triton(q)
     t, h, _ = q.shape
     for name, x, want in (("grad_out", grad_out, tuple(q.shape)), ("out", out, tuple(q.shape)),
@@ -168,34 +177,38 @@ def _tree_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: to
                              f"{tuple(x.shape)}")
     lay = (cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges)
     _check_op_inputs(q, k, v, lay, kernels)
+    var = variant_kwargs(q, window, softcap, sinks)
     if kernels:
-        return _k.prefix_tree_bwd(grad_out, q, k, v, out, lse, cu_seqlens, key_range_ptr, key_ranges,
-                                  query_range_ptr, query_ranges, softmax_scale, grad_lse)
-    dq, dk, dv = _k.prefix_tree_attention_reference_backward(grad_out, grad_lse, q, k, v,
-                                                             (cu_seqlens, key_range_ptr, key_ranges), softmax_scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        grads = _k.prefix_tree_bwd(grad_out, q, k, v, out, lse, cu_seqlens, key_range_ptr, key_ranges,
+                                   query_range_ptr, query_ranges, softmax_scale, grad_lse, **var)
+    else:
+        grads = _k.prefix_tree_attention_reference_backward(grad_out, grad_lse, q, k, v,
+                                                            (cu_seqlens, key_range_ptr, key_ranges), softmax_scale,
+                                                            **var)
+    return tuple(x.contiguous() for x in grads) + (() if sinks is not None else (no_sinks_grad(q),))
 
 
 @_tree_bwd_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr,
-      query_ranges, softmax_scale):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+      query_ranges, softmax_scale, window=None, softcap=None, sinks=None):
+    ds = no_sinks_grad(q) if sinks is None else torch.empty_like(sinks, memory_format=torch.contiguous_format)
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)) + (ds,)
 
 
 def _setup_ctx(ctx, inputs, output):
-    q, k, v, *lay, softmax_scale = inputs
+    q, k, v, *lay, softmax_scale, window, softcap, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *lay)
-    ctx.scale = softmax_scale
+    ctx.save_for_backward(q, k, v, out, lse, sinks, *lay)
+    ctx.scale, ctx.window, ctx.softcap = softmax_scale, window, softcap
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, *lay = ctx.saved_tensors
+    q, k, v, out, lse, sinks, *lay = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.kvt.prefix_tree_attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse,
-                                                              *lay, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    dq, dk, dv, dsinks = torch.ops.kvt.prefix_tree_attention_backward(
+        grad_out.contiguous(), grad_lse, q, k, v, out, lse, *lay, ctx.scale, ctx.window, ctx.softcap, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, (dsinks if sinks is not None else None)
 
 
 _tree_op.register_autograd(_backward, setup_context=_setup_ctx)
@@ -215,7 +228,9 @@ def _as_scale(x) -> float:
 
 
 def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PrefixTreeLayout,
-                          softmax_scale: Optional[float] = None, return_lse: bool = False):
+                          softmax_scale: Optional[float] = None, return_lse: bool = False, *,
+                          window: Optional[int] = None, softcap: Optional[float] = None,
+                          sinks: Optional[torch.Tensor] = None):
     """Prefix-tree attention (validating wrapper of ``torch.ops.kvt.prefix_tree_attention``).
 
     Args:
@@ -225,6 +240,8 @@ def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
             it was built, so no device sync here).
         softmax_scale: a finite real number; default ``D ** -0.5``.
         return_lse: also return the ``(H, T)`` natural-log LSE: fp32 (fp64 for fp64 inputs, computed in fp64).
+        window, softcap, sinks: the attention variants as ``kvtransform.ops.dualkv.dualkv_attention``'s (a token's
+            position is its position on its root-to-node path); all off by default.
 
     Returns:
         out ``(T, H, D)`` in q.dtype, or ``(out, lse)``.
@@ -232,7 +249,8 @@ def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     Raises:
         ValueError: a layout that is not a PrefixTreeLayout or whose nodes do not sum to T, an unsupported head_dim
             (outside 1..256; 0 on every path) or dtype, H not divisible by H_kv, q/k/v dtypes or shapes that
-            disagree, meta tensors, a softmax_scale that is not a finite real number.
+            disagree, meta tensors, a softmax_scale that is not a finite real number, a bad window / softcap /
+            sinks (one line each).
     """
     if not isinstance(layout, PrefixTreeLayout):
         raise ValueError(f"layout must be a PrefixTreeLayout (PrefixTreeLayout.from_parents(lengths, parents)); got "
@@ -252,6 +270,7 @@ def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
         check_kernel_support(q)
     elif q.shape[-1] == 0:
         raise ValueError("unsupported head_dim 0: q, k, v need head_dim >= 1")
+    window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else _as_scale(softmax_scale)
-    out, lse = torch.ops.kvt.prefix_tree_attention(q, k, v, *tensors, scale)
+    out, lse = torch.ops.kvt.prefix_tree_attention(q, k, v, *tensors, scale, window, softcap, sinks)
     return (out, lse) if return_lse else out

@@ -27,6 +27,9 @@ Contract (shared by the runtime that calls these):
   twice).
 * **GQA**: query head ``h`` uses KV head ``h // (H // H_kv)``; indices are per KV head.
 * ``B >= cache_seqlens[b]`` with indices ``0..cache_seqlens[b]-1`` equals full attention over the row's cache (tested).
+* **Attention variants** (keyword-only, off by default; ``docs/ARCHITECTURE.md``): ``window`` (a sliding-window
+  layer never attends outside its window; dense within it when the window fits in the budget), ``softcap``,
+  ``sinks`` (see :func:`sparse_decode_attention`).
 
 CPU tensors run the PyTorch references in ``kvtransform.kernels.{retrieval,sparse_decode}``; CUDA tensors run the
 Triton kernels there. No autograd: decode is inference.
@@ -46,7 +49,7 @@ import torch
 from kvtransform.kernels._common import last_dim_contiguous
 from kvtransform.kernels.retrieval import retrieval_topk_reference, retrieval_topk_triton
 from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
-from ._common import as_int, is_tracing, kernel_path, renamed_kwargs
+from ._common import as_int, check_attention_variants, is_tracing, kernel_path, renamed_kwargs
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 USE_TRITON_ON_CPU = False
@@ -76,17 +79,22 @@ def _(q, k, cache_seqlens, budget, num_sink, num_recent, softmax_scale):
 @torch.library.custom_op("kvt::sparse_decode_attention", mutates_args=())
 def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       indices: Optional[torch.Tensor], cache_seqlens: torch.Tensor, k_new: Optional[torch.Tensor],
-                      v_new: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
+                      v_new: Optional[torch.Tensor], softmax_scale: float, window: Optional[int] = None,
+                      softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     q, indices, cache_seqlens, k_new, v_new = _check_decode_inputs(q, k_cache, v_cache, indices, cache_seqlens,
                                                                    k_new, v_new)
+    window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
+    variants = dict(window=window, softcap=softcap, sinks=sinks)
     if kernel_path(q, USE_TRITON_ON_CPU):
-        return sparse_decode_triton(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new, softmax_scale)
+        return sparse_decode_triton(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new, softmax_scale,
+                                    **variants)
     return sparse_decode_reference(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new,
-                                   softmax_scale).contiguous()
+                                   softmax_scale, **variants).contiguous()
 
 
 @_sparse_decode_op.register_fake
-def _(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new, softmax_scale):
+def _(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new, softmax_scale, window=None, softcap=None,
+      sinks=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -280,7 +288,9 @@ def retrieval_topk(q: torch.Tensor, k: torch.Tensor, cache_seqlens: torch.Tensor
 def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             indices: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
                             k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None, *,
-                            softmax_scale: Optional[float] = None, validate: Optional[bool] = None) -> torch.Tensor:
+                            softmax_scale: Optional[float] = None, validate: Optional[bool] = None,
+                            window: Optional[int] = None, softcap: Optional[float] = None,
+                            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decode step of attention over the selected cache tokens (gather mode), SpeContext §4.3.
 
     ``out[b, h] = softmax(q[b,h] · K[b,k,sel] · softmax_scale ∪ q·k_new) · (V[b,k,sel] ∪ v_new)``, ``k = h // (H/H_kv)``.
@@ -296,6 +306,13 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         softmax_scale: default ``D ** -0.5``.
         validate: check ``cache_seqlens`` and index values (out of range, duplicates); default on for CPU tensors
             outside tracing, off on CUDA (it would synchronise).
+        window: int >= 1 or None, a sliding-window layer (HF ``sliding_window``): the new token, at position
+            ``cache_seqlens[b]``, sees cache positions ``j > cache_seqlens[b] - window`` only, never an older one at
+            any budget. When the window's ``window - 1`` cache tokens fit in ``B``, they are all attended (dense
+            within the window; ``indices`` is not read); otherwise the selected ones inside the window.
+        softcap: finite float > 0 or None, Gemma 2's logit soft-capping ``c · tanh(s / c)`` of the scaled scores.
+        sinks: ``(H,)`` float tensor or None, gpt-oss's learned per-head sink logits (an extra softmax-denominator
+            term, a virtual key of value 0).
 
     Deprecated keyword names (one release): ``lengths``, ``scale``.
 
@@ -305,27 +322,31 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Raises:
         ValueError: shape/dtype/device mismatch, ``B < 1``, head counts that do not divide, non-integer indices,
-            and (when validating) lengths outside ``[0, S_max]``, indices out of range or duplicated.
+            a window < 1, a soft-cap that is not finite and > 0, sinks not ``(H,)``, and (when validating) lengths
+            outside ``[0, S_max]``, indices out of range or duplicated.
     """
     if indices is None:
         return slot_decode_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale=softmax_scale,
-                                     validate=validate)
+                                     validate=validate, window=window, softcap=softcap, sinks=sinks)
     q, indices, lengths, k_new, v_new = _check_decode_inputs(q, k_cache, v_cache, indices, cache_seqlens, k_new,
                                                              v_new)
     if indices.shape[2] < 1:
         raise ValueError("indices must select B >= 1 tokens per KV head (use -1 entries for padding)")
+    window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     if _want_validate(validate, q, k_cache, indices, lengths):
         _check_length_values(lengths, k_cache.shape[2], "S_max")
         check_indices(indices, lengths)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return torch.ops.kvt.sparse_decode_attention(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale)
+    return torch.ops.kvt.sparse_decode_attention(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale,
+                                                 window=window, softcap=softcap, sinks=sinks)
 
 
 @renamed_kwargs(lengths="cache_seqlens", scale="softmax_scale")
 def slot_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                           cache_seqlens: torch.Tensor, k_new: Optional[torch.Tensor] = None,
                           v_new: Optional[torch.Tensor] = None, *, softmax_scale: Optional[float] = None,
-                          validate: Optional[bool] = None) -> torch.Tensor:
+                          validate: Optional[bool] = None, window: Optional[int] = None,
+                          softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention over a dense budget-sized slot buffer (no gather), SpeContext §4.3 for layers whose full
     KV lives on CPU and whose selected tokens were copied into GPU slots.
 
@@ -334,7 +355,9 @@ def slot_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch
         k_slots, v_slots: ``(batch, H_kv, B, D)``, last dim contiguous; slots ``[0, lengths[b])`` are valid.
         cache_seqlens: ``(batch,)`` int32, valid slots per row, ``<= B`` (``min(len_b, B)`` for a row of ``len_b``
             tokens when the slots were filled from :func:`retrieval_topk`'s indices, whose valid entries come first).
-        k_new, v_new, softmax_scale, validate: as :func:`sparse_decode_attention`.
+        k_new, v_new, softmax_scale, validate, softcap, sinks: as :func:`sparse_decode_attention`.
+        window: as :func:`sparse_decode_attention`, slot ``j`` taken as cache position ``j`` (the slot-mode program
+            over a whole cache); not for buffers filled from a selection, whose slots are not positions.
 
     Returns:
         ``(batch, H, D)`` in ``q.dtype``.
@@ -342,7 +365,9 @@ def slot_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch
     q, _, lengths, k_new, v_new = _check_decode_inputs(q, k_slots, v_slots, None, cache_seqlens, k_new, v_new)
     if k_slots.shape[2] < 1:
         raise ValueError("the slot buffer must have B >= 1 slots")
+    window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     if _want_validate(validate, q, k_slots, lengths):
         _check_length_values(lengths, k_slots.shape[2], "the slot count B")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return torch.ops.kvt.sparse_decode_attention(q, k_slots, v_slots, None, lengths, k_new, v_new, scale)
+    return torch.ops.kvt.sparse_decode_attention(q, k_slots, v_slots, None, lengths, k_new, v_new, scale,
+                                                 window=window, softcap=softcap, sinks=sinks)
