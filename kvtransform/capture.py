@@ -8,8 +8,10 @@ int64) with ``use_cache=False`` and returns the pytree of the model's output; :f
 A model that torch.export cannot capture raises :class:`CaptureError`: one line naming the model feature (the source
 line) that stopped capture, and the config key or workaround where one is known; the exporter prints nothing (its
 logs and its partial-graph dump are silenced; ``KVT_DEBUG=1`` lets them through) and its exception is the error's
-``__cause__``. Dynamic-NTK RoPE is captured as it behaves up to the model's original maximum length
-(:func:`_capturable_rope`).
+``__cause__``. Two model features are captured through a temporary, behaviour-preserving rewrite
+(:mod:`kvtransform.capture_rewrites`): dynamic-NTK RoPE as it behaves up to the model's original maximum length, and
+mixture-of-experts layers (Qwen3-MoE, gpt-oss) whose ``'eager'`` experts loop is data-dependent, captured through
+transformers' ``'grouped_mm'`` experts implementation (the same math; the default in transformers 5.x).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from typing import Optional
 
 import torch
 from torch.export import Dim
+
+from kvtransform.capture_rewrites import KNOWN_BLOCKER_LINES, KNOWN_BLOCKERS, capturable
 
 
 class CaptureError(RuntimeError):
@@ -111,7 +115,7 @@ def export_dynamic(module: torch.nn.Module, args: tuple, kwargs: Optional[dict],
     On CUDA, SDPA's mask handling emits guards the named-``Dim`` solver cannot prove although they always hold
     (e.g. ``min(128*T, 512*T) == 128*T``); ``Dim.AUTO`` accepts them. Callers check that what must stay dynamic did.
     ``max_positions``: the largest position the captured program can see (``None``: unbounded), for
-    :func:`_capturable_rope`.
+    :func:`kvtransform.capture_rewrites.capturable`.
 
     Raises:
         CaptureError: a model feature known to defeat capture, refused before exporting, or neither attempt
@@ -119,7 +123,7 @@ def export_dynamic(module: torch.nn.Module, args: tuple, kwargs: Optional[dict],
     """
     err = None
     specs = (_auto_dims(dynamic_shapes),) if force_auto_dims else (dynamic_shapes, _auto_dims(dynamic_shapes))
-    with _capturable_rope(module, max_positions, what):
+    with capturable(module, max_positions, what):
         for spec in specs:
             try:
                 with torch.no_grad(), _quiet():
@@ -144,7 +148,8 @@ def _blocker(err: BaseException) -> str:
         short = "/".join(parts[-3:] if "site-packages" not in parts
                          else parts[len(parts) - parts[::-1].index("site-packages"):])
         where = f" at {short}:{f.lineno} in {f.name}()" + (f": `{f.line}`" if f.line else "")
-        hint = _KNOWN_BLOCKERS.get(f.name)
+        hint = KNOWN_BLOCKERS.get(f.name) or next((h for word, h in KNOWN_BLOCKER_LINES.items()
+                                                   if word in (f.line or "")), None)
         if hint:
             return f"{hint} ({kind}{where})"
     return f"{kind}{where}; set KVT_DEBUG=1 for the exporter's traceback"
@@ -152,57 +157,6 @@ def _blocker(err: BaseException) -> str:
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _THIS_FILE = str(Path(__file__).resolve())
-_DYNAMIC_ROPE = "dynamic-NTK RoPE (config.rope_parameters['rope_type'] = 'dynamic')"
-_ROPE_FIX = ("if your inputs stay within config.max_position_embeddings, where dynamic RoPE equals plain RoPE, set "
-             "config.rope_parameters['rope_type'] = 'default' before transforming")
-# features known to defeat torch.export, by the function that raises: what to tell the user
-_KNOWN_BLOCKERS = {
-    "dynamic_frequency_update": f"{_DYNAMIC_ROPE} recomputes its frequencies from the input's largest position; "
-                                f"kvtransform captures it only within config.max_position_embeddings",
-}
-
-
-@contextlib.contextmanager
-def _capturable_rope(module: torch.nn.Module, max_positions: Optional[int], what: str):
-    """Dynamic-NTK RoPE recomputes its frequencies from the largest position id, a data-dependent branch that
-    torch.export cannot trace. Up to the model's original maximum length (``config.max_position_embeddings``) it is
-    plain RoPE with the frequencies it was built with, so for the duration of the export every such rotary module
-    runs as ``'default'`` RoPE with its original frequencies (the captured program accepts sequences up to that length
-    only). A capture whose positions may exceed it (``max_positions`` above it, or ``None``: unbounded, as a packed
-    axis) is refused by name with :class:`CaptureError`, before exporting."""
-    saved = []
-    try:
-        for m in module.modules():
-            rope_type = getattr(m, "rope_type", None)
-            types = rope_type if isinstance(rope_type, dict) else {None: rope_type}
-            dynamic = [lt for lt, t in types.items() if isinstance(t, str) and "dynamic" in t]
-            if not dynamic:
-                continue
-            limit = getattr(m, "original_max_seq_len", None)
-            prefixes = ["" if lt is None else f"{lt}_" for lt in dynamic]
-            if limit is None or any(not hasattr(m, f"{p}original_inv_freq") for p in prefixes):
-                raise CaptureError(f"torch.export cannot capture {what}: {_DYNAMIC_ROPE} in {type(m).__name__} "
-                                   f"recomputes its frequencies from the input's positions and this module keeps no "
-                                   f"original frequencies to capture; {_ROPE_FIX}")
-            if max_positions is None or max_positions > limit:
-                need = "an unbounded position axis" if max_positions is None else f"{max_positions} positions"
-                raise CaptureError(f"torch.export cannot capture {what}: {_DYNAMIC_ROPE} rescales its frequencies "
-                                   f"past {limit} positions (config.max_position_embeddings) and this capture needs "
-                                   f"{need}; kvtransform captures dynamic RoPE only up to that length (the canonical "
-                                   f"transform does); {_ROPE_FIX}")
-            saved.append((m, rope_type, {f"{p}inv_freq": getattr(m, f"{p}inv_freq") for p in prefixes}))
-            m.rope_type = ({lt: ("default" if lt in dynamic else t) for lt, t in types.items()}
-                           if isinstance(rope_type, dict) else "default")
-            for p in prefixes:
-                setattr(m, f"{p}inv_freq", getattr(m, f"{p}original_inv_freq").clone())
-        yield
-    finally:
-        for m, rope_type, bufs in saved:
-            m.rope_type = rope_type
-            for name, b in bufs.items():
-                setattr(m, name, b)
-
-
 def _require_dynamic(ep: torch.export.ExportedProgram, placeholder: str, dim: int) -> None:
     for node in ep.graph.nodes:
         if node.op == "placeholder" and node.name == placeholder and isinstance(node.meta["val"].shape[dim], int):

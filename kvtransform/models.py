@@ -10,7 +10,8 @@
 A registry model is converted once (GGUF → dequantised safetensors + config + tokenizer) and cached under
 ``$KVT_CACHE_DIR/<name>`` (default ``~/.cache/kvtransform/models/<name>``), so later loads take well under a second.
 
-``tiny_model(family)`` builds a tiny randomly initialised Llama / Qwen2 / Qwen3 / Mistral for tests.
+``tiny_model(family)`` (:mod:`kvtransform.tiny_models`, re-exported here) builds a tiny randomly initialised model of
+one family in ``TINY_FAMILIES`` for tests.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from kvtransform.tiny_models import TINY_FAMILIES, TINY_WINDOW, tiny_model  # noqa: F401  (re-exported)
 from kvtransform.utils import stage
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "check_causal_lm",
     "tiny_model",
     "TINY_FAMILIES",
+    "TINY_WINDOW",
     "cache_dir",
     "resolve_dtype",
 ]
@@ -169,13 +172,20 @@ def check_causal_lm(model: torch.nn.Module) -> None:
 
 
 def _from_pretrained(source: str, *, dtype, attn_implementation: str, **kwargs):
-    """``AutoModelForCausalLM.from_pretrained`` with our error messages; returns the model in eval mode."""
+    """``AutoModelForCausalLM.from_pretrained`` with our error messages; returns the model in eval mode. ``"sdpa"``
+    for a family transformers runs only eagerly (Gemma 2, gpt-oss: soft-capping, sinks) loads it eager, as
+    transformers' own default does."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation, **kwargs
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, attn_implementation=attn_implementation, **kwargs
+            )
+        except ValueError as e:
+            if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(e):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="eager", **kwargs)
     except ValueError as e:
         msg = str(e)
         if "Unrecognized configuration class" in msg:
@@ -295,7 +305,8 @@ def load_model(
             - a hub id (``org/name``) already in the local Hugging Face cache; nothing is downloaded.
         dtype: ``None`` (float32), ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype.
         attn_implementation: ``"sdpa"`` (default) or ``"eager"``: which HF attention code the model runs; the
-            canonical attention pass recognises both.
+            canonical attention pass recognises both. Families transformers runs only eagerly (Gemma 2, gpt-oss)
+            load eager either way (``model.config._attn_implementation`` says which).
 
     Returns:
         ``(model, tokenizer)``: a ``transformers`` ``PreTrainedModel`` in eval mode and its tokenizer (``None`` when a
@@ -380,59 +391,3 @@ def _load(name: str, dt, attn_implementation: str):
             ) from None
         tok = _load_tokenizer(name, local_files_only=True)
     return model, tok
-
-
-# ---- tiny random models for tests ---------------------------------------------------------------------------------
-
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A tiny randomly initialised causal LM of one architecture family (float32, eval mode), for tests.
-
-    Defaults: 2 layers, hidden 64, 4 query heads, 2 KV heads (GQA), head_dim 16, intermediate 128, vocab 128,
-    256 positions; Mistral's sliding window is off (``sliding_window=None``) unless overridden.
-
-    Args:
-        family: ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"mistral"``.
-        attn_implementation: ``"sdpa"`` or ``"eager"``.
-        seed: seed of the weight initialisation (the global RNG state is left untouched).
-        **overrides: config fields to change, e.g. ``num_hidden_layers=3``, ``sliding_window=8``.
-
-    Raises:
-        ValueError: an unknown family.
-    """
-    import transformers
-
-    classes = {
-        "llama": ("LlamaConfig", "LlamaForCausalLM"),
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-        "mistral": ("MistralConfig", "MistralForCausalLM"),
-    }
-    if family not in classes:
-        raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(TINY_FAMILIES)}")
-    cfg_cls, model_cls = (getattr(transformers, n) for n in classes[family])
-    kwargs: dict[str, Any] = dict(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=128,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    if family == "mistral":
-        kwargs["sliding_window"] = None
-    kwargs.update(overrides)
-    config = cfg_cls(**kwargs)
-    config._attn_implementation = attn_implementation
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-    return model.to(torch.float32).eval()

@@ -8,16 +8,27 @@ translation per ``kvt`` op:
 * ``kvt.attention(q, k, v, attn_mask, key_padding, softmax_scale, causal)`` → opset 23 ``Attention`` (4-D inputs,
   GQA by head count, ``scale`` attribute) with one boolean (or additive float) mask built in the graph: the
   bottom-right aligned causal mask, ``key_padding`` and ``attn_mask`` combined. Query rows that see no key (left
-  padding) give zeros, as the op does.
+  padding) give zeros, as the op does. The variants (``docs/ARCHITECTURE.md``) are all expressed in opset 23: a
+  ``window`` is one more term of the keep-mask (``j > i - window``); ``softcap`` and ``sinks``, which opset 23's
+  ``Attention`` cannot express exactly (its ``softcap`` attribute's order against the mask differs between
+  onnxruntime versions; it has no sink input), run as explicit ``MatMul`` → ``Tanh`` → mask → ``Concat`` of the sink
+  column → ``Softmax``-equivalent → drop the column → ``MatMul`` in fp32.
 * ``kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, softmax_scale) -> (out, lse)`` → the DualKV mask
   (DualKV, arXiv 2605.15422, §2–3; ``docs/ARCHITECTURE.md``) computed in the graph from ``cu_seqlens`` /
   ``segment_prefix``: segment id of each token = number of segment ends ``<= t``; a query sees key ``j <= i`` whose
   segment is its own or its group's prefix; then ``Attention`` over ``(1, H, T, D)``. ``lse`` ``(H, T)`` fp32 comes
-  from ``MatMul`` + ``ReduceLogSumExp`` and is removed as dead code when the graph does not use it.
+  from ``MatMul`` + ``ReduceLogSumExp`` and is removed as dead code when the graph does not use it. A ``window``
+  keeps keys within it in each token's own sequence positions (a response token sits at ``P + r``); ``softcap`` /
+  ``sinks`` write the attention out in fp32 (sinks in the lse too).
 * ``kvt.prefix_tree_attention(q, k, v, *PrefixTreeLayout.kernel_tensors(), softmax_scale) -> (out, lse)`` → the
   prefix-tree mask (Tree Training, arXiv 2511.00413; ``docs/PREFIX_TREES.md``) computed in the graph, loop-free,
   from ``cu_seqlens`` and the ancestor token ranges ``key_range_ptr`` / ``key_ranges``: a token sees every token
   of every ancestor node and, causally, its own node; then the same ``Attention`` and ``lse`` as DualKV's.
+
+One op from transformers is translated too: ``transformers.grouped_mm_fallback(input (S, I), weight (E, I, O),
+offs (E,))``, the mixture-of-experts matmul of Qwen3-MoE / gpt-oss captured on CPU (rows sorted by expert, ``offs``
+the cumulative row counts): each row's expert is the number of ``offs`` entries ``<= row``, its weight gathered and
+multiplied (``Gather`` + ``MatMul``; memory ``S·I·O``, fine for the models ONNX emission is checked on).
 
 Ops with no ONNX translation (``kvt.retrieval_topk``, ``kvt.sparse_decode_attention``: the sparse decode step of
 the SpeContext runtime) are refused by name before anything is written. The file is written atomically.
@@ -86,22 +97,70 @@ def _safe_attention(q, k, v, keep, scale: float):
     return op.Where(row_any, out, op.CastLike(op.Constant(value_float=0.0), out))
 
 
-def kvt_attention_onnx(q, k, v, attn_mask=None, key_padding=None, softmax_scale: float = 1.0, causal: bool = False):
-    """ONNX translation of ``kvt.attention``: q ``(B, H, S_q, D)``, k/v ``(B, H_kv, S_k, D)`` → ``(B, H, S_q, D)``."""
+def _repeat_kv(x, h):
+    """``(B, H_kv, S, D)`` → ``(B, H, S, D)``: KV head ``h // (H // H_kv)`` for query head ``h`` (``h``: the
+    1-element int64 query head count)."""
+    op = _ops()
+    h_kv = op.Shape(x, start=1, end=2)
+    b, rest = op.Shape(x, start=0, end=1), op.Shape(x, start=2, end=4)
+    x5 = op.Expand(op.Unsqueeze(x, _i64(2)), op.Concat(b, h_kv, op.Div(h, h_kv), rest, axis=0))
+    return op.Reshape(x5, op.Concat(b, h, rest, axis=0))
+
+
+def _explicit_attention(q, k, v, keep, add, scale: float, softcap: Optional[float], sinks):
+    """Attention written out in fp32 for what ``Attention`` cannot express: soft-capped scores (before the mask),
+    learned sinks (an extra ``(H,)`` logit column, dropped after normalisation). ``keep``: bool keep-mask or None;
+    ``add``: additive float mask or None (broadcastable to ``(B, H, S_q, S_k)``). Rows with nothing to attend give
+    zeros."""
+    op = _ops()
+    h = op.Shape(q, start=1, end=2)
+    kk, vv = _repeat_kv(k, h), _repeat_kv(v, h)
+    s = op.Mul(op.Cast(op.MatMul(q, op.Transpose(kk, perm=[0, 1, 3, 2])), to=_float()),
+               op.Constant(value_float=float(scale)))
+    if softcap is not None:
+        c = op.Constant(value_float=float(softcap))
+        s = op.Mul(op.Tanh(op.Div(s, c)), c)
+    if add is not None:
+        s = op.Add(s, op.Cast(add, to=_float()))
+    if keep is not None:
+        s = op.Where(keep, s, op.Constant(value_float=_NEG_INF))
+    if sinks is not None:
+        col_shape = op.Concat(op.Shape(s, start=0, end=3), _i64(1), axis=0)
+        col = op.Expand(op.Reshape(op.Cast(sinks, to=_float()), _i64(1, -1, 1, 1)), col_shape)
+        s = op.Concat(s, col, axis=-1)
+    m = op.ReduceMax(s, _i64(-1), keepdims=1)
+    m = op.Where(op.IsInf(m), op.CastLike(op.Constant(value_float=0.0), m), m)
+    p = op.Exp(op.Sub(s, m))
+    denom = op.ReduceSum(p, _i64(-1), keepdims=1)
+    p = op.Div(p, op.Where(op.Greater(denom, op.Constant(value_float=0.0)), denom, op.Constant(value_float=1.0)))
+    if sinks is not None:
+        p = op.Slice(p, _i64(0), _i64(-1), _i64(-1))
+    return op.CastLike(op.MatMul(p, op.Cast(vv, to=_float())), q)
+
+
+def kvt_attention_onnx(q, k, v, attn_mask=None, key_padding=None, softmax_scale: float = 1.0, causal: bool = False,
+                       window: Optional[int] = None, softcap: Optional[float] = None, sinks=None):
+    """ONNX translation of ``kvt.attention``: q ``(B, H, S_q, D)``, k/v ``(B, H_kv, S_k, D)`` → ``(B, H, S_q, D)``;
+    ``window`` a keep-mask term, ``softcap`` / ``sinks`` the explicit path (:func:`_explicit_attention`)."""
     op = _ops()
     keep = None
-    if causal:
+    if causal or window is not None:
         sq = op.Shape(q, start=2, end=3)
         sk = op.Shape(k, start=2, end=3)
         i = op.Add(op.Unsqueeze(_arange(sq), _i64(1)), op.Sub(sk, sq))
         j = op.Unsqueeze(_arange(sk), _i64(0))
         keep = op.LessOrEqual(j, i)  # (S_q, S_k)
+        if window is not None:  # i - window < j
+            keep = op.And(keep, op.Greater(j, op.Sub(i, op.Constant(value_ints=[int(window)]))))
     if key_padding is not None:
         kp = op.Unsqueeze(op.Cast(key_padding, to=_bool()), _i64(1, 2))  # (B, 1, 1, S_k)
         keep = kp if keep is None else op.And(keep, kp)
     if attn_mask is not None and attn_mask.dtype == _bool():
         keep = attn_mask if keep is None else op.And(keep, attn_mask)
-    elif attn_mask is not None:  # additive float mask
+        attn_mask = None
+    if softcap is not None or sinks is not None:
+        return _explicit_attention(q, k, v, keep, attn_mask, softmax_scale, softcap, sinks)
+    if attn_mask is not None:  # additive float mask
         add = attn_mask if keep is None else op.Where(keep, attn_mask, op.CastLike(op.Constant(value_float=_NEG_INF),
                                                                                    attn_mask))
         row_ok = op.Greater(op.ReduceMax(op.Cast(add, to=_float()), _i64(-1), keepdims=1),
@@ -114,33 +173,56 @@ def kvt_attention_onnx(q, k, v, attn_mask=None, key_padding=None, softmax_scale:
     return _safe_attention(q, k, v, keep, softmax_scale)
 
 
-def dualkv_keep_mask(cu_seqlens, segment_prefix, t_len):
+def _segment_of(cu_seqlens, t):
+    """``(T,)`` int64 segment (node) of each token ``t``: the number of segment ends ``<= t``."""
+    op = _ops()
+    ends = op.Slice(op.Cast(cu_seqlens, to=_int64()), _i64(1), _i64(2 ** 62))  # (S,)
+    return op.ReduceSum(op.Cast(op.LessOrEqual(op.Unsqueeze(ends, _i64(0)), op.Unsqueeze(t, _i64(1))), to=_int64()),
+                        _i64(1), keepdims=0)
+
+
+def _windowed(keep, pos, window: Optional[int]):
+    """``keep`` and, with a window, ``pos_j > pos_i - window`` (positions in each token's own sequence)."""
+    if window is None:
+        return keep
+    op = _ops()
+    lo = op.Sub(op.Unsqueeze(pos, _i64(1)), op.Constant(value_ints=[int(window)]))
+    return op.And(keep, op.Greater(op.Unsqueeze(pos, _i64(0)), lo))
+
+
+def dualkv_keep_mask(cu_seqlens, segment_prefix, t_len, window: Optional[int] = None):
     """Bool ``(T, T)`` DualKV keep-mask from int32 ``cu_seqlens (S+1,)``, ``segment_prefix (S,)`` and the int64
-    1-element token count ``t_len``."""
+    1-element token count ``t_len``; with ``window``, only keys whose sequence position (a response token sits at
+    ``P + r``) is within the window of the query's."""
     op = _ops()
     t = _arange(t_len)  # (T,)
-    ends = op.Slice(op.Cast(cu_seqlens, to=_int64()), _i64(1), _i64(2 ** 62))  # (S,)
-    seg = op.ReduceSum(op.Cast(op.LessOrEqual(op.Unsqueeze(ends, _i64(0)), op.Unsqueeze(t, _i64(1))), to=_int64()),
-                       _i64(1), keepdims=0)  # (T,) segment of each token
+    seg = _segment_of(cu_seqlens, t)
     sp = op.Gather(op.Cast(segment_prefix, to=_int64()), seg)  # (T,) -1 on a prefix
     grp = op.Where(op.Less(sp, op.Constant(value_int=0)), seg, sp)  # (T,) the group's prefix segment
     seg_j = op.Unsqueeze(seg, _i64(0))
     causal = op.LessOrEqual(op.Unsqueeze(t, _i64(0)), op.Unsqueeze(t, _i64(1)))
     same = op.Or(op.Equal(seg_j, op.Unsqueeze(seg, _i64(1))), op.Equal(seg_j, op.Unsqueeze(grp, _i64(1))))
-    return op.And(causal, same)
+    if window is None:
+        return op.And(causal, same)
+    cu = op.Cast(cu_seqlens, to=_int64())
+    starts = op.Slice(cu, _i64(0), _i64(-1))  # (S,)
+    lens = op.Sub(op.Slice(cu, _i64(1), _i64(2 ** 62)), starts)
+    prefix_len = op.Where(op.Less(sp, op.Constant(value_int=0)), op.Constant(value_int=0), op.Gather(lens, grp))
+    pos = op.Add(op.Sub(t, op.Gather(starts, seg)), prefix_len)  # (T,) position in the token's own sequence
+    return _windowed(op.And(causal, same), pos, window)
 
 
-def prefix_tree_keep_mask(cu_seqlens, key_range_ptr, key_ranges, t_len):
+def prefix_tree_keep_mask(cu_seqlens, key_range_ptr, key_ranges, t_len, window: Optional[int] = None):
     """Bool ``(T, T)`` prefix-tree keep-mask from int32 ``cu_seqlens (N+1,)``, ``key_range_ptr (N+1,)``,
     ``key_ranges (RK, 2)`` (:class:`kvtransform.tree_layout.PrefixTreeLayout`) and the int64 1-element token count
     ``t_len``: query ``i`` of node ``n`` sees key ``j`` iff ``j`` lies in one of ``n``'s ancestor token ranges, or
     ``j`` is in node ``n`` and ``j <= i``. Loop-free: range ``r``'s owner node = number of ``key_range_ptr[1:]``
-    entries ``<= r``; node × key visibility ``(N, T)`` = one-hot(owner) ``(N, RK)`` @ range hits ``(RK, T)`` > 0."""
+    entries ``<= r``; node × key visibility ``(N, T)`` = one-hot(owner) ``(N, RK)`` @ range hits ``(RK, T)`` > 0.
+    With ``window``: a token's position in its trajectory = its node's ancestor token count (one-hot(owner) @ range
+    lengths) + its offset in the node."""
     op = _ops()
     t = _arange(t_len)  # (T,)
-    ends = op.Slice(op.Cast(cu_seqlens, to=_int64()), _i64(1), _i64(2 ** 62))  # (N,)
-    node = op.ReduceSum(op.Cast(op.LessOrEqual(op.Unsqueeze(ends, _i64(0)), op.Unsqueeze(t, _i64(1))), to=_int64()),
-                        _i64(1), keepdims=0)  # (T,) node of each token
+    node = _segment_of(cu_seqlens, t)  # (T,) node of each token
     kr = op.Cast(key_ranges, to=_int64())  # (RK, 2)
     lo = op.Slice(kr, _i64(0), _i64(1), _i64(1))  # (RK, 1)
     hi = op.Slice(kr, _i64(1), _i64(2), _i64(1))
@@ -156,51 +238,89 @@ def prefix_tree_keep_mask(cu_seqlens, key_range_ptr, key_ranges, t_len):
     anc_tok = op.Gather(anc, node, axis=0)  # (T, T)
     causal = op.LessOrEqual(tj, op.Unsqueeze(t, _i64(1)))
     same = op.Equal(op.Unsqueeze(node, _i64(0)), op.Unsqueeze(node, _i64(1)))
-    return op.Or(anc_tok, op.And(causal, same))
+    keep = op.Or(anc_tok, op.And(causal, same))
+    if window is None:
+        return keep
+    depth = op.Cast(op.Squeeze(op.MatMul(onehot, op.Cast(op.Sub(hi, lo), to=_float())), _i64(1)), to=_int64())
+    starts = op.Slice(op.Cast(cu_seqlens, to=_int64()), _i64(0), _i64(-1))  # (N,)
+    pos = op.Add(op.Sub(t, op.Gather(starts, node)), op.Gather(depth, node))  # (T,)
+    return _windowed(keep, pos, window)
 
 
-def _packed_attention(q, k, v, keep, softmax_scale: float):
-    """``Attention`` of packed q ``(T, H, D)``, k/v ``(T, H_kv, D)`` under keep-mask ``(T, T)`` (every row keeps
-    its own token) → ``(out (T, H, D), lse (H, T) fp32)``."""
+def _packed_attention(q, k, v, keep, softmax_scale: float, softcap: Optional[float] = None, sinks=None):
+    """Attention of packed q ``(T, H, D)``, k/v ``(T, H_kv, D)`` under keep-mask ``(T, T)`` (every row keeps
+    its own token) → ``(out (T, H, D), lse (H, T) fp32)``; soft-cap and sinks (in the lse too) written out in fp32."""
     op = _ops()
     perm = [1, 0, 2]
     qh, kh, vh = (op.Transpose(x, perm=perm) for x in (q, k, v))  # (H, T, D), (H_kv, T, D)
-    out = op.Attention(op.Unsqueeze(qh, _i64(0)), op.Unsqueeze(kh, _i64(0)), op.Unsqueeze(vh, _i64(0)),
-                       op.Unsqueeze(keep, _i64(0, 1)), scale=float(softmax_scale))[0]
-    out = op.Transpose(op.Squeeze(out, _i64(0)), perm=perm)
-    # lse: scores of query head h against KV head h // G, as (H_kv, G, T, D) @ (H_kv, 1, D, T)
+    # scores of query head h against KV head h // G, as (H_kv, G, T, D) @ (H_kv, 1, D, T)
     h = op.Shape(q, start=1, end=2)
     h_kv = op.Shape(k, start=1, end=2)
     q4 = op.Reshape(qh, op.Concat(h_kv, op.Div(h, h_kv), op.Shape(qh, start=1, end=3), axis=0))
     k4 = op.Unsqueeze(op.Transpose(kh, perm=[0, 2, 1]), _i64(1))
     scores = op.Mul(op.Cast(op.MatMul(q4, op.CastLike(k4, q4)), to=_float()), op.Constant(value_float=softmax_scale))
     scores = op.Reshape(scores, op.Concat(h, op.Shape(scores, start=2, end=4), axis=0))  # (H, T, T)
+    if softcap is not None:
+        c = op.Constant(value_float=float(softcap))
+        scores = op.Mul(op.Tanh(op.Div(scores, c)), c)
     scores = op.Where(op.Unsqueeze(keep, _i64(0)), scores, op.Constant(value_float=_NEG_INF))
-    lse = op.ReduceLogSumExp(scores, _i64(-1), keepdims=0)  # (H, T)
-    return out, lse
+    if softcap is None and sinks is None:
+        out = op.Attention(op.Unsqueeze(qh, _i64(0)), op.Unsqueeze(kh, _i64(0)), op.Unsqueeze(vh, _i64(0)),
+                           op.Unsqueeze(keep, _i64(0, 1)), scale=float(softmax_scale))[0]
+        return op.Transpose(op.Squeeze(out, _i64(0)), perm=perm), op.ReduceLogSumExp(scores, _i64(-1), keepdims=0)
+    full = scores
+    if sinks is not None:  # one more logit per row: the head's sink
+        col = op.Expand(op.Reshape(op.Cast(sinks, to=_float()), _i64(-1, 1, 1)),
+                        op.Concat(op.Shape(scores, start=0, end=2), _i64(1), axis=0))
+        full = op.Concat(scores, col, axis=-1)
+    lse = op.ReduceLogSumExp(full, _i64(-1), keepdims=0)  # (H, T)
+    p = op.Exp(op.Sub(scores, op.Unsqueeze(lse, _i64(-1))))  # (H, T, T)
+    p4 = op.Reshape(p, op.Concat(h_kv, op.Div(h, h_kv), op.Shape(p, start=1, end=3), axis=0))
+    out = op.MatMul(p4, op.Unsqueeze(op.Cast(vh, to=_float()), _i64(1)))  # (H_kv, G, T, D)
+    out = op.Reshape(out, op.Concat(h, op.Shape(out, start=2, end=4), axis=0))
+    return op.CastLike(op.Transpose(out, perm=perm), q), lse
 
 
-def kvt_dualkv_attention_onnx(q, k, v, cu_seqlens, segment_prefix, softmax_scale: float = 1.0):
+def kvt_dualkv_attention_onnx(q, k, v, cu_seqlens, segment_prefix, softmax_scale: float = 1.0,
+                              window: Optional[int] = None, softcap: Optional[float] = None, sinks=None):
     """ONNX translation of ``kvt.dualkv_attention``: q ``(T, H, D)``, k/v ``(T, H_kv, D)`` → ``(out (T, H, D),
-    lse (H, T) fp32)``."""
-    keep = dualkv_keep_mask(cu_seqlens, segment_prefix, _ops().Shape(q, start=0, end=1))  # (T, T)
-    return _packed_attention(q, k, v, keep, softmax_scale)
+    lse (H, T) fp32)``; window / soft-cap / sinks as ``kvt.attention``'s."""
+    keep = dualkv_keep_mask(cu_seqlens, segment_prefix, _ops().Shape(q, start=0, end=1), window)  # (T, T)
+    return _packed_attention(q, k, v, keep, softmax_scale, softcap, sinks)
 
 
 def kvt_prefix_tree_attention_onnx(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr,
-                                   query_ranges, softmax_scale: float = 1.0):
+                                   query_ranges, softmax_scale: float = 1.0, window: Optional[int] = None,
+                                   softcap: Optional[float] = None, sinks=None):
     """ONNX translation of ``kvt.prefix_tree_attention``: q ``(T, H, D)``, k/v ``(T, H_kv, D)`` and the layout's
     six int32 tensors → ``(out (T, H, D), lse (H, T) fp32)``; the mask from ``cu_seqlens`` and the ancestor key
     ranges (:func:`prefix_tree_keep_mask`). ``parent`` and the query ranges (dK/dV only) are not read."""
-    keep = prefix_tree_keep_mask(cu_seqlens, key_range_ptr, key_ranges, _ops().Shape(q, start=0, end=1))
-    return _packed_attention(q, k, v, keep, softmax_scale)
+    keep = prefix_tree_keep_mask(cu_seqlens, key_range_ptr, key_ranges, _ops().Shape(q, start=0, end=1), window)
+    return _packed_attention(q, k, v, keep, softmax_scale, softcap, sinks)
+
+
+def grouped_mm_onnx(x, weight, offs):
+    """ONNX translation of ``transformers.grouped_mm_fallback``: x ``(S, I)`` rows sorted by expert, weight
+    ``(E, I, O)``, offs ``(E,)`` int cumulative row counts → ``(S, O)``."""
+    op = _ops()
+    rows = _arange(op.Shape(x, start=0, end=1))  # (S,)
+    ends = op.Unsqueeze(op.Cast(offs, to=_int64()), _i64(0))  # (1, E)
+    expert = op.ReduceSum(op.Cast(op.LessOrEqual(ends, op.Unsqueeze(rows, _i64(1))), to=_int64()), _i64(1),
+                          keepdims=0)  # (S,)
+    w = op.Gather(weight, expert, axis=0)  # (S, I, O)
+    return op.Squeeze(op.MatMul(op.Unsqueeze(x, _i64(1)), w), _i64(1))
 
 
 def onnx_translations() -> dict:
     """``{torch op overload: onnxscript translation}`` for ``torch.onnx.export(custom_translation_table=...)``."""
-    return {torch.ops.kvt.attention.default: kvt_attention_onnx,
-            torch.ops.kvt.dualkv_attention.default: kvt_dualkv_attention_onnx,
-            torch.ops.kvt.prefix_tree_attention.default: kvt_prefix_tree_attention_onnx}
+    table = {torch.ops.kvt.attention.default: kvt_attention_onnx,
+             torch.ops.kvt.dualkv_attention.default: kvt_dualkv_attention_onnx,
+             torch.ops.kvt.prefix_tree_attention.default: kvt_prefix_tree_attention_onnx}
+    try:  # registered when transformers' MoE integration is imported
+        table[torch.ops.transformers.grouped_mm_fallback.default] = grouped_mm_onnx
+    except (AttributeError, RuntimeError):
+        pass
+    return table
 
 
 _WHY_NOT = {

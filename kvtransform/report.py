@@ -4,7 +4,8 @@
 
     {"model": ..., "transform": ...,
      "passes": [{"name", "matched", "rewritten", "skipped": [{"site", "reason"}], "nodes_removed", "notes"}],
-     "sites": [{"index", "layer", "kind", "q_heads", "kv_heads", "head_dim", "mask_kind", "status", "node"}],
+     "sites": [{"index", "layer", "kind", "q_heads", "kv_heads", "head_dim", "mask_kind", "status", "node",
+                "window", "softcap", "sinks"}],
      "verification": {"max_abs_error", "max_rel_error", "tolerance", "passed", "cases"}}
 """
 from __future__ import annotations
@@ -34,6 +35,9 @@ class Site:
     ``kind``: ``"sdpa"`` (aten.scaled_dot_product_attention) or ``"eager"`` (matmul-softmax-matmul chain).
     ``mask_kind``: ``"none"``, ``"causal"``, ``"causal+padding"``, ``"sliding_window"`` or ``"custom"``.
     ``status``: ``"found"``, ``"canonical"``, ``"dualkv"``, ``"sparse_decode"`` or ``"skipped: <reason>"``.
+    Attention variants (``docs/ARCHITECTURE.md``), None when off: ``window`` (int, the proven sliding window in
+    tokens, HF ``sliding_window`` semantics), ``softcap`` (float, Gemma 2's logit soft-cap), ``sinks`` (str, the
+    name of the ``(H,)`` learned sink-logit parameter, gpt-oss).
     """
 
     index: int
@@ -45,6 +49,9 @@ class Site:
     mask_kind: str
     status: str
     node: str = ""
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    sinks: Optional[str] = None
 
 
 @dataclass
@@ -112,11 +119,16 @@ class Report:
         console = console or make_console()
         if sites and self.sites:
             t = Table(title=f"attention sites ({len(self.sites)})", title_justify="left")
-            for col in ("#", "layer", "kind", "H", "H_kv", "head_dim", "mask", "status"):
+            variants = any(s.window is not None or s.softcap is not None or s.sinks is not None for s in self.sites)
+            cols = ("#", "layer", "kind", "H", "H_kv", "head_dim", "mask") + (
+                ("window", "softcap", "sinks") if variants else ()) + ("status",)
+            for col in cols:
                 t.add_column(col, no_wrap=col in ("head_dim", "mask", "status"))
             for s in self.sites:
+                extra = ((str(s.window) if s.window is not None else "-", f"{s.softcap:g}" if s.softcap is not None
+                          else "-", "yes" if s.sinks is not None else "-") if variants else ())
                 t.add_row(str(s.index), str(s.layer), s.kind, str(s.q_heads), str(s.kv_heads), str(s.head_dim),
-                          s.mask_kind, s.status)
+                          s.mask_kind, *extra, s.status)
             console.print(t)
         inspecting = self.transform == "inspect"
         if self.passes and not inspecting:

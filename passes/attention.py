@@ -3,18 +3,31 @@
 Recognised sites (``docs/ARCHITECTURE.md``):
 
 * ``aten.scaled_dot_product_attention`` (transformers' ``sdpa`` implementation);
-* the eager chain ``matmul(q, kᵀ) → ·scale → + mask → softmax(fp32) → to(dtype) → dropout(p=0) → matmul(·, v)``.
+* the eager chain ``matmul(q, kᵀ) → ·scale → + mask → softmax(fp32) → to(dtype) → dropout(p=0) → matmul(·, v)``,
+  with two variants transformers' eager code adds:
+
+  - logit soft-capping (Gemma 2): ``·scale → / c → tanh → · c`` before the mask → ``softcap=c``;
+  - learned sinks (gpt-oss): ``cat([scores + mask, sinks.reshape(1, H, 1, 1).expand(B, H, S_q, 1)], -1)``, an
+    optional ``- max(·, -1)`` shift (softmax is shift-invariant), ``softmax``, then ``[..., :-1]`` drops the sink
+    column → ``sinks=<the (H,) parameter node>``.
 
 For each site the pass walks K and V back through ``repeat_kv`` (``unsqueeze → expand → reshape``) to the real
 ``(B, H_kv, S, D)`` tensors, so GQA is visible to the op, and classifies the materialised mask by *proving* what it
-computes: the mask subgraph is extracted and evaluated over probe lengths (including every structural threshold the
-config declares, such as a sliding window) with random padding patterns, and compared with the plain causal mask and
-with causal ∧ key-padding. Only a mask proven equal to one of those is dropped, and it is replaced by ``causal=True``
-plus the ``attention_mask`` input itself as ``key_padding`` (so padding is kept, compactly). Any other mask
-(sliding window, custom) stays an input of the op. Sites that do not fit are left untouched and reported.
+computes (:mod:`.mask_proof`): the mask subgraph is extracted and evaluated over probe lengths (including every
+structural threshold the config declares, such as a sliding window) with random padding patterns, and compared with
+the plain causal mask, with causal ∧ key-padding, and with both restricted to the config's ``sliding_window`` (HF
+semantics: query ``i`` sees keys ``i - window < j <= i``). Only a mask proven equal to one of those is dropped, and it
+is replaced by ``causal=True`` (plus ``window=W`` for a proven sliding window) and the ``attention_mask`` input itself
+as ``key_padding`` when the mask reads it (so padding is kept, compactly). Any other mask (custom) stays an input of
+the op. Sites that do not fit are left untouched and reported.
+
+The variants become keyword arguments of the ``kvt.attention`` node, set only when on: ``window`` (int),
+``softcap`` (float), ``sinks`` (the ``(H,)`` sink-logit node); passes that rewrite the canonical node further
+(``passes/dualkv.py``, ``passes/sparse_decode.py``) must carry them on or refuse the site.
 """
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -24,6 +37,8 @@ import torch
 from kvtransform.report import Site
 
 from .manager import KVPass, PassContext
+from .mask_proof import _keep_mask, classify_mask, config_window, extract_subgraph, probe_lengths, \
+    reads_padding  # noqa: F401  (re-exported: passes/sparse_decode.py and tests import them from here)
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -49,6 +64,8 @@ class AttentionMatch:
     is_causal: bool
     dropout_p: float = 0.0
     problem: Optional[str] = None  # why it cannot be rewritten
+    softcap: Optional[float] = None          # Gemma 2 logit soft-cap c (s = c * tanh(s / c)), before the mask
+    sinks: Optional[torch.fx.Node] = None    # gpt-oss learned sink logits, the (H,) parameter node
 
 
 def _shape(node) -> Optional[tuple]:
@@ -142,13 +159,17 @@ def match_eager(softmax: torch.fx.Node) -> Optional[AttentionMatch]:
     dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
     if dim not in (-1, 3):
         return None
-    # downstream: softmax -> (to/dropout)* -> matmul(p, v)
-    cur, dropout_p = softmax, 0.0
+    # downstream: softmax -> [[..., :-1] (drop the sink column)] -> (to/dropout)* -> matmul(p, v)
+    cur, dropout_p, dropped_last = softmax, 0.0, False
     while True:
         users = _value_users(cur)
         if len(users) != 1:
             return None
         (user,) = users
+        if cur is softmax and _drops_last_column(user):
+            dropped_last = True
+            cur = user
+            continue
         if user.target in _PASSTHROUGH:
             cur = user
             continue
@@ -162,8 +183,14 @@ def match_eager(softmax: torch.fx.Node) -> Optional[AttentionMatch]:
             out, v = user, user.args[1]
             break
         return None
-    # upstream: softmax(x) with x = scores [+ mask]; scores = matmul(q, kᵀ) [* scale | / c]
-    x = softmax.args[0]
+    # upstream: softmax(x) with x = [cat([scores [+ mask], sink column]) [- max]]; scores = matmul(q, kᵀ) [* scale]
+    # [softcap]
+    x = _skip_max_shift(softmax.args[0])
+    sinks = None
+    if dropped_last:
+        x, sinks = _split_sink_column(x)
+        if sinks is None:
+            return None
     mask = None
     if isinstance(x, torch.fx.Node) and x.target is aten.add.Tensor:
         a, b = x.args[0], x.args[1]
@@ -182,12 +209,14 @@ def match_eager(softmax: torch.fx.Node) -> Optional[AttentionMatch]:
     found = _find_scores(scores)
     if found is None:
         return None
-    mm, scale = found
+    mm, scale, softcap = found
     q, kt = mm.args[0], mm.args[1]
     if not (isinstance(kt, torch.fx.Node) and kt.target is aten.transpose.int
             and sorted(int(d) % 4 for d in kt.args[1:3]) == [2, 3]):
         return None
-    m = AttentionMatch("eager", out, q, kt.args[0], v, mask, scale, False, dropout_p)
+    if sinks is not None and _int((_shape(sinks) or (None,))[0]) != _int((_shape(q) or (None, None))[1]):
+        return None
+    m = AttentionMatch("eager", out, q, kt.args[0], v, mask, scale, False, dropout_p, softcap=softcap, sinks=sinks)
     if dropout_p != 0.0:
         m.problem = f"dropout p={dropout_p} in training mode"
     if scale is None:
@@ -195,20 +224,108 @@ def match_eager(softmax: torch.fx.Node) -> Optional[AttentionMatch]:
     return m
 
 
-def _find_scores(node) -> Optional[tuple[torch.fx.Node, Optional[float]]]:
-    """``node`` = matmul(q, kᵀ) [* c | / c] → (matmul node, scale)."""
+_MUL = (aten.mul.Tensor, aten.mul.Scalar)
+_DIV = (aten.div.Tensor, aten.div.Scalar)
+
+
+def _const_factor(node) -> Optional[tuple[torch.fx.Node, float]]:
+    """``node`` = x * c or x / c with a python constant ``c`` → ``(x, multiplier)``; None otherwise."""
+    if not (isinstance(node, torch.fx.Node) and node.target in _MUL + _DIV):
+        return None
+    a, c = node.args[0], node.args[1]
+    if node.target in _MUL and isinstance(a, (int, float)) and isinstance(c, torch.fx.Node):
+        a, c = c, a
+    if not isinstance(a, torch.fx.Node) or isinstance(c, bool) or not isinstance(c, (int, float)) or c == 0:
+        return None
+    return a, (float(c) if node.target in _MUL else 1.0 / float(c))
+
+
+def _peel_softcap(node) -> tuple[object, Optional[float]]:
+    """``c * tanh(x / c)`` (Gemma 2's attention soft-capping; ``x * (1/c)`` inside too) → ``(x, c)``; else
+    ``(node, None)``."""
+    outer = _const_factor(_skip_passthrough_up(node))
+    if outer is None:
+        return node, None
+    t, c = outer
+    t = _skip_passthrough_up(t)
+    if not (isinstance(t, torch.fx.Node) and t.target is aten.tanh.default):
+        return node, None
+    inner = _const_factor(_skip_passthrough_up(t.args[0]))
+    if inner is None or c <= 0 or abs(inner[1] * c - 1.0) > 1e-6:
+        return node, None
+    return inner[0], c
+
+
+def _find_scores(node) -> Optional[tuple[torch.fx.Node, float, Optional[float]]]:
+    """``node`` = matmul(q, kᵀ) [* c | / c] [soft-capped] → (matmul node, scale, softcap or None)."""
+    node, softcap = _peel_softcap(node)
     node = _skip_passthrough_up(node)
     if not isinstance(node, torch.fx.Node):
         return None
     if node.target in _MATMUL:
-        return node, 1.0
-    if node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
-        a, c = node.args[0], node.args[1]
-        if isinstance(a, torch.fx.Node) and isinstance(c, (int, float)):
-            a = _skip_passthrough_up(a)
-            if isinstance(a, torch.fx.Node) and a.target in _MATMUL:
-                return a, (float(c) if node.target in (aten.mul.Tensor, aten.mul.Scalar) else 1.0 / float(c))
+        return node, 1.0, softcap
+    found = _const_factor(node)
+    if found is not None:
+        a = _skip_passthrough_up(found[0])
+        if isinstance(a, torch.fx.Node) and a.target in _MATMUL:
+            return a, found[1], softcap
     return None
+
+
+def _last_dim(node, dim) -> bool:
+    rank = len(_shape(node) or ())
+    return isinstance(dim, int) and rank > 0 and dim % rank == rank - 1
+
+
+def _drops_last_column(node) -> bool:
+    """``x[..., :-1]``: ``aten.slice(x, -1 | rank-1, 0 | None, -1)``."""
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.slice.Tensor):
+        return False
+    a = list(node.args) + [None] * (5 - len(node.args))
+    return _last_dim(a[0], a[1]) and a[2] in (0, None) and a[3] == -1 and a[4] in (1, None)
+
+
+def _skip_max_shift(node):
+    """``x - max(x, -1, keepdim=True)`` (gpt-oss's overflow guard; softmax is shift-invariant) → ``x``."""
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.sub.Tensor):
+        return node
+    x, m = node.args[0], node.args[1]
+    if isinstance(m, torch.fx.Node) and m.target is operator.getitem and m.args[1] == 0:
+        m = m.args[0]
+    if isinstance(m, torch.fx.Node) and m.target in (aten.max.dim, aten.amax.default) and m.args[0] is x:
+        dim = m.args[1] if len(m.args) > 1 else None
+        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+        keep = m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False)
+        if _last_dim(x, dim) and keep:
+            return x
+    return node
+
+
+_SINK_VIEWS = {aten.reshape.default, aten.view.default, aten.expand.default, aten.unsqueeze.default,
+               aten._unsafe_view.default}
+
+
+def _split_sink_column(node) -> tuple[object, Optional[torch.fx.Node]]:
+    """``cat([scores, s], -1)`` where ``s`` = a ``(H,)`` tensor viewed as ``(B, H, S_q, 1)`` (gpt-oss's sinks) →
+    ``(scores, the (H,) node)``; ``(node, None)`` otherwise."""
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.cat.default):
+        return node, None
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and _last_dim(node, dim)):
+        return node, None
+    scores, col = parts
+    cs = _shape(col)
+    if cs is None or len(cs) != 4 or _int(cs[-1]) != 1:
+        return node, None
+    base = col
+    while isinstance(base, torch.fx.Node) and base.op == "call_function" and (
+            base.target in _SINK_VIEWS or base.target in _PASSTHROUGH):
+        base = base.args[0]
+    bs = _shape(base)
+    if not isinstance(base, torch.fx.Node) or bs is None or len(bs) != 1 or _int(bs[0]) != _int(cs[1]):
+        return node, None
+    return scores, base
 
 
 def find_attention(gm: torch.fx.GraphModule) -> list[AttentionMatch]:
@@ -227,132 +344,18 @@ def find_attention(gm: torch.fx.GraphModule) -> list[AttentionMatch]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# mask proof
-# ---------------------------------------------------------------------------------------------------------------------
-def extract_subgraph(gm: torch.fx.GraphModule, target: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[str]]:
-    """A GraphModule computing ``target`` from the placeholders it depends on; returns it and those names."""
-    needed, stack = set(), [target]
-    while stack:
-        n = stack.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        stack.extend(n.all_input_nodes)
-    graph, env, names = torch.fx.Graph(), {}, []
-    for n in gm.graph.nodes:
-        if n in needed:
-            env[n] = graph.node_copy(n, lambda x: env[x])
-            if n.op == "placeholder":
-                names.append(n.target)
-    graph.output(env[target])
-    return torch.fx.GraphModule(gm, graph), names
-
-
-def _keep_mask(value: torch.Tensor) -> Optional[torch.Tensor]:
-    """Bool keep-mask from a bool or additive float mask; None for a float mask with other values (a bias)."""
-    if value.dtype == torch.bool:
-        return value
-    finite_min = torch.finfo(value.dtype).min
-    keep = value == 0
-    blocked = (value <= finite_min / 2) | torch.isneginf(value)
-    if not bool((keep | blocked).all()):
-        return None
-    return keep
-
-
-def probe_lengths(ctx: PassContext) -> list[int]:
-    lengths = {2, 3, 5, 17, 64}
-    window = getattr(ctx.config, "sliding_window", None) if ctx.config is not None else None
-    if window:
-        lengths.update({int(window), int(window) + 1, int(window) + 2})
-    if ctx.max_seq_len <= 1024:
-        lengths.add(ctx.max_seq_len)
-    return sorted(s for s in lengths if 2 <= s <= ctx.max_seq_len)
-
-
-def classify_mask(gm: torch.fx.GraphModule, mask: Optional[torch.fx.Node], is_causal: bool, ctx: PassContext,
-                  cache: dict) -> str:
-    """Prove what a mask node computes. Returns ``"none"``, ``"causal"``, ``"causal+padding"``,
-    ``"sliding_window"`` or ``"custom"`` (see module docstring)."""
-    if mask is None:
-        return "causal" if is_causal else "none"
-    if mask in cache:
-        return cache[mask]
-    kind = "custom"
-    if not is_causal:
-        try:
-            kind = _probe(gm, mask, ctx)
-        except Exception:
-            kind = "custom"
-    cache[mask] = kind
-    return kind
-
-
-def _probe(gm, mask, ctx) -> str:
-    sub, names = extract_subgraph(gm, mask)
-    if any(n not in ("input_ids", "attention_mask") for n in names):
-        return "custom"
-    reads_padding = "attention_mask" in names
-    vocab = getattr(ctx.config, "vocab_size", 2) or 2
-    window = getattr(ctx.config, "sliding_window", None) if ctx.config is not None else None
-    gen = torch.Generator().manual_seed(1234)
-    verdicts = set()
-    for s in probe_lengths(ctx):
-        b = 3 if s <= 256 else 1
-        am = (torch.rand(b, s, generator=gen) > 0.3).long()
-        am[0] = 1  # one unpadded row
-        if b > 1:
-            am[1, : s // 2] = 0  # one left-padded row
-        am[:, -1] = 1
-        inputs = {"input_ids": torch.randint(0, vocab, (b, s), generator=gen), "attention_mask": am}
-        dev = _device_of(gm)
-        with torch.no_grad():
-            value = sub(*[inputs[n].to(dev) for n in names]).cpu()
-        keep = _keep_mask(value)
-        if keep is None:
-            return "custom"
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
-        padded = causal[None, None] & am.bool()[:, None, None, :]
-        keep = keep.expand(b, keep.shape[1], s, s)
-        if torch.equal(keep, padded.expand_as(keep)):
-            verdicts.add("causal+padding" if reads_padding else "causal")
-            continue
-        if not reads_padding and torch.equal(keep, causal[None, None].expand_as(keep)):
-            verdicts.add("causal")
-            continue
-        if window:
-            i = torch.arange(s)[:, None]
-            j = torch.arange(s)[None, :]
-            win = padded & ((i - j) < int(window))[None, None]
-            if torch.equal(keep, win.expand_as(keep)):
-                verdicts.add("sliding_window")
-                continue
-        return "custom"
-    if verdicts == {"causal"}:
-        return "causal"
-    if verdicts <= {"causal", "causal+padding"} and reads_padding:
-        return "causal+padding"
-    if verdicts and verdicts <= {"causal", "causal+padding", "sliding_window"}:
-        return "sliding_window"
-    return "custom"
-
-
-def _device_of(gm) -> torch.device:
-    for p in gm.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # the pass
 # ---------------------------------------------------------------------------------------------------------------------
-def describe(m: AttentionMatch, index: int, mask_kind: str, status: str) -> Site:
+def describe(m: AttentionMatch, index: int, mask_kind: str, status: str, window: Optional[int] = None) -> Site:
+    """The report record of one site; ``window``: the proven sliding window (None: none)."""
     qs = _shape(m.q)
     k0, _ = unrepeat_kv(m.k)
     ks = _shape(k0)
+    sinks = None if m.sinks is None else str(m.sinks.target if m.sinks.op in ("get_attr", "placeholder")
+                                              else m.sinks.name)
     return Site(index=index, layer=layer_of(m.out), kind=m.kind, q_heads=_int(qs[1]) if qs else None,
                 kv_heads=_int(ks[1]) if ks else None, head_dim=_int(qs[-1]) if qs else None,
-                mask_kind=mask_kind, status=status, node=m.out.name)
+                mask_kind=mask_kind, status=status, node=m.out.name, window=window, softcap=m.softcap, sinks=sinks)
 
 
 def _attention_mask_placeholder(gm) -> Optional[torch.fx.Node]:
@@ -381,35 +384,46 @@ class AttentionPass(KVPass):
         graph = gm.graph
         for i, m in enumerate(matches):
             mask_kind = classify_mask(gm, m.mask, m.is_causal, ctx, cache)
+            window = config_window(ctx.config) if mask_kind == "sliding_window" else None
             if m.problem:
-                ctx.report.sites.append(describe(m, i, mask_kind, f"skipped: {m.problem}"))
+                ctx.report.sites.append(describe(m, i, mask_kind, f"skipped: {m.problem}", window))
                 rec.skip(i, m.problem)
                 continue
             k0, rep_k = unrepeat_kv(m.k)
             v0, rep_v = unrepeat_kv(m.v)
             if rep_k != rep_v:
                 rec.skip(i, "K and V repeated differently")
-                ctx.report.sites.append(describe(m, i, mask_kind, "skipped: K and V repeated differently"))
+                ctx.report.sites.append(describe(m, i, mask_kind, "skipped: K and V repeated differently",
+                                                 window))
                 continue
             if not rewrite:
-                ctx.report.sites.append(describe(m, i, mask_kind, "found"))
+                ctx.report.sites.append(describe(m, i, mask_kind, "found", window))
                 continue
-            causal = mask_kind in ("causal", "causal+padding")
+            causal = mask_kind in ("causal", "causal+padding", "sliding_window")
             with graph.inserting_before(m.out):
                 kp = None
-                if mask_kind == "causal+padding":
+                if mask_kind == "causal+padding" or (mask_kind == "sliding_window"
+                                                     and reads_padding(gm, m.mask, cache)):
                     if key_padding is None:
                         am = _attention_mask_placeholder(gm)
                         key_padding = graph.call_function(aten.ne.Scalar, (am, 0))
                         key_padding.meta["val"] = None
                     kp = key_padding
-                attn_mask = m.mask if mask_kind in ("sliding_window", "custom") else None
+                attn_mask = m.mask if mask_kind == "custom" else None
                 scale = float(m.scale) if m.scale is not None else float(_shape(m.q)[-1]) ** -0.5
-                new = graph.call_function(KVT_ATTENTION, (m.q, k0, v0, attn_mask, kp, scale, causal))
+                variants = {n: x for n, x in (("window", window), ("softcap", m.softcap), ("sinks", m.sinks))
+                            if x is not None}
+                new = graph.call_function(KVT_ATTENTION, (m.q, k0, v0, attn_mask, kp, scale, causal), variants)
             new.meta.update({k: v for k, v in m.out.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
             m.out.replace_all_uses_with(new)
             rec.rewritten += 1
-            ctx.report.sites.append(describe(m, i, mask_kind, "canonical"))
+            ctx.report.sites.append(describe(m, i, mask_kind, "canonical", window))
         kinds = sorted({s.mask_kind for s in ctx.report.sites})
         rec.notes.append("mask kinds: " + ", ".join(kinds) if kinds else "no attention found")
+        variants = [f"{n} x{c}" for n, c in (
+            ("window", sum(s.window is not None for s in ctx.report.sites)),
+            ("softcap", sum(s.softcap is not None for s in ctx.report.sites)),
+            ("sinks", sum(s.sinks is not None for s in ctx.report.sites))) if c]
+        if variants:
+            rec.notes.append("variants: " + ", ".join(variants))
         return rec.rewritten > 0

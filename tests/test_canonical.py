@@ -91,12 +91,14 @@ def test_gradients_equal_and_parameters_shared(transformed):
     model.zero_grad()
 
 
-def test_sliding_window_mask_is_kept():
+def test_sliding_window_mask_becomes_the_window_argument():
     model = kvt.tiny_model("mistral", attn_implementation="sdpa", sliding_window=6)
     opt = kvt.transform(model, "canonical", progress=False)
     assert {s.mask_kind for s in opt.report.sites} == {"sliding_window"}
+    assert {s.window for s in opt.report.sites} == {6}
     for n in _attention_nodes(opt.core.gm):
-        assert n.args[3] is not None and n.args[6] is False  # the mask stays an input, no causal shortcut
+        # the proven mask is dropped: causal within the window, padding as key_padding
+        assert n.args[3] is None and n.args[4] is not None and n.args[6] is True and n.kwargs["window"] == 6
     ids, am = _batch(model.config.vocab_size, s=19)
     with torch.no_grad():
         torch.testing.assert_close(opt(ids, am)[am.bool()],

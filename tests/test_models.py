@@ -21,7 +21,8 @@ def test_tiny_model_families(family, attn):
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
         2, 64, 4, 2, 16)
     assert c.vocab_size == 128 and c.max_position_embeddings == 256
-    assert c._attn_implementation == attn
+    # transformers has no SDPA attention for Gemma 2 / gpt-oss (soft-capping, sinks): they are built eager
+    assert c._attn_implementation == ("eager" if family in ("gemma2", "gpt_oss") else attn)
     assert not m.training and next(m.parameters()).dtype == torch.float32
     check_causal_lm(m)
     ids = torch.randint(0, 128, (2, 11))
@@ -40,6 +41,24 @@ def test_tiny_model_seeded_and_overrides():
     m = tiny_model("mistral", num_hidden_layers=3, sliding_window=8)
     assert m.config.num_hidden_layers == 3 and m.config.sliding_window == 8
     assert tiny_model("mistral").config.sliding_window is None
+
+
+def test_tiny_model_new_families_have_their_variants():
+    """Windows small enough to matter at test lengths on alternating layers, soft-capping, non-zero sinks, few
+    experts, fused QKV."""
+    from kvtransform.models import TINY_WINDOW
+
+    for fam in ("gemma2", "gemma3", "gpt_oss"):
+        c = tiny_model(fam).config
+        assert c.sliding_window == TINY_WINDOW == 8
+        assert c.layer_types == ["sliding_attention", "full_attention"]
+        assert tiny_model(fam, num_hidden_layers=4).config.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert tiny_model("gemma2").config.attn_logit_softcapping == 5.0
+    sinks = tiny_model("gpt_oss").model.layers[0].self_attn.sinks
+    assert sinks.abs().min() > 0 and sinks.std() > 0.1
+    assert tiny_model("gpt_oss").config.num_local_experts == 4
+    assert tiny_model("qwen3_moe").config.num_experts == 4
+    assert hasattr(tiny_model("phi3").model.layers[0].self_attn, "qkv_proj")
 
 
 def test_tiny_model_unknown_family():

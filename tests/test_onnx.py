@@ -60,6 +60,70 @@ def test_attention_translation_matches_reference(tmp_path, causal, use_kp, mask_
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (b_, sq, sk_, (got - ref).abs().max())
 
 
+class _Variants(torch.nn.Module):
+    def __init__(self, kw, sinks):
+        super().__init__()
+        self.kw = kw
+        self.sinks = torch.nn.Parameter(torch.randn(4)) if sinks else None
+
+    def forward(self, q, k, v, kp):
+        kw = dict(self.kw, **({"sinks": self.sinks} if self.sinks is not None else {}))
+        return torch.ops.kvt.attention(q, k, v, None, kp, 0.3, True, **kw)
+
+
+@pytest.mark.parametrize("kw,sinks", [({"window": 3}, False), ({"window": 4, "softcap": 1.5}, True)],
+                         ids=["window", "window+softcap+sinks"])
+def test_attention_variants_translation_matches_op(tmp_path, kw, sinks):
+    """window (a keep-mask term of Attention) and soft-cap + sinks (the explicit fp32 path; opset 23's Attention has
+    no sinks) in onnxruntime against the op, at lengths past the window, with fully padded query rows."""
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(b, s):
+        q = torch.randn(b, 4, s, 8, generator=gen)
+        k, v = torch.randn(b, 2, s, 8, generator=gen), torch.randn(b, 2, s, 8, generator=gen)
+        kp = torch.ones(b, s, dtype=torch.bool)
+        kp[-1, : s - 1] = False
+        return q, k, v, kp
+
+    mod = _Variants(kw, sinks)
+    b, s = torch.export.Dim("b", min=1, max=64), torch.export.Dim("s", min=2, max=512)
+    ep = torch.export.export(mod, inputs(2, 5), dynamic_shapes=({0: b, 2: s}, {0: b, 2: s}, {0: b, 2: s}, {0: b, 1: s}))
+    names = ("q", "k", "v", "kp")
+    path = ox.export_onnx(ep, tmp_path / "v.onnx", names, output_names=("out",))
+    sess = ort.InferenceSession(str(path))
+    for shape in [(1, 3), (3, 13)]:
+        args = inputs(*shape)
+        with torch.no_grad():
+            want = mod(*args)
+        got = ox.run_onnx(path, dict(zip(names, args)), sess)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (shape, (got - want).abs().max())
+
+
+def test_grouped_mm_translation_matches_op(tmp_path):
+    """transformers.grouped_mm_fallback (the MoE experts matmul of Qwen3-MoE / gpt-oss captured on CPU) → Gather +
+    MatMul, with an expert that gets no rows."""
+    import transformers.integrations.moe  # noqa: F401  registers the op
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 8, 5))
+
+        def forward(self, x, offs):
+            return torch.ops.transformers.grouped_mm_fallback(x, self.w, offs)
+
+    s = torch.export.Dim("s", min=2, max=256)
+    ep = torch.export.export(M(), (torch.randn(6, 8), torch.tensor([2, 2, 6], dtype=torch.int32)),
+                             dynamic_shapes=({0: s}, None))
+    path = ox.export_onnx(ep, tmp_path / "g.onnx", ("x", "offs"), output_names=("y",))
+    for rows, offs in [(6, [1, 1, 6]), (9, [4, 7, 9])]:
+        x, offs = torch.randn(rows, 8), torch.tensor(offs, dtype=torch.int32)
+        with torch.no_grad():
+            want = ep.module()(x, offs)
+        got = ox.run_onnx(path, {"x": x, "offs": offs})
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_dualkv_mask_in_graph_matches_op(tmp_path):
     """kvt.dualkv_attention → mask from cu_seqlens/segment_prefix in the graph + Attention; out and lse equal the op
     on layouts with other token and segment counts than the exported example."""
@@ -124,6 +188,56 @@ def test_prefix_tree_mask_in_graph_matches_op(tmp_path):
         want_out, want_lse = torch.ops.kvt.prefix_tree_attention(*args, 0.4)
         got_out, got_lse = (torch.from_numpy(x) for x in sess.run(None, {
             n: a.numpy() for n, a in zip(_TREE_NAMES, args)}))
+        assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_lse, want_lse, atol=1e-5)
+
+
+class _PackedVariants(torch.nn.Module):
+    """kvt.dualkv_attention (5 inputs) or kvt.prefix_tree_attention (9 inputs) with variant keywords."""
+
+    def __init__(self, kw, sinks):
+        super().__init__()
+        self.kw = kw
+        self.sinks = torch.nn.Parameter(torch.randn(4)) if sinks else None
+
+    def forward(self, *args):
+        kw = dict(self.kw, **({"sinks": self.sinks} if self.sinks is not None else {}))
+        op = torch.ops.kvt.dualkv_attention if len(args) == 5 else torch.ops.kvt.prefix_tree_attention
+        return op(*args, 0.4, **kw)
+
+
+@pytest.mark.parametrize("layout,kw,sinks", [("dualkv", {"window": 3}, False),
+                                             ("tree", {"window": 3, "softcap": 1.5}, True)])
+def test_packed_variants_translation_matches_op(tmp_path, layout, kw, sinks):
+    """The window over each sequence's own positions (a response token at P + r), soft-cap and sinks (in the lse
+    too) of the DualKV / prefix-tree ops in onnxruntime against the ops, on other layouts than the example."""
+    gen = torch.Generator().manual_seed(3)
+    mod = _PackedVariants(kw, sinks)
+    d = torch.export.Dim
+    tok = d("t", min=2, max=4096)
+    if layout == "dualkv":
+        def inputs(groups):
+            lay = kvt.DualKVLayout.from_lengths(groups)
+            t = lay.total_tokens
+            return (torch.randn(t, 4, 8, generator=gen), torch.randn(t, 2, 8, generator=gen),
+                    torch.randn(t, 2, 8, generator=gen), lay.cu_seqlens, lay.segment_prefix)
+
+        names, seg = ("q", "k", "v", "cu_seqlens", "segment_prefix"), d("seg", min=2, max=4096)
+        ep = torch.export.export(mod, inputs([(3, [2, 2])]), dynamic_shapes=(
+            ({0: tok}, {0: tok}, {0: tok}, {0: seg + 1}, {0: seg}),))
+        cases = [inputs([(5, [1, 4, 2])]), inputs([(2, [3]), (4, [1, 1, 5]), (1, [2])])]
+    else:
+        nod, rk, rq = d("n", min=2, max=4096), d("rk", min=1, max=4096), d("rq", min=1, max=4096)
+        names = _TREE_NAMES
+        ep = torch.export.export(mod, _tree_inputs([3, 2, 4, 1, 2], [-1, 0, 1, 0, -1], gen), dynamic_shapes=(
+            ({0: tok}, {0: tok}, {0: tok}, {0: nod + 1}, {0: nod}, {0: nod + 1}, {0: rk}, {0: nod + 1}, {0: rq}),))
+        cases = [_tree_inputs([5, 1, 4, 2], [-1, 0, 1, 0], gen),
+                 _tree_inputs([2, 3, 1, 5, 2, 3, 1], [-1, 0, 1, 1, 0, -1, 5], gen)]
+    path = ox.export_onnx(ep, tmp_path / "p.onnx", names, output_names=("out", "lse"))
+    sess = ort.InferenceSession(str(path))
+    for args in cases:
+        with torch.no_grad():
+            want_out, want_lse = mod(*args)
+        got_out, got_lse = (torch.from_numpy(x) for x in sess.run(None, {n: a.numpy() for n, a in zip(names, args)}))
         assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_lse, want_lse, atol=1e-5)
 
 
