@@ -10,11 +10,13 @@ is replaced by::
     out.unsqueeze(0).transpose(1, 2)             # (1, H, T, D), what the rest of the layer consumes
 
 so a prompt token attends causally within its prompt and a response token to its group's whole prompt plus its own
-response so far (DualKV, arXiv 2605.15422, §2–3). The causal mask the canonical pass proved (and already dropped)
+response so far (DualKV, arXiv 2605.15422, §2–3). The canonical node's variant keywords (``window``: causal within a
+sliding window of each sequence's own positions; ``softcap``; ``sinks``: learned per-head sink logits) are passed on
+to ``kvt.dualkv_attention`` unchanged. The causal mask the canonical pass proved (and already dropped)
 stays gone; this pass removes the dead canonical nodes and checks that no ``(T, T)`` tensor is left in the graph.
 
-Sites the layout cannot express are *refused*, never silently kept: a sliding-window or custom mask, key padding,
-a batch dimension other than 1, or a site the canonical pass skipped. Each refusal is a ``skipped`` entry of the
+Sites the layout cannot express are *refused*, never silently kept: a custom mask, key padding, a batch dimension
+other than 1, a variant keyword the installed op does not take, or a site the canonical pass skipped. Each refusal is a ``skipped`` entry of the
 ``dualkv`` pass record and a ``skipped: ...`` site status; the dualkv transform raises on any refusal, because one
 plain attention left over a packed token axis would let responses attend to each other.
 """
@@ -41,12 +43,36 @@ def _val(node):
     return v if isinstance(v, torch.Tensor) else None
 
 
+#: the attention-variant keyword arguments of canonical ``kvt.attention`` nodes (window, soft-cap, learned sinks)
+VARIANTS = ("window", "softcap", "sinks")
+
+
+def variant_kwargs(node: torch.fx.Node) -> dict:
+    """The variant keyword arguments a canonical ``kvt.attention`` node sets (not None): ``window`` (int),
+    ``softcap`` (float), ``sinks`` (the ``(H,)`` sink-logit node); ``{}`` for plain causal attention."""
+    return {name: node.kwargs[name] for name in VARIANTS if node.kwargs.get(name) is not None}
+
+
+def unsupported_variants(op, kwargs: dict) -> Optional[str]:
+    """None when the registered op ``op`` (an ``OpOverload``) takes every keyword of ``kwargs``; else the one-line
+    reason naming the ones it does not take yet."""
+    takes = {a.name for a in op._schema.arguments}
+    missing = [f"{name}={kwargs[name] if not isinstance(kwargs[name], torch.fx.Node) else kwargs[name].name}"
+               for name in kwargs if name not in takes]
+    if not missing:
+        return None
+    return f"{', '.join(missing)}: {op._schema.name} does not take {'it' if len(missing) == 1 else 'them'} yet"
+
+
 def _refusal(node: torch.fx.Node) -> Optional[str]:
     """Why a ``kvt.attention`` node cannot become DualKV attention (None when it can)."""
     args = list(node.args) + [None] * (7 - len(node.args))
     q, k, v, attn_mask, key_padding, scale, causal = args[:7]
     if attn_mask is not None:
-        return "mask is not plain causal (sliding window or custom): the packed layout cannot express it"
+        return "mask is not causal or causal within a window (a custom mask): the packed layout cannot express it"
+    why = unsupported_variants(KVT_DUALKV, variant_kwargs(node))
+    if why is not None:
+        return why
     if key_padding is not None:
         return "key padding: packed batches have no padding (capture with capture_packed)"
     if not causal:
@@ -122,7 +148,7 @@ class DualKVPass(KVPass):
                 for x in (q, k, v):
                     tr = graph.call_function(aten.transpose.int, (x, 1, 2))
                     packed.append(graph.call_function(aten.squeeze.dim, (tr, 0)))
-                call = graph.call_function(KVT_DUALKV, (*packed, cu, sp, scale))
+                call = graph.call_function(KVT_DUALKV, (*packed, cu, sp, scale), variant_kwargs(node))
                 out = graph.call_function(operator.getitem, (call, 0))
                 uns = graph.call_function(aten.unsqueeze.default, (out, 0))
                 new = graph.call_function(aten.transpose.int, (uns, 1, 2))

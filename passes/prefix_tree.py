@@ -10,19 +10,21 @@ The packed capture itself is layout-agnostic (the layout only enters through the
      query_range_ptr (N+1,), query_ranges (RQ, 2)) -> logits (1, T, vocab)
 
 with every ``kvt.dualkv_attention`` replaced in place by ``kvt.prefix_tree_attention(q3, k3, v3, *layout, scale)``
+(its ``window``/``softcap``/``sinks`` keywords kept)
 (same ``(out, lse)`` result; the layout tensors are
 :meth:`kvtransform.tree_layout.PrefixTreeLayout.kernel_tensors`). A root→leaf path of nodes then computes what that
 path computes as one causal sequence (Tree Training, arXiv 2511.00413; DualKV, arXiv 2605.15422, is its one-level
 case). The capture's input guard call (``_guards_fn``, bounds of the one-level layout axes) is removed: the op checks
 the layout, :class:`~kvtransform.transforms.dualkv.DualKVModule` the token axis.
 
-What the dualkv pass refused (sliding window, custom masks, padding) never reaches this pass: the transform raised.
+What the dualkv pass refused (custom masks, padding) never reaches this pass: the transform raised.
 """
 from __future__ import annotations
 
 import torch
 from torch.utils import _pytree as pytree
 
+from .dualkv import unsupported_variants
 from .manager import KVPass, PassContext, derived_program, run_passes
 
 KVT_DUALKV = torch.ops.kvt.dualkv_attention.default
@@ -40,8 +42,9 @@ class PrefixTreePass(KVPass):
     rewritten); site statuses stay ``"dualkv"`` (the one-level program's).
 
     Raises:
-        ValueError: no ``kvt.dualkv_attention`` in the graph (run the dualkv pass first), or its layout arguments are
-            not the same two graph inputs everywhere.
+        ValueError: no ``kvt.dualkv_attention`` in the graph (run the dualkv pass first), its layout arguments are
+            not the same two graph inputs everywhere, or a ``window``/``softcap``/``sinks`` keyword the installed
+            ``kvt.prefix_tree_attention`` does not take.
     """
 
     name = "prefix_tree"
@@ -58,6 +61,10 @@ class PrefixTreePass(KVPass):
         if len(layouts) != 1 or cu.op != "placeholder" or sp.op != "placeholder":
             raise ValueError("the prefix_tree pass needs every kvt.dualkv_attention to read the same two graph inputs "
                              "(cu_seqlens, segment_prefix), as the dualkv pass wires them")
+        for c in calls:
+            why = unsupported_variants(KVT_TREE, dict(c.kwargs))
+            if why is not None:
+                raise ValueError(f"the prefix_tree pass cannot rewrite {c.name}: {why}")
         for n in [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
             graph.erase_node(n)  # guards of the one-level axes (e.g. S >= 2); the tree axes have other bounds
             rec.notes.append("input guard call of the packed capture removed (the op checks the layout)")

@@ -23,7 +23,7 @@ import torch
 
 from .fuse_projections import CHOICES, FusedProjections, fused_bytes, fused_program
 from .layer_split import split_decode_inputs
-from .sparse_decode import slot_mode_program
+from .sparse_decode import KVT_SPARSE_DECODE, slot_mode_program
 
 __all__ = ["DecodePrograms"]
 
@@ -148,8 +148,17 @@ class DecodePrograms:
 
     def layer_split(self, ready: Callable[[], torch.nn.Module] = torch.nn.Identity) -> torch.fx.GraphModule:
         """The unfused step split per layer for KV offload (:func:`~.layer_split.split_decode_inputs`), built once
-        per ``ready`` factory; it shares :attr:`source`'s weights."""
+        per ``ready`` factory; it shares :attr:`source`'s weights.
+
+        Raises:
+            ValueError: the step has sliding-window layers (an offloaded layer's slots are not cache positions).
+        """
         if ready not in self._splits:
+            windows = sorted({n.kwargs["window"] for n in self.source.graph.nodes if n.op == "call_function"
+                              and n.target is KVT_SPARSE_DECODE and n.kwargs.get("window") is not None})
+            if windows:  # an offloaded layer's slot buffer is indexed by slot, not by position: no window there
+                raise ValueError(f"KV offload does not support sliding-window layers yet (window {windows[0]}): run "
+                                 f"this model with runtime.offload off")
             self._splits[ready] = split_decode_inputs(self.source, self.num_layers, ready)
         return self._splits[ready]
 

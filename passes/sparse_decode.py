@@ -9,17 +9,27 @@ A site is rewritten only when all of this is proved:
 * its K (after walking back through ``repeat_kv``) is ``cat([k_cache[l], k_new], dim=-2)`` and its V is
   ``cat([v_cache[l], v_new], dim=-2)`` of the same layer ``l``: attention over this layer's cache plus the new
   token (anything else -- cross-attention, a cache the capture did not provide -- is refused);
-* its mask keeps exactly the valid cache positions ``j < cache_seqlens[b]`` and the new token: the mask subgraph is
-  extracted and evaluated on probe inputs (several ``S_max``, including every threshold around the config's
-  sliding window, random ``cache_seqlens`` including 0 and ``S_max``) and compared with that pattern. A
-  sliding-window mask, a mask reading other inputs, or a bias is refused;
+* its mask keeps exactly the valid cache positions ``j < cache_seqlens[b]`` and the new token, or those limited to
+  the config's ``sliding_window`` W: the mask subgraph is extracted and evaluated on probe inputs (several ``S_max``,
+  including every threshold around W, random ``cache_seqlens`` including 0 and ``S_max``) and compared with those
+  patterns. A window is accepted over the row's own positions (``cache_seqlens[b] - j < W``) or over the static
+  cache index (``S_max - j < W``: transformers numbers the new token by the cache's size); either way the site
+  becomes ``window=W``, which the op applies over the row's own positions (the new token is at position
+  ``cache_seqlens[b]``: HF's semantics, where the distance between two real tokens is their position difference;
+  the gate, :func:`kvtransform.transforms.specontext.verify_decode`, checks it against the original model). A mask
+  reading other inputs, or a bias, is refused;
 * one query token (``(B, H, 1, D)``) and no attention dropout.
 
 Each site becomes::
 
     out = kvt.sparse_decode_attention(q[:, :, 0], k_cache[l], v_cache[l], indices, cache_seqlens,
-                                      k_new[:, :, 0], v_new[:, :, 0], scale)      # (B, H, D)
+                                      k_new[:, :, 0], v_new[:, :, 0], scale,
+                                      window=W, softcap=c, sinks=s)               # (B, H, D); each only when on
     out.unsqueeze(2)                                                             # what the layer consumes
+
+with the site's soft-cap (Gemma 2) and learned sinks (gpt-oss) from the matcher (:mod:`.attention`). A window layer
+never attends outside its window at any budget; within the budget it attends densely to its window
+(:func:`kvtransform.ops.sparse_decode.sparse_decode_attention`), so the step's selection serves the global layers.
 
 and the step's queries ``(L, B, H, D)`` (post-RoPE, one per layer) are appended to the graph's outputs, for
 retrieval heads that score with the model's own queries. Any refused site is a ``ValueError`` naming the site and
@@ -33,8 +43,8 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_structure
 
-from .attention import _PASSTHROUGH, _keep_mask, _shape, describe, extract_subgraph, find_attention, \
-    noop_slice, probe_lengths, unrepeat_kv
+from .attention import _PASSTHROUGH, _keep_mask, _shape, config_window, describe, extract_subgraph, \
+    find_attention, noop_slice, probe_lengths, unrepeat_kv
 from .manager import KVPass, PassContext, derived_program
 
 aten = torch.ops.aten
@@ -133,9 +143,10 @@ def _probe_cache_mask(gm, mask, ctx) -> str:
         if torch.equal(keep, want[:, None, None, :].expand_as(keep)):
             verdicts.add("cache")
             continue
-        if window:
-            win = (cached & ((s - j) < int(window))[None, :]) | (j == s)[None, :]
-            if torch.equal(keep, win[:, None, None, :].expand_as(keep)):
+        if window:  # the window over the row's own positions, or over the static cache index (module docstring)
+            if any(torch.equal(keep, win[:, None, None, :].expand_as(keep)) for win in (
+                    (cached & ((lens[:, None] - j[None, :]) < int(window))) | (j == s)[None, :],
+                    (cached & ((s - j) < int(window))[None, :]) | (j == s)[None, :])):
                 verdicts.add("sliding_window")
                 continue
         return "custom"
@@ -175,11 +186,7 @@ def _refusal(m, mask_kind: str, kc, vc, ctx) -> Optional[str]:
     qs = _shape(m.q)
     if qs is None or len(qs) != 4 or str(qs[2]) != "1":
         return f"query of shape {qs}: a decode step has one query token"
-    if mask_kind == "sliding_window":
-        w = getattr(ctx.config, "sliding_window", None)
-        return (f"sliding-window attention (window {w}): a sparse selection over the whole cache would attend "
-                f"outside the window")
-    if mask_kind != "cache":
+    if mask_kind not in ("cache", "sliding_window"):
         return "the mask is not provably causal attention over the cache (unknown or custom mask)"
     return None
 
@@ -214,29 +221,32 @@ class SparseDecodePass(KVPass):
             kind = prove_cache_mask(gm, m.mask, m.is_causal, ctx, memo)
             kc, vc = cache_concat(unrepeat(m.k), ph["k_cache"]), cache_concat(unrepeat(m.v), ph["v_cache"])
             why = _refusal(m, kind, kc, vc, ctx)
-            site = describe(m, i, kind, "sparse_decode" if why is None else f"skipped: {why}")
+            window = config_window(ctx.config) if kind == "sliding_window" else None
+            site = describe(m, i, kind, "sparse_decode" if why is None else f"skipped: {why}", window=window)
             ctx.report.sites.append(site)
             if why is not None:
                 rec.skip(i, why)
                 refused.append(f"site {i} (layer {site.layer}): {why}")
             else:
-                plans.append((m, kc, vc))
+                plans.append((m, kc, vc, window))
         if refused:
             raise ValueError(
                 f"the specontext transform cannot rewrite this model's decode step: {refused[0]}"
                 + (f" (and {len(refused) - 1} more sites)" if len(refused) > 1 else "")
-                + ". SpeContext needs full causal self-attention over the KV cache in every layer: load the model "
-                  "without a sliding window (config.sliding_window=None) or use transform=canonical")
+                + ". SpeContext needs causal self-attention over the KV cache (within a sliding window or not) in "
+                  "every layer: use transform=canonical for this model")
         graph = gm.graph
         queries = {}
-        for m, (layer, kc, kn), (_, vc, vn) in plans:
+        for m, (layer, kc, kn), (_, vc, vn), window in plans:
             scale = float(m.scale) if m.scale is not None else float(_shape(m.q)[-1]) ** -0.5
+            variants = {name: val for name, val in (("window", window), ("softcap", m.softcap), ("sinks", m.sinks))
+                        if val is not None}
             with graph.inserting_before(m.out):
                 q3 = graph.call_function(aten.select.int, (m.q, 2, 0))
                 k3 = graph.call_function(aten.select.int, (kn, 2, 0))
                 v3 = graph.call_function(aten.select.int, (vn, 2, 0))
                 call = graph.call_function(KVT_SPARSE_DECODE, (q3, kc, vc, ph["indices"], ph["cache_seqlens"],
-                                                               k3, v3, scale))
+                                                               k3, v3, scale), variants)
                 new = graph.call_function(aten.unsqueeze.default, (call, 2))
             new.meta.update({k: v for k, v in m.out.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
             call.meta["nn_module_stack"] = m.out.meta.get("nn_module_stack", {})
@@ -253,6 +263,20 @@ class SparseDecodePass(KVPass):
         rec.notes.append(f"{rec.rewritten} sites read {len(layers)} layers' caches through indices; queries "
                          f"(L, B, H, D) exposed as an output")
         return True
+
+
+def selection_layers(gm: torch.fx.GraphModule, budget: int) -> Optional[tuple]:
+    """The layers of a rewritten decode program whose attention reads the step's selection: every layer without a
+    window, and a window layer whose window's cache part (``window - 1`` tokens) exceeds ``budget`` (a smaller
+    window is attended densely, :func:`kvtransform.ops.sparse_decode.sparse_decode_attention`). None when that is
+    every layer (or none): a retrieval head then scores with all of them."""
+    windows = {}
+    for i, n in enumerate(x for x in gm.graph.nodes if x.op == "call_function" and x.target is KVT_SPARSE_DECODE):
+        src = _skip_up(n.args[1])
+        layer = int(src.args[2]) if isinstance(src, torch.fx.Node) and src.target is aten.select.int else i
+        windows[layer] = n.kwargs.get("window")
+    reads = tuple(sorted(l for l, w in windows.items() if w is None or int(w) - 1 > int(budget)))
+    return reads if reads and len(reads) < len(windows) else None
 
 
 def count_cache_copies(gm: torch.fx.GraphModule) -> int:
@@ -307,7 +331,8 @@ def rewrite_sites(gm: torch.fx.GraphModule, edit: Callable[[torch.fx.Node], None
     FlashInfer program derive from a decode program.
 
     Raises:
-        ValueError: ``missing``, when ``gm`` holds no such node.
+        ValueError: ``missing``, when ``gm`` holds no such node; an ``edit`` that swaps the op for another and drops a
+            site's ``window``/``softcap``/``sinks``.
     """
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -315,11 +340,16 @@ def rewrite_sites(gm: torch.fx.GraphModule, edit: Callable[[torch.fx.Node], None
     if not sites:
         raise ValueError(missing)
     for n in sites:
+        variants = {k: v for k, v in n.kwargs.items() if v is not None}
         edit(n)
+        if variants and n.target is not KVT_SPARSE_DECODE and any(n.kwargs.get(k) is not v
+                                                                   for k, v in variants.items()):
+            raise ValueError(f"the rewrite of {n.name} replaces kvt::sparse_decode_attention but drops its "
+                             f"{', '.join(sorted(variants))} argument(s): this decode program needs them")
     drop_input_guards(graph)
     graph.lint()
     return derived_program(gm, graph)
 
 
 __all__ = ["SparseDecodePass", "prove_cache_mask", "cache_concat", "append_outputs", "count_cache_copies",
-           "slot_mode_program", "rewrite_sites", "drop_input_guards"]
+           "slot_mode_program", "rewrite_sites", "drop_input_guards", "selection_layers"]

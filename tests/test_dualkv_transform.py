@@ -214,10 +214,15 @@ def test_module_input_forms_and_layout_errors(llama):
         opt(tampered)
 
 
-def test_refuses_sliding_window():
-    model = tiny_model("mistral", sliding_window=8)
-    with pytest.raises(ValueError, match="sliding window"):
-        kvt.transform(model, FAST, progress=False)
+def test_sliding_window_becomes_the_ops_window():
+    """Mistral with a window of 8: every site becomes ``kvt.dualkv_attention(..., window=8)`` (and the tree
+    program's ``kvt.prefix_tree_attention`` keeps it); the gate, on, compares log-probs and gradients of both
+    programs with the replicated batch on sequences longer than the window."""
+    opt = kvt.transform(tiny_model("mistral", sliding_window=8), DualKVConfig(), progress=False)
+    assert opt.report.verification.passed and [s.window for s in opt.report.sites] == [8, 8]
+    for prog, op in ((opt.core.gm, torch.ops.kvt.dualkv_attention.default),
+                     (opt.tree_core, torch.ops.kvt.prefix_tree_attention.default)):
+        assert [n.kwargs.get("window") for n in prog.graph.nodes if n.target is op] == [8, 8]
 
 
 def test_save_load_roundtrip(llama, tmp_path):

@@ -348,3 +348,102 @@ def test_unused_cache_never_leaks_nan_or_inf(slot, new, poison, monkeypatch):
     kc[~torch.isfinite(kc)] = 0
     vc[~torch.isfinite(vc)] = 0
     _check_close(ref, q, kc, vc, idx, lengths, kn, vn, torch.float32)
+
+
+def _variant_brute_fp64(q, k, v, idx, lengths, kn, vn, window, softcap, sinks):
+    """Row by row, in fp64, from the definitions: the attended cache positions (every one below the length in slot
+    mode or when the window's cache part fits in B; else the valid selected ones), limited to ``j > len - window``,
+    plus the new token; scores soft-capped; the sink a zero-valued key."""
+    bsz, h, d = q.shape
+    g = h // k.shape[1]
+    out = torch.zeros(bsz, h, d, dtype=torch.float64)
+    for b in range(bsz):
+        n = int(lengths[b])
+        for hh in range(h):
+            kv = hh // g
+            dense = idx is None or (window is not None and window - 1 <= idx.shape[-1])
+            sel = range(n) if dense else [int(j) for j in idx[b, kv] if 0 <= int(j) < n]
+            sel = [j for j in sel if window is None or n - j < window]
+            keys = [k[b, kv, j] for j in sel] + ([kn[b, kv]] if kn is not None else [])
+            vals = [v[b, kv, j] for j in sel] + ([vn[b, kv]] if vn is not None else [])
+            s = torch.stack([q[b, hh].double() @ x.double() for x in keys]) * d ** -0.5 if keys else \
+                torch.zeros(0, dtype=torch.float64)
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            if sinks is not None:
+                s = torch.cat([s, sinks[hh:hh + 1].double()])
+            if s.numel():
+                p = torch.softmax(s, 0)[: len(vals)]
+                out[b, hh] = (p[:, None] * torch.stack(vals).double()).sum(0) if vals else 0
+    return out
+
+
+@pytest.mark.parametrize("mode,window,softcap,sinks,new", [
+    ("gather", 5, None, False, True),     # window within the budget: dense over the window, indices not read
+    ("gather", 30, 2.0, True, True),      # window beyond the budget: the selected tokens inside the window only
+    ("gather", None, 2.0, True, False),   # soft-cap and sinks alone, no new token
+    ("slot", 6, 2.0, True, True),         # slot mode over a whole cache, limited to the window
+])
+def test_window_softcap_sinks_match_definition(mode, window, softcap, sinks, new, monkeypatch):
+    """Window, soft-cap and sinks (Gemma 2 / gpt-oss decode) in the reference, the Triton kernel (interpreter) and
+    the op agree with a row-by-row fp64 computation from the definitions; a window layer never reads outside it."""
+    import kvtransform.ops.sparse_decode as osd
+
+    torch.manual_seed(3)
+    q, k, v, kn, vn, lengths = _inputs(3, 6, 2, 40, 24, torch.float32, lengths=[40, 17, 0])
+    idx = _random_indices(lengths, 2, 12) if mode == "gather" else None
+    if idx is not None:
+        idx[0, 0] = torch.tensor([39, 0, 20, 11, 12, 13, 35, 36, 37, 38, -1, 1])  # in and out of every window
+    kn, vn = (kn, vn) if new else (None, None)
+    sk = torch.randn(6) * 2 if sinks else None
+    var = dict(window=window, softcap=softcap, sinks=sk)
+    want = _variant_brute_fp64(q, k, v, idx, lengths, kn, vn, **var)
+    ref = sparse_decode_reference(q, k, v, idx, lengths, kn, vn, **var)
+    tri = sparse_decode_triton(q, k, v, idx, lengths, kn, vn, num_splits=2, block_n=16, **var)
+    monkeypatch.setattr(osd, "USE_TRITON_ON_CPU", True)
+    op = sparse_decode_attention(q, k, v, idx, lengths, kn, vn, **var)
+    for got in (ref, tri, op):
+        assert (got.double() - want).abs().max().item() < 1e-5
+    if window is not None:  # poison everything outside the window: nothing changes
+        pos = torch.arange(40)
+        outside = pos[None, :] <= (lengths[:, None].long() - window)
+        k2, v2 = k.clone(), v.clone()
+        k2[outside[:, None, :].expand(-1, 2, -1)] = float("nan")
+        v2[outside[:, None, :].expand(-1, 2, -1)] = float("inf")
+        torch.testing.assert_close(sparse_decode_reference(q, k2, v2, idx, lengths, kn, vn, **var), ref)
+        torch.testing.assert_close(sparse_decode_triton(q, k2, v2, idx, lengths, kn, vn, **var), tri)
+
+
+def test_variant_bad_input_is_one_line():
+    q, k, v, kn, vn, lengths = _inputs(2, 8, 2, 17, 64, torch.float32)
+    idx = _random_indices(lengths, 2, 4)
+    for kw, msg in ((dict(window=0), "window must be a positive int"), (dict(window=-3), "window must be"),
+                    (dict(softcap=0.0), "softcap must be a finite float > 0"),
+                    (dict(sinks=torch.zeros(4)), r"sinks must be \(H,\) = \(8,\)")):
+        with pytest.raises(ValueError, match=msg):
+            sparse_decode_attention(q, k, v, idx, lengths, kn, vn, **kw)
+        with pytest.raises(ValueError, match=msg):  # the registered op a graph calls checks them too
+            torch.ops.kvt.sparse_decode_attention(q, k, v, idx, lengths, kn, vn, 0.125, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("var", [dict(window=64), dict(window=4096), dict(softcap=30.0), dict(sinks=True),
+                                 dict(window=128, softcap=30.0, sinks=True)], ids=str)
+def test_cuda_variants_meet_the_numerics_rule(dtype, var):
+    """On CUDA, the kernel with window / soft-cap / sinks (gather, budget 2048 of ~6K cached tokens, GQA 4,
+    head_dim 128) against fp64: error <= 2x PyTorch's own in ``dtype`` + a small floor."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    q, k, v, kn, vn, lengths = (t.to(dev) for t in _inputs(4, 32, 8, 6144, 128, dtype, lengths=[6144, 5000, 300, 1]))
+    idx = torch.stack([torch.stack([torch.randperm(6144, device=dev)[:2048] for _ in range(8)]) for _ in range(4)])
+    idx = torch.where(idx < lengths[:, None, None].long(), idx, torch.full_like(idx, -1)).to(torch.int32)
+    if var.get("sinks"):
+        var = {**var, "sinks": torch.randn(32, device=dev)}
+    out = sparse_decode_triton(q, k, v, idx, lengths, kn, vn, **var)
+    ref64 = sparse_decode_reference(q.double(), k.double(), v.double(), idx, lengths, kn.double(), vn.double(),
+                                    **var)
+    own = sparse_decode_reference(q, k, v, idx, lengths, kn, vn, dtype=dtype, **var)
+    err, torch_err = ((x.double() - ref64).abs().max().item() for x in (out, own))
+    assert err <= 2 * torch_err + 1e-3, (err, torch_err)

@@ -347,9 +347,18 @@ def test_empty_prompt_row(sp_llama):
         sp_llama.generate(ids, am, max_new_tokens=2)
 
 
-def test_sliding_window_model_is_refused():
-    with pytest.raises(ValueError, match="sliding-window attention .*sliding_window=None"):
-        kvt.transform(tiny_model("mistral", sliding_window=8), "specontext", progress=False)
+def test_sliding_window_model_decodes_within_its_window():
+    """Mistral with a window of 8: every decode site carries ``window=8`` (the gate, on, compares prefill and decode
+    logits with the original model on prompts longer than the window); KV offload, whose slots are not cache
+    positions, refuses the window in one line."""
+    sp = _transform(tiny_model("mistral", sliding_window=8), budget=64, head="dense")
+    assert sp.report.verification.passed and [s.window for s in sp.report.sites] == [8, 8]
+    for slot in (False, True):
+        calls = [n for n in sp.runtime.programs.program(slot).graph.nodes
+                 if n.target is torch.ops.kvt.sparse_decode_attention.default]
+        assert [n.kwargs.get("window") for n in calls] == [8, 8]
+    with pytest.raises(ValueError, match=r"^KV offload does not support sliding-window layers yet \(window 8\)"):
+        sp.runtime.programs.layer_split()
 
 
 # ---- real model ---------------------------------------------------------------------------------------------------

@@ -25,7 +25,14 @@ sequences. A :class:`~kvtransform.tree_packing.TreeBatch`'s layout (``prefix_tre
 :class:`~kvtransform.tree_layout.PrefixTreeLayout`) runs ``kvt.prefix_tree_attention`` instead (Tree Training, arXiv
 2511.00413): a token sees every ancestor node and its own node so far, so each trajectory's log-probs and gradients
 equal those of the trajectory run alone. Calls without a layout (generation, a plain padded batch) fall through to
-transformers' SDPA attention.
+transformers' SDPA attention (or, for soft-capped or sink attention, which SDPA cannot express, to the model's own
+eager attention).
+
+Attention variants (:func:`attention_variants`): a sliding-window layer (Mistral, Gemma 2/3, gpt-oss: the
+``sliding_window`` keyword transformers passes per layer), Gemma 2's logit soft-cap (``softcap``) and gpt-oss's
+learned sinks (``s_aux``) reach the ops as their ``window``/``softcap``/``sinks`` arguments, the window over each
+sequence's own positions (a response token sees the prompt tokens within its window). Mixture-of-experts models
+(Qwen3-MoE, gpt-oss) and fused QKV projections (Phi-3) need nothing here: only the attention is replaced.
 
 The mask function is transformers' SDPA mask, registered under the same name: without one, transformers builds no
 causal mask for a custom attention name and the fallback path would silently attend to future tokens. In the
@@ -34,11 +41,15 @@ packed path the mask is ignored (the layout defines the attention); transformers
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 ATTENTION_NAME = "kvt_dualkv"
 
-__all__ = ["ATTENTION_NAME", "enable", "disable", "dualkv_attention_forward", "dualkv_mask", "packed_inputs"]
+__all__ = ["ATTENTION_NAME", "enable", "disable", "dualkv_attention_forward", "dualkv_mask", "packed_inputs",
+           "attention_variants"]
 
 
 def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -53,15 +64,13 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     Raises:
         ValueError: only one of the two DualKV layout tensors, both kinds of layout, a ``prefix_tree_layout`` that is
             not a PrefixTreeLayout, a batch other than 1, keys of another length than the queries (a KV cache),
-            attention dropout, or a sliding-window layer: none of these is expressible in a packed layout.
+            attention dropout (none of these is expressible in a packed layout), or a window, soft-cap or sinks
+            (:func:`attention_variants`) that the installed op does not take yet.
     """
     cu, sp = kwargs.pop("cu_seqlens", None), kwargs.pop("segment_prefix", None)
     tree = kwargs.pop("prefix_tree_layout", None)
     if cu is None and sp is None and tree is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return _fallback_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if tree is not None and (cu is not None or sp is not None):
         raise ValueError("pass either prefix_tree_layout (a TreeBatch) or cu_seqlens/segment_prefix (a PackedBatch), "
                          "not both")
@@ -74,9 +83,7 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by packed attention (set the model's "
                          f"attention_dropout to 0)")
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)  # Mistral passes it as kwarg
-    if window:
-        raise ValueError(f"sliding-window attention (window {window}) cannot be expressed in the {what} layout")
+    variants = attention_variants(module, kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D)
     if tree is not None:
         from kvtransform.ops.prefix_tree import PrefixTreeLayout, prefix_tree_attention
@@ -86,12 +93,86 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              f"kvt.pack_trajectories); got {type(tree).__name__}")
         one_level = tree.as_dualkv()  # a one-level tree runs DualKV's kernels (faster on that shape)
         if one_level is None:
-            return prefix_tree_attention(q, k, v, tree, softmax_scale=scaling)[None], None
+            extra = _op_variant_kwargs(prefix_tree_attention, variants, what)
+            return prefix_tree_attention(q, k, v, tree, softmax_scale=scaling, **extra)[None], None
         cu, sp = one_level.cu_seqlens, one_level.segment_prefix
     from kvtransform.ops.dualkv import dualkv_attention
 
-    out = dualkv_attention(q, k, v, cu.to(q.device), sp.to(q.device), softmax_scale=scaling)
+    extra = _op_variant_kwargs(dualkv_attention, variants, what)
+    out = dualkv_attention(q, k, v, cu.to(q.device), sp.to(q.device), softmax_scale=scaling, **extra)
     return out[None], None
+
+
+def attention_variants(module: torch.nn.Module, kwargs: dict) -> dict:
+    """The attention variant of one HF attention call, as the kvt ops' keyword arguments (only those that are on):
+    ``window`` (int, HF ``sliding_window`` semantics: the query at position i sees keys i - window < j <= i; from
+    the ``sliding_window`` keyword Mistral, Qwen, Phi-3, Gemma 2/3 and gpt-oss pass, else the module's attribute),
+    ``softcap`` (float, Gemma 2's ``softcap`` keyword, else the module's ``attn_logit_softcapping``) and ``sinks``
+    (gpt-oss's learned per-head sink logits ``(H,)``: the ``s_aux`` keyword, else the module's ``sinks``
+    parameter). Reads ``kwargs`` without removing anything."""
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    softcap = kwargs["softcap"] if "softcap" in kwargs else getattr(module, "attn_logit_softcapping", None)
+    sinks = kwargs.get("s_aux")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
+    out = {}
+    if window is not None:
+        out["window"] = window
+    if softcap is not None:
+        out["softcap"] = softcap
+    if sinks is not None:
+        out["sinks"] = sinks
+    return out
+
+
+def _op_variant_kwargs(op, variants: dict, what: str) -> dict:
+    """``variants`` if the packed attention function ``op`` takes each of them; else a one-line ValueError (an
+    argument is never dropped: the attention would silently be another one)."""
+    missing = [name for name in variants if name not in _parameters(op)]
+    if missing:
+        raise ValueError(f"this model's attention uses {', '.join(f'{m}={_show(variants[m])}' for m in missing)}, "
+                         f"which the {what} attention op ({op.__name__}) does not support yet")
+    return variants
+
+
+@functools.lru_cache(maxsize=16)
+def _parameters(op) -> frozenset:
+    """The parameter names of ``op`` (read once per function: every attention layer asks on every call)."""
+    return frozenset(inspect.signature(op).parameters)
+
+
+def _show(x) -> str:
+    return f"Tensor{tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+
+
+def _fallback_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """A call without a packed layout: transformers' SDPA attention, or, for a soft-capped or sink attention (which
+    SDPA cannot express), the model's own ``eager_attention_forward`` with the SDPA mask turned additive (a skipped
+    mask, ``None``, is the bottom-right causal one, limited to the layer's window)."""
+    if not {"softcap", "sinks"} & set(attention_variants(module, kwargs)):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    import sys
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"{type(module).__name__} soft-caps its logits or has attention sinks but its modeling "
+                         f"module has no eager_attention_forward to run a call without a packed layout")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        i = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+        j = torch.arange(kv_len, device=query.device)[None, :]
+        keep = j <= i
+        window = attention_variants(module, kwargs).get("window")
+        if window is not None:
+            keep = keep & (j > i - window)
+        attention_mask = keep[None, None]
+    if attention_mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        attention_mask = torch.where(attention_mask[..., :kv_len], zero, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def packed_inputs(batch) -> dict:
@@ -174,26 +255,28 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     shared-prefix batches and prefix-tree batches, :func:`dualkv_attention_forward`).
 
     Args:
-        model: a transformers ``PreTrainedModel`` (decoder-only, causal, full attention).
+        model: a transformers ``PreTrainedModel`` (decoder-only, causal; sliding-window layers, soft-capped logits
+            and attention sinks run through the ops' ``window``/``softcap``/``sinks`` arguments).
         kind: ``"dualkv"``.
 
     Returns:
         ``model`` (modified in place: its attention implementation is ``"kvt_dualkv"``).
 
     Raises:
-        ValueError: another ``kind``, a model that is not a transformers model, or one with sliding-window layers.
+        ValueError: another ``kind``, a model that is not a transformers model, or one whose attention variant
+            (window, soft-cap, sinks) an installed packed attention op does not take.
     """
     if kind != "dualkv":
         raise ValueError(f"kvt.integrations.transformers.enable supports 'dualkv'; got {kind!r}")
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "_attn_implementation"):
         raise ValueError(f"enable() takes a transformers model; got {type(model).__name__}")
-    layer_types = getattr(cfg, "layer_types", None) or []
-    # Mistral has no use_sliding_window: its sliding_window alone turns the window on
-    if any("sliding" in str(t) for t in layer_types) or (getattr(cfg, "use_sliding_window", True) and
-                                                         getattr(cfg, "sliding_window", None)):
-        raise ValueError(f"{type(model).__name__} has sliding-window attention layers, which the packed shared-prefix "
-                         f"and prefix-tree layouts cannot express")
+    needed = _model_variants(model)
+    from kvtransform.ops.dualkv import dualkv_attention
+    from kvtransform.ops.prefix_tree import prefix_tree_attention
+
+    for op, what in ((dualkv_attention, "packed DualKV"), (prefix_tree_attention, "packed prefix-tree")):
+        _op_variant_kwargs(op, needed, what)
     _register()
     if not hasattr(model, "_kvt_previous_attn"):
         model._kvt_previous_attn = cfg._attn_implementation
@@ -204,6 +287,24 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     if getattr(model, "_kvt_packed_hook", None) is None:
         model._kvt_packed_hook = model.register_forward_pre_hook(_check_packed_call, with_kwargs=True)
     return model
+
+
+def _model_variants(model) -> dict:
+    """``{"window" | "softcap" | "sinks": where}`` for the variants some attention layer of ``model`` uses (from its
+    config: ``layer_types`` with sliding layers, or ``sliding_window`` switched on; ``attn_logit_softcapping``; a
+    ``sinks`` parameter in a module)."""
+    cfg = model.config
+    out = {}
+    layer_types = getattr(cfg, "layer_types", None) or []
+    # Mistral has no use_sliding_window: its sliding_window alone turns the window on
+    if any("sliding" in str(t) for t in layer_types) or (getattr(cfg, "use_sliding_window", True) and
+                                                         getattr(cfg, "sliding_window", None)):
+        out["window"] = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        out["softcap"] = cfg.attn_logit_softcapping
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        out["sinks"] = "per-head parameters"
+    return out
 
 
 def disable(model: torch.nn.Module) -> torch.nn.Module:

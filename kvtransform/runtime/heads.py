@@ -82,6 +82,10 @@ class RetrievalHead:
     # cache_seqlens, no index per token; kvtransform.passes.sparse_decode.slot_mode_program) and its selection
     # (all_positions) only feeds the statistics
     slot_mode = False
+    # the layers whose attention reads the selection (heads that score per layer use only these): the global layers
+    # of a model with sliding-window layers, which attend densely to a window that fits in the budget (the
+    # transform sets it from the decode program); None: every layer
+    score_layers: Optional[tuple] = None
 
     def __init__(self, config, scale: Optional[float] = None):
         self.budget = int(config.budget)
@@ -181,15 +185,15 @@ def _scores(q: torch.Tensor, k: torch.Tensor, lens: torch.Tensor, scale: float, 
 
 @register_head("oracle")
 class OracleHead(RetrievalHead):
-    """The LLM's own attention of the previous step: max over layers of the group-max softmax probabilities,
-    top-``budget`` (``num_sink`` / ``num_recent`` always kept)."""
+    """The LLM's own attention of the previous step: max over layers (:attr:`RetrievalHead.score_layers`) of the
+    group-max softmax probabilities, top-``budget`` (``num_sink`` / ``num_recent`` always kept)."""
 
     needs_queries = True
 
     def select(self, cache, queries):
         scale = self.scale or queries.shape[-1] ** -0.5
         best = None
-        for layer in range(queries.shape[0]):
+        for layer in self.score_layers or range(queries.shape[0]):
             s = _scores(queries[layer], cache.k[layer], cache.cache_seqlens, scale, self.num_sink, self.num_recent)
             best = s if best is None else torch.maximum(best, s)
         return select_topk(best, self.budget)
@@ -246,8 +250,11 @@ class QuestHead(RetrievalHead):
         h = queries.shape[2]
         # Σ_d max(q_d·kmax_d, q_d·kmin_d) = relu(q)·kmax + min(q, 0)·kmin: two matmuls, no (…, P, D) temporary
         q = queries.to(self.kmax.dtype).view(L, b, h_kv, h // h_kv, d)
-        s = (torch.matmul(q.clamp(min=0), self.kmax.transpose(-1, -2)).float()
-             + torch.matmul(q.clamp(max=0), self.kmin.transpose(-1, -2)).float())  # (L, b, h_kv, G, P)
+        kmax, kmin = self.kmax, self.kmin
+        if self.score_layers:
+            q, kmax, kmin = (x[list(self.score_layers)] for x in (q, kmax, kmin))
+        s = (torch.matmul(q.clamp(min=0), kmax.transpose(-1, -2)).float()
+             + torch.matmul(q.clamp(max=0), kmin.transpose(-1, -2)).float())  # (L', b, h_kv, G, P)
         lens = cache.cache_seqlens.long()
         p = torch.arange(pages, device=lens.device)
         start = p[None, :] * ps

@@ -240,8 +240,8 @@ def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = 
     replicated batch for both.
 
     Raises:
-        ValueError: not a causal LM, or an attention the packed layout cannot express (sliding window, custom mask):
-            the message lists the refused sites.
+        ValueError: not a causal LM, or an attention the packed layout cannot express (a custom mask; a window,
+            soft-cap or sinks the installed op does not take): the message lists the refused sites.
         kvtransform.verify.VerificationError: the packed module differs from the original beyond tolerance.
     """
     report = new_report(model, cfg)
@@ -252,7 +252,8 @@ def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = 
         reasons = "; ".join(sorted({f"site {s['site']}: {s['reason']}" for s in rec.skipped})) or \
             "no attention found"
         raise ValueError(f"the dualkv transform cannot rewrite this model: {reasons}. Packed shared-prefix "
-                         f"attention supports causal attention only (no sliding window or custom masks)")
+                         f"attention supports causal attention, within a window or not, with soft-capping or sinks "
+                         f"where the installed op takes them (no custom masks)")
     remaining = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in
                     (torch.ops.kvt.attention.default, torch.ops.aten.scaled_dot_product_attention.default))
     if remaining:

@@ -39,7 +39,8 @@ from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.passes.dualkv import DualKVPass
 from kvtransform.passes.programs import DecodePrograms
-from kvtransform.passes.sparse_decode import SparseDecodePass, count_cache_copies, drop_input_guards
+from kvtransform.passes.sparse_decode import SparseDecodePass, count_cache_copies, drop_input_guards, \
+    selection_layers
 from kvtransform.report import Report, Verification
 from kvtransform.runtime.generate import GenerateOutput, ModelInfo, SpeContextRuntime
 from kvtransform.runtime.heads import all_positions, make_head
@@ -90,6 +91,8 @@ class SpeContextModule(OptimizedModule):
 
             name = auto_head(model if model is not None else decode)
         self.head = make_head(name, config, scale)
+        if isinstance(decode, torch.fx.GraphModule):  # heads score with the layers that read the selection
+            self.head.score_layers = selection_layers(decode, config.budget)
         if head_state:
             self.head.load_state_dict(head_state)
         self.head.bind(model if model is not None else decode)
@@ -157,7 +160,8 @@ class SpeContextModule(OptimizedModule):
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id: Union[int, Sequence[int], None, str] = "default", pad_token_id: Optional[int] = None,
                  seed: Optional[int] = None, return_dict_in_generate: bool = False,
-                 progress: Optional[bool] = None, **unsupported) -> Union[torch.Tensor, GenerateOutput]:
+                 progress: Optional[bool] = None, output_logprobs: bool = False,
+                 **unsupported) -> Union[torch.Tensor, GenerateOutput]:
         """Generate with sparse retrieval decode (HF ``generate`` semantics).
 
         Args:
@@ -170,6 +174,9 @@ class SpeContextModule(OptimizedModule):
             return_dict_in_generate: return :class:`~kvtransform.runtime.generate.GenerateOutput` (``.sequences``,
                 ``.stats``) instead of the ids.
             progress: tqdm bar over decode steps (default: ``max_new_tokens >= 256``).
+            output_logprobs: with ``return_dict_in_generate``, ``GenerateOutput.logprobs`` float32 ``(batch, new)``:
+                each generated token's log-probability under the distribution it was drawn from
+                (:meth:`SpeContextRuntime.generate <kvtransform.runtime.generate.SpeContextRuntime.generate>`).
 
         Returns:
             int64 ``(batch, seq + new)`` (new = steps until the last row stopped), or :class:`GenerateOutput`.
@@ -187,7 +194,7 @@ class SpeContextModule(OptimizedModule):
         out = self.runtime.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                     temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
                                     pad_token_id=pad_token_id, seed=seed, device=device_of(self),
-                                    progress=progress)
+                                    progress=progress, output_logprobs=output_logprobs)
         return out if return_dict_in_generate else out.sequences
 
     # ---- emission --------------------------------------------------------------------------------------------
@@ -257,7 +264,7 @@ class SpeContextModule(OptimizedModule):
 
 
 _GENERATE_KWARGS = ("attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                    "pad_token_id", "seed", "return_dict_in_generate", "progress")
+                    "pad_token_id", "seed", "return_dict_in_generate", "progress", "output_logprobs")
 _GENERATE_HINTS = {"max_length": "max_new_tokens (tokens generated per row, not counting the prompt)",
                    "generator": "seed (an int)", "topk": "top_k", "topp": "top_p"}
 
