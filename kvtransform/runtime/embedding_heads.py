@@ -39,9 +39,14 @@ def find_param(module, suffix: str, detach: bool = True) -> torch.Tensor:
     Raises:
         ValueError: none, naming the suffix (the module is not the target this head was built for).
     """
-    for name, p in list(module.named_parameters()) + list(module.named_buffers()):
-        if name == suffix or name.endswith("." + suffix):
-            return p.detach() if detach else p
+    owner, _, leaf = suffix.rpartition(".")
+    # a PEFT adapter (LoRA) wraps a linear as ``<owner>.base_layer``: the head reads the base weight (the adapter's
+    # low-rank delta does not enter the selection; the decode program runs the adapted layer)
+    wanted = (suffix,) if not owner else (suffix, f"{owner}.base_layer.{leaf}")
+    for want in wanted:
+        for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+            if name == want or name.endswith("." + want):
+                return p.detach() if detach else p
     raise ValueError(f"the model has no parameter named '*{suffix}': this retrieval head needs the target's "
                      f"{suffix} (a Llama-style decoder)")
 

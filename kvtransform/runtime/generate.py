@@ -260,8 +260,8 @@ class SpeContextRuntime:
                  max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id: Union[int, Sequence[int], None] = "default", pad_token_id: Optional[int] = None,
-                 seed: Optional[int] = None, device=None, progress: Optional[bool] = None
-                 ) -> GenerateOutput:
+                 seed: Optional[int] = None, device=None, progress: Optional[bool] = None,
+                 output_logprobs: bool = False) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` per row (HF ``generate`` semantics; see the module docstring).
 
         Args:
@@ -273,6 +273,10 @@ class SpeContextRuntime:
             seed: seed of the sampling generator (``do_sample``).
             device: the programs' device. progress: a tqdm bar over decode steps (default: when
                 ``max_new_tokens >= 256``).
+            output_logprobs: also return, per generated token, its log-probability under the distribution it was
+                drawn from (``GenerateOutput.logprobs``, float32 ``(batch, new)``; after temperature / top-k /
+                top-p; greedy: ``log_softmax`` of the raw logits; 0 after a row's EOS): what an RL trainer's
+                importance-sampling correction compares with its own log-probs.
 
         Returns:
             :class:`GenerateOutput`.
@@ -290,7 +294,9 @@ class SpeContextRuntime:
             info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0))
         _check_pad(pad, info.vocab_size)
         device = device or input_ids.device
-        sample = _sampler(do_sample, temperature, top_k, top_p, seed, device)
+        if not isinstance(output_logprobs, bool):
+            raise ValueError(f"output_logprobs must be True or False; got {output_logprobs!r}")
+        sample = _sampler(do_sample, temperature, top_k, top_p, seed, device, logprobs=output_logprobs)
         batch = len(rows)
         stats = GenerationStats(batch=batch, prompt_tokens=sum(int(r.numel()) for r in rows), head=self.head.name,
                                 budget=self.head.budget)
@@ -314,8 +320,8 @@ class SpeContextRuntime:
         self.head.prefill(cache, max_new_tokens)
         eos_t = torch.tensor(eos or [-1], device=device)
         running = torch.ones(batch, dtype=torch.bool, device=device)
-        tok = sample(logits)
-        out = [tok]
+        tok, lp = _split(sample(logits))
+        out, lps = [tok], [lp]
         running &= ~torch.isin(tok, eos_t)
         sync()
         t1 = time.perf_counter()
@@ -324,7 +330,8 @@ class SpeContextRuntime:
 
         steps, produced = self._decode_loop(cache, tok, running, max_new_tokens - 1, sample, eos_t, pad, engine,
                                             stats, progress if progress is not None else max_new_tokens >= 256)
-        out += steps
+        out += [t for t, _ in steps]
+        lps += [p for _, p in steps]
         sync()
         t2 = time.perf_counter()
         new = _trim(torch.stack(out, 1), eos)
@@ -341,8 +348,9 @@ class SpeContextRuntime:
             stats.offload_layers_per_step = off["offload_layers_per_step"]
             stats.offload_moves = off["offload_moves"]
             stats.offload_copy_hidden = off["offload_copy_hidden"]
+        logprobs = torch.stack(lps, 1)[:, :new.shape[1]].to(input_ids.device) if output_logprobs else None
         new = new.to(input_ids.device)
-        return GenerateOutput(torch.cat([input_ids.to(torch.long), new], dim=1), stats)
+        return GenerateOutput(torch.cat([input_ids.to(torch.long), new], dim=1), stats, logprobs)
 
     @torch.no_grad()
     def decode_from(self, cache: KVCache, tokens: torch.Tensor, max_new_tokens: int, *,
@@ -405,6 +413,7 @@ class SpeContextRuntime:
         out, produced = self._decode_loop(cache, tokens.to(device=device, dtype=torch.long), running,
                                           max_new_tokens, _greedy, eos_t,
                                           pad_token_id, None, stats, progress)
+        out = [t for t, _ in out]
         sync()
         stats.decode_s = time.perf_counter() - t0
         stats.new_tokens = int(produced)
@@ -416,8 +425,9 @@ class SpeContextRuntime:
                      eos_t: torch.Tensor, pad: int, engine, stats: GenerationStats, show: bool) -> list:
         """``n_steps`` decode steps from ``cache`` (the head prefilled) and the next input tokens ``tok``
         ``(batch,)``; updates ``running`` and ``stats`` (steps, selection checksums and overlap); returns the
-        produced tokens, one ``(batch,)`` tensor per step (pad after a row's EOS). Stops early when every row has
-        finished (checked every 8 steps: a host sync)."""
+        produced tokens as ``(tokens (batch,), logprobs (batch,) or None)`` per step (pad and log-prob 0 after a
+        row's EOS; log-probs when ``sample`` returns them, :func:`~.sampling._sampler`). Stops early when every row
+        has finished (checked every 8 steps: a host sync)."""
         device = tok.device
         # CUDA graphs stop where offload begins: capturing the offload side stream's fork/join (elastic copies,
         # per-layer waits) fails on the H200 (cudaErrorStreamCaptureIsolation), so an offloaded request decodes
@@ -457,11 +467,18 @@ class SpeContextRuntime:
             if engine is not None:
                 engine.advance()
             produced += running.sum()
-            nxt = sample(logits)
+            nxt, lp = _split(sample(logits))
+            if lp is not None:
+                lp = torch.where(running, lp, torch.zeros_like(lp))
             tok = torch.where(running, nxt, torch.full_like(nxt, pad))
-            out.append(tok)
+            out.append((tok, lp))
             running &= ~torch.isin(tok, eos_t)
             stats.decode_steps += 1
         stats.selection_overlap = float(overlap) / n_overlap if n_overlap else None
         stats.selection_checksums = torch.stack(checksums).tolist() if checksums else []
         return out, produced
+
+
+def _split(drawn) -> tuple:
+    """``(tokens, logprobs or None)`` from what a sampler returned (tokens, or ``(tokens, logprobs)``)."""
+    return drawn if isinstance(drawn, tuple) else (drawn, None)

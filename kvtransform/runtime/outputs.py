@@ -82,11 +82,15 @@ class GenerationStats:
 
 @dataclass
 class GenerateOutput:
-    """``generate(..., return_dict_in_generate=True)``: ``sequences`` int64 ``(batch, prompt + new)`` and
-    ``stats`` (:class:`GenerationStats`)."""
+    """``generate(..., return_dict_in_generate=True)``: ``sequences`` int64 ``(batch, prompt + new)``, ``stats``
+    (:class:`GenerationStats`) and, with ``output_logprobs=True``, ``logprobs`` float32 ``(batch, new)``: per
+    generated token, its log-probability under the distribution it was drawn from (after temperature / top-k /
+    top-p; greedy: the ``log_softmax`` of the raw logits; :func:`~kvtransform.runtime.sampling._sampler` says
+    exactly), 0 at the pad positions after a row's EOS (None without ``output_logprobs``)."""
 
     sequences: torch.Tensor
     stats: GenerationStats
+    logprobs: Optional[torch.Tensor] = None
 
 
 @dataclass

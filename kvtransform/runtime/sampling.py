@@ -1,25 +1,32 @@
 """Token choice of a decode step: greedy, or Hugging Face's temperature / top-k / top-p warpers and a seeded
-multinomial draw."""
+multinomial draw; optionally with each chosen token's log-probability under the distribution it was drawn from."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
-__all__ = ["_sampler", "_greedy"]
+__all__ = ["_sampler", "_greedy", "_greedy_logprobs"]
 
 
-def _sampler(do_sample: bool, temperature: float, top_k, top_p, seed, device) -> Callable:
+def _sampler(do_sample: bool, temperature: float, top_k, top_p, seed, device, logprobs: bool = False) -> Callable:
     """``logits (batch, vocab) -> tokens (batch,)``: argmax, or transformers' temperature / top-k / top-p warpers
     then a multinomial draw from a generator seeded with ``seed``.
+
+    With ``logprobs`` the function returns ``(tokens (batch,) int64, logprobs (batch,) float32)`` instead, the
+    log-probability of each chosen token under the distribution it was drawn from: sampling: ``log_softmax`` of the
+    warped scores (temperature applied, then tokens outside top-k / the top-p nucleus removed and the rest
+    renormalised: exactly the distribution of the multinomial draw; vLLM calls this ``processed_logprobs``); greedy
+    (and rows that fall back to greedy, below): see :func:`_greedy_logprobs`.
 
     A temperature so small that ``logits / temperature`` overflows float32 (e.g. ``1e-38``: the scaled scores hold
     ``inf``, and the softmax NaN) is the limit of sampling as the temperature goes to 0: such a row takes its
     argmax, as greedy decoding would (decided per row on the device, no host sync; the draw still consumes the
-    generator, so the other rows' draws do not depend on it).
+    generator, so the other rows' draws do not depend on it); its log-probability is 0 (the limit distribution is
+    the point mass on the argmax).
     """
     if not do_sample:
-        return _greedy
+        return _greedy_logprobs if logprobs else _greedy
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
 
@@ -41,7 +48,11 @@ def _sampler(do_sample: bool, temperature: float, top_k, top_p, seed, device) ->
         overflow = ~torch.isfinite(probs).all(dim=-1, keepdim=True)  # inf - inf in the softmax: NaN
         greedy = torch.nn.functional.one_hot(_greedy(logits), probs.shape[-1]).to(probs.dtype)
         probs = torch.where(overflow, greedy, probs)
-        return torch.multinomial(probs, 1, generator=gen)[:, 0]
+        tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        if not logprobs:
+            return tok
+        lp = torch.log_softmax(scores, dim=-1).gather(1, tok[:, None])[:, 0]
+        return tok, torch.where(overflow[:, 0], torch.zeros_like(lp), lp)
 
     return draw
 
@@ -49,3 +60,13 @@ def _sampler(do_sample: bool, temperature: float, top_k, top_p, seed, device) ->
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     """``logits (batch, vocab) -> (batch,)`` int64 argmax."""
     return logits.argmax(dim=-1)
+
+
+def _greedy_logprobs(logits: torch.Tensor) -> tuple:
+    """``logits (batch, vocab) -> (tokens (batch,) int64, logprobs (batch,) float32)``: the argmax and its
+    ``log_softmax`` of the raw logits (temperature 1, no top-k/top-p). A greedy choice has no sampling distribution
+    (its own would be a point mass, log-probability 0); what is returned is the model's log-probability of the
+    chosen token, the number a trainer compares with its recomputed log-probs at temperature 1 (an importance weight
+    of 1 when the decode is exact)."""
+    tok = logits.argmax(dim=-1)
+    return tok, torch.log_softmax(logits.float(), dim=-1).gather(1, tok[:, None])[:, 0]

@@ -1,0 +1,267 @@
+"""TRL's GRPO trainer with shared-prefix log-prob passes and SpeContext rollouts (``docs/TRL.md``).
+
+::
+
+    from kvtransform.integrations.trl import GRPOConfig, GRPOTrainer     # drop-in for trl's
+
+    args = GRPOConfig(output_dir="out", num_generations=8, shared_prefix=True,
+                      rollout="specontext", rollout_budget=2048)
+    GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds).train()
+
+Subclasses of ``trl.GRPOConfig`` / ``trl.GRPOTrainer`` (trl 1.16): every TRL argument, dataset, reward function, PEFT
+config, callback and metric is TRL's own. Two options:
+
+* ``shared_prefix=True``: every per-token log-prob pass (policy, old policy where TRL computes one, reference model)
+  runs one prompt + its completions per group in one packed row through ``kvt.dualkv_attention``
+  (:func:`kvtransform.integrations.transformers.enable`; DualKV, arXiv 2605.15422): the prompt is computed once
+  instead of ``num_generations`` times. The scores land in TRL's ``(B, C)`` layout, so the loss, metrics and
+  gradients are TRL's (equal to the unpacked ones under the project's numerics rule;
+  :mod:`kvtransform.integrations.trl_packing` says how a batch packs). A batch that does not pack (no two rows share
+  a prompt, multimodal inputs, an MoE auxiliary loss) runs TRL's own pass, said once in the log.
+* ``rollout="specontext"`` (``rollout_budget``, ``rollout_head``): completions are sampled by the SpeContext runtime
+  (SpeContext, arXiv 2512.00722) over the trainer's live weights: the captured programs hold the model's own
+  ``Parameter`` objects (LoRA adapters applied unmerged inside the captured graph), so an optimizer step reaches the
+  next rollout with no copy; a parameter *replaced* since the transform (not updated in place) makes the trainer
+  transform the model again before the next rollout. Each sampled token's log-prob under the distribution it was
+  drawn from goes into TRL's importance-sampling correction for rollout/training mismatch (the correction TRL
+  applies to vLLM rollouts: ``vllm_importance_sampling_correction``, ``vllm_importance_sampling_mode``, caps), so the
+  update stays on-policy for the dense model in expectation.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import trl
+from trl.extras.profiling import profiling_context, profiling_decorator
+
+from .trl_packing import pack_chunk, plan_packing, scatter_back
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "ROLLOUTS"]
+
+logger = logging.getLogger(__name__)
+
+ROLLOUTS = (None, "specontext")
+# generation settings the SpeContext sampler reproduces (temperature / top-k / top-p); anything else is refused
+_ROLLOUT_GENERATION_KEYS = {"do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_id",
+                            "pad_token_id", "bos_token_id", "cache_implementation", "min_p", "repetition_penalty"}
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig):
+    """``trl.GRPOConfig`` plus kvtransform's options (every TRL field unchanged).
+
+    Attributes:
+        shared_prefix: run the per-token log-prob passes on packed shared-prefix batches (DualKV).
+        rollout: None (TRL's own generation: transformers, or vLLM with ``use_vllm``) or ``"specontext"`` (sparse
+            retrieval decode over the trainer's live weights, with importance-sampling correction).
+        rollout_budget: SpeContext budget, tokens kept per KV head per decode step (a budget >= the longest
+            prompt + completion decodes densely).
+        rollout_head: SpeContext retrieval head (``kvt.SpeContextConfig.head``; ``"auto"``: the packaged distilled
+            head where one fits the model, else ``"self"``).
+    """
+
+    shared_prefix: bool = field(default=False, metadata={"help": "Per-token log-prob passes on packed shared-prefix "
+                                                                  "batches (kvtransform DualKV)."})
+    rollout: Optional[str] = field(default=None, metadata={"help": "None (TRL's generation) or 'specontext'."})
+    rollout_budget: int = field(default=2048, metadata={"help": "SpeContext budget (tokens per KV head)."})
+    rollout_head: str = field(default="auto", metadata={"help": "SpeContext retrieval head."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.shared_prefix, bool):
+            raise ValueError(f"shared_prefix must be True or False; got {self.shared_prefix!r}")
+        if self.rollout not in ROLLOUTS:
+            raise ValueError(f"rollout must be None (TRL's own generation) or 'specontext'; got {self.rollout!r}")
+        if isinstance(self.rollout_budget, bool) or not isinstance(self.rollout_budget, int) or \
+                self.rollout_budget < 1:
+            raise ValueError(f"rollout_budget must be an integer >= 1 (tokens per KV head); got "
+                             f"{self.rollout_budget!r}")
+        from kvtransform.config import SpeContextConfig
+
+        try:
+            SpeContextConfig(budget=self.rollout_budget, head=self.rollout_head)
+        except ValueError as e:
+            raise ValueError(f"rollout_budget / rollout_head: {e}") from None
+        if self.rollout != "specontext":
+            return
+        for flag in ("use_vllm", "use_transformers_continuous_batching"):
+            if getattr(self, flag, False):
+                raise ValueError(f"rollout='specontext' generates the completions itself: set {flag}=False")
+        if self.repetition_penalty != 1.0 or self.min_p is not None:
+            raise ValueError("rollout='specontext' samples with temperature / top_k / top_p only: set "
+                             "repetition_penalty=1.0 and min_p=None")
+        extra = sorted(set(self.generation_kwargs or {}) - _ROLLOUT_GENERATION_KEYS)
+        if extra:
+            raise ValueError(f"rollout='specontext' does not take generation_kwargs {extra} (it samples with "
+                             f"do_sample / temperature / top_k / top_p)")
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` with :class:`GRPOConfig`'s ``shared_prefix`` and ``rollout`` (the module docstring).
+
+    Takes TRL's arguments unchanged; ``args`` may be a plain ``trl.GRPOConfig`` (then TRL's behaviour).
+
+    Raises:
+        ValueError (one line), at construction: ``shared_prefix`` on a model whose attention the packed layout cannot
+            express (``kvt.integrations.transformers.enable`` names the feature) or a vision-language model;
+            ``rollout="specontext"`` with tools, ``rollout_func``, ``environment_factory``, a vision-language model,
+            DeepSpeed / FSDP sharded weights, greedy decoding at a temperature other than 1, or a model the
+            SpeContext transform cannot capture (the message names the feature).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        a = self.args
+        self._kvt_said: set = set()
+        self._kvt_rollout = None
+        self.shared_prefix = bool(getattr(a, "shared_prefix", False))
+        self.rollout = getattr(a, "rollout", None)
+        vlm = bool(getattr(self, "_is_vlm", False))
+        if self.rollout == "specontext":
+            self._check_rollout_setup(vlm)
+            self._kvt_rollout = self._build_rollout()
+            # In trl 1.16, past __init__ ``use_vllm`` gates exactly "completions come from an external sampler with
+            # per-token sampling log-probs": compute the old-policy log-probs and apply the importance-sampling
+            # correction. The vLLM client itself was never created (use_vllm was False during __init__), and the
+            # methods that would call it (_generate_single_turn; tools and rollout_func are refused) are ours.
+            self.use_vllm = True
+        if self.shared_prefix:
+            if vlm:
+                raise ValueError("shared_prefix=True packs text token rows; a vision-language model's image inputs "
+                                 "cannot be packed: set shared_prefix=False")
+            from kvtransform.integrations.transformers import enable
+
+            for m in self._kvt_models():
+                try:
+                    enable(m, "dualkv")
+                except ValueError as e:
+                    raise ValueError(f"shared_prefix=True: {e}") from None
+
+    # ---- models ----------------------------------------------------------------------------------------------
+    def _kvt_base(self, model=None) -> torch.nn.Module:
+        """The transformers model under accelerate / PEFT wrappers (LoRA layers stay inside it)."""
+        m = self.accelerator.unwrap_model(self.model if model is None else model)
+        return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+    def _kvt_models(self) -> list:
+        """The transformers models the log-prob passes run: the policy's and, when TRL keeps one, the reference."""
+        out = [self._kvt_base()]
+        if getattr(self, "ref_model", None) is not None:
+            out.append(self._kvt_base(self.ref_model))
+        return out
+
+    def _say_once(self, what: str) -> None:
+        if what not in self._kvt_said:
+            self._kvt_said.add(what)
+            logger.warning(what)
+
+    # ---- shared-prefix log-prob passes -----------------------------------------------------------------------
+    @profiling_decorator
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        """TRL's per-token log-probs (and entropies) ``(B, C)``, computed on packed shared-prefix batches when
+        ``shared_prefix`` is on and the batch packs (:func:`~kvtransform.integrations.trl_packing.plan_packing`);
+        else TRL's own pass. Returns ``(logps, entropies or None, aux_loss or None)`` as TRL's."""
+        plan, why = None, ""
+        if self.shared_prefix:
+            if any(v is not None for v in extra.values()):
+                why = "multimodal inputs"
+            elif compute_aux_loss:
+                why = "an MoE load-balancing loss (it counts every row's prompt tokens)"
+            else:
+                plan, why = plan_packing(input_ids, attention_mask, logits_to_keep, batch_size)
+        if plan is None:
+            if self.shared_prefix:
+                self._say_once(f"shared_prefix: a batch runs unpacked (TRL's own pass): {why}")
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
+        from kvtransform.integrations.transformers import packed_inputs
+
+        logps, ents = [], []
+        for chunk in plan.chunks:
+            packed = pack_chunk(plan, chunk, input_ids.device)
+            if packed is None:
+                continue
+            batch, labels, rows, cols, src = packed
+            with self.accelerator.autocast():
+                out = model(**packed_inputs(batch), shift_labels=labels, fused_lm_head=True)
+            logps.append((out.log_probs, rows, cols, src))
+            if compute_entropy:
+                ents.append((out.entropy, rows, cols, src))
+        dtype, device = logps[0][0].dtype, logps[0][0].device
+        return (scatter_back(logps, plan, dtype, device),
+                scatter_back(ents, plan, dtype, device) if compute_entropy else None, None)
+
+    # ---- SpeContext rollouts ---------------------------------------------------------------------------------
+    def _check_rollout_setup(self, vlm: bool) -> None:
+        for what, on in (("tools", bool(getattr(self, "tools", None))),
+                         ("rollout_func", getattr(self, "rollout_func", None) is not None),
+                         ("environment_factory", getattr(self, "environment_factories", None) is not None),
+                         ("a vision-language model", vlm),
+                         ("DeepSpeed", bool(getattr(self, "is_deepspeed_enabled", False))),
+                         ("FSDP", bool(getattr(self, "is_fsdp_enabled", False)))):
+            if on:
+                raise ValueError(f"rollout='specontext' does not support {what} (it decodes plain text prompts "
+                                 f"over the full weights on one device): set rollout=None")
+        gc = self.generation_config
+        if not gc.do_sample and float(self.temperature) != 1.0:
+            raise ValueError(f"rollout='specontext' with greedy decoding reports temperature-1 log-probs, but the "
+                             f"trainer scores at temperature {self.temperature}: set temperature=1.0 or sample")
+
+    def _build_rollout(self):
+        """``kvt.transform(model, SpeContextConfig(budget, head))`` of the policy's transformers model (sharing its
+        ``Parameter`` objects). Raises ValueError (one line) when the model cannot be captured."""
+        import kvtransform as kvt
+
+        base = self._kvt_base()
+        cfg = kvt.SpeContextConfig(budget=self.args.rollout_budget, head=self.args.rollout_head)
+        try:
+            return kvt.transform(base, cfg, tokenizer=self._tokenizer, progress=False)
+        except (ValueError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"rollout='specontext' cannot transform {type(base).__name__}: {first}") from e
+
+    def _rollout_module(self):
+        """The SpeContext module over the live weights; transformed again when a parameter was replaced."""
+        try:
+            self._kvt_rollout.check_source_parameters()
+        except ValueError as e:
+            self._say_once(f"rollout='specontext': transforming the model again before this rollout ({e})")
+            self._kvt_rollout = self._build_rollout()
+        return self._kvt_rollout
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """``rollout="specontext"``: ``(completion_ids, logprobs)`` as lists per row (each completion up to and
+        including its first EOS; logprobs: each token's log-prob under the distribution it was sampled from), the
+        pair TRL's vLLM path returns. Otherwise TRL's own generation."""
+        if self.rollout != "specontext":
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        sp = self._rollout_module()
+        device = next(self._kvt_base().parameters()).device
+        width = max(len(p) for p in prompt_ids)
+        pad = self._tokenizer.pad_token_id
+        pad = pad if pad is not None else self.eos_token_ids[0]
+        ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompt_ids):
+            ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        gc = self.generation_config
+        seed = int(torch.randint(0, 2 ** 62, ()).item()) if gc.do_sample else None  # from the seeded global RNG
+        with profiling_context(self, "specontext.generate"):
+            out = sp.generate(ids.to(device), mask.to(device), max_new_tokens=self.max_completion_length,
+                              do_sample=bool(gc.do_sample), temperature=gc.temperature, top_k=gc.top_k or None,
+                              top_p=gc.top_p, eos_token_id=list(self.eos_token_ids), pad_token_id=pad, seed=seed,
+                              return_dict_in_generate=True, output_logprobs=True, progress=False)
+        new, lps = out.sequences[:, width:].cpu(), out.logprobs.float().cpu()
+        eos = torch.isin(new, torch.tensor(list(self.eos_token_ids)))
+        ends = torch.where(eos.any(1), eos.int().argmax(1) + 1, torch.full((new.shape[0],), new.shape[1]))
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["rollout/decode_tokens_per_s"].append(float(out.stats.decode_tokens_per_s))
+        return ([new[i, :int(n)].tolist() for i, n in enumerate(ends)],
+                [lps[i, :int(n)].tolist() for i, n in enumerate(ends)])

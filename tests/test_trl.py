@@ -1,0 +1,264 @@
+"""kvtransform.integrations.trl: TRL's GRPOTrainer with shared-prefix log-prob passes and SpeContext rollouts, checked
+against the stock trl.GRPOTrainer on a tiny random Llama (fp32) with a character tokenizer built in memory."""
+import logging
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="the trl extra (pip install kvtransform[trl])")
+
+from kvtransform.integrations.trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from kvtransform.integrations.trl_packing import plan_packing  # noqa: E402
+
+PROMPTS = ["hello wor", "the cat", "abc d", "xyz q"]
+EOS, PAD = 1, 0
+
+
+def _char_tokenizer():
+    """Printable ASCII, one token per character (ids 2..96), ``<pad>`` 0 and ``<eos>`` 1: no files, no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{chr(c): c - 30 for c in range(32, 127)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+
+
+def _save_tiny(tmp_path_factory, family: str, **overrides) -> str:
+    """A tiny model (2 layers, vocab 128) and the character tokenizer, saved (TRL loads its reference model by
+    path)."""
+    from kvtransform.models import tiny_model
+
+    path = tmp_path_factory.mktemp(f"tiny-trl-{family}")
+    model = tiny_model(family, seed=0, eos_token_id=EOS, pad_token_id=PAD, **overrides)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, PAD
+    model.save_pretrained(path)
+    _char_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return _save_tiny(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_window_dir(tmp_path_factory):
+    """Mistral with a 4-token sliding window: shorter than every prompt + completion of the tests."""
+    return _save_tiny(tmp_path_factory, "mistral", sliding_window=4)
+
+
+def _reward(completions, **kw):
+    return [float(c.count("a")) + 0.1 * len(c) for c in completions]
+
+
+def _fixed_completions(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """Completions of 1-8 tokens, a third ending in EOS (the same for every trainer: seeded by the batch size)."""
+    g = torch.Generator().manual_seed(len(prompt_ids))
+    out = []
+    for i in range(len(prompt_ids)):
+        c = torch.randint(2, 97, (int(torch.randint(1, 9, (), generator=g)),), generator=g).tolist()
+        if i % 3 == 0:
+            c[-1] = EOS
+        out.append(c)
+    return out, None
+
+
+def _trainer(cls, path, dtype=torch.float32, peft_config=None, **kw):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(0)
+    args = (GRPOConfig if cls is GRPOTrainer else trl.GRPOConfig)(
+        output_dir=f"{path}/out", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+        use_cpu=True, bf16=False, report_to="none", seed=0, save_strategy="no", model_init_kwargs={"dtype": dtype},
+        **kw)
+    return cls(model=path, reward_funcs=_reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+               processing_class=AutoTokenizer.from_pretrained(path), peft_config=peft_config)
+
+
+def _one_step(cls, path, dtype=torch.float32, peft_config=None, **kw):
+    """One GRPO step on fixed completions: (loss, the batch TRL built (old / ref log-probs), every gradient)."""
+    tr = _trainer(cls, path, dtype, peft_config, **kw)
+    tr._generate_single_turn = _fixed_completions.__get__(tr)
+    tr.model.train()  # what Trainer.train() sets before its first step
+    tr.current_gradient_accumulation_steps = 1
+    inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    loss = tr.compute_loss(tr.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().double() for n, p in tr.model.named_parameters() if p.grad is not None}
+    return loss.detach(), inputs, grads
+
+
+def _rel(x, ref):
+    return float((x.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30))
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])
+
+
+@pytest.mark.parametrize("setup", ["full", "lora+checkpointing", "sliding-window"])
+def test_shared_prefix_step_matches_stock_trainer(request, setup, caplog):
+    """One step with shared_prefix=True against stock trl.GRPOTrainer on the same completions and rewards: loss,
+    old-policy and reference log-probs and every gradient within the numerics rule (as
+    kvtransform.verify.check_numerics_rule: ``err(ours) <= 2 err(stock) + 1e-5``, each error relative to the same
+    trainer run in float64 -- TRL's fused LM head works in float32 even then)."""
+    kw = dict(beta=0.1, num_iterations=2)  # a reference model pass and an old-policy pass, both packed
+    tiny_dir = request.getfixturevalue("tiny_window_dir" if setup == "sliding-window" else "tiny_dir")
+    peft = None
+    if setup == "lora+checkpointing":
+        kw["gradient_checkpointing"] = True
+        peft = _lora()
+    with caplog.at_level(logging.WARNING, logger="kvtransform.integrations.trl"):
+        ours = _one_step(GRPOTrainer, tiny_dir, peft_config=peft, shared_prefix=True, **kw)
+    assert not [r for r in caplog.records if "unpacked" in r.getMessage()]  # every pass packed
+    stock = _one_step(trl.GRPOTrainer, tiny_dir, peft_config=peft, **kw)
+    ref = _one_step(trl.GRPOTrainer, tiny_dir, torch.float64, peft_config=peft, **kw)
+    pairs = [("loss", ours[0], stock[0], ref[0])]
+    pairs += [(k, ours[1][k], stock[1][k], ref[1][k]) for k in ("old_per_token_logps", "ref_per_token_logps")]
+    assert ours[2].keys() == stock[2].keys() and len(ours[2]) >= 4
+    pairs += [(n, ours[2][n], stock[2][n], ref[2][n]) for n in ours[2]]
+    for name, a, b, r in pairs:
+        assert _rel(a, r) <= 2 * _rel(b, r) + 1e-5, (name, _rel(a, r), _rel(b, r))
+    assert torch.equal(ours[1]["completion_mask"], stock[1]["completion_mask"])
+
+
+def test_unpackable_batch_runs_trl_pass_and_says_so_once(tiny_dir, caplog):
+    """Rows without a shared prompt do not pack: TRL's own pass runs (same numbers) and the log says why, once."""
+    tr = _trainer(GRPOTrainer, tiny_dir, shared_prefix=True)
+    ids = torch.randint(2, 97, (3, 9))  # prompts of 5 columns, completions of 4
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    mask[2, 7:] = 0  # right padding
+    assert plan_packing(ids, mask, 4)[1] == "no two rows share a prompt"
+    same = ids.clone()
+    same[2, :5] = same[0, :5]
+    plan, why = plan_packing(same, mask, 4)
+    assert why == "" and [rows for _, rows in plan.chunks[0]] == [[0, 2], [1]]
+    assert [[rows for _, rows in c] for c in plan_packing(same, mask, 4, batch_size=2)[0].chunks] == [[[0, 2]], [[1]]]
+    hole = mask.clone()
+    hole[0, 3] = 0
+    assert plan_packing(same, hole, 4)[1] == "the prompt mask is not left padding"
+    hole = mask.clone()
+    hole[0, 6] = 0
+    assert plan_packing(same, hole, 4)[1].startswith("a completion mask is not a prefix of ones")
+    with caplog.at_level(logging.WARNING, logger="kvtransform.integrations.trl"), torch.no_grad():
+        got = [tr._get_per_token_logps_and_entropies(tr.model, ids, mask, 4)[0] for _ in range(2)]
+        want = trl.GRPOTrainer._get_per_token_logps_and_entropies(tr, tr.model, ids, mask, 4)[0]
+    assert torch.equal(got[0], want)
+    assert [r.getMessage() for r in caplog.records if "unpacked" in r.getMessage()] == [
+        "shared_prefix: a batch runs unpacked (TRL's own pass): no two rows share a prompt"]
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(rollout="vllm"), "rollout must be None"),
+    (dict(rollout="specontext", use_vllm=True), "set use_vllm=False"),
+    (dict(rollout="specontext", repetition_penalty=1.1), "temperature / top_k / top_p only"),
+    (dict(rollout="specontext", generation_kwargs={"num_beams": 2}), "does not take generation_kwargs ['num_beams']"),
+    (dict(rollout="specontext", rollout_head="nope"), "rollout_budget / rollout_head"),
+    (dict(rollout_budget=0), "rollout_budget must be an integer >= 1"),
+])
+def test_config_refusals_are_one_line(tmp_path, kw, msg):
+    with pytest.raises(ValueError) as e:
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
+                   per_device_train_batch_size=2, **kw)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_trainer_refusals(tiny_dir, monkeypatch):
+    """Greedy rollouts at a temperature other than 1, and a model the transform cannot capture: one line each,
+    at construction."""
+    import kvtransform
+
+    with pytest.raises(ValueError, match="greedy decoding reports temperature-1 log-probs"):
+        _trainer(GRPOTrainer, tiny_dir, rollout="specontext", temperature=0.7,
+                 generation_kwargs={"do_sample": False})
+
+    def refuse(model, cfg, **kw):
+        raise ValueError("layer 0 attention: sliding window 8 is not causal attention over the cache\nmore")
+
+    monkeypatch.setattr(kvtransform, "transform", refuse)
+    with pytest.raises(ValueError) as e:
+        _trainer(GRPOTrainer, tiny_dir, rollout="specontext")
+    assert str(e.value) == ("rollout='specontext' cannot transform LlamaForCausalLM: layer 0 attention: sliding "
+                            "window 8 is not causal attention over the cache")
+
+
+def test_specontext_rollout_lora_greedy_equals_stock_and_follows_live_weights(tiny_dir, monkeypatch):
+    """rollout='specontext' with a budget >= every sequence, greedy, LoRA: the completions are the stock trainer's
+    (HF generate on the same model), the importance weights TRL computes are 1, and an in-place update of the
+    adapters reaches the next rollout (no copy); a replaced parameter makes the trainer transform again."""
+    tr = _trainer(GRPOTrainer, tiny_dir, peft_config=_lora(), shared_prefix=True, rollout="specontext",
+                  rollout_budget=64, generation_kwargs={"do_sample": False}, vllm_importance_sampling_mode="token_truncate")
+    prompt_ids = [tr._tokenizer(p)["input_ids"] for p in PROMPTS]
+
+    def both():
+        ours = tr._generate_single_turn(prompt_ids, None, {}, 1)
+        tr.use_vllm = False  # the stock path (HF generate); ours set it to get TRL's importance-sampling correction
+        try:
+            stock = trl.GRPOTrainer._generate_single_turn(tr, prompt_ids, None, {}, 1)
+        finally:
+            tr.use_vllm = True
+        return ours, stock
+
+    (ours, lps), (stock, _) = both()
+    assert ours == stock and all(len(c) == 8 for c in ours) and all(len(c) == len(lp) for c, lp in zip(ours, lps))
+    inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    m = inputs["completion_mask"].bool()
+    assert (inputs["sampling_per_token_logps"] - inputs["old_per_token_logps"])[m].abs().max() < 1e-5
+    assert (inputs["importance_sampling_ratio"][m] - 1).abs().max() < 1e-4
+    # sampled rollouts: each token's log-prob is that of the warped distribution it was drawn from
+    ids = torch.tensor([[0, 0] + prompt_ids[0][:5], prompt_ids[1][:7]])
+    am = (ids != PAD).long()
+    out = tr._kvt_rollout.generate(ids, am, max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20, seed=3,
+                                   eos_token_id=None, return_dict_in_generate=True, output_logprobs=True)
+    seq, full = out.sequences, torch.cat([am, torch.ones(2, 6, dtype=am.dtype)], 1)
+    with torch.no_grad():
+        lg = tr._kvt_base()(seq, attention_mask=full, position_ids=(full.cumsum(1) - 1).clamp(min=0)).logits
+    lg = lg[:, 6:-1] / 0.7
+    lg = lg.masked_fill(lg < lg.topk(20, dim=-1).values[..., -1:], -float("inf"))
+    want = torch.log_softmax(lg, -1).gather(-1, seq[:, 7:, None])[..., 0]
+    assert out.logprobs.shape == (2, 6) and (out.logprobs - want).abs().max() < 1e-4
+    lora = [p for n, p in tr.model.named_parameters() if "lora_" in n]
+    with torch.no_grad():
+        for p in lora:
+            p.add_(torch.randn_like(p))  # an optimizer step's kind of update: in place
+    (after, _), (stock_after, _) = both()
+    assert after == stock_after and after != ours
+    tr.args.max_steps, tr.args.logging_steps = 1, 1
+    tr.train()  # one whole TRL step: accelerate's prepare, the rollout, packed passes, the correction, the update
+    logged = tr.state.log_history[0]
+    assert abs(logged["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4 and logged["rollout/decode_tokens_per_s"] > 0
+    built = []
+    monkeypatch.setattr(tr, "_build_rollout", lambda: built.append(1) or tr._kvt_rollout)
+    tr._kvt_base().lm_head.weight = torch.nn.Parameter(tr._kvt_base().lm_head.weight.detach().clone())
+    tr._rollout_module()
+    assert built == [1]
+
+
+def test_sampler_logprobs_are_those_of_the_drawn_distribution():
+    """The runtime's sampler with logprobs: the warped (temperature, top-k, top-p) log_softmax at the drawn token;
+    greedy: the raw log_softmax at the argmax; an overflowing temperature row: 0 (its point mass)."""
+    from kvtransform.runtime.sampling import _sampler
+
+    logits = torch.randn(5, 50) * 3
+    tok, lp = _sampler(True, 0.7, 10, 0.9, 0, "cpu", logprobs=True)(logits)
+    scores = logits / 0.7
+    scores = scores.masked_fill(scores < scores.topk(10, -1).values[:, -1:], -float("inf"))
+    probs = torch.softmax(scores, -1)
+    srt, idx = probs.sort(-1, descending=True)
+    drop = (srt.cumsum(-1) - srt) > 0.9  # outside the top-p nucleus
+    scores = scores.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), -float("inf"))
+    assert torch.allclose(lp, torch.log_softmax(scores, -1).gather(1, tok[:, None])[:, 0], atol=1e-5)
+    assert torch.isfinite(lp).all() and torch.equal(tok, _sampler(True, 0.7, 10, 0.9, 0, "cpu")(logits))
+    tok, lp = _sampler(False, 1.0, None, None, None, "cpu", logprobs=True)(logits)
+    assert torch.equal(tok, logits.argmax(-1))
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).max(-1).values)
+    tok, lp = _sampler(True, 1e-38, None, None, 0, "cpu", logprobs=True)(logits)
+    assert torch.equal(tok, logits.argmax(-1)) and torch.equal(lp, torch.zeros(5))
