@@ -515,8 +515,8 @@ def dualkv_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v (with ``sinks``: also ``dsinks`` ``(H,)``, a fixed-order
-        reduction of each row's fp32 ``rowsum(P * dP) - dLSE`` from the dQ kernel); the shared prefix's dK/dV include the contributions of every response of its group plus its own
-        causal part.
+        reduction of each row's fp32 ``rowsum(P * dP) - dLSE`` from the dQ kernel); the shared prefix's dK/dV
+        include the contributions of every response of its group plus its own causal part.
     """
     t = q.shape[0]
     cub, ctx, plan = _dualkv_plan(cu_seqlens, segment_prefix, t, assert_layout)
