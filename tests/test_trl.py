@@ -171,6 +171,21 @@ def test_config_refusals_are_one_line(tmp_path, kw, msg):
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
+def test_sequence_level_correction_with_sparse_rollouts_is_warned(tmp_path, caplog):
+    """Sparse rollouts shorter than the budget would cover: TRL's sequence-level correction is warned about (it masks
+    most long sparse rollouts, docs/ROLLOUT_MISMATCH.md); token_truncate, or a budget covering every rollout, is not."""
+    def cfg(**kw):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvtransform.integrations.trl"):
+            GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
+                       per_device_train_batch_size=2, rollout="specontext", max_completion_length=64, **kw)
+        return [r.getMessage() for r in caplog.records if "token_truncate" in r.getMessage()]
+
+    assert cfg(rollout_budget=16, vllm_importance_sampling_mode="sequence_mask")
+    assert not cfg(rollout_budget=16, vllm_importance_sampling_mode="token_truncate")
+    assert not cfg(rollout_budget=10 ** 9, vllm_importance_sampling_mode="sequence_mask")
+
+
 def test_trainer_refusals(tiny_dir, monkeypatch):
     """Greedy rollouts at a temperature other than 1, and a model the transform cannot capture: one line each,
     at construction."""

@@ -97,6 +97,20 @@ class GRPOConfig(trl.GRPOConfig):
         if extra:
             raise ValueError(f"rollout='specontext' does not take generation_kwargs {extra} (it samples with "
                              f"do_sample / temperature / top_k / top_p)")
+        mode = str(getattr(self, "vllm_importance_sampling_mode", ""))
+        if mode.startswith("sequence") and self.rollout_budget < self._rollout_context_bound():
+            # docs/ROLLOUT_MISMATCH.md: the product of a sparse rollout's token weights reaches e^-100 and below
+            logger.warning("rollout='specontext' with vllm_importance_sampling_mode=%r: a sequence-level weight of a "
+                           "sparse rollout is the product of its token weights (measured e^-80 to e^-600 over 4K "
+                           "tokens, docs/ROLLOUT_MISMATCH.md) and masks or shrinks most long rollouts; "
+                           "vllm_importance_sampling_mode='token_truncate' keeps them", mode)
+
+    def _rollout_context_bound(self) -> int:
+        """Tokens a rollout can hold (prompt + completion) when TRL's config bounds them, else a large number: a
+        budget at least this long makes every step dense, and the weights 1."""
+        prompt = getattr(self, "max_prompt_length", None) or 10 ** 9
+        completion = getattr(self, "max_completion_length", None) or 10 ** 9
+        return min(10 ** 9, int(prompt) + int(completion))
 
 
 class GRPOTrainer(trl.GRPOTrainer):
