@@ -299,6 +299,15 @@ def check_exactness(model, opt, batch: Batch, advantages: Optional[torch.Tensor]
     return res
 
 
+def _float64_experts(ref: torch.nn.Module) -> torch.nn.Module:
+    """``ref`` (a float64 copy) with mixture-of-experts layers on transformers' per-expert loop (``'eager'``): the
+    default ``'grouped_mm'`` experts have no float64 kernel, and the loop computes the same per-expert products."""
+    impl = getattr(getattr(ref, "config", None), "_experts_implementation", None)
+    if impl not in (None, "eager") and hasattr(ref, "set_experts_implementation"):
+        ref.set_experts_implementation("eager")
+    return ref
+
+
 def check_numerics_rule(model, opt, batch: Batch, advantages: Optional[torch.Tensor] = None,
                         floor: float = 1e-5, original_runs: tuple = ("separate", "padded")) -> dict:
     """The project's numerics rule for the DualKV module, per tensor, against a float64 run of the original model.
@@ -358,7 +367,7 @@ def check_numerics_rule(model, opt, batch: Batch, advantages: Optional[torch.Ten
     if not params:
         raise ValueError("no parameter of the model requires grad: unfreeze the ones to check (requires_grad_)")
     names, ps = [nm for nm, _ in params], [p for _, p in params]
-    ref = copy.deepcopy(model).to(torch.float64)
+    ref = _float64_experts(copy.deepcopy(model).to(torch.float64))
     p64 = dict(trainable_parameters(ref))
     missing = [nm for nm in names if nm not in p64]
     if missing:

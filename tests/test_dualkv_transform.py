@@ -289,6 +289,7 @@ def _real_batch(tok, vocab, spec, gen):
     return kvt.pack_shared_prefix_groups([(piece(p), [piece(r) for r in rs]) for p, rs in spec], vocab_size=vocab)
 
 
+@pytest.mark.xdist_group("smollm2-dualkv")  # one worker transforms SmolLM2 once for both cases (module fixture)
 @pytest.mark.parametrize("spec", [[(17, [6, 1, 9])], [(12, [4, 7]), (5, [3])]], ids=["one-group", "two-groups"])
 def test_exact_real_smollm2(smollm2, spec):
     """The numerics rule on every tensor (log-probs and each of the 30-layer model's parameter gradients): the packed

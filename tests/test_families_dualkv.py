@@ -22,12 +22,9 @@ TRAJECTORIES = [[5, 9, 14, 3, 22, 7, 31, 12, 40, 17, 50, 51], [5, 9, 14, 3, 22, 
 
 
 def _tiny(family, **overrides):
-    """The family's tiny model in eager attention; MoE experts in transformers' eager loop (its default
-    ``grouped_mm`` has no float64 kernel, and the numerics rule runs a float64 copy)."""
-    model = tiny_model(family, attn_implementation="eager", **overrides)
-    if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
-        model.set_experts_implementation("eager")
-    return model
+    """The family's tiny model in eager attention; MoE experts on transformers' default ``grouped_mm`` (the numerics
+    rule's float64 copy runs them as the per-expert loop, which has a float64 path)."""
+    return tiny_model(family, attn_implementation="eager", **overrides)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
