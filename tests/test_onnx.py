@@ -388,40 +388,20 @@ def test_existing_file_is_replaced_only_with_overwrite(tmp_path, tiny, monkeypat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transform", ["canonical"])  # DualKV's export: the tiny-model tests above (suite time)
-def test_real_model_onnx(tmp_path, transform):
-    """SmolLM2-135M end to end: every site rewritten and verified (canonical: the artifact reloads with the same
-    logits); the ONNX file loads in onnxruntime and its logits match the module (rel 5e-4, fp32) on
-    inputs of other batch sizes / lengths than the exported example."""
+def test_real_model_canonical_round_trip(tmp_path):
+    """SmolLM2-135M end to end: every site rewritten and verified, and the artifact reloads with the same logits.
+    Its ONNX export (checked in onnxruntime by ``export_onnx`` before the file is written) runs in the README test
+    (``tests/test_readme.py``); dynamic batch sizes and lengths of exported files are checked on tiny models above."""
     model, tok = kvt.load_model("smollm2-135m")
-    opt = kvt.transform(model, transform, tokenizer=tok, progress=False)
+    opt = kvt.transform(model, "canonical", tokenizer=tok, progress=False)
     r = opt.report
-    assert len(r.sites) == 30 and r.count(transform) == 30 and r.verification.passed
+    assert len(r.sites) == 30 and r.count("canonical") == 30 and r.verification.passed
     assert {(s.q_heads, s.kv_heads, s.head_dim) for s in r.sites} == {(9, 3, 64)}
-    if transform == "canonical":  # the end-to-end path of the default model: artifact round trip too
-        assert r.verification.max_rel_error < 1e-5
-        ids = tok("The library on the hill keeps its oldest maps", return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            torch.testing.assert_close(kvt.load(opt.save(tmp_path / "smol"))(ids),
-                                       model(input_ids=ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
-    path = opt.export_onnx(tmp_path / "m.onnx", tokenizer=tok)
-    sess = ort.InferenceSession(str(path))
-    gen = torch.Generator().manual_seed(0)
-    if transform == "canonical":
-        cases = []
-        for b, s in [(1, 9), (3, 40)]:
-            ids = torch.randint(0, model.config.vocab_size, (b, s), generator=gen)
-            am = torch.ones_like(ids)
-            am[-1, :3] = 0
-            cases.append({"input_ids": ids, "attention_mask": am})
-    else:
-        ids = torch.randint(0, model.config.vocab_size, (40,), generator=gen).tolist()
-        b = kvt.pack_shared_prefix_groups([(ids[:12], [ids[12:20], ids[20:23]]), (ids[23:30], [ids[30:40]])])
-        cases = [dict(zip(opt.core_input_names, opt.core_inputs(b)))]
-    # onnxruntime and torch reduce fp32 sums in other orders (and thread counts): on random token ids the 30-layer
-    # model's logits measured up to 2.4e-4 relative apart with 2 threads, 2.8e-5 on short inputs.
-    for feeds in cases:
-        assert ox.compare_onnx(path, opt.core, feeds, session=sess)[1] < 5e-4
+    assert r.verification.max_rel_error < 1e-5
+    ids = tok("The library on the hill keeps its oldest maps", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(kvt.load(opt.save(tmp_path / "smol"))(ids),
+                                   model(input_ids=ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_cli_emit_onnx(tmp_path, monkeypatch, capsys):
