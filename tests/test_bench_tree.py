@@ -131,11 +131,13 @@ def test_tree_layer_smoke(tmp_path):
     assert rows[1]["check_rel_err"] < 1e-4 and rows[0]["op"] == "decoder_layer"
 
 
-def test_kernel_check_under_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("variants", [None, {"window": 3, "softcap": 5.0, "sinks": True}])
+def test_kernel_check_under_the_interpreter(monkeypatch, capsys, variants):
     from kvtransform.bench.checks_tree import check_prefix_tree_kernels
     from kvtransform.ops import prefix_tree as op
 
     monkeypatch.setattr(op, "USE_TRITON_ON_CPU", True)  # the registered op runs the kernels, as on CUDA
     tiny = ("tiny", agentic_tree(5, (2, 1), [1, 3], 0), 2, 1, 16)
-    ok, worst = check_prefix_tree_kernels("cpu", cases=[tiny], dtypes=(torch.float16,))
+    ok, worst = check_prefix_tree_kernels("cpu", cases=[tiny], dtypes=(torch.float16,), variants=variants)
     assert ok and 0 <= worst <= 1
+    assert ("dsinks" in capsys.readouterr().out) == bool(variants)

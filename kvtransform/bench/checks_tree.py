@@ -35,47 +35,59 @@ def tree_cases(device) -> list:
     ]
 
 
-def check_tree_case(name: str, lay, h: int, h_kv: int, d: int, dtype, device) -> tuple:
-    """One tree in one dtype: ``(ok, worst error / bound)``; prints its table row."""
+def check_tree_case(name: str, lay, h: int, h_kv: int, d: int, dtype, device, variants: Optional[dict] = None) -> tuple:
+    """One tree in one dtype: ``(ok, worst error / bound)``; prints its table row. ``variants``: ``window`` /
+    ``softcap`` / ``sinks`` (``True``: random per-head sink logits, checked with their gradient ``dsinks``), as the
+    kernels take them (``kernels/attention_tiles.py``)."""
     import kvtransform as kvt
     from kvtransform.kernels import prefix_tree as K
 
     t = lay.total_tokens
     scale = d ** -0.5
     q, k, v, do = (torch.randn(t, hh, d, device=device, dtype=dtype) for hh in (h, h_kv, h_kv, h))
+    var = {k_: v_ for k_, v_ in (variants or {}).items() if v_ is not None and v_ is not False}
+    if var.get("sinks") is not None:
+        var["sinks"] = torch.randn(h, device=device) * 2
     f64 = [x.double() for x in (q, k, v, do)]
+    var64 = {**var, "sinks": var["sinks"].double()} if "sinks" in var else var
     with torch.no_grad():
-        ref_out, ref_lse = K.prefix_tree_attention_reference(*f64[:3], lay, scale)
-        ref_grads = K.prefix_tree_attention_reference_backward(f64[3], None, *f64[:3], lay, scale)
-    qp, kp, vp = (x.clone().requires_grad_(True) for x in (q, k, v))
-    pt_out, pt_lse = K.prefix_tree_attention_reference(qp, kp, vp, lay, scale, upcast=False)
-    pt_grads = torch.autograd.grad(pt_out, (qp, kp, vp), do)
-    del qp, kp, vp
-    out, lse = K.prefix_tree_fwd(q, k, v, lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges, scale)
+        ref_out, ref_lse = K.prefix_tree_attention_reference(*f64[:3], lay, scale, **var64)
+        ref_grads = K.prefix_tree_attention_reference_backward(f64[3], None, *f64[:3], lay, scale, **var64)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    if "sinks" in var:
+        leaves.append(var["sinks"].clone().requires_grad_(True))
+    pt_out, pt_lse = K.prefix_tree_attention_reference(*leaves[:3], lay, scale, upcast=False,
+                                                       **{**var, **({"sinks": leaves[3]} if "sinks" in var else {})})
+    pt_grads = torch.autograd.grad(pt_out, leaves, do)
+    del leaves
+    out, lse = K.prefix_tree_fwd(q, k, v, lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges, scale, **var)
     bargs = (lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges, lay.query_range_ptr, lay.query_ranges, scale)
-    grads = K.prefix_tree_bwd(do, q, k, v, out, lse, *bargs)
-    again = K.prefix_tree_bwd(do, q, k, v, out, lse, *bargs)
+    grads = K.prefix_tree_bwd(do, q, k, v, out, lse, *bargs, **var)
+    again = K.prefix_tree_bwd(do, q, k, v, out, lse, *bargs, **var)
     ok, worst, cells = True, 0.0, []
-    for nm, a, p, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (pt_out, pt_lse, *pt_grads),
+    for nm, a, p, r in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse, *grads), (pt_out, pt_lse, *pt_grads),
                            (ref_out, ref_lse, *ref_grads)):
         good, ratio, cell = _verdict(nm, a, p, r, FLOOR[dtype])
         ok, worst = ok and good, max(worst, ratio if ratio == ratio else float("inf"))
         cells.append(cell.rsplit(" | ", 1)[0].replace(" | ", " ", 1).replace(" | ", "/"))
     det = all(torch.equal(a, b) for a, b in zip(grads, again))
     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))  # the registered op through autograd
-    op_out = kvt.prefix_tree_attention(qq, kk, vv, lay, softmax_scale=scale)
+    op_out = kvt.prefix_tree_attention(qq, kk, vv, lay, softmax_scale=scale, **var)
     op_grads = torch.autograd.grad(op_out, (qq, kk, vv), do)
-    same = torch.equal(op_out, out) and all(torch.equal(a, b) for a, b in zip(op_grads, grads))
+    same = torch.equal(op_out, out) and all(torch.equal(a, b) for a, b in zip(op_grads, grads[:3]))
     ok = ok and det and same
-    print(f"| {name} | T={t} depth={lay.depth} | {h}/{h_kv} | {d} | {str(dtype)[6:]} | {' · '.join(cells)} | "
+    tag = "".join(f" {k_}={v_ if k_ != 'sinks' else 'yes'}" for k_, v_ in sorted(var.items()))
+    print(f"| {name}{tag} | T={t} depth={lay.depth} | {h}/{h_kv} | {d} | {str(dtype)[6:]} | {' · '.join(cells)} | "
           f"{worst:.3f} | {det} | {same} | {'ok' if ok else 'FAIL'} |", flush=True)
     return ok, worst
 
 
 def check_prefix_tree_kernels(device, cases: Optional[Sequence] = None,
-                              dtypes: Sequence = (torch.bfloat16, torch.float16)) -> tuple:
+                              dtypes: Sequence = (torch.bfloat16, torch.float16),
+                              variants: Optional[dict] = None) -> tuple:
     """The checks of the module docstring on :func:`tree_cases` (``cases``: indices into them, or explicit
-    ``(name, layout, H, H_kv, D)`` tuples). Returns ``(ok, worst error / bound)``."""
+    ``(name, layout, H, H_kv, D)`` tuples), with the attention ``variants`` of :func:`check_tree_case`. Returns
+    ``(ok, worst error / bound)``."""
     device = torch.device(device)
     every = tree_cases(device)
     chosen = every if cases is None else [every[c] if isinstance(c, int) else c for c in cases]
@@ -86,7 +98,7 @@ def check_prefix_tree_kernels(device, cases: Optional[Sequence] = None,
     ok, worst = True, 0.0
     for dtype in dtypes:
         for name, lay, h, h_kv, d in chosen:
-            good, w = check_tree_case(name, lay, h, h_kv, d, dtype, device)
+            good, w = check_tree_case(name, lay, h, h_kv, d, dtype, device, variants)
             ok, worst = ok and good, max(worst, w)
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -273,6 +273,7 @@ class Flex(AttnMethod):
 
     name = "flex"
     rebuild = False
+    takes_variants = True  # soft-capping only, as a score_mod (FlexAttention's own soft-cap example)
     mask_mod_of = staticmethod(masks.shared_prefix_mask_mod)
     block_mask_of = staticmethod(masks.shared_prefix_block_mask)
 
@@ -284,6 +285,10 @@ class Flex(AttnMethod):
             raise Unavailable(f"flex_attention not in this torch: {e}")
         if device.type == "cpu":
             raise Unavailable("FlexAttention has no backward on CPU")
+        if set(self.variants) - {"softcap"}:
+            raise Unavailable(f"{self.name} takes softcap as a score_mod; window and sinks only dualkv does")
+        cap = self.variants.get("softcap")
+        self.score_mod = None if cap is None else (lambda s, b, h, q_idx, kv_idx: cap * torch.tanh(s / cap))
         comp = cfg.flex_compile
         comp = (device.type == "cuda") if comp == "auto" else str(comp).lower() in ("1", "true", "yes")
         self.T = int(layout.total_tokens)
@@ -317,7 +322,7 @@ class Flex(AttnMethod):
 
     def __call__(self, q, k, v):
         o = self.fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                    block_mask=self.block_mask, enable_gqa=True)
+                    block_mask=self.block_mask, score_mod=self.score_mod, enable_gqa=True)
         return o[0].transpose(0, 1)
 
 
@@ -447,6 +452,7 @@ class FlexCompiled(Flex):
     """The whole decoder layer under ``torch.compile`` around flex_attention (block mask built once, a graph input)."""
 
     name = "flex_compiled"
+    takes_variants = False  # the compiled layer calls flex_attention without a score_mod
 
     def setup(self, layout, cfg, device):
         super().setup(layout, cfg, device)

@@ -146,6 +146,7 @@ class FlexTreeCompiled(FlexTree):
     """The whole decoder layer under ``torch.compile`` around flex_attention with the tree block mask."""
 
     name = "flex_tree_compiled"
+    takes_variants = False  # the compiled layer calls flex_attention without a score_mod
 
     def setup(self, layout, cfg, device):
         super().setup(layout, cfg, device)
