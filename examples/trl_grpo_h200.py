@@ -72,6 +72,8 @@ def rollout_hf(model, a, prompts):
         t1, _ = cuda_time(lambda: model.generate(ctx, max_new_tokens=1, **gen))
         tk, _ = cuda_time(lambda: model.generate(ctx, max_new_tokens=a.probe + 1, **gen))
         total += t_pre + a.completion * (tk - t1) / a.probe
+        print(f"[stock] {rows.shape[0]} rows: prefill {t_pre:.2f} s, decode step {(tk - t1) / a.probe * 1e3:.2f} ms at "
+              f"context {mid}", flush=True)
     return total
 
 
@@ -87,6 +89,8 @@ def rollout_sp(sp, a, prompts, logprobs: bool):
         pre = sp.generate(rows, max_new_tokens=1, **kw).stats
         st = sp.generate(ctx, max_new_tokens=a.probe, **kw).stats
         total += pre.prefill_s + a.completion * st.ms_per_step / 1000
+        print(f"[{'ours' if logprobs else 'dense'}] {rows.shape[0]} rows: prefill {pre.prefill_s:.2f} s, decode step "
+              f"{st.ms_per_step:.2f} ms at context {mid}", flush=True)
     return total
 
 
@@ -194,6 +198,8 @@ def main():
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--rollout-only", action="store_true", help="time the rollouts only (the passes' cost scales "
+                                                                   "with layers and tokens, not with the decoder)")
     p.add_argument("--csv", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (use tiny sizes)")
     a = p.parse_args()
@@ -220,7 +226,10 @@ def main():
         if packed:
             enable(model, "dualkv")
         torch.manual_seed(1)  # the same synthetic batch for every set-up
-        if not packed and unpacked is not None:  # stock and dense run the same unpacked passes: timed once
+        if a.rollout_only:
+            t_lp = t_up = float("nan")
+            lp = torch.zeros(1)
+        elif not packed and unpacked is not None:  # stock and dense run the same unpacked passes: timed once
             t_lp, t_up, lp = unpacked
         else:
             t_lp, t_up, lp = passes(model, a, packed)
@@ -230,7 +239,7 @@ def main():
         if lp_ref is None:
             lp_ref = lp
         diff = float((lp.float() - lp_ref.float()).abs().max())
-        rows.append((setup, t_roll, t_lp, t_up, t_roll + t_lp + t_up, diff))
+        rows.append((setup, t_roll, t_lp, t_up, t_roll + (0.0 if a.rollout_only else t_lp + t_up), diff))
         print(f"[{setup}] rollout {t_roll:.1f} s, log-prob passes {t_lp:.1f} s, update {t_up:.1f} s; old log-probs "
               f"max|diff| vs {rows[0][0]} {diff:.3g}", flush=True)
         if DEV == "cuda":
