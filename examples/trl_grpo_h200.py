@@ -86,13 +86,17 @@ def rollout_sp(sp, a, prompts, logprobs: bool):
         ctx = torch.randint(1, a.vocab, (rows.shape[0], mid), device=DEV)
         kw = dict(do_sample=True, temperature=1.0, eos_token_id=None, seed=0, return_dict_in_generate=True,
                   output_logprobs=logprobs, progress=False)
-        sp.generate(ctx, max_new_tokens=a.probe, **kw)  # warm-up (Triton compiles, allocator)
+        for n in (4, a.probe + 4):  # warm-up at both timed lengths (Triton compiles and autotunes per cache size)
+            sp.generate(ctx, max_new_tokens=n, **kw)
         pre = sp.generate(rows, max_new_tokens=1, **kw).stats
         # each generate call captures its CUDA graph and refreshes the fused weights once (≈ 0.5 s at 8B, paid once
         # per rollout of thousands of steps): the difference of two runs is the steady decode step
         short = sp.generate(ctx, max_new_tokens=4, **kw).stats
         st = sp.generate(ctx, max_new_tokens=a.probe + 4, **kw).stats
         step_s = (st.decode_s - short.decode_s) / max(st.decode_steps - short.decode_steps, 1)
+        if step_s <= 0:
+            raise RuntimeError(f"decode step timed at {step_s * 1e3:.2f} ms: the {a.probe + 4}-token call was not "
+                               f"slower than the 4-token one (an uncompiled shape?); raise --probe")
         total += pre.prefill_s + short.decode_s + (a.completion - 4) * step_s
         print(f"[{'ours' if logprobs else 'dense'}] {rows.shape[0]} rows: prefill {pre.prefill_s:.2f} s, decode step "
               f"{step_s * 1e3:.2f} ms at context {mid} (one call's capture + first steps {short.decode_s:.2f} s)",
