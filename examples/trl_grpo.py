@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import re
+import statistics
 import time
 from collections import defaultdict
 
@@ -219,8 +220,8 @@ def main():
     rows = {s: run(s, copy.deepcopy(model), tok, data, a) for s in a.setups.split(",")}
     if "stock" in rows and len(rows) > 1:
         print("\nmedian per step (s): " + "; ".join(
-            f"{s}: rollout {sorted(r['rollout'] for r in v)[len(v) // 2]:.2f}, logprob "
-            f"{sorted(r['logprob'] for r in v)[len(v) // 2]:.2f}, update {sorted(r['update'] for r in v)[len(v) // 2]:.2f}"
+            f"{s}: rollout {statistics.median(r['rollout'] for r in v):.2f}, logprob "
+            f"{statistics.median(r['logprob'] for r in v):.2f}, update {statistics.median(r['update'] for r in v):.2f}"
             for s, v in rows.items()))
     raise SystemExit(0 if ok else 1)
 
