@@ -89,5 +89,18 @@ def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
     report = Report.from_dict(json.loads((path / "report.json").read_text())) if (path / "report.json").exists() \
         else Report()
     meta = json.loads((path / "meta.json").read_text()) if (path / "meta.json").exists() else {}
+    _register_transformers_ops()
     with stage(progress, f"loading the {config.name} artifact {path}"):
         return check_available(config).module_type.from_artifact(path, config, report, meta)
+
+
+def _register_transformers_ops() -> None:
+    """Register the custom ops that transformers defines on import and a captured program may call
+    (``transformers::grouped_mm_fallback``, the mixture-of-experts kernel of ``capture_rewrites``): a saved
+    program that holds one deserialises only once its op exists, and a fresh process has not imported them."""
+    import importlib
+
+    try:
+        importlib.import_module("transformers.integrations.moe")
+    except ImportError:  # a transformers without it has no such op to register
+        pass

@@ -198,6 +198,23 @@ def test_optimize_tiny_model(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["artifact", "tiny-llama"]  # Hydra wrote nothing else in cwd
 
 
+def test_optimize_removes_an_artifact_that_does_not_reload(tmp_path, capsys, monkeypatch):
+    """A reload-check failure is one `error:` line, and the artifact that failed it is not left on disk."""
+    from kvtransform.cli import optimize
+    from kvtransform.models import tiny_model
+
+    def broken(opt, out, tok):
+        raise optimize.ArtifactReloadError(f"the artifact {out} does not load in a fresh Python process: boom")
+
+    monkeypatch.setattr(optimize, "reload_check", broken)
+    model_dir = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(model_dir)
+    out = tmp_path / "artifact"
+    rc, _, err = _run(["optimize", str(model_dir), f"out={out}", "transform.verify.lengths=[5]"], capsys)
+    assert rc == 2 and "boom; the artifact was removed" in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
 def test_inspect_tiny_model(tmp_path, capsys):
     from kvtransform.models import tiny_model
 

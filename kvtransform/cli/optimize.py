@@ -6,6 +6,7 @@ structured configs of :mod:`.schema`; see :mod:`kvtransform.cli` for the error c
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,11 @@ from .hydra_app import run_hydra
 from .schema import EMIT_KINDS
 from .steps import step_for
 
-__all__ = ["main", "reload_check", "run_optimize"]
+__all__ = ["main", "ArtifactReloadError", "reload_check", "run_optimize"]
+
+
+class ArtifactReloadError(RuntimeError):
+    """The written artifact does not load in a fresh process, or gives other outputs there (the CLI removes it)."""
 
 _T_START = time.perf_counter()  # process start, near enough: the wall time printed by optimize counts from here
 
@@ -31,7 +36,8 @@ def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
     (a user's ``kvt.load`` sees only what importing kvtransform registers). Returns ``(max abs error, shape)``.
 
     Raises:
-        RuntimeError: the reloaded artifact fails to load or gives different outputs.
+        ArtifactReloadError: the reloaded artifact fails to load or gives different outputs; the message carries
+            the fresh process's last error line and its first warning (what a ``torch.export.load`` failure names).
     """
     import json
     import subprocess
@@ -49,11 +55,13 @@ def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
                               capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the artifact {out} does not load in a fresh Python process: {tail}")
+        err_lines = proc.stderr.strip().splitlines() or ["no output"]
+        warned = [ln.strip() for ln in err_lines[:-1] if "Warning" in ln or "warn" in ln]
+        why = err_lines[-1].strip() + (f" (first warning there: {warned[0]})" if warned else "")
+        raise ArtifactReloadError(f"the artifact {out} does not load in a fresh Python process: {why}")
     res = json.loads(lines[-1])
     if proc.returncode != 0:
-        raise RuntimeError(f"the artifact reloaded from {out} in a fresh process gives different outputs (max abs "
+        raise ArtifactReloadError(f"the artifact reloaded from {out} in a fresh process gives different outputs (max abs "
                            f"error {res['max_abs_error']:.3g}, shape {res['shape']} vs {list(want.shape)})")
     return res["max_abs_error"], tuple(want.shape)
 
@@ -126,8 +134,12 @@ def run_optimize(cfg: DictConfig) -> dict:
             opt.save(str(out), overwrite=cfg.overwrite, progress=False)
         t3 = time.perf_counter()
         console.print(f"[bold]Saved[/bold] artifact to {out}")
-        with stage(True, "reloading the artifact in a fresh Python process and comparing outputs"):
-            err, shape = reload_check(opt, out, tok)
+        try:
+            with stage(True, "reloading the artifact in a fresh Python process and comparing outputs"):
+                err, shape = reload_check(opt, out, tok)
+        except ArtifactReloadError as e:  # nothing that does not reload stays on disk
+            shutil.rmtree(out, ignore_errors=True)
+            raise ArtifactReloadError(f"{e}; the artifact was removed (KVT_DEBUG=1 shows the traceback)") from e
         t4 = time.perf_counter()
         console.print(f"[bold]Reloaded[/bold] {out} in a fresh process: same outputs on a {shape} probe (max abs "
                       f"diff {err:.2g})")
