@@ -24,6 +24,24 @@ def _seed_everything():
     yield seed
 
 
+def left_pad(rows, pad: int = 0) -> tuple:
+    """1-D token-id tensors of different lengths as one left-padded batch: ``(input_ids, attention_mask)``, both
+    int64 ``(len(rows), longest)``, ``pad`` in the padding."""
+    s = max(len(r) for r in rows)
+    ids = torch.full((len(rows), s), pad, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, s - len(r):] = r
+        am[b, s - len(r):] = 1
+    return ids, am
+
+
+@pytest.fixture
+def left_padded():
+    """:func:`left_pad`, for tests that batch prompts of different lengths (SpeContext ``generate``)."""
+    return left_pad
+
+
 def pytest_runtest_makereport(item, call):
     if call.when == "call" and call.excinfo is not None:
         seed = item.funcargs.get("_seed_everything")

@@ -83,16 +83,6 @@ def test_window_is_over_each_sequences_own_positions():
     assert not torch.allclose(la[:TINY_WINDOW], lb[:TINY_WINDOW])  # inside the window it matters
 
 
-def _left_padded(rows, pad=0):
-    s = max(len(r) for r in rows)
-    ids = torch.full((len(rows), s), pad, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, s - len(r):] = r
-        am[b, s - len(r):] = 1
-    return ids, am
-
-
 def _opt_in(*families):
     """Parameters for ``families`` that run only with ``KVT_ALL_FAMILIES=1``: a SpeContext transform costs two
     ``torch.export`` captures (~6 s each on 2 cores), and the suite's time budget holds one (gpt-oss: window and
@@ -130,7 +120,7 @@ def _specontext(model):
     return kvt.transform(model, cfg, progress=False)
 
 
-def _check_specontext_exact(model, sp):
+def _check_specontext_exact(model, sp, left_padded):
     assert sp.report.count("sparse_decode") == model.config.num_hidden_layers
     layer_types = getattr(model.config, "layer_types", None) or []
     if layer_types:
@@ -138,7 +128,7 @@ def _check_specontext_exact(model, sp):
                                                        for t in layer_types]
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 128, (n,), generator=g) for n in (5, 19, 12)]
-    ids, am = _left_padded(rows)
+    ids, am = left_padded(rows)
     out = sp.generate(ids, am, max_new_tokens=8, eos_token_id=None)
     with torch.no_grad():
         for b, r in enumerate(rows):
@@ -147,18 +137,18 @@ def _check_specontext_exact(model, sp):
             assert torch.equal(out[b, ids.shape[1]:], want), b
 
 
-def test_specontext_budget_covering_context_equals_hf_generate(sp_gpt_oss):
+def test_specontext_budget_covering_context_equals_hf_generate(sp_gpt_oss, left_padded):
     """SpeContext at a budget >= the context on gpt-oss (window and global layers, sinks, experts): HF
     ``generate``'s greedy tokens for each row of a left-padded batch (window layers attend densely to their window,
     global layers to every token)."""
-    _check_specontext_exact(*sp_gpt_oss)
+    _check_specontext_exact(*sp_gpt_oss, left_padded)
 
 
 @pytest.mark.parametrize("family", _opt_in("gemma2", "gemma3", "qwen3_moe", "phi3"))
-def test_specontext_other_families_equal_hf_generate(family):
+def test_specontext_other_families_equal_hf_generate(family, left_padded):
     """As above for the other families (extended set: ``KVT_ALL_FAMILIES=1``)."""
     model = _tiny(family)
-    _check_specontext_exact(model, _specontext(model))
+    _check_specontext_exact(model, _specontext(model), left_padded)
 
 
 @pytest.mark.parametrize("budget", [3, 16])

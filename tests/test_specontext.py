@@ -16,16 +16,6 @@ def _transform(model, **cfg):
     return kvt.transform(model, kvt.SpeContextConfig(**cfg), progress=False)
 
 
-def _left_padded(rows, pad=0):
-    s = max(len(r) for r in rows)
-    ids = torch.full((len(rows), s), pad, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, s - len(r):] = r
-        am[b, s - len(r):] = 1
-    return ids, am
-
-
 def _hf_greedy(model, row, n, eos=None):
     with torch.no_grad():
         out = model.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long),
@@ -45,14 +35,14 @@ def sp_llama(llama):
 
 @pytest.mark.parametrize("family,head", [("llama", "quest"), ("qwen2", "dense"), ("qwen3", "oracle"),
                                          ("mistral", "recent")])
-def test_exact_when_budget_covers_context(family, head):
+def test_exact_when_budget_covers_context(family, head, left_padded):
     model = tiny_model(family)
     sp = _transform(model, budget=256, head=head)
     assert sp.report.count("sparse_decode") == model.config.num_hidden_layers
     assert sp.report.verification.passed
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 128, (n,), generator=g) for n in (5, 47, 20)]
-    ids, am = _left_padded(rows)
+    ids, am = left_padded(rows)
     out = sp.generate(ids, am, max_new_tokens=16, eos_token_id=None, return_dict_in_generate=True)
     assert out.sequences.shape == (3, ids.shape[1] + 16)
     assert torch.equal(out.sequences[:, :ids.shape[1]], ids)
@@ -89,12 +79,12 @@ def _recent_reference(model, prompt, n_new, budget, sink):
     return seq[p:]
 
 
-def test_recent_head_attends_exactly_the_chosen_positions(llama):
+def test_recent_head_attends_exactly_the_chosen_positions(llama, left_padded):
     budget, sink = 12, 3
     sp = _transform(llama, budget=budget, num_sink=sink, head="recent")
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, 128, (n,), generator=g) for n in (30, 9)]
-    ids, am = _left_padded(rows)
+    ids, am = left_padded(rows)
     out = sp.generate(ids, am, max_new_tokens=10, eos_token_id=None)
     for b, r in enumerate(rows):
         assert torch.equal(out[b, ids.shape[1]:], _recent_reference(llama, r, 10, budget, sink)), b
@@ -174,12 +164,12 @@ def test_temperature_that_overflows_the_logits_samples_greedily(sp_llama):
     assert _sampler(True, 1e-38, 2, 0.5, 0, "cpu")(logits).tolist() == [1, 1, 1]  # with top-k / top-p too
 
 
-def test_per_row_eos_stop_matches_hf(llama, sp_llama):
+def test_per_row_eos_stop_matches_hf(llama, sp_llama, left_padded):
     g = torch.Generator().manual_seed(5)
     rows = [torch.randint(3, 128, (n,), generator=g) for n in (11, 6)]
     free = _hf_greedy(llama, rows[0], 10)
     eos = int(free[3])  # row 0 emits it at step 3 (or earlier)
-    ids, am = _left_padded(rows)
+    ids, am = left_padded(rows)
     out = sp_llama.generate(ids, am, max_new_tokens=10, eos_token_id=eos, pad_token_id=0)
     for b, r in enumerate(rows):
         ref = _hf_greedy(llama, r, 10, eos=eos)
@@ -363,13 +353,13 @@ def test_sliding_window_model_decodes_within_its_window():
 
 # ---- real model ---------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_real_model_exact_5_200_1500():
+def test_real_model_exact_5_200_1500(left_padded):
     from kvtransform.verify import text_token_ids
 
     model, tok = kvt.load_model("smollm2-135m")
     vocab = model.config.vocab_size
     rows = [text_token_ids(tok, vocab, n, offset=o) for n, o in ((5, 0), (200, 40), (1500, 300))]
-    ids, am = _left_padded(rows, pad=tok.pad_token_id or 0)
+    ids, am = left_padded(rows, pad=tok.pad_token_id or 0)
     refs = [_hf_greedy(model, r, 32) for r in rows]
     sp = _transform(model, budget=2048, head="quest")
     dense = type(sp)(sp.core["prefill"], sp.core["decode"], kvt.SpeContextConfig(budget=2048, head="dense"),
