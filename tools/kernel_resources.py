@@ -47,8 +47,9 @@ def _ptxas() -> str:
 
 
 def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bool = False, pack: int = 1,
-                   dtype: str = "bf16", head_dim: int = 128):
-    """The compiled kernel ``kind`` (:data:`KERNELS`) for sm_90a with the given launch config."""
+                   dtype: str = "bf16", head_dim: int = 128, softcap: bool = False):
+    """The compiled kernel ``kind`` (:data:`KERNELS`) for sm_90a with the given launch config (``softcap``: the
+    soft-capped variant, with the GPU's ``tanh.approx`` as bf16/fp16 inputs get it)."""
     fn = KERNELS[kind]
     d_pad = max(16, 1 << (head_dim - 1).bit_length())
     # the descriptor's block: K/V blocks (fwd, dQ) or Q/dO blocks (dK/dV)
@@ -57,7 +58,9 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
     if kind in ("fwd", "dq"):
         const["PACK"] = pack
     if kind == "fwd":
-        const["SCALE_POS"] = True
+        const["SCALE_POS"] = not softcap
+    if softcap:
+        const["SOFTCAP"] = const["FAST_TANH"] = True
     for name in _DESCRIPTORS[kind]:
         if not tma:
             const[name] = None
@@ -108,6 +111,7 @@ def main():
     ap.add_argument("configs", nargs="+", help="BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]]")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--softcap", action="store_true", help="the soft-capped variant (Gemma 2)")
     a = ap.parse_args()
     print("| kernel | config | registers | spill stores / loads (bytes) | shared (bytes) |\n|---|---|---|---|---|")
     limit = SM90_SHARED_BYTES
@@ -117,7 +121,8 @@ def main():
             ap.error(f"config {c!r}: give BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]]")
         try:
             r = resources(compile_kernel(a.kernel, *v[:4], tma=bool(v[4]) if len(v) > 4 else False,
-                                         pack=v[5] if len(v) > 5 else 1, dtype=a.dtype, head_dim=a.head_dim))
+                                         pack=v[5] if len(v) > 5 else 1, dtype=a.dtype, head_dim=a.head_dim,
+                                         softcap=a.softcap))
             over = f" (over sm_90's {limit // 1024} KB: fails at launch)" if r["shared"] > limit else ""
             print(f"| {a.kernel} | {c} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
                   f"{r['shared']}{over} |", flush=True)
