@@ -378,17 +378,33 @@ def _check(cfg) -> tuple:
     return heads, budgets, sorted(set(lengths))
 
 
+def _check_out(out) -> None:
+    """ValueError, before the model loads, unless ``out`` is (or can be made) a writable directory: a run of hours
+    must not fail at its end on its output path. Probes the deepest existing ancestor with a removed temp dir."""
+    import tempfile
+
+    path = Path(str(out)).expanduser().absolute()
+    at = next(a for a in (path, *path.parents) if a.exists())
+    try:
+        if not at.is_dir():
+            raise OSError(f"{at} is not a directory")
+        tempfile.TemporaryDirectory(dir=at).cleanup()
+    except OSError as e:
+        raise ValueError(f"out={out} cannot be written ({e}): choose another out=<directory>") from None
+
+
 def run_rollout_mismatch(cfg, model=None, tokenizer=None, log=print):
     """Run every (head, budget) of ``cfg`` on one prompt per document; write ``results.csv``, ``results.md`` and
     ``tokens.pt`` to ``cfg.out``. Returns the pandas DataFrame of the table.
 
     Raises:
-        ValueError: a bad setting, a document shorter than ``prompt`` tokens.
+        ValueError: a bad setting, an ``out`` that cannot be written, a document shorter than ``prompt`` tokens.
         FileNotFoundError: a document missing from this Python installation.
     """
     from .textdata import stdlib_path, token_chunks
 
     heads, budgets, lengths = _check(cfg)
+    _check_out(cfg.out)
     docs = _as_list(cfg.documents, str, "documents")
     for d in docs:  # fail before the model loads
         stdlib_path(d)

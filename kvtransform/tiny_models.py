@@ -73,7 +73,8 @@ def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **
         **overrides: config fields to change, e.g. ``num_hidden_layers=3``, ``sliding_window=8``.
 
     Raises:
-        ValueError: an unknown family.
+        ValueError: an unknown family, an override that is not a field of the family's config class (e.g.
+            ``use_sliding_window`` for Mistral, which no layer reads).
     """
     import transformers
 
@@ -95,6 +96,9 @@ def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **
         tie_word_embeddings=False,
     )
     kwargs.update(_TINY_EXTRA.get(family, {}))
+    unknown = sorted(k for k in overrides if k not in kwargs and not hasattr(cfg_cls(), k))
+    if unknown:  # a config class keeps any keyword as an attribute that no layer reads: a typo would be silent
+        raise ValueError(f"{cfg_cls.__name__} has no field {unknown[0]!r} (misspelt? {family} models ignore it)")
     kwargs.update(overrides)
     if "layer_types" in kwargs and "layer_types" not in overrides:  # one type per layer, alternating
         n = kwargs["num_hidden_layers"]

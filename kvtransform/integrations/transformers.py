@@ -263,16 +263,25 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
         ``model`` (modified in place: its attention implementation is ``"kvt_dualkv"``).
 
     Raises:
-        ValueError: another ``kind``, a model that is not a transformers model, or one whose attention variant
-            (window, soft-cap, sinks) an installed packed attention op does not take.
+        ValueError: another ``kind``, a model that is not a transformers model, one with non-causal (bidirectional)
+            attention, a head_dim the packed ops do not take (above 256), or one whose attention variant (window,
+            soft-cap, sinks) an installed packed attention op does not take.
     """
     if kind != "dualkv":
         raise ValueError(f"kvt.integrations.transformers.enable supports 'dualkv'; got {kind!r}")
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "_attn_implementation"):
         raise ValueError(f"enable() takes a transformers model; got {type(model).__name__}")
+    from kvtransform.models import check_causal_lm
+
+    check_causal_lm(model)  # packed attention is causal: a bidirectional model (EmbeddingGemma) would silently change
     needed = _model_variants(model)
-    from kvtransform.ops.dualkv import dualkv_attention
+    from kvtransform.ops.dualkv import check_head_dim, dualkv_attention
+
+    heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if heads and hidden else None)
+    if isinstance(head_dim, int):
+        check_head_dim(int(head_dim))  # at enable(), not at the first packed forward
     from kvtransform.ops.prefix_tree import prefix_tree_attention
 
     for op, what in ((dualkv_attention, "packed DualKV"), (prefix_tree_attention, "packed prefix-tree")):

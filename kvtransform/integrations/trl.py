@@ -61,6 +61,9 @@ class GRPOConfig(trl.GRPOConfig):
             prompt + completion decodes densely).
         rollout_head: SpeContext retrieval head (``kvt.SpeContextConfig.head``; ``"auto"``: the packaged distilled
             head where one fits the model, else ``"self"``).
+        rollout_retrieval: where a trained head's weights come from (``kvt.SpeContextConfig.retrieval``): ``"self"``
+            (the packaged distilled head) or a directory (a ``distilled`` head from ``kvtransform
+            distill-retrieval-head``, an ``eagle3`` draft checkpoint).
     """
 
     shared_prefix: bool = field(default=False, metadata={"help": "Per-token log-prob passes on packed shared-prefix "
@@ -68,11 +71,16 @@ class GRPOConfig(trl.GRPOConfig):
     rollout: Optional[str] = field(default=None, metadata={"help": "None (TRL's generation) or 'specontext'."})
     rollout_budget: int = field(default=2048, metadata={"help": "SpeContext budget (tokens per KV head)."})
     rollout_head: str = field(default="auto", metadata={"help": "SpeContext retrieval head."})
+    rollout_retrieval: str = field(default="self", metadata={"help": "SpeContext trained head's weights: 'self' "
+                                                                      "(packaged) or a directory."})
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.shared_prefix, bool):
             raise ValueError(f"shared_prefix must be True or False; got {self.shared_prefix!r}")
+        if self.shared_prefix and getattr(self, "use_transformers_continuous_batching", False):
+            raise ValueError("shared_prefix=True switches the model's attention to 'kvt_dualkv', which transformers' "
+                             "continuous batching cannot generate with: set use_transformers_continuous_batching=False")
         if self.rollout not in ROLLOUTS:
             raise ValueError(f"rollout must be None (TRL's own generation) or 'specontext'; got {self.rollout!r}")
         if isinstance(self.rollout_budget, bool) or not isinstance(self.rollout_budget, int) or \
@@ -82,22 +90,28 @@ class GRPOConfig(trl.GRPOConfig):
         from kvtransform.config import SpeContextConfig
 
         try:
-            SpeContextConfig(budget=self.rollout_budget, head=self.rollout_head)
+            SpeContextConfig(budget=self.rollout_budget, head=self.rollout_head, retrieval=self.rollout_retrieval)
         except ValueError as e:
-            raise ValueError(f"rollout_budget / rollout_head: {e}") from None
+            raise ValueError(f"rollout_budget / rollout_head / rollout_retrieval: {e}") from None
         if self.rollout != "specontext":
             return
         for flag in ("use_vllm", "use_transformers_continuous_batching"):
             if getattr(self, flag, False):
                 raise ValueError(f"rollout='specontext' generates the completions itself: set {flag}=False")
-        if self.repetition_penalty != 1.0 or self.min_p is not None:
+        gen = dict(self.generation_kwargs or {})  # TRL lets these override the fields in its generation config
+        if gen.get("repetition_penalty", self.repetition_penalty) not in (None, 1.0) or \
+                gen.get("min_p", self.min_p) not in (None, 0.0):
             raise ValueError("rollout='specontext' samples with temperature / top_k / top_p only: set "
-                             "repetition_penalty=1.0 and min_p=None")
-        extra = sorted(set(self.generation_kwargs or {}) - _ROLLOUT_GENERATION_KEYS)
+                             "repetition_penalty=1.0 and min_p=None (in generation_kwargs too)")
+        extra = sorted(set(gen) - _ROLLOUT_GENERATION_KEYS)
         if extra:
             raise ValueError(f"rollout='specontext' does not take generation_kwargs {extra} (it samples with "
                              f"do_sample / temperature / top_k / top_p)")
         mode = str(getattr(self, "vllm_importance_sampling_mode", ""))
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and mode.startswith("sequence"):
+            # TRL's constructor refuses this for vLLM rollouts, but runs before the trainer turns use_vllm on
+            raise ValueError(f"loss_type='vespo' needs token-level importance weights: set "
+                             f"vllm_importance_sampling_mode='token_truncate' or 'token_mask' (got {mode!r})")
         if mode.startswith("sequence") and self.rollout_budget < self._rollout_context_bound():
             # docs/ROLLOUT_MISMATCH.md: the product of a sparse rollout's token weights reaches e^-100 and below
             logger.warning("rollout='specontext' with vllm_importance_sampling_mode=%r: a sequence-level weight of a "
@@ -122,7 +136,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         ValueError (one line), at construction: ``shared_prefix`` on a model whose attention the packed layout cannot
             express (``kvt.integrations.transformers.enable`` names the feature) or a vision-language model;
             ``rollout="specontext"`` with tools, ``rollout_func``, ``environment_factory``, a vision-language model,
-            DeepSpeed / FSDP sharded weights, greedy decoding at a temperature other than 1, or a model the
+            DeepSpeed / FSDP sharded weights, greedy decoding at a temperature other than 1, a ``generation_kwargs``
+            ``eos_token_id`` other than the trainer's EOS ids, or a model the
             SpeContext transform cannot capture (the message names the feature).
     """
 
@@ -222,9 +237,20 @@ class GRPOTrainer(trl.GRPOTrainer):
                 raise ValueError(f"rollout='specontext' does not support {what} (it decodes plain text prompts "
                                  f"over the full weights on one device): set rollout=None")
         gc = self.generation_config
+        stop = gc.eos_token_id if isinstance(gc.eos_token_id, (list, tuple)) else [gc.eos_token_id]
+        if set(stop) - {None} != set(self.eos_token_ids) - {None}:
+            raise ValueError(f"rollout='specontext' stops at the trainer's EOS ids {list(self.eos_token_ids)}, not "
+                             f"at generation_kwargs' eos_token_id={gc.eos_token_id!r}: drop it from generation_kwargs")
         if not gc.do_sample and float(self.temperature) != 1.0:
             raise ValueError(f"rollout='specontext' with greedy decoding reports temperature-1 log-probs, but the "
                              f"trainer scores at temperature {self.temperature}: set temperature=1.0 or sample")
+        from kvtransform.runtime.requests import _check_request
+
+        try:  # the sampler's own checks, before the transform rather than at the first rollout
+            _check_request([torch.zeros(1)], gc.max_new_tokens, gc.temperature, gc.top_k or None, gc.top_p,
+                           10 ** 9, bool(gc.do_sample))
+        except ValueError as e:
+            raise ValueError(f"rollout='specontext': {e}") from None
 
     def _build_rollout(self):
         """``kvt.transform(model, SpeContextConfig(budget, head))`` of the policy's transformers model (sharing its
@@ -232,11 +258,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         import kvtransform as kvt
 
         base = self._kvt_base()
-        cfg = kvt.SpeContextConfig(budget=self.args.rollout_budget, head=self.args.rollout_head)
+        cfg = kvt.SpeContextConfig(budget=self.args.rollout_budget, head=self.args.rollout_head,
+                                   retrieval=self.args.rollout_retrieval)
         try:
             return kvt.transform(base, cfg, tokenizer=self._tokenizer, progress=False)
         except (ValueError, RuntimeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            for cli, ours in (("transform.retrieval=", "rollout_retrieval="), ("head=", "rollout_head=")):
+                first = first.replace(cli, ours)  # the fix as this config names it
             raise ValueError(f"rollout='specontext' cannot transform {type(base).__name__}: {first}") from e
 
     def _rollout_module(self):
@@ -268,7 +297,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         gc = self.generation_config
         seed = int(torch.randint(0, 2 ** 62, ()).item()) if gc.do_sample else None  # from the seeded global RNG
         with profiling_context(self, "specontext.generate"):
-            out = sp.generate(ids.to(device), mask.to(device), max_new_tokens=self.max_completion_length,
+            out = sp.generate(ids.to(device), mask.to(device), max_new_tokens=gc.max_new_tokens,
                               do_sample=bool(gc.do_sample), temperature=gc.temperature, top_k=gc.top_k or None,
                               top_p=gc.top_p, eos_token_id=list(self.eos_token_ids), pad_token_id=pad, seed=seed,
                               return_dict_in_generate=True, output_logprobs=True, progress=False)

@@ -1,5 +1,5 @@
-"""Helpers shared by the op wrappers: tracing detection, integer checks, deprecated keyword names, the attention
-variants' arguments (``window``, ``softcap``, ``sinks``: ``docs/ARCHITECTURE.md``)."""
+"""Helpers shared by the op wrappers: tracing detection, integer checks, deprecated keyword names, autocast casting,
+the attention variants' arguments (``window``, ``softcap``, ``sinks``: ``docs/ARCHITECTURE.md``)."""
 from __future__ import annotations
 
 import functools
@@ -76,6 +76,17 @@ def kernel_path(t: torch.Tensor, on_cpu: bool) -> bool:
     from kvtransform.kernels._common import interpreting
 
     return t.is_cuda or (on_cpu and interpreting())
+
+
+def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """``(q, k, v)`` cast to the autocast dtype while ``torch.autocast`` is on for q's device, as SDPA's inputs are
+    (mixed-precision training: fp32 weights' RoPE outputs q/k stay fp32 while the value projection is bf16); float64
+    and non-float tensors, and everything outside autocast, unchanged."""
+    dev = q.device.type
+    if not torch.is_autocast_enabled(dev):
+        return q, k, v
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(x.to(dt) if x.is_floating_point() and x.dtype != torch.float64 else x for x in (q, k, v))
 
 
 def check_attention_variants(window, softcap, sinks, num_heads: int, device=None):

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import check_attention_variants, renamed_kwargs
+from ._common import autocast_inputs, check_attention_variants, renamed_kwargs
 
 
 def _band(s_q: int, s_k: int, causal: bool, window: Optional[int], device) -> Optional[torch.Tensor]:
@@ -115,6 +115,12 @@ def _check(q, k, v, attn_mask, key_padding, window=None, softcap=None, sinks=Non
                          f"{tuple(k.shape)}")
     if k.shape != v.shape[:-1] + (k.shape[-1],) or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v must agree in (B, H_kv, S_k); got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not all(x.dtype.is_floating_point for x in (q, k, v)) or (
+            len({q.dtype, k.dtype, v.dtype}) > 1 and not torch.is_autocast_enabled(q.device.type)):
+        raise ValueError(f"q, k, v must share one float dtype (outside torch.autocast); got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype} (cast k and v with .to(q.dtype))")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     if key_padding is not None and tuple(key_padding.shape) != (q.shape[0], k.shape[2]):
         raise ValueError(f"key_padding must be (B, S_k) = {(q.shape[0], k.shape[2])}; got {tuple(key_padding.shape)}")
     return check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
@@ -175,7 +181,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opti
 
     Args:
         q: ``(B, H, S_q, D)`` fp32/fp16/bf16.
-        k, v: ``(B, H_kv, S_k, D)``, same dtype and device as ``q``; ``H % H_kv == 0``.
+        k, v: ``(B, H_kv, S_k, D)``, same dtype and device as ``q``; ``H % H_kv == 0``. Under ``torch.autocast``
+            all three are cast to the autocast dtype first (as SDPA's are).
         attn_mask: optional bool (True = keep) or additive float mask broadcastable to ``(B, H, S_q, S_k)``.
         key_padding: optional bool ``(B, S_k)``, True for real tokens.
         softmax_scale: default ``D ** -0.5`` (``scale=`` is the deprecated name).
@@ -191,9 +198,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opti
         ``(B, H, S_q, D_v)`` in ``q.dtype`` (``D_v = v.shape[-1]``, usually ``D``).
 
     Raises:
-        ValueError: rank, batch, head_dim or head-count mismatch, a ``key_padding`` of the wrong shape, a window
+        ValueError: rank, batch, head_dim or head-count mismatch, q/k/v of different dtypes or devices (or not
+            floats), a ``key_padding`` of the wrong shape, a window
             that is not a positive int, a soft-cap that is not a finite float > 0, sinks that are not ``(H,)``.
     """
+    q, k, v = autocast_inputs(q, k, v)
     window, softcap, sinks = _check(q, k, v, attn_mask, key_padding, window, softcap, sinks)
     softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     variants = {n: x for n, x in (("window", window), ("softcap", softcap), ("sinks", sinks)) if x is not None}

@@ -43,7 +43,8 @@ import torch
 
 from ..kernels import dualkv as _k
 from ..layout import DualKVLayout, _check_structure, structure_ok
-from ._common import check_attention_variants, is_tracing, kernel_path, no_sinks_grad, variant_kwargs
+from ._common import (autocast_inputs, check_attention_variants, is_tracing, kernel_path, no_sinks_grad,
+                      variant_kwargs)
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 USE_TRITON_ON_CPU = False
@@ -231,7 +232,8 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Args:
         q: ``(T, H, D)`` float16/bfloat16/float32.
-        k, v: ``(T, H_kv, D)``, same dtype and device; ``H % H_kv == 0``.
+        k, v: ``(T, H_kv, D)``, same dtype and device; ``H % H_kv == 0`` (under ``torch.autocast`` all three are
+            cast to the autocast dtype first, as SDPA's are).
         layout: a :class:`DualKVLayout` (moved to q's device if needed), or the int32 ``cu_seqlens`` ``(S+1,)``
             tensor, in which case ``segment_prefix`` (int32 ``(S,)``) is required.
         softmax_scale: default ``D ** -0.5``.
@@ -271,6 +273,8 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu_seqlens = layout
         if segment_prefix is None:
             raise ValueError("segment_prefix is required when layout is a cu_seqlens tensor")
+    if all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        q, k, v = autocast_inputs(q, k, v)
     check_inputs(q, k, v, cu_seqlens, segment_prefix, check_data=check_data and not is_tracing(q, cu_seqlens))
     window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

@@ -36,7 +36,7 @@ import torch
 
 from ..kernels import prefix_tree as _k
 from ..tree_layout import PrefixTreeLayout
-from ._common import check_attention_variants, kernel_path, no_sinks_grad, variant_kwargs
+from ._common import autocast_inputs, check_attention_variants, kernel_path, no_sinks_grad, variant_kwargs
 
 __all__ = ["prefix_tree_attention", "check_shapes", "PrefixTreeLayout"]
 
@@ -235,7 +235,8 @@ def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
 
     Args:
         q: ``(T, H, D)`` float16/bfloat16/float32 (float64 on CPU: the reference).
-        k, v: ``(T, H_kv, D)``, same dtype and device; ``H % H_kv == 0``.
+        k, v: ``(T, H_kv, D)``, same dtype and device; ``H % H_kv == 0`` (under ``torch.autocast`` all three are
+            cast to the autocast dtype first, as SDPA's are).
         layout: a :class:`~kvtransform.tree_layout.PrefixTreeLayout` (moved to q's device if needed; validated when
             it was built, so no device sync here).
         softmax_scale: a finite real number; default ``D ** -0.5``.
@@ -265,6 +266,8 @@ def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     if layout.total_tokens != q.shape[0]:
         raise ValueError(f"the layout's nodes sum to {layout.total_tokens} tokens but q has T={q.shape[0]}")
     tensors = layout.kernel_tensors()
+    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        q, k, v = autocast_inputs(q, k, v)
     check_shapes(q, k, v, *tensors)
     if q.dtype != torch.float64 or q.is_cuda:
         check_kernel_support(q)

@@ -1,0 +1,194 @@
+"""Regression tests for defects found by trying to break the model-family, TRL and rollout-mismatch features as a
+hostile but realistic user would (tiny random models, CPU): mixed-precision autocast through the attention ops and
+the HF integration, TRL ``generation_kwargs`` the SpeContext sampler used to drop silently, a ``rollout-mismatch``
+output path that failed only after the whole run, ``tiny_model`` overrides no layer reads, and models ``enable``
+accepted but the packed ops cannot compute (bidirectional attention, head_dim above 256)."""
+import pytest
+import torch
+
+import kvtransform as kvt
+from kvtransform.ops.attention import attention
+from kvtransform.ops.dualkv import dualkv_attention
+from kvtransform.ops.prefix_tree import prefix_tree_attention
+from kvtransform.tree_layout import PrefixTreeLayout
+
+
+def _mixed(shape_q, shape_kv):
+    """q, k in fp32 and v in bf16: what a fp32-weight model's RoPE and value projection give under bf16 autocast."""
+    q, k = torch.randn(shape_q), torch.randn(shape_kv)
+    return q, k, torch.randn(shape_kv).bfloat16()
+
+
+def test_attention_ops_cast_to_the_autocast_dtype_like_sdpa():
+    """Under ``torch.autocast`` every attention op casts q, k, v to the autocast dtype (as SDPA does) instead of
+    refusing the mixed dtypes; outside autocast mixed or integer dtypes are a one-line ValueError."""
+    lay = PrefixTreeLayout.from_parents([5, 3, 2, 4], [-1, 0, 0, -1])
+    one = lay.as_dualkv()
+    t = lay.total_tokens
+    cases = [
+        (attention, _mixed((1, 4, 6, 8), (1, 2, 6, 8)), dict(causal=True, window=3)),
+        (lambda q, k, v, **kw: dualkv_attention(q, k, v, one.cu_seqlens, one.segment_prefix, **kw),
+         _mixed((t, 4, 8), (t, 2, 8)), dict(softcap=3.0, sinks=torch.randn(4))),
+        (lambda q, k, v, **kw: prefix_tree_attention(q, k, v, lay, **kw), _mixed((t, 4, 8), (t, 2, 8)),
+         dict(window=2)),
+    ]
+    for op, (q, k, v), kw in cases:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = op(q, k, v, **kw)
+        want = op(q.bfloat16().float(), k.bfloat16().float(), v.float(), **kw)  # the bf16-cast inputs, fp32
+        assert got.dtype == torch.bfloat16 and (got.double() - want).abs().max() < 3e-2
+    q, k, v = cases[0][1]
+    for args in ((q, k, v), (q.long(), k.long(), v.long())):
+        with pytest.raises(ValueError, match="must share one float dtype") as e:
+            attention(*args, causal=True)
+        assert "\n" not in str(e.value)
+
+
+def test_hf_integration_packed_forward_under_autocast():
+    """``enable(model, "dualkv")`` on a fp32 model under bf16 autocast (TRL's ``bf16=True`` mixed precision; it
+    used to refuse q/k fp32 with v bf16): the packed log-probs are the unpacked sequences' (the model's own eager
+    attention, Gemma 2's soft-cap and window) under the same autocast, within bf16 rounding."""
+    from kvtransform.integrations.transformers import enable, packed_inputs
+    from kvtransform.models import tiny_model
+
+    model = enable(tiny_model("gemma2", attn_implementation="eager"), "dualkv")  # unpacked calls: its own eager
+    prompt, resps = list(range(5, 17)), [[50, 51, 52], [60, 61]]
+    batch = kvt.pack_shared_prefix(prompt, resps)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = batch.response_logprobs(model(**packed_inputs(batch)).logits.float())
+        for r, lp in zip(resps, got):
+            lg = model(torch.tensor([prompt + r])).logits.float().log_softmax(-1)[0, len(prompt) - 1:-1]
+            want = lg.gather(1, torch.tensor(r)[:, None])[:, 0]
+            assert (lp - want).abs().max() < 0.05
+
+
+def test_trl_refuses_sampling_settings_hidden_in_generation_kwargs(tmp_path):
+    """TRL's ``generation_kwargs`` override its generation config: a repetition penalty or min_p given there would
+    have been dropped by the SpeContext sampler without a word; now one line, as the top-level fields are. And
+    VESPO with a sequence-level importance-sampling mode, which TRL refuses for vLLM rollouts; shared_prefix with
+    transformers' continuous batching, which cannot run the packed attention implementation."""
+    pytest.importorskip("trl")
+    from kvtransform.integrations.trl import GRPOConfig
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
+                per_device_train_batch_size=2, rollout="specontext", vllm_importance_sampling_mode="token_truncate")
+    for gk in ({"repetition_penalty": 1.3}, {"min_p": 0.2}):
+        with pytest.raises(ValueError, match="repetition_penalty=1.0 and min_p=None") as e:
+            GRPOConfig(**base, generation_kwargs=gk)
+        assert "\n" not in str(e.value)
+    GRPOConfig(**base, generation_kwargs={"repetition_penalty": 1.0, "min_p": None, "top_k": 5})
+    # TRL refuses VESPO with sequence-level weights for vLLM rollouts in a check that runs before use_vllm is set
+    with pytest.raises(ValueError, match="loss_type='vespo' needs token-level"):
+        GRPOConfig(**{**base, "vllm_importance_sampling_mode": "sequence_mask"}, loss_type="vespo")
+    GRPOConfig(**base, loss_type="vespo")
+    with pytest.raises(ValueError, match="set use_transformers_continuous_batching=False"):  # was: transformers'
+        GRPOConfig(**{**base, "rollout": None}, shared_prefix=True,  # error at the first rollout, naming 'sdpa'
+                   use_transformers_continuous_batching=True)
+
+
+def test_trl_specontext_rollout_follows_generation_kwargs(tmp_path, monkeypatch):
+    """``generation_kwargs={"max_new_tokens": 3}`` reaches the SpeContext sampler (it used to decode
+    ``max_completion_length`` tokens regardless); an ``eos_token_id`` there that the sampler would not stop at, and
+    sampling settings the sampler refuses, are refused at construction in one line (not after the transform). A
+    trained head's weights reach the transform (``rollout_retrieval``), and its refusal names this config's keys."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from types import SimpleNamespace
+
+    from kvtransform.integrations.trl import GRPOConfig, GRPOTrainer
+    from kvtransform.models import tiny_model
+    from test_trl import _char_tokenizer
+
+    seen = {}
+
+    class FakeRollout:  # the SpeContext module's interface the trainer uses (no transform: this test is about args)
+        def check_source_parameters(self):
+            pass
+
+        def generate(self, ids, mask, max_new_tokens, **kw):
+            seen["max_new_tokens"] = max_new_tokens
+            new = torch.full((ids.shape[0], max_new_tokens), 5)
+            return SimpleNamespace(sequences=torch.cat([ids, new], 1), logprobs=torch.zeros(new.shape),
+                                   stats=SimpleNamespace(decode_tokens_per_s=1.0))
+
+    model = tiny_model("llama", eos_token_id=1, pad_token_id=0)
+    model.generation_config.eos_token_id = 1
+
+    def trainer(gk, **kw):
+        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
+                          per_device_train_batch_size=2, max_completion_length=8, rollout="specontext",
+                          vllm_importance_sampling_mode="token_truncate", generation_kwargs=gk, **kw)
+        return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                           train_dataset=Dataset.from_dict({"prompt": ["ab", "cd"]}),
+                           processing_class=_char_tokenizer())
+
+    import kvtransform
+
+    def refuse(model, cfg, **kw):  # what the transform says for a head without its weights (CLI key names)
+        seen["retrieval"] = cfg.retrieval
+        raise ValueError("head=eagle3 needs the draft: transform.retrieval=<EAGLE-3 checkpoint directory>")
+
+    monkeypatch.setattr(kvtransform, "transform", refuse)
+    with pytest.raises(ValueError) as e:  # the fix it names is one this config has (it named the CLI's keys)
+        trainer({}, rollout_head="eagle3", rollout_retrieval="/a/draft")
+    assert seen["retrieval"] == "/a/draft" and str(e.value).endswith(
+        "rollout_head=eagle3 needs the draft: rollout_retrieval=<EAGLE-3 checkpoint directory>")
+    monkeypatch.setattr(GRPOTrainer, "_build_rollout", lambda self: FakeRollout())
+    ids, lps = trainer({"max_new_tokens": 3})._generate_single_turn([[3, 4], [5]], None, {}, 1)
+    assert seen["max_new_tokens"] == 3 and [len(c) for c in ids] == [3, 3] and [len(x) for x in lps] == [3, 3]
+    for gk, msg in (({"eos_token_id": [7]}, "drop it from generation_kwargs"),
+                    ({"temperature": 0.0}, "temperature must be a finite number > 0"),  # was: at the first rollout
+                    ({"top_p": 0.0}, "top_p must be in")):
+        with pytest.raises(ValueError, match=msg) as e:
+            trainer(gk)
+        assert "\n" not in str(e.value)
+
+
+def test_rollout_mismatch_refuses_an_unwritable_out_before_the_run(tmp_path):
+    """``out`` naming a file (or a path under one) is refused before the model loads, in one line naming the fix
+    (it used to fail with ``[Errno 17] File exists`` after the whole decode); a new nested directory passes and
+    nothing is created by the check."""
+    from omegaconf import OmegaConf
+
+    from kvtransform.rollout_mismatch import RolloutMismatchConfig, _check_out, run_rollout_mismatch
+
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    for out in (f, f / "sub"):
+        cfg = OmegaConf.structured(RolloutMismatchConfig(head=["self"], budget=[4], lengths=[4], prompt=8,
+                                                         documents=["argparse.py"], out=str(out)))
+        cfg.model = "no-such-model-is-loaded"
+        with pytest.raises(ValueError, match="choose another out=") as e:
+            run_rollout_mismatch(cfg)
+        assert "\n" not in str(e.value)
+    _check_out(tmp_path / "new" / "deep")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_tiny_model_refuses_an_override_no_layer_reads():
+    """A misspelt or foreign config field (``sliding_windw``; Mistral has no ``use_sliding_window``) used to build a
+    model without it, silently; real fields (head_dim on any family, Qwen2's window switch) still pass."""
+    from kvtransform.models import tiny_model
+
+    for family, kw in (("mistral", {"sliding_windw": 4}), ("mistral", {"use_sliding_window": True}),
+                       ("qwen3_moe", {"max_window_layers": 1})):
+        with pytest.raises(ValueError, match="has no field") as e:
+            tiny_model(family, **kw)
+        assert "\n" not in str(e.value)
+    model = tiny_model("qwen2", head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert model.model.layers[0].self_attn.head_dim == 8 and model.config.layer_types[0] == "sliding_attention"
+
+
+def test_enable_refuses_what_the_packed_ops_cannot_compute():
+    """Gemma 3 with ``use_bidirectional_attention`` (EmbeddingGemma): the packed ops are causal, so ``enable`` used to
+    accept it and change every logit silently (0.25 on the tiny model); now the one line ``kvt.transform`` gives.
+    A head_dim above the ops' 256 is refused at ``enable`` (TRL's construction) instead of at the first forward."""
+    from kvtransform.integrations.transformers import enable
+    from kvtransform.models import tiny_model
+
+    with pytest.raises(ValueError, match="non-causal") as e:
+        enable(tiny_model("gemma3", use_bidirectional_attention=True), "dualkv")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="unsupported head_dim 258") as e:  # at enable(), not the first packed call
+        enable(tiny_model("gemma3", head_dim=258), "dualkv")
+    assert "\n" not in str(e.value)
