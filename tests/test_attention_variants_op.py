@@ -108,12 +108,11 @@ def test_references_match_the_dense_float64_brute_force(name, d):
             assert maxerr(g_auto, w) < 1e-9 and maxerr(g_explicit, w) < 1e-9
 
 
-# (layout, variants): windows below a block, above the prompt, soft-cap and sinks, alone and together
 # (layout, variants, check determinism): windows below a block, above the prompt, soft-cap and sinks, alone and
 # together
 KERNEL_CASES = [
     ("dualkv", dict(window=5, softcap=2.0, sinks=True), True),
-    ("dualkv", dict(window=40, sinks=True), False),
+    ("dualkv", dict(window=40, softcap=1e5, sinks=True), False),  # a cap far above the scores: tanh near 0
     ("tree", dict(window=6, softcap=3.0, sinks=True), True),
     ("tree", dict(window=30), False),
 ]

@@ -421,3 +421,14 @@ def test_copy_sources_cap_and_lengths():
     # positions >= 9 are not cached: the occurrence at 9 does not count; the 2 most recent kept are 3 and 7
     capped = copy_sources(ids, torch.tensor([5]), lengths=torch.tensor([9]), max_occurrences=2)
     assert capped[0].tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1, 0]
+
+
+def test_self_head_needs_the_models_own_query_projection():
+    """Phi-3 fuses q/k/v into ``qkv_proj``: ``head="self"`` is refused in one line before any capture, naming the
+    head that needs no model parameter, and ``head="auto"`` picks it."""
+    from kvtransform.runtime.distilled import auto_head
+
+    phi3 = kvt.tiny_model("phi3")
+    assert auto_head(phi3) == "quest" and auto_head(kvt.tiny_model("llama")) == "self"
+    with pytest.raises(ValueError, match=r"qkv_proj|q_proj.*use head='quest'"):
+        kvt.transform(phi3, kvt.SpeContextConfig(head="self", budget=16), progress=False)

@@ -283,5 +283,10 @@ class DistilledHead(EmbeddingKeyHead):
 
 def auto_head(model) -> str:
     """The default head of ``SpeContextConfig(head="auto")``: ``distilled`` when a packaged head fits ``model``
-    (SmolLM2-135M), else the training-free ``self``."""
-    return "distilled" if shipped_head_for(model) is not None else "self"
+    (SmolLM2-135M), else the training-free ``self`` where it can borrow the model's layer-0 query (else ``quest``,
+    which reads only the KV cache: Phi-3's fused ``qkv_proj``, Gemma 3's two RoPE tables)."""
+    if shipped_head_for(model) is not None:
+        return "distilled"
+    from .embedding_heads import SelfHead, _model_config
+
+    return "quest" if _model_config(model) is not None and SelfHead.missing(model) is not None else "self"

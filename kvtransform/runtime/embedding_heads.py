@@ -224,9 +224,34 @@ class SelfHead(RetrievalHead):
         self.embed: Optional[torch.Tensor] = None
         self.w: dict = {}
 
+    #: the model's parameters the head reads (suffixes; ``{l}`` = a layer of :attr:`LAYERS`): a family whose
+    #: attention fuses its projections (Phi-3's ``qkv_proj``) or names its RoPE otherwise (Gemma 3's local and
+    #: global ``rotary_emb``) has no such query to borrow
+    NEEDS = ("embed_tokens.weight", "rotary_emb.inv_freq", "layers.{l}.input_layernorm.weight",
+             "layers.{l}.self_attn.q_proj.weight")
+
+    @classmethod
+    def missing(cls, model) -> Optional[str]:
+        """The first parameter of :attr:`NEEDS` that the transformers ``model`` lacks, or None (the head binds)."""
+        for suffix in cls.NEEDS:
+            for l in (cls.LAYERS if "{l}" in suffix else (None,)):
+                try:
+                    find_param(model, suffix.format(l=l))
+                except ValueError:
+                    return suffix.format(l=l)
+        return None
+
     def bind(self, model) -> None:
-        self.embed = find_param(model, "embed_tokens.weight")
+        """Read the model's embedding and, for a transformers model, its layer-0 query projection and RoPE.
+
+        Raises:
+            ValueError: a model without them (:meth:`missing`), naming the training-free head that needs none."""
         cfg = _model_config(model)
+        gone = self.missing(model) if cfg is not None else None
+        if gone is not None:
+            raise ValueError(f"head='self' borrows the model's own '*{gone}', which {type(model).__name__} does not "
+                             f"have: use head='quest' (training-free, reads only the KV cache)")
+        self.embed = find_param(model, "embed_tokens.weight")
         if cfg is None:  # a reloaded program: the projections come from load_state_dict
             return
         h = cfg.num_attention_heads

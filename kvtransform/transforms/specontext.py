@@ -456,8 +456,9 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
     """
     if cfg.head != "auto":
         head = make_head(cfg.head, cfg)  # an unknown head fails before any capture
-        if cfg.head == "distilled" and cfg.retrieval != "self":
-            head.bind(model)  # so do a missing head directory and a head of another model (a small file read)
+        if (cfg.head == "distilled" and cfg.retrieval != "self") or cfg.head == "self":
+            head.bind(model)  # so do a missing head directory, a head of another model (a small file read) and a
+            # model whose query projection the self head cannot borrow
     report = new_report(model, cfg)
     dec, ctx, cap = capture_and_rewrite(model, capture_decode_step, [SparseDecodePass, CleanupPass], report,
                                         progress, what="capturing the decode step (torch.export)")
