@@ -393,6 +393,11 @@ def _check_out(out) -> None:
         raise ValueError(f"out={out} cannot be written ({e}): choose another out=<directory>") from None
 
 
+#: decoded tokens above which a CPU run is told it is GPU-sized (the CPU example of docs/ROLLOUT_MISMATCH.md decodes
+#: 4 x 256 tokens in ~2 minutes on 2 cores; the default grid decodes 24 x 4096)
+CPU_TOKENS_HINT = 16384
+
+
 def run_rollout_mismatch(cfg, model=None, tokenizer=None, log=print):
     """Run every (head, budget) of ``cfg`` on one prompt per document; write ``results.csv``, ``results.md`` and
     ``tokens.pt`` to ``cfg.out``. Returns the pandas DataFrame of the table.
@@ -418,6 +423,9 @@ def run_rollout_mismatch(cfg, model=None, tokenizer=None, log=print):
         from .models import load_model
 
         model, tokenizer = load_model(name, dtype=dtype)
+    if tokenizer is None:
+        raise ValueError(f"{name} has no tokenizer, and the prompts are real text: save one beside the model "
+                         f"(tokenizer.save_pretrained) or pass a model with one")
     model = model.to(cfg.device).eval()
     prompts = torch.stack([token_chunks(tokenizer, d, int(cfg.prompt), 1)[0] for d in docs])
     t0 = time.perf_counter()
@@ -425,6 +433,10 @@ def run_rollout_mismatch(cfg, model=None, tokenizer=None, log=print):
     pairs = [(h, b) for h in heads for b in budgets]
     log(f"rollout-mismatch: {len(pairs)} (head, budget) x {len(docs)} prompts x {cfg.samples} samples, "
         f"{lengths[-1]} tokens each, prompt {cfg.prompt}, {cfg.device}")
+    decoded = len(pairs) * len(docs) * int(cfg.samples) * lengths[-1]
+    if str(cfg.device) == "cpu" and decoded > CPU_TOKENS_HINT and not cfg.max_seconds:
+        log(f"rollout-mismatch: {decoded} decoded tokens is a GPU-sized grid (hours on a CPU); a CPU-sized one: "
+            f"'budget=[64,128]' 'lengths=[128,256]' prompt=512, or max_seconds=N (docs/ROLLOUT_MISMATCH.md)")
     r = sample_rollouts(model, prompts, pairs, lengths[-1], samples=int(cfg.samples),
                         temperature=float(cfg.temperature), seed=int(cfg.seed), retrieval=str(cfg.retrieval),
                         num_sink=int(cfg.num_sink), deadline=deadline, progress=True)

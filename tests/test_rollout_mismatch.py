@@ -105,6 +105,14 @@ def test_the_job_writes_the_table(tmp_path):
     r = sample_rollouts(model, torch.randint(3, 128, (1, 20)), [("self", 4)], 6, deadline=time.perf_counter())
     assert r.steps == 1 and table(r, [6]).reached.tolist() == [1]       # the time limit stops decoding
     assert not r.kl[:, 1:].any() and not r.logw[:, 1:].any()  # only the decoded steps are scored
+    cfg.out = str(tmp_path / "o2")
+    with pytest.raises(ValueError, match="has no tokenizer"):  # a saved tiny model directory has none
+        run_rollout_mismatch(cfg, model=model, tokenizer=None, log=lambda *a: None)
+    said = []
+    cfg.lengths, cfg.budget = [8192], [4, 8]  # the size warning comes before any decoding
+    with pytest.raises(ValueError, match="exceed the model's 256 positions"):
+        run_rollout_mismatch(cfg, model=model, tokenizer=Tok(), log=said.append)
+    assert any("GPU-sized grid" in m for m in said)
     cfg.budget = [0]
     with pytest.raises(ValueError, match="budget and lengths must be integers >= 1"):
         run_rollout_mismatch(cfg, model=tiny_model("llama"), tokenizer=Tok())
