@@ -288,3 +288,73 @@ def test_suite_help_explains_every_key_and_lists_choices(capsys):
     assert run("decode", ["--help"]) == [] and "Choices:" in capsys.readouterr().out
     for suite in SUITES:
         assert suite_help(suite).startswith(f"kvtransform bench {suite} ")
+
+
+def test_gpu_gb_cap_counts_everything_in_use_and_shrinks_the_request_count():
+    """Under a cap the device looks ``gpu_gb`` GiB large: what is in use counts against it; the allocator fraction
+    leaves room for the memory outside PyTorch; an H200's Llama-8B [2k, 32k] count drops at an A800's 79.1 GiB."""
+    from kvtransform.bench.decode_model import GIB, cap_fraction, capped_free
+
+    total, used = int(139.8 * GIB), int(16 * GIB)                 # weights + context in use
+    assert capped_free(total - used, total, 0) == total - used    # no cap: today's free memory
+    assert capped_free(total - used, total, int(79.1 * GIB)) == int(79.1 * GIB) - used
+    assert capped_free(total - used, total, 10 * GIB) == 0        # never negative
+    frac = cap_fraction(int(79.1 * GIB), total, total - used, 15 * GIB)   # 1 GiB outside PyTorch
+    assert frac * total == pytest.approx(78.1 * GIB, rel=1e-9)
+    full = max_requests("dense", SHAPE8B, 34816, total - used, 8 * GIB)
+    a800 = max_requests("dense", SHAPE8B, 34816, capped_free(total - used, total, int(79.1 * GIB)), 8 * GIB)
+    assert a800 * per_request_bytes("dense", SHAPE8B, 34816) <= (79.1 - 16 - 8) * GIB and 1 <= a800 < full
+
+
+def test_memory_cap_holds_the_cuda_allocator_to_the_cap_and_restores_it(monkeypatch):
+    """On CUDA the cap is PyTorch's per-process memory fraction while the block runs, 1 (the whole device) after."""
+    from kvtransform.bench.decode import memory_cap
+    from kvtransform.bench.decode_model import GIB
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (100 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 38 * GIB)   # 2 GiB outside PyTorch
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(f))
+    with memory_cap(torch.device("cuda"), 80 * GIB) as limit:
+        assert calls == [pytest.approx(78 / 140)] and limit == pytest.approx(78 * GIB, abs=1)
+    assert calls[-1] == 1.0
+    with pytest.raises(RuntimeError):                             # restored on the way out of an error too
+        with memory_cap(torch.device("cuda"), 80 * GIB):
+            raise RuntimeError("boom")
+    assert calls[-1] == 1.0
+    with memory_cap(torch.device("cuda"), 0) as limit:            # gpu_gb=0: nothing limited
+        assert limit is None and len(calls) == 4
+    with memory_cap(torch.device("cpu"), 3 * GIB) as limit:       # a CPU: accounting only
+        assert limit == 3 * GIB and len(calls) == 4
+
+
+def test_decode_suite_sizes_for_the_gpu_gb_cap_and_records_it(tmp_path):
+    """The tiny shape on CPU with a cap of the weights plus three hf_sdpa requests: the automatic count is 3 (256
+    without the cap), every row records gpu_gb, and the table labels the capped configuration."""
+    from kvtransform.bench import run
+    from kvtransform.bench.decode_model import GIB, build_model, held_bytes
+
+    shape = dict(layers=2, kv_heads=2, heads=4, head_dim=16, vocab=512)
+    per = per_request_bytes("hf_sdpa", shape, 16 + 12, itemsize=4)
+    cap = (held_bytes(build_model("tiny", torch.float32, "meta")) + 3 * per + 16) / GIB
+    assert max_requests("hf_sdpa", shape, 28, 4 * GIB, 0, 4) == 256      # uncapped: cpu_memory_gb, max_requests
+    rows = run("decode", ["model=tiny", "input=16", "output=12", "samples=1", "steps=2", "n0=2", "method=hf_sdpa",
+                          "prefill_tokens=16", "dtype=float32", f"gpu_gb={cap}", f"out_dir={tmp_path}", "plot=false"])
+    assert {r["pass"] for r in rows} == {"run", "step"} and all(r["gpu_gb"] == cap for r in rows)
+    run_row = [r for r in rows if r["pass"] == "run"][0]
+    assert run_row["status"] == "ok" and run_row["requests"] == 3 and f"gpu_gb={cap}" in run_row["params"]
+    assert f"| tiny @{cap:g} GiB | 16 | 12 | hf_sdpa | 3 |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("override,match", [
+    (["gpu_gb=-1"], "gpu_gb=-1.0: gpu_gb is GiB and must be >= 0"),
+    (["gpu_gb=5"], r"gpu_gb=5.0 is larger than cpu_memory_gb=4.0 .*: set gpu_gb <= 4 or gpu_gb=0"),
+    (["model=smollm2-135m", "gpu_gb=0.1"], r"cannot hold model=smollm2-135m's weights \(0.2\d+ GiB\): set gpu_gb >= "),
+])
+def test_bad_gpu_gb_caps_are_refused_before_running(override, match):
+    from kvtransform.bench import compose_jobs
+
+    with pytest.raises(ValueError, match=match):
+        compose_jobs("decode", ["model=tiny", "device=cpu", "input=16", "output=100"] + override)
+    assert compose_jobs("decode", ["model=tiny", "device=cpu", "input=16", "output=100", "gpu_gb=0.5"])

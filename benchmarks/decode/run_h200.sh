@@ -8,11 +8,14 @@
 # static (hf_static at [2k,32k], both models: HF compiles there), flashinfer (dense, specontext and flashinfer at [2k,16k] and
 # [2k,32k], MODEL=llama-8b or qwen3-8b; needs the FlashInfer bundle: `python tools/flashinfer_bundle/make.py .fi` here, carry
 # .fi, and `(cd .fi && bash install.sh --aot) && source .fi/fi_env.sh` there first: --aot installs the prebuilt sm_90a kernels), validate (a whole [2k, 512] run per method against
-# the sampled estimate; INPUTS="32768" limits the long parts, METHODS="dense,specontext" the -gen parts). Each configuration of a long part runs in its own process (a 32K-token prefill after a
+# the sampled estimate; INPUTS="32768" limits the long parts, METHODS="dense,specontext" the -gen parts), a800 (the
+# [2k,32k] row with every method held to an A800's memory, gpu_gb=79.1 GiB, the 79.1-79.3 GiB an A800-80GB gives a
+# process; GPU_GB= another cap, MODEL= the model, METHODS= the methods, e.g. METHODS=hf_sdpa; the full-card row is
+# llama-gen's). Each configuration of a long part runs in its own process (a 32K-token prefill after a
 # 49-request job ran out of memory in one process). Parts append to the same out_dir; "vs best dense" compares every
-# dense row of the CSV at the same model and configuration.
+# dense row of the CSV at the same model, configuration and gpu_gb.
 set -o pipefail
-PART=${1:?part: llama-gen, llama-long, qwen-gen, qwen-long, hf-llama, hf-qwen, static, flashinfer or validate}
+PART=${1:?part: llama-gen, llama-long, qwen-gen, qwen-long, hf-llama, hf-qwen, static, flashinfer, validate or a800}
 OUT_DIR=${2:-out/bench/decode}
 bench() {
     python3 -P - "$OUT_DIR" "$@" <<'PY'
@@ -41,6 +44,8 @@ case "$PART" in
     flashinfer)
         python3 -P -c "import flashinfer" || { echo "flashinfer does not import: install the bundle first" >&2; exit 2; }
         bench "model=${MODEL:-llama-8b}" input=2048 output=32768,16384 method=dense,specontext,flashinfer ;;
+    a800)
+        bench "model=${MODEL:-llama-8b}" input=2048 output=32768 "gpu_gb=${GPU_GB:-79.1}" "$ours" ;;
     validate)
         python3 -P -c "from kvtransform.bench import run; import sys; run('decode', ['-m', 'model=llama-8b', \
 'input=2048', 'output=512', 'requests=16', 'steps=48', 'validate=true', 'method=dense,specontext,hf_sdpa', \

@@ -251,6 +251,15 @@ class DecodeBenchConfig:
         max_requests: cap of the automatic request count.
         reserve_gb: GiB of device memory left free when sizing the request count (activations, graphs, compile;
             CUDA only).
+        gpu_gb: cap on the memory every method may use, in GiB (2^30 bytes, the unit CUDA reports: the "total
+            capacity" of its out-of-memory message), so each method is compared at the memory of a smaller card
+            (0: the whole device). Everything counts against it: CUDA context, weights, KV caches, workspace and
+            reserve_gb; the request counts shrink to fit, and on CUDA PyTorch's allocator is limited to the cap
+            (torch.cuda.set_per_process_memory_fraction), so going past it is a real out-of-memory error. Cards
+            give a process less than their name: an A800/A100 "80GB" reports 79.1-79.3 GiB (gpu_gb=79.1), an
+            H200 "141GB" about 140 GiB (gpu_gb=141 is refused there; its whole card is gpu_gb=0). Refused when
+            larger than the device (on a CPU: cpu_memory_gb) or smaller than the weights plus reserve_gb.
+            (plan-memory's gpu_gb counts 1e9 bytes.)
         cpu_memory_gb: the memory the request count is sized for on a CPU (all of it).
         samples: context lengths at which decode steps are timed (spread over the run).
         steps: decode steps timed per sample; n0: steps of the reference run subtracted (capture, warm-up). The two
@@ -281,6 +290,7 @@ class DecodeBenchConfig:
     requests: int = 0
     max_requests: int = 256
     reserve_gb: float = 8.0
+    gpu_gb: float = 0.0
     cpu_memory_gb: float = 4.0
     samples: int = 5
     steps: int = 64
@@ -347,9 +357,10 @@ def validate_throughput(cfg) -> None:
     Raises:
         ValueError: one line naming the setting, its value and the fix: ``input``, ``output``, ``budget``,
             ``samples``, ``steps``, ``max_requests``, ``prefill_tokens`` below 1, negative ``requests``/``n0``/
-            ``reserve_gb``, ``output`` too short for one timed sample (``n0 + steps + 2``), ``n0 < 2`` (the
-            reference run must include the CUDA-graph capture), an unknown ``model``, ``input + output`` beyond the
-            model's positions, an unparsable ``device``.
+            ``reserve_gb``/``gpu_gb``, a ``gpu_gb`` cap larger than the device or smaller than the weights plus
+            the reserve (:func:`~.decode_model.check_cap`), ``output`` too short for one timed sample (``n0 +
+            steps + 2``), ``n0 < 2`` (the reference run must include the CUDA-graph capture), an unknown ``model``,
+            ``input + output`` beyond the model's positions, an unparsable ``device``.
     """
     _at_least(cfg, {"input": "the prompt tokens per request", "output": "the generated tokens per request",
                     "budget": "the selected tokens per KV head", "samples": "the number of sampled contexts",
@@ -357,9 +368,9 @@ def validate_throughput(cfg) -> None:
                     "prefill_tokens": "the prompt tokens per timed prefill"}, 1)
     _at_least(cfg, {"requests": "the concurrent requests (0 = as many as fit)"}, 0)
     _at_least(cfg, {"n0": "the steps of the reference run (it must include the CUDA-graph capture)"}, 2)
-    for key in ("reserve_gb", "cpu_memory_gb"):
-        if getattr(cfg, key) < 0:
-            raise ValueError(f"{key}={getattr(cfg, key)}: {key} is GiB and must be >= 0")
+    for key in ("reserve_gb", "cpu_memory_gb", "gpu_gb"):
+        if not 0 <= getattr(cfg, key) < float("inf"):
+            raise ValueError(f"{key}={getattr(cfg, key)}: {key} is GiB and must be >= 0 and finite")
     if cfg.output < cfg.n0 + cfg.steps + 2:
         raise ValueError(f"output={cfg.output} is shorter than one timed sample (n0 + steps + 2 = "
                          f"{cfg.n0 + cfg.steps + 2} tokens): raise output or lower steps")
@@ -372,6 +383,17 @@ def validate_throughput(cfg) -> None:
         raise ValueError(f"input + output = {cfg.input + cfg.output} tokens exceed the {positions} positions of "
                          f"model={cfg.model}: shorten input or output")
     _check_device(cfg)
+    if cfg.gpu_gb:
+        import torch
+
+        from .decode_model import check_cap
+        from .device import resolve_device
+        from .layer import torch_dtype
+
+        dev = resolve_device(cfg)
+        if dev.type != "cuda" or torch.cuda.is_available():  # (no CUDA here: bench run refuses the job itself)
+            check_cap(float(cfg.gpu_gb), str(cfg.model), torch_dtype(cfg), dev, float(cfg.reserve_gb),
+                      float(cfg.cpu_memory_gb))
 
 
 def validate(cfg) -> None:

@@ -5,7 +5,10 @@
 One job = one model shape × one ``[input, output]`` request shape; every method of
 :class:`~kvtransform.bench.config.ThroughputMethod` runs in this process on the same random-weight model (speed does
 not depend on the weights' values), each with the largest number of concurrent requests whose memory fits
-(:func:`max_requests`; or ``requests=N``).
+(:func:`max_requests`; or ``requests=N``). ``gpu_gb=G`` compares them at the memory of a smaller card: everything the
+process holds (CUDA context, weights, caches, workspace, ``reserve_gb``) must fit in ``G`` GiB, the request counts
+shrink to fit, and on CUDA the allocator is held to the cap (:func:`memory_cap`); every row records ``gpu_gb``
+(0: the whole device).
 
 A 32k-token generation per configuration is too long to run whole, so each method's decode step is timed at
 ``samples`` context lengths spread over the generation (``steps`` steps per sample: the difference of a run of
@@ -33,6 +36,7 @@ from __future__ import annotations
 import gc
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -40,15 +44,15 @@ import torch
 
 from .config import ThroughputMethod
 from .decode_hf import hf_seconds, prefill_hf, time_hf
-from .decode_model import (MODELS, OURS, PAPER, build_model, max_requests, model_shape, per_request_bytes,
-                           step_bytes, weight_bytes)
+from .decode_model import (GIB, MODELS, OURS, PAPER, build_model, cap_fraction, capped_free, held_bytes,
+                           max_requests, model_shape, per_request_bytes, step_bytes, weight_bytes)
 from .decode_ours import Ours, prefill_ours, random_cache, time_ours
 from .decode_sampling import integrate_steps, sample_contexts
 from .device import copy_bandwidth, resolve_device
 from .layer import torch_dtype
 
 __all__ = ["MODELS", "PAPER", "ORDER", "build_model", "max_requests", "per_request_bytes", "sample_contexts",
-           "integrate_steps", "step_bytes", "run_job"]
+           "integrate_steps", "step_bytes", "memory_cap", "run_job"]
 
 ORDER = [m.value for m in ThroughputMethod if m is not ThroughputMethod.all]
 OOM_RETRIES = 3  # automatic request counts: retries at -10 % after an out-of-memory error
@@ -85,6 +89,36 @@ def oom_where(e: BaseException) -> str:
     return f"{frames[-1].name} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else "?"
 
 
+@contextmanager
+def memory_cap(device: torch.device, cap_bytes: int):
+    """Hold this process to ``cap_bytes`` of ``device`` while the ``with`` block runs (``gpu_gb``); yields the bytes
+    PyTorch may hold under the cap (None: ``cap_bytes=0``, no cap).
+
+    On CUDA the cap is enforced, not only accounted: ``torch.cuda.set_per_process_memory_fraction`` limits PyTorch's
+    caching allocator (weights, KV caches, CUDA-graph pools, compile and cuBLAS workspaces: every tensor) to the cap
+    less the memory in use outside it when the block starts (CUDA context, loaded kernels;
+    :func:`.decode_model.cap_fraction`), so an allocation past the cap raises ``torch.cuda.OutOfMemoryError`` as on a
+    card of that size, and the runner's retries at fewer requests apply. Memory allocated outside PyTorch after the
+    start (kernel modules loaded later, tens of MiB) is not limited. The fraction goes back to 1 (the whole device)
+    when the block ends. On a CPU nothing is limited: the request counts are sized for the cap (the part a CPU run
+    can check)."""
+    if not cap_bytes:
+        yield None
+        return
+    if device.type != "cuda":
+        yield int(cap_bytes)
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    frac = cap_fraction(cap_bytes, total, free, torch.cuda.memory_reserved(device))
+    torch.cuda.set_per_process_memory_fraction(frac, device)
+    try:
+        yield int(frac * total)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
 def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     """Run one ``decode`` job (one model shape, one ``[input, output]``); returns its CSV rows (one ``pass=run`` row
     per method with the throughput, one ``pass=step`` row per sampled context with ms/step and the HBM floor, and
@@ -102,7 +136,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     from .config import DecodeBenchConfig
 
     def ident(method) -> str:  # flashinfer_tensor_cores: only the flashinfer rows depend on it
-        keys = ("budget", "compile", "cuda_graphs", "fuse_projections") + \
+        keys = ("budget", "compile", "cuda_graphs", "fuse_projections", "gpu_gb") + \
             (("flashinfer_tensor_cores",) if method == "flashinfer" else ())
         return f"model={model_name} input={inp} output={outl}" + "".join(
             f" {k}={str(getattr(cfg, k)).lower()}" for k in keys if getattr(cfg, k) != getattr(DecodeBenchConfig, k))
@@ -110,7 +144,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     def emit(r):
         r.setdefault("status", "ok")
         base = dict(suite=cfg.suite, mode="decode", op="generate", model=model_name, input=inp, output=outl,
-                    budget=int(cfg.budget), params=ident(r.get("method")))
+                    budget=int(cfg.budget), gpu_gb=float(cfg.gpu_gb), params=ident(r.get("method")))
         base.update(r)
         rows.append(base)
         if on_row:
@@ -132,136 +166,145 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     itemsize = torch.empty((), dtype=dtype).element_size()
     ours = None
+    cap = int(float(cfg.gpu_gb) * GIB)  # 0: no cap
     contexts = sample_contexts(inp, outl, int(cfg.samples), int(cfg.n0) + int(cfg.steps))
     paper = PAPER.get((mshape["paper"], inp, outl), {})
-    for method in methods:
-        rec = dict(method=method, **{"pass": "run"})
-        reqs = None  # set once the request count is chosen (an OOM before that has no count)
-        try:
-            why = flashinfer_missing() if method == "flashinfer" else None
-            if why:
-                emit(dict(rec, status=f"skip: {why}"))
-                continue
-            if method in OURS and ours is None:
-                okey = (int(cfg.budget), bool(cfg.cuda_graphs), bool(cfg.compile), str(cfg.fuse_projections))
-                if okey not in _KEEP["ours"]:
-                    _KEEP["ours"][okey] = Ours(model, cfg)
-                ours = _KEEP["ours"][okey]
-                ours.cfg = cfg  # this job's settings (flashinfer_tensor_cores picks the flashinfer module)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                free = torch.cuda.mem_get_info(device)[0]
-            else:  # on a CPU the request count is sized for cpu_memory_gb (reserve_gb is device memory)
-                free = int(cfg.cpu_memory_gb * 2 ** 30)
-            reserve = int(cfg.reserve_gb * 2 ** 30) if device.type == "cuda" else 0
-            # our three methods share one request count (the smallest that fits all): one compiled program
-            sized = [m for m in OURS if m in methods] if method in OURS else [method]
-            reqs = int(cfg.requests) or min(max_requests(m, shape, max_length, free, reserve, itemsize,
-                                                         int(cfg.max_requests)) for m in sized)
-            t0 = time.perf_counter()
-            if device.type == "cuda":  # what the previous methods left behind (allocated, and held by the allocator)
-                rec["mem_start_gb"] = round(torch.cuda.memory_allocated(device) / 2 ** 30, 2)
-                rec["mem_reserved_gb"] = round(torch.cuda.memory_reserved(device) / 2 ** 30, 2)
-                rec["mem_free_gb"] = round(free / 2 ** 30, 2)
-            stage = {"name": "prefill"}
+    with memory_cap(device, cap) as limit:  # (limit: the bytes this process may hold, None: no cap)
+        for method in methods:
+            rec = dict(method=method, **{"pass": "run"})
+            reqs = None  # set once the request count is chosen (an OOM before that has no count)
+            try:
+                why = flashinfer_missing() if method == "flashinfer" else None
+                if why:
+                    emit(dict(rec, status=f"skip: {why}"))
+                    continue
+                if method in OURS and ours is None:
+                    okey = (int(cfg.budget), bool(cfg.cuda_graphs), bool(cfg.compile), str(cfg.fuse_projections))
+                    if okey not in _KEEP["ours"]:
+                        _KEEP["ours"][okey] = Ours(model, cfg)
+                    ours = _KEEP["ours"][okey]
+                    ours.cfg = cfg  # this job's settings (flashinfer_tensor_cores picks the flashinfer module)
+                gc.collect()
+                if device.type == "cuda":  # under a cap: as if the device had gpu_gb (all in use counts against it)
+                    torch.cuda.empty_cache()
+                    free = capped_free(*torch.cuda.mem_get_info(device), cap)
+                else:  # on a CPU sized for cpu_memory_gb, or the cap less the weights (reserve_gb is device memory)
+                    free = max(0, cap - held_bytes(model)) if cap else int(cfg.cpu_memory_gb * GIB)
+                reserve = int(cfg.reserve_gb * GIB) if device.type == "cuda" else 0
+                # our three methods share one request count (the smallest that fits all): one compiled program
+                sized = [m for m in OURS if m in methods] if method in OURS else [method]
+                reqs = int(cfg.requests) or min(max_requests(m, shape, max_length, free, reserve, itemsize,
+                                                             int(cfg.max_requests)) for m in sized)
+                t0 = time.perf_counter()
+                if device.type == "cuda":  # what earlier methods left behind (allocated, held by the allocator)
+                    rec["mem_start_gb"] = round(torch.cuda.memory_allocated(device) / GIB, 2)
+                    rec["mem_reserved_gb"] = round(torch.cuda.memory_reserved(device) / GIB, 2)
+                    rec["mem_free_gb"] = round(free / GIB, 2)
+                stage = {"name": "prefill"}
 
-            def measure(reqs):
-                """(prefill_s, g, ms per sample, note, head key itemsize, validate seconds or None); ``stage`` says
-                whether the prefill (``g`` prompts, whatever ``reqs``) or the decode of ``reqs`` requests runs."""
-                measured = None
-                stage["name"] = "prefill"
-                if method in OURS:
-                    rt = ours.runtime(method)
-                    prefill_s, g = prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
-                    stage["name"] = "decode"
-                    cache = random_cache(shape, reqs, max_length, dtype, device, cfg.seed)
-                    ms = time_ours(rt, cache, contexts, int(cfg.n0), int(cfg.steps), device)
-                    note = "; ".join(n for n in (ours.note(method), "decode program under torch.compile" if
-                                                 rt.compile and device.type == "cuda" else "") if n)
-                    head_isz = rt.head.keys.element_size() if getattr(rt.head, "keys", None) is not None else itemsize
-                    if cfg.validate:
-                        cache.cache_seqlens.fill_(inp)
-                        tok = torch.randint(3, shape["vocab"], (reqs,), device=device)
-                        measured = rt.decode_from(cache, tok, outl - 1).stats.decode_s
-                    del cache
-                    rt.head.release()
-                else:
-                    prefill_s, g = prefill_hf(model, method, inp, reqs, int(cfg.prefill_tokens), max_length, device)
-                    stage["name"] = "decode"
-                    ms, first = time_hf(model, method, reqs, contexts, max_length, int(cfg.n0), int(cfg.steps), dtype,
-                                         device, cfg.seed)
-                    note, head_isz = f"first generate call {first:.1f} s (warm-up{', compile' if method == 'hf_static' else ''})", itemsize
-                    if cfg.validate:
-                        ids = torch.randint(3, shape["vocab"], (reqs, inp + 1), device=device)
-                        measured = hf_seconds(model, method, ids, inp, outl, max_length, dtype, device, cfg.seed) \
-                            * (outl - 1) / outl  # generate ran outl steps
-                        del ids
-                return prefill_s, g, ms, note, head_isz, measured
+                def measure(reqs):
+                    """(prefill_s, g, ms per sample, note, head key itemsize, validate seconds or None); ``stage`` says
+                    whether the prefill (``g`` prompts, whatever ``reqs``) or the decode of ``reqs`` requests runs."""
+                    measured = None
+                    stage["name"] = "prefill"
+                    if method in OURS:
+                        rt = ours.runtime(method)
+                        rt.gpu_memory_bytes = limit  # an offload plan would plan for the cap (the suite runs none)
+                        prefill_s, g = prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
+                        stage["name"] = "decode"
+                        cache = random_cache(shape, reqs, max_length, dtype, device, cfg.seed)
+                        ms = time_ours(rt, cache, contexts, int(cfg.n0), int(cfg.steps), device)
+                        note = "; ".join(n for n in (ours.note(method), "decode program under torch.compile" if
+                                                     rt.compile and device.type == "cuda" else "") if n)
+                        head_keys = getattr(rt.head, "keys", None)
+                        head_isz = head_keys.element_size() if head_keys is not None else itemsize
+                        if cfg.validate:
+                            cache.cache_seqlens.fill_(inp)
+                            tok = torch.randint(3, shape["vocab"], (reqs,), device=device)
+                            measured = rt.decode_from(cache, tok, outl - 1).stats.decode_s
+                        del cache
+                        rt.head.release()
+                    else:
+                        prefill_s, g = prefill_hf(model, method, inp, reqs, int(cfg.prefill_tokens), max_length, device)
+                        stage["name"] = "decode"
+                        ms, first = time_hf(model, method, reqs, contexts, max_length, int(cfg.n0), int(cfg.steps),
+                                            dtype, device, cfg.seed)
+                        note = f"first generate call {first:.1f} s (warm-up" \
+                               f"{', compile' if method == 'hf_static' else ''})"
+                        head_isz = itemsize
+                        if cfg.validate:
+                            ids = torch.randint(3, shape["vocab"], (reqs, inp + 1), device=device)
+                            measured = hf_seconds(model, method, ids, inp, outl, max_length, dtype, device, cfg.seed) \
+                                * (outl - 1) / outl  # generate ran outl steps
+                            del ids
+                    return prefill_s, g, ms, note, head_isz, measured
 
-            retries = 0
-            while True:
-                try:
-                    prefill_s, g, ms, note, head_isz, measured = measure(reqs)
-                    break
-                except torch.cuda.OutOfMemoryError as e:
-                    # the memory model misses a temporary: the largest count that fits is found by trying (an
-                    # explicit request count is the user's and is not changed; the prefill runs the same prompts
-                    # at any count, so fewer requests cannot help it)
-                    if int(cfg.requests) or reqs <= 1 or retries >= OOM_RETRIES or stage["name"] == "prefill":
-                        raise
-                    print(f"  {method}: out of memory at {reqs} requests in {oom_where(e)}: retrying with fewer",
-                          flush=True)
-                # outside the handler: the failed attempt's tensors (held by the traceback) are released
-                retries += 1
-                reqs = max(1, int(reqs * 0.9))
-                if method in OURS:
+                retries = 0
+                while True:
+                    try:
+                        prefill_s, g, ms, note, head_isz, measured = measure(reqs)
+                        break
+                    except torch.cuda.OutOfMemoryError as e:
+                        # the memory model misses a temporary: the largest count that fits is found by trying (an
+                        # explicit request count is the user's and is not changed; the prefill runs the same prompts
+                        # at any count, so fewer requests cannot help it)
+                        if int(cfg.requests) or reqs <= 1 or retries >= OOM_RETRIES or stage["name"] == "prefill":
+                            raise
+                        print(f"  {method}: out of memory at {reqs} requests in {oom_where(e)}: retrying with fewer",
+                              flush=True)
+                    # outside the handler: the failed attempt's tensors (held by the traceback) are released
+                    retries += 1
+                    reqs = max(1, int(reqs * 0.9))
+                    if method in OURS:
+                        ours.runtime(method).head.release()
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                if retries:
+                    note = "; ".join(n for n in (note, f"{retries} out-of-memory retr{'y' if retries == 1 else 'ies'} "
+                                                       f"(-10% requests each)") if n)
+                good = [(c, m) for c, m in zip(contexts, ms) if m == m]
+                if not good:
+                    raise RuntimeError("every sampled step was noisy (the longer run never slower): raise steps")
+                decode_s = integrate_steps([c for c, _ in good], [m for _, m in good], inp, outl)
+                for ctx, m in zip(contexts, ms):
+                    read = wbytes + step_bytes(method, shape, reqs, ctx, max_length, int(cfg.budget), itemsize,
+                                               head_itemsize=head_isz)
+                    floor = 1000 * read / bw if bw == bw else float("nan")
+                    emit(dict(method=method, **{"pass": "step"}, requests=reqs, context=ctx,
+                              ms_p50=round(m, 4) if m == m else None,
+                              status="ok" if m == m else
+                              "noisy: the longer run was never slower (left out; raise steps)",
+                              params=f"{ident(method)} context={ctx}",
+                              floor_ms=round(floor, 4),
+                              x_floor=round(m / floor, 3) if floor == floor and m == m else None,
+                              bytes_gb=round(read / 1e9, 3), gbps=round(read / m / 1e6, 1) if m > 0 else None,
+                              copy_gbps=round(bw / 1e9, 1) if bw == bw else None))
+                total = prefill_s + decode_s
+                pt = paper.get(method) or paper.get({"hf_sdpa": "hf_flash_attn"}.get(method, ""))
+                emit(dict(rec, requests=reqs, prefill_s=round(prefill_s, 3), prefill_group=g,
+                          decode_s=round(decode_s, 3),
+                          tokens_per_s=round(reqs * outl / total, 2),
+                          decode_tokens_per_s=round(reqs * (outl - 1) / decode_s, 2),
+                          ms_per_step_mean=round(1000 * decode_s / max(outl - 1, 1), 3),
+                          paper_tokens_per_s=pt[0] if pt else None, paper_requests=pt[1] if pt else None,
+                          note=note, wall_s=round(time.perf_counter() - t0, 1)))
+                if cfg.validate:
+                    err = decode_s / measured - 1
+                    emit(dict(method=method, **{"pass": "validate"}, requests=reqs, decode_s=round(measured, 3),
+                              estimate_s=round(decode_s, 3), rel_err=round(err, 4),
+                              status="ok" if abs(err) <= VALIDATE_TOL else
+                              f"outside {VALIDATE_TOL:.0%}: raise steps/samples (on a CPU: OMP_NUM_THREADS=1)"))
+            except torch.cuda.OutOfMemoryError as e:
+                emit(dict(rec, requests=reqs, status=f"oom in {oom_where(e)}: {str(e).splitlines()[0][:160]}"))
+            except Exception as e:  # one method failing must not lose the others' rows
+                traceback.print_exc()
+                emit(dict(rec, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
+            finally:
+                if method in OURS and ours is not None and ours.built(method):  # (not when building it failed)
                     ours.runtime(method).head.release()
                 gc.collect()
-                torch.cuda.empty_cache()
-            if retries:
-                note = "; ".join(n for n in (note, f"{retries} out-of-memory retr{'y' if retries == 1 else 'ies'} "
-                                                   f"(-10% requests each)") if n)
-            good = [(c, m) for c, m in zip(contexts, ms) if m == m]
-            if not good:
-                raise RuntimeError("every sampled step was noisy (the longer run never slower): raise steps")
-            decode_s = integrate_steps([c for c, _ in good], [m for _, m in good], inp, outl)
-            for ctx, m in zip(contexts, ms):
-                read = wbytes + step_bytes(method, shape, reqs, ctx, max_length, int(cfg.budget), itemsize,
-                                           head_itemsize=head_isz)
-                floor = 1000 * read / bw if bw == bw else float("nan")
-                emit(dict(method=method, **{"pass": "step"}, requests=reqs, context=ctx,
-                          ms_p50=round(m, 4) if m == m else None,
-                          status="ok" if m == m else "noisy: the longer run was never slower (left out; raise steps)",
-                          params=f"{ident(method)} context={ctx}",
-                          floor_ms=round(floor, 4), x_floor=round(m / floor, 3) if floor == floor and m == m else None,
-                          bytes_gb=round(read / 1e9, 3), gbps=round(read / m / 1e6, 1) if m > 0 else None,
-                          copy_gbps=round(bw / 1e9, 1) if bw == bw else None))
-            total = prefill_s + decode_s
-            pt = paper.get(method) or paper.get({"hf_sdpa": "hf_flash_attn"}.get(method, ""))
-            emit(dict(rec, requests=reqs, prefill_s=round(prefill_s, 3), prefill_group=g, decode_s=round(decode_s, 3),
-                      tokens_per_s=round(reqs * outl / total, 2), decode_tokens_per_s=round(reqs * (outl - 1) /
-                                                                                           decode_s, 2),
-                      ms_per_step_mean=round(1000 * decode_s / max(outl - 1, 1), 3),
-                      paper_tokens_per_s=pt[0] if pt else None, paper_requests=pt[1] if pt else None,
-                      note=note, wall_s=round(time.perf_counter() - t0, 1)))
-            if cfg.validate:
-                err = decode_s / measured - 1
-                emit(dict(method=method, **{"pass": "validate"}, requests=reqs, decode_s=round(measured, 3),
-                          estimate_s=round(decode_s, 3), rel_err=round(err, 4),
-                          status="ok" if abs(err) <= VALIDATE_TOL else
-                          f"outside {VALIDATE_TOL:.0%}: raise steps/samples (on a CPU: OMP_NUM_THREADS=1)"))
-        except torch.cuda.OutOfMemoryError as e:
-            emit(dict(rec, requests=reqs, status=f"oom in {oom_where(e)}: {str(e).splitlines()[0][:160]}"))
-        except Exception as e:  # one method failing must not lose the others' rows
-            traceback.print_exc()
-            emit(dict(rec, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
-        finally:
-            if method in OURS and ours is not None and ours.built(method):  # (not when building it failed)
-                ours.runtime(method).head.release()
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     model = ours = None  # (closures above read these names: rebinding, not del)
     gc.collect()
     return rows

@@ -10,8 +10,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["OURS", "MODELS", "PAPER", "build_model", "weight_bytes", "model_shape", "step_bytes",
-           "per_request_bytes", "max_requests"]
+__all__ = ["OURS", "MODELS", "PAPER", "GIB", "build_model", "weight_bytes", "held_bytes", "model_shape",
+           "step_bytes", "per_request_bytes", "max_requests", "device_bytes", "check_cap", "capped_free",
+           "cap_fraction"]
+
+GIB = 2 ** 30  # the suite's memory settings (gpu_gb, reserve_gb, cpu_memory_gb) are GiB, as CUDA reports memory
 
 OURS = {"dense": "dense", "specontext": "distilled", "quest": "quest",  # method -> retrieval head
         "flashinfer": "dense"}  # (its slot-mode program calls FlashInfer's kernel: decode_ours.Ours.runtime)
@@ -93,6 +96,11 @@ def weight_bytes(model) -> int:
     return total if tied else total - emb.numel() * emb.element_size()
 
 
+def held_bytes(model) -> int:
+    """Bytes of every parameter the device holds (tied weights counted once): what a memory cap must hold."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def model_shape(model) -> dict:
     """``layers``, ``kv_heads``, ``heads``, ``head_dim`` and ``vocab`` of ``model``'s config (what the memory maths
     and the random caches need)."""
@@ -147,3 +155,55 @@ def max_requests(method: str, shape: dict, max_length: int, free_bytes: int, res
     1, at most ``cap``)."""
     per = per_request_bytes(method, shape, max_length, itemsize)
     return int(max(1, min(cap, (free_bytes - reserve_bytes) // per)))
+
+
+def device_bytes(device, cpu_memory_gb: float) -> int:
+    """The memory of the job's device that a ``gpu_gb`` cap must fit in: CUDA's total capacity of the device
+    (``torch.cuda.get_device_properties(d).total_memory``, the figure of CUDA's out-of-memory message), or on a CPU
+    the ``cpu_memory_gb`` GiB the suite sizes for."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return int(cpu_memory_gb * GIB)
+
+
+def check_cap(gpu_gb: float, name: str, dtype: torch.dtype, device, reserve_gb: float, cpu_memory_gb: float) -> None:
+    """Refuse a ``gpu_gb`` cap (GiB) larger than the device (:func:`device_bytes`) or too small for model shape
+    ``name``'s weights in ``dtype`` plus the reserve (``reserve_gb``, counted on CUDA only, as the suite does); the
+    weights are counted on the ``meta`` device (nothing allocated). ``gpu_gb=0``: no cap, nothing checked.
+
+    Raises:
+        ValueError: one line naming the cap, the limit and the fix.
+    """
+    if not gpu_gb:
+        return
+    dev = torch.device(device)
+    have = device_bytes(dev, cpu_memory_gb)
+    what = f"the {have / GIB:.4g} GiB of {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else \
+        f"cpu_memory_gb={cpu_memory_gb} (the memory sized for on a CPU)"
+    def gib(n: int, up: bool) -> float:  # n bytes in GiB to 4 significant digits, rounded up or down
+        scale = 10 ** (3 - math.floor(math.log10(n / GIB)))
+        return (math.ceil if up else math.floor)(n / GIB * scale) / scale
+
+    if gpu_gb * GIB > have:
+        raise ValueError(f"gpu_gb={gpu_gb} is larger than {what}: set gpu_gb <= {gib(have, False):g} or gpu_gb=0 "
+                         f"(the whole device)")
+    need = held_bytes(build_model(name, dtype, "meta")) + (int(reserve_gb * GIB) if dev.type == "cuda" else 0)
+    if gpu_gb * GIB < need:
+        raise ValueError(f"gpu_gb={gpu_gb} cannot hold model={name}'s weights"
+                         f"{f' plus reserve_gb={reserve_gb}' if dev.type == 'cuda' else ''} ({need / GIB:.4g} GiB): "
+                         f"set gpu_gb >= {gib(need, True):g} (or gpu_gb=0: the whole device)")
+
+
+def capped_free(free_bytes: int, total_bytes: int, cap_bytes: int) -> int:
+    """Free bytes of a device of ``total_bytes`` with ``free_bytes`` free, as if it had only ``cap_bytes``: whatever
+    is in use (CUDA context, weights, the allocator's cache, other processes) counts against the cap, so
+    ``free - (total - cap)`` (at least 0). ``cap_bytes=0``: no cap, ``free_bytes``."""
+    return int(free_bytes) if not cap_bytes else max(0, int(free_bytes) - (int(total_bytes) - int(cap_bytes)))
+
+
+def cap_fraction(cap_bytes: int, total_bytes: int, free_bytes: int, reserved_bytes: int) -> float:
+    """The ``torch.cuda.set_per_process_memory_fraction`` that keeps this process within ``cap_bytes``: PyTorch's
+    caching allocator may then hold ``cap - outside`` bytes, ``outside = total - free - reserved`` being the memory
+    in use outside it (the CUDA context, loaded kernel modules, other processes), measured now."""
+    outside = int(total_bytes) - int(free_bytes) - int(reserved_bytes)
+    return max(0.0, min(1.0, (int(cap_bytes) - outside) / int(total_bytes)))

@@ -5,8 +5,8 @@ table is in :mod:`.report_tree`."""
 from __future__ import annotations
 
 from . import seed
-from .report_rows import (LAYER_METHODS, THROUGHPUT_DENSE, cell_gb, cell_ms, commits, config_key, fmt, get_row,
-                          in_config, ms, num, ratio, shapes, tick)
+from .report_rows import (LAYER_METHODS, THROUGHPUT_DENSE, cell_gb, cell_ms, commits, config_key, config_label, fmt,
+                          get_row, in_config, ms, num, ratio, shapes, tick)
 from .report_tree import TREE_SUITES, markdown_tree
 
 __all__ = ["TARGETS", "COMPILED_TARGETS", "markdown", "markdown_layer", "markdown_attn", "markdown_decode",
@@ -183,7 +183,7 @@ def markdown_throughput(df) -> str:
             ok = str(r["status"]) == "ok"
             paper = (f"{fmt(r.get('paper_tokens_per_s'), 1)} ({int(r['paper_requests'])})"
                      if num(r.get("paper_tokens_per_s")) is not None else "–")
-            out.append(f"| {key[0]} | {key[1]} | {key[2]} | {r['method']} | "
+            out.append(f"| {config_label(key)} | {key[1]} | {key[2]} | {r['method']} | "
                        f"{int(r['requests']) if num(r.get('requests')) is not None else '–'} | "
                        f"{fmt(r.get('prefill_s'), 2)} | {fmt(r.get('decode_s'), 1)} | "
                        f"{fmt(r.get('tokens_per_s'), 1) if ok else '–'} | "
@@ -195,7 +195,8 @@ def markdown_throughput(df) -> str:
         out += ["", "| model | input | output | method | requests | context | ms/step | floor ms | × floor | GB read | "
                     "GB/s |", "|" + "---|" * 11]
         for _, r in steps.iterrows():
-            out.append(f"| {r['model']} | {int(r['input'])} | {int(r['output'])} | {r['method']} | {int(r['requests'])} "
+            out.append(f"| {config_label(config_key(r))} | {int(r['input'])} | {int(r['output'])} | {r['method']} | "
+                       f"{int(r['requests'])} "
                        f"| {int(r['context'])} | {fmt(r['ms_p50'], 2)} | {fmt(r['floor_ms'], 2)} | "
                        f"{fmt(r['x_floor'], 2)} | {fmt(r['bytes_gb'], 1)} | {fmt(r.get('gbps'), 0)} |")
     if not val.empty:

@@ -3,7 +3,7 @@ with the HBM floor (``decode-ops``), tokens/s and ms per step against the contex
 from __future__ import annotations
 
 from . import seed
-from .report_rows import LAYER_METHODS, config_key, get_row, in_config, ms, num, shapes
+from .report_rows import LAYER_METHODS, config_key, config_label, get_row, in_config, ms, num, shapes
 
 __all__ = ["plot_png"]
 
@@ -69,7 +69,7 @@ def _plot_throughput(df, path: str) -> bool:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(min(20, 6 + 1.2 * len(keys) * max(1, len(methods)) / 3), 5))
     _grouped_bars(ax, runs, methods, keys, in_config, "tokens_per_s",
                   "paper_tokens_per_s")
-    ax.set_xticklabels([f"{k[0]}\n[{k[1]}, {k[2]}]" for k in keys], fontsize=7)
+    ax.set_xticklabels([f"{config_label(k)}\n[{k[1]}, {k[2]}]" for k in keys], fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s end to end (log); black = paper (A800)")
     ax.legend(fontsize=7)

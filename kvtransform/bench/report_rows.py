@@ -7,7 +7,7 @@ import math
 from typing import Optional
 
 __all__ = ["LAYER_METHODS", "THROUGHPUT_DENSE", "num", "fmt", "ratio", "shapes", "get_row", "ms", "cell_ms",
-           "cell_gb", "commits", "tick", "config_key", "in_config"]
+           "cell_gb", "commits", "tick", "config_key", "config_label", "in_config"]
 
 LAYER_METHODS = ["dualkv", "flex", "flex_rebuild", "fa2", "pg", "reference", "dualkv_kernel", "dualkv_compiled",
                  "flex_compiled"]
@@ -79,11 +79,18 @@ def tick(ok: Optional[bool]) -> str:
 
 
 def config_key(r) -> tuple:
-    return (str(r["model"]), int(r["input"]), int(r["output"]))
+    """``(model, input, output, gpu_gb)`` of a ``decode`` row (``gpu_gb``: its memory cap in GiB, 0 = the whole
+    device, also for rows written before the cap existed): rows under different caps are different configurations."""
+    return (str(r["model"]), int(r["input"]), int(r["output"]), num(r.get("gpu_gb")) or 0.0)
+
+
+def config_label(key: tuple) -> str:
+    """The model cell of a configuration: ``llama-8b``, or ``llama-8b @79.1 GiB`` under a memory cap."""
+    return f"{key[0]} @{key[3]:g} GiB" if key[3] else key[0]
 
 
 def in_config(df, key: tuple):
-    """Boolean mask of ``df``'s rows of the ``(model, input, output)`` configuration ``key``."""
+    """Boolean mask of ``df``'s rows of the ``(model, input, output, gpu_gb)`` configuration ``key``."""
     import pandas as pd
 
     return pd.Series([config_key(r) == key for _, r in df.iterrows()], index=df.index, dtype=bool)
