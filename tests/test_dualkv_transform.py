@@ -134,6 +134,15 @@ def llama():
     return model, kvt.transform(model, "dualkv", progress=False)
 
 
+def test_under_autocast_is_one_line(llama):
+    """The captured program runs in the model's dtype: under ``torch.autocast`` it is refused in one line naming
+    the two ways (cast the model first, or the HF integration), not a dtype clash inside the op."""
+    batch = kvt.pack_shared_prefix(list(range(5, 15)), [[50, 51], [60]])
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=r"enable\(model, 'dualkv'\)") as e:
+        llama[1](batch)
+    assert "\n" not in str(e.value)
+
+
 def test_pass_report_and_parameters(llama):
     model, opt = llama
     assert isinstance(opt, DualKVModule)
