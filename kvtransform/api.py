@@ -26,7 +26,7 @@ def transform(model: torch.nn.Module, config="canonical", tokenizer=None, progre
     """Capture ``model``, rewrite its attention with the passes of ``config``, verify, and return the result.
 
     Args:
-        model: a transformers causal LM (Llama, Qwen2, Qwen3, Mistral families, ...), any dtype/device.
+        model: a transformers causal LM (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, gpt-oss, Qwen3-MoE, Phi-3 families, ...), any dtype/device.
         config: ``"canonical"``, ``"dualkv"``, ``"specontext"``, a config dataclass (``kvt.DualKVConfig(...)``) or a
             dict with a ``name`` key.
         tokenizer: used to build real verification inputs from the shipped text; default the tokenizer

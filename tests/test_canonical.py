@@ -1,5 +1,6 @@
-"""Spine: capture → canonical attention pass → verification → save/load, on tiny random configs of the four families
-(sdpa and eager) and on the real SmolLM2-135M."""
+"""Spine: capture → canonical attention pass → verification → save/load, on tiny random configs of the Llama,
+Qwen2, Qwen3 and Mistral families (sdpa and eager; Gemma 2/3, gpt-oss, Qwen3-MoE, Phi-3: tests/test_families.py)
+and on the real SmolLM2-135M."""
 import json
 
 import pytest

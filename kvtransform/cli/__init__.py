@@ -45,8 +45,8 @@ COMMANDS = {"optimize": optimize.main, "inspect": inspect.main, "bench": bench.m
 
 _HELP = """usage: kvtransform COMMAND [ARGS ...]
 
-Rewrite attention in Hugging Face causal LMs (Llama, Qwen2, Qwen3, Mistral, ...) into kvtransform's ops:
-canonical kvt.attention, DualKV shared-prefix training attention, SpeContext sparse decode.
+Rewrite attention in Hugging Face causal LMs (Llama, Qwen2/3, Mistral, Gemma 2/3, gpt-oss, Qwen3-MoE, Phi-3,
+...) into kvtransform's ops: canonical kvt.attention, DualKV shared-prefix training attention, SpeContext sparse decode.
 
 commands:
   optimize [MODEL] [key=value ...]   load, capture, rewrite, verify, save and reload-check a model
