@@ -1,16 +1,16 @@
 """Train the ``distilled`` retrieval head on the target's own attention (SpeContext, arXiv 2512.00722 §9:
 "train the retrieval head directly to capture the LLM's attention"; ``kvtransform distill-retrieval-head``).
 
-**Teacher** (:func:`teacher_targets`): on real text (:data:`kvtransform.textdata.TRAIN_FILES`, chunks of
-``length`` tokens), at ``positions`` query positions per chunk drawn from its second half, the model's dense
-attention over the cached tokens ``[0, t)`` of every layer, group-max over each GQA group (per KV head, as the
-selection ranks), aggregated over layers (``teacher``: **max**, the default, or mean), renormalised to sum 1 per
-(KV head, position): the aggregate a single per-step selection shared by all layers must serve (§4.3). The max
-keeps the few tokens one deep layer concentrates on (the copy source of an induction head) as heavy as the
-attention sink; the mean divides them by the number of layers. Measured on SmolLM2-135M (budget 1024, 3 unseen
-documents, 128-token continuations): NLL increase +0.113 (max) vs +0.147 (mean) nats/token at equal recall (0.91
-vs 0.92). Stored fp16 in ``teacher.pt`` beside the checkpoint
-(computed once; a resumed run reuses it).
+**Teacher** (:func:`teacher_targets`): on real text (:data:`kvtransform.textdata.TRAIN_FILES`: code, English
+technical prose and a changelog; legal English is the kind held out for evaluation; chunks of ``length`` tokens), at
+``positions`` query positions per chunk drawn from its second half, the model's dense attention over the cached
+tokens ``[0, t)`` of every layer, group-max over each GQA group (per KV head, as the selection ranks), aggregated
+over layers (``teacher``: **max**, the default, or mean), renormalised to sum 1 per (KV head, position): the
+aggregate a single per-step selection shared by all layers must serve (§4.3). The max keeps the few tokens one deep
+layer concentrates on (the copy source of an induction head) as heavy as the attention sink; the mean divides them
+by the number of layers. Measured on SmolLM2-135M (budget 1024, 3 unseen documents, 128-token continuations): NLL
+increase +0.113 (max) vs +0.147 (mean) nats/token at equal recall (0.91 vs 0.92). Stored fp16 in ``teacher.pt``
+beside the checkpoint (computed once; a resumed run reuses it).
 
 **Loss** (:func:`loss_fn`), on the head's group-max log-probabilities ``s`` ``(H_kv, P, T)`` (softmax per query
 head over ``[0, t)``, max over the group: exactly what ``kvt::retrieval_topk`` ranks):

@@ -423,9 +423,6 @@ def run_rollout_mismatch(cfg, model=None, tokenizer=None, log=print):
         from .models import load_model
 
         model, tokenizer = load_model(name, dtype=dtype)
-    if tokenizer is None:
-        raise ValueError(f"{name} has no tokenizer, and the prompts are real text: save one beside the model "
-                         f"(tokenizer.save_pretrained) or pass a model with one")
     model = model.to(cfg.device).eval()
     prompts = torch.stack([token_chunks(tokenizer, d, int(cfg.prompt), 1)[0] for d in docs])
     t0 = time.perf_counter()

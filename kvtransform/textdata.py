@@ -1,27 +1,68 @@
 """Real long text that every Python installation has: the corpus of the retrieval-head training and of
 ``kvtransform eval-sparse`` (SpeContext, arXiv 2512.00722 §6 evaluates on long real documents).
 
-The split is **by file**, so no evaluated document shares a file with the training text:
+The split is **by file**, so no evaluated document shares a file with the training text, and the evaluation
+holds out one **kind** of text the training never sees:
 
-* training (:data:`TRAIN_FILES`): ``pydoc_data/topics.py`` (≈750 KB of the Python reference manual, English) and
-  ten standard-library modules (code with English docstrings) plus ``idlelib/NEWS.txt`` (an English changelog);
-* evaluation (:data:`EVAL_FILES`): ``argparse.py``, ``difflib.py`` (code + docstrings), ``idlelib/NEWS2x.txt``
-  (English) and ``inspect.py``; none of them is read by the training.
+* training (:data:`TRAIN_FILES`), three kinds: Python code with English docstrings (ten standard-library
+  modules), English technical prose (``pydoc_data/topics.py``, ≈750 KB of the Python reference manual;
+  ``idlelib/help.html``, the IDLE user manual, read as text; ``email/architecture.rst`` and the IDLE
+  ``README.txt``, ``HISTORY.txt``, ``TODO.txt``, ``idle_test/README.txt``) and an English changelog
+  (``idlelib/NEWS.txt``);
+* evaluation (:data:`EVAL_FILES`): ``argparse.py``, ``difflib.py``, ``inspect.py`` (code + docstrings),
+  ``idlelib/NEWS2x.txt`` (changelog; CPython ≤ 3.11 only), and the held-out kind, **legal English**:
+  ``LICENSE.txt`` (the history of Python and its licenses, ≈3.8K tokens, so it is evaluated with a
+  ``prefix`` of 3072 tokens). No training file is a license: legal text is the kind the training never sees
+  (:data:`HELDOUT_KIND`).
 
-Paths are relative to the standard library directory (``sysconfig.get_paths()["stdlib"]``).
+Paths are relative to the standard library directory (``sysconfig.get_paths()["stdlib"]``). ``.html`` files are
+read as their text (tags, ``<head>``, scripts and styles dropped; character references decoded).
 """
 from __future__ import annotations
 
+import re
 import sysconfig
+from html.parser import HTMLParser
 from pathlib import Path
 
 import torch
 
-__all__ = ["TRAIN_FILES", "EVAL_FILES", "stdlib_path", "read_text", "token_chunks"]
+__all__ = ["TRAIN_FILES", "EVAL_FILES", "HELDOUT_KIND", "stdlib_path", "read_text", "html_text", "token_chunks"]
 
 TRAIN_FILES = ("pydoc_data/topics.py", "_pydecimal.py", "turtle.py", "typing.py", "pydoc.py", "tarfile.py",
-               "zipfile.py", "datetime.py", "subprocess.py", "enum.py", "ast.py", "idlelib/NEWS.txt")
-EVAL_FILES = ("argparse.py", "idlelib/NEWS2x.txt", "difflib.py", "inspect.py")
+               "zipfile.py", "datetime.py", "subprocess.py", "enum.py", "ast.py", "idlelib/NEWS.txt",
+               "idlelib/help.html", "email/architecture.rst", "idlelib/README.txt", "idlelib/HISTORY.txt",
+               "idlelib/TODO.txt", "idlelib/idle_test/README.txt")
+EVAL_FILES = ("argparse.py", "idlelib/NEWS2x.txt", "difflib.py", "inspect.py", "LICENSE.txt")
+HELDOUT_KIND = {"LICENSE.txt": "legal English (license terms and the software's history), never trained on"}
+
+
+class _TextOnly(HTMLParser):
+    _SKIP = ("head", "script", "style")
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts, self.skip = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        self.skip += tag in self._SKIP
+
+    def handle_endtag(self, tag):
+        self.skip -= tag in self._SKIP and self.skip > 0
+
+    def handle_data(self, data):
+        if not self.skip:
+            self.parts.append(data)
+
+
+def html_text(html: str) -> str:
+    """The text of an HTML page: the data outside ``<head>``, ``<script>`` and ``<style>``, character references
+    decoded, trailing blanks removed and runs of blank lines collapsed to one."""
+    p = _TextOnly()
+    p.feed(html)
+    p.close()
+    text = re.sub(r"[ \t]+\n", "\n", "".join(p.parts))
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
 def stdlib_path(rel: str) -> Path:
@@ -39,12 +80,13 @@ def stdlib_path(rel: str) -> Path:
 
 def read_text(rel: str) -> str:
     """The text of a standard-library file (``pydoc_data/topics.py``: its topics' documentation joined, without
-    the Python quoting), UTF-8."""
+    the Python quoting; ``.html``: :func:`html_text`), UTF-8."""
     if rel == "pydoc_data/topics.py":
         from pydoc_data.topics import topics
 
         return "\n\n".join(topics[k] for k in sorted(topics))
-    return stdlib_path(rel).read_text(encoding="utf-8", errors="replace")
+    text = stdlib_path(rel).read_text(encoding="utf-8", errors="replace")
+    return html_text(text) if rel.lower().endswith((".html", ".htm")) else text
 
 
 def token_chunks(tokenizer, rel: str, length: int, count: int) -> list[torch.Tensor]:
@@ -54,8 +96,12 @@ def token_chunks(tokenizer, rel: str, length: int, count: int) -> list[torch.Ten
         int64 ``(length,)`` tensors (fewer than ``count`` when the file is short).
 
     Raises:
-        ValueError: the file has fewer than ``length`` tokens (the message gives its length).
+        ValueError: no ``tokenizer`` (a model directory saved without one), or the file has fewer than ``length``
+            tokens (the message gives its length).
     """
+    if tokenizer is None:
+        raise ValueError("the model has no tokenizer, and these documents are real text: save one beside the model "
+                         "(tokenizer.save_pretrained(dir)) or load a model that has one")
     text = read_text(rel)
     ids = tokenizer(text[: 8 * length * count + 4096], return_tensors="pt",
                     add_special_tokens=False)["input_ids"][0]
