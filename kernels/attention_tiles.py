@@ -177,23 +177,36 @@ def _own_bounds(ss, q_start, q_end, window, BLOCK: tl.constexpr, WINDOW: tl.cons
 
 
 @triton.jit
+def _fwd_walk(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, a, b, mid, end,
+              kbound, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+              TAIL_CAUSAL: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr, WINDOW: tl.constexpr,
+              SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
+    """One key range walked in three parts: the window's edge blocks ``[a, b)`` (masked; only with ``WINDOW``), the
+    whole blocks ``[b, mid)`` (unmasked), then the tail ``[mid, end)`` (keys ``< kbound``; causal with
+    ``TAIL_CAUSAL``; window-masked with ``WINDOW``)."""
+    if WINDOW:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                                   offs_d, a, b, kbound, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, False,
+                                   True, PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                               b, mid, kbound, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, False, False,
+                               PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                               mid, end, kbound, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, True, TAIL_CAUSAL,
+                               WINDOW, PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _fwd_ctx(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, cs,
              ce, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
              PREC: tl.constexpr, SCALE_POS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
              FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
     """Forward over one context key range ``[cs, ce)`` (a response's prefix, a node's ancestor range)."""
     a, b, c_full, te = _ctx_bounds(cs, ce, qmin, qmax, POS, window, BLOCK_N, WINDOW)
-    if WINDOW:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                                   offs_d, a, b, ce, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, False,
-                                   True, PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               b, c_full, ce, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, False, False,
-                               PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               c_full, te, ce, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, True, False, WINDOW,
-                               PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
-    return acc, l_i, m_i
+    return _fwd_walk(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, a, b,
+                     c_full, te, ce, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, PREC, SCALE_POS, WINDOW,
+                     SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
 
 
 @triton.jit
@@ -205,17 +218,9 @@ def _fwd_own(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_v
     the causal rest (with ``WINDOW``: from the first block the window reaches, its edge blocks masked)."""
     q_end = tl.minimum(q_start + BLOCK_M, se)
     a, b, d_lo = _own_bounds(ss, q_start, q_end, window, BLOCK_N, WINDOW)
-    if WINDOW:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                                   offs_d, a, b, se, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, False,
-                                   True, PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               b, d_lo, se, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, False, False,
-                               PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                               d_lo, q_end, se, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, True, True, WINDOW,
-                               PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
-    return acc, l_i, m_i
+    return _fwd_walk(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, a, b,
+                     d_lo, q_end, se, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, True, PREC, SCALE_POS, WINDOW,
+                     SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
 
 
 @triton.jit
@@ -328,23 +333,35 @@ def _bwd_dq_inner(dq, rsum, q, do, lse2, delta, q_idx, qpos, k_base, v_base, str
 
 
 @triton.jit
+def _dq_walk(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, a, b,
+             mid, end, kbound, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr,
+             EVEN_D: tl.constexpr, TAIL_CAUSAL: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
+             SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr,
+             HAS_SINKS: tl.constexpr):
+    """dQ (and ``rsum``) over one key range in the three parts of :func:`_fwd_walk`."""
+    if WINDOW:
+        dq, rsum = _bwd_dq_inner(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt,
+                                 offs_n, offs_d, a, b, kbound, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False,
+                                 False, True, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
+    dq, rsum = _bwd_dq_inner(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                             offs_d, b, mid, kbound, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, False,
+                             False, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
+    dq, rsum = _bwd_dq_inner(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                             offs_d, mid, end, kbound, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, True,
+                             TAIL_CAUSAL, WINDOW, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
+    return dq, rsum
+
+
+@triton.jit
 def _dq_ctx(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt, offs_n,
             offs_d, cs, ce, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
             PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol,
             TMA: tl.constexpr, HAS_SINKS: tl.constexpr):
     """dQ (and ``rsum``, :func:`_bwd_dq_inner`) over one context key range, the blocks of :func:`_fwd_ctx`."""
     a, b, c_full, te = _ctx_bounds(cs, ce, qmin, qmax, POS, window, BLOCK_N, WINDOW)
-    if WINDOW:
-        dq, rsum = _bwd_dq_inner(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt,
-                                 offs_n, offs_d, a, b, ce, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False,
-                                 False, True, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
-    dq, rsum = _bwd_dq_inner(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                             offs_d, b, c_full, ce, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, False,
-                             False, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
-    dq, rsum = _bwd_dq_inner(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                             offs_d, c_full, te, ce, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, True, False,
-                             WINDOW, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
-    return dq, rsum
+    return _dq_walk(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                    a, b, c_full, te, ce, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, PREC, WINDOW,
+                    SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
 
 
 @triton.jit
@@ -355,17 +372,9 @@ def _dq_own(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_k
     """dQ (and ``rsum``) over the own segment, the blocks of :func:`_fwd_own`."""
     q_end = tl.minimum(q_start + BLOCK_M, se)
     a, b, d_lo = _own_bounds(ss, q_start, q_end, window, BLOCK_N, WINDOW)
-    if WINDOW:
-        dq, rsum = _bwd_dq_inner(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt,
-                                 offs_n, offs_d, a, b, se, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False,
-                                 False, True, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
-    dq, rsum = _bwd_dq_inner(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                             offs_d, b, d_lo, se, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, False, False,
-                             False, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
-    dq, rsum = _bwd_dq_inner(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                             offs_d, d_lo, q_end, se, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, True, True,
-                             WINDOW, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
-    return dq, rsum
+    return _dq_walk(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                    a, b, d_lo, q_end, se, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, True, PREC, WINDOW,
+                    SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
 
 
 @triton.jit
