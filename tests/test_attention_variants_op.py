@@ -8,6 +8,7 @@ packed out of depth-first order (a node's descendants are not contiguous), so po
 merged ranges. Windows smaller than a kernel block (32 under the interpreter), between, and larger than the prompt.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -157,6 +158,41 @@ def test_kernels_match_the_brute_force_and_the_backward_is_deterministic(which, 
         bwd = torch.ops.kvt.prefix_tree_attention_backward
     again = bwd(*args)
     assert all(torch.equal(x, y) for x, y in zip(got[2], again))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs CUDA and compiled kernels: TRITON_INTERPRET=0 python -m pytest -m gpu")])])
+def test_bounded_softcap_forward_on_saturated_scores(device, monkeypatch):
+    """Gemma 2's cap of 50 takes the bounded-score forward (a fixed offset instead of the running max,
+    ``kernels/attention_tiles.variant_args``): scores far past the cap both ways, half the rows with every score at
+    about -50 (the smallest exponents the offset must still hold; the GPU's ``exp2`` flushes subnormals), against
+    the float64 brute force; fp32 under the interpreter, bf16 on CUDA."""
+    monkeypatch.setattr(dualkv_ops, "USE_TRITON_ON_CPU", True)
+    from kvtransform.kernels.attention_tiles import variant_args
+    assert variant_args(0.25, torch.float32, None, 50.0, None, True)["SOFTCAP"] == 2
+    assert variant_args(0.25, torch.float16, None, 50.0, None, True)["SOFTCAP"] == 1
+    torch.manual_seed(0)
+    lay = PrefixTreeLayout.from_parents(*ONE_LEVEL)
+    q, k, v, do, _ = _inputs(lay, 24, torch.float32)
+    base = torch.randn(H_KV, 24)
+    k = base + 0.1 * k  # every key of a KV head close to its base direction
+    q = 30.0 * q
+    q[::2] = -40.0 * base.repeat_interleave(H // H_KV, 0)  # these rows score about -50 (capped) against every key
+    dlse = torch.randn(H, lay.total_tokens)
+    dtype, tol = (torch.float32, 2e-4) if device == "cpu" else (torch.bfloat16, 3e-2)
+    q, k, v, do = (x.to(device, dtype) for x in (q, k, v, do))
+    dl = lay.as_dualkv()
+
+    def op(q_, k_, v_, s_):
+        return dualkv_attention(q_, k_, v_, dl.to(device), softmax_scale=0.25, return_lse=True, softcap=50.0)
+
+    got = _grads(op, q, k, v, None, do, dlse.to(device))
+    want = _grads(lambda q_, k_, v_, s_: brute(q_, k_, v_, lay, 0.25, softcap=50.0),
+                  q.double().cpu(), k.double().cpu(), v.double().cpu(), None, do.double().cpu(), dlse.double())
+    assert want[1][:, ::2].max() < -40  # the rows meant to be all-negative are
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), (got[0], got[1], *got[2]), (want[0], want[1], *want[2])):
+        assert torch.isfinite(g).all() and maxerr(g.cpu(), w) < tol * max(1.0, w.abs().max().item()), name
 
 
 def _one_line(fn, match):
