@@ -14,9 +14,7 @@ Attention variants (``kvtransform.ops._common.check_attention_variants``; all of
   window scheme, Dao 2023, §3.1 and its ``window_size`` argument).
 * ``SOFTCAP`` (Gemma 2): ``s = softcap * tanh(scale * q.k / softcap)`` before the mask; the kernels take
   ``qk_scale = scale / softcap`` and ``cap2 = softcap * log2(e)`` (scores in log2 units for ``exp2``); the backward
-  multiplies dS by ``1 - tanh^2``. Soft-capped scores are bounded, so for bf16/fp32 (``SOFTCAP == 2``, see
-  :func:`variant_args`) the forward needs no running max: it exponentiates against a fixed offset, which drops the row
-  max, the rescaling of the accumulator and its ``exp2`` from every step (the same softmax; the LSE is unchanged). ``FAST_TANH``: the GPU's ``tanh.approx.f32`` (relative error ~2**-11, below a
+  multiplies dS by ``1 - tanh^2``. ``FAST_TANH``: the GPU's ``tanh.approx.f32`` (relative error ~2**-11, below a
   16-bit input's rounding; used for fp16/bf16 only), else ``tanh`` from ``exp2`` (fp32 inputs and the interpreter).
 * ``HAS_SINKS`` (gpt-oss): one more term ``exp(sinks[h])`` in each row's softmax denominator, added in the forward's
   epilogue with the running max (the LSE includes it, so the backward's probabilities need nothing else); the sinks'
@@ -31,10 +29,6 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# With a soft-cap every score lies in [-cap2, cap2] (log2 units): the forward then exponentiates s - (cap2 -
-# CAP_HEADROOM), within [CAP_HEADROOM - 2 cap2, CAP_HEADROOM], instead of s - running max (see ``variant_args``).
-CAP_HEADROOM = tl.constexpr(20.0)
-CAP2_FIXED_MAX = 72.5  # largest cap2 whose smallest exponent, CAP_HEADROOM - 2 cap2, is >= -125 (fp32/bf16 normal)
 
 
 # ====================================================================================================== scores
@@ -112,7 +106,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_
     multiply and a subtraction, as Triton's fused-attention tutorial does); otherwise the scores are scaled (and
     soft-capped) first. With ``TMA`` the K/V blocks come through the tensor descriptors ``KD``/``VD`` (rows past
     ``kbound`` are then real rows of the next segment, or zeros past T: their scores are masked to -inf, so they add
-    nothing). ``SOFTCAP == 2``: the bounded-score step (fixed offset, no max). ``WMASK`` (window edge blocks): a row may see none of a block's keys before any other, so its running
+    nothing). ``WMASK`` (window edge blocks): a row may see none of a block's keys before any other, so its running
     max stays -inf (and 0 stands in for it in the exponents)."""
     for start in range(lo, hi, BLOCK_N):
         k_idx = start + offs_n
@@ -122,46 +116,30 @@ def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_
         else:
             k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if SOFTCAP == 2:  # bounded scores: a fixed offset stands in for the running max (see ``variant_args``)
-            qk = _tanh(qk * qk_scale, FAST_TANH) * cap2 - (cap2 - CAP_HEADROOM)
-        elif SOFTCAP:
+        if SOFTCAP:
             qk = _tanh(qk * qk_scale, FAST_TANH) * cap2
         elif not SCALE_POS:
             qk = qk * qk_scale
         if MASK_K or WMASK:
             qk = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), qk, float("-inf"))
-        if SOFTCAP == 2:  # no max, no rescale of acc and l: every exponent is within [-125, CAP_HEADROOM]
-            p = tl.math.exp2(qk)
-            l_i += tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-            m_i = tl.maximum(m_i, cap2 - CAP_HEADROOM)
+        if SCALE_POS:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         else:
-            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, qk, v, qk_scale, PREC, SCALE_POS, WMASK)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if WMASK:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        if SCALE_POS:
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        else:
+            p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
     return acc, l_i, m_i
-
-
-@triton.jit
-def _online_softmax_step(acc, l_i, m_i, qk, v, qk_scale, PREC: tl.constexpr, SCALE_POS: tl.constexpr,
-                         WMASK: tl.constexpr):
-    """One online-softmax update (running max ``m_i``, denominator ``l_i``, output ``acc``) with a score tile ``qk``
-    (log2 units; unscaled with ``SCALE_POS``)."""
-    if SCALE_POS:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-    if WMASK:
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    if SCALE_POS:
-        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-    else:
-        p = tl.math.exp2(qk - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -543,13 +521,10 @@ def variant_args(scale: float, dtype: torch.dtype, window, softcap, sinks, inter
     softcap`` with a soft-cap), ``cap2``, ``window``, ``SINKS`` (fp32 contiguous or None), ``SCALE_POS``,
     ``WINDOW``, ``SOFTCAP``, ``HAS_SINKS``, ``FAST_TANH``."""
     soft = softcap is not None
-    # SOFTCAP 2: the bounded-score forward (no running max, no rescaling; p <= 2**CAP_HEADROOM, >= 2**-125) for
-    # bf16/fp32, whose exponent range holds it; fp16's (p to fp16 for the PV product) does not, nor a cap2 > 72.5
-    fixed = soft and dtype != torch.float16 and softcap * LOG2E <= CAP2_FIXED_MAX
     return dict(qk_scale=scale / softcap if soft else scale * LOG2E, cap2=softcap * LOG2E if soft else 1.0,
                 window=int(window) if window is not None else 0,
                 SINKS=None if sinks is None else sinks.detach().float().contiguous(),
-                SCALE_POS=(scale > 0) and not soft, WINDOW=window is not None, SOFTCAP=2 if fixed else int(soft),
+                SCALE_POS=(scale > 0) and not soft, WINDOW=window is not None, SOFTCAP=soft,
                 HAS_SINKS=sinks is not None, FAST_TANH=soft and not interpreting and dtype != torch.float32)
 
 

@@ -59,9 +59,8 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
         const["PACK"] = pack
     if kind == "fwd":
         const["SCALE_POS"] = not softcap
-    if softcap:  # as kernels/attention_tiles.variant_args sets it for a cap of 50 (bf16: the bounded-score forward)
-        const["SOFTCAP"] = 2 if dtype == "bf16" else 1
-        const["FAST_TANH"] = True
+    if softcap:
+        const["SOFTCAP"] = const["FAST_TANH"] = True
     for name in _DESCRIPTORS[kind]:
         if not tma:
             const[name] = None
