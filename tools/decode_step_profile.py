@@ -1,0 +1,115 @@
+"""Per-kernel breakdown of one decode step of the SpeContext runtime (CUDA graph replays included) on a GPU.
+
+A decode step is the difference of two ``generate`` calls on the same rows, ``--steps + 4`` and 4 new tokens, both
+warmed up first: per CUDA kernel name, (time in the long call - time in the short call) / ``--steps``. The prefill,
+the graph capture and the fused-weight refresh are in both calls and cancel. Kernels launched from a CUDA graph
+appear under their own names (CUPTI traces graph nodes). The decode suite's model shapes (``--model``, random bf16
+weights, ``kvtransform.bench.decode_model``):
+
+    python3 -P tools/decode_step_profile.py --rows 32 --context 9216 --heads-to-profile dense,self
+    python3 -P tools/decode_step_profile.py --layers 8 --top 15           # a quicker look
+
+Prints, per retrieval head: the step time by CUDA events, its HBM floor (the weights plus the KV and retrieval bytes
+the step reads, ``decode_model.step_bytes``, at ``--hbm-tbps``), the sum of kernel times per step, and the ``--top``
+kernels with their share (the rest summed into one line). ``--csv`` writes every kernel row.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+
+def kernel_times(fn) -> tuple[dict, float]:
+    """``({kernel name: CUDA µs}, wall s)`` of one call of ``fn`` under the profiler (without CUDA: CPU ops' self
+    µs, for a smoke run of the tool)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - t
+    out = collections.Counter()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    for e in prof.events():
+        if e.device_type == kind:
+            out[e.name] += e.device_time if cuda else e.self_cpu_time_total
+    return dict(out), wall
+
+
+def profile_head(model, a, head: str):
+    import kvtransform as kvt
+
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=a.budget, head=head), progress=False)
+    ctx = torch.randint(3, model.config.vocab_size, (a.rows, a.context), device=a.device)
+    kw = dict(do_sample=True, temperature=1.0, eos_token_id=None, pad_token_id=0, seed=0, progress=False,
+              output_logprobs=a.logprobs, return_dict_in_generate=True)
+    for n in (4, a.steps + 4):
+        sp.generate(ctx, max_new_tokens=n, **kw)
+    short = sp.generate(ctx, max_new_tokens=4, **kw).stats
+    long_ = sp.generate(ctx, max_new_tokens=a.steps + 4, **kw).stats
+    step_ms = (long_.decode_s - short.decode_s) / a.steps * 1e3
+    k_short, _ = kernel_times(lambda: sp.generate(ctx, max_new_tokens=4, **kw))
+    k_long, _ = kernel_times(lambda: sp.generate(ctx, max_new_tokens=a.steps + 4, **kw))
+    per_step = {n: (k_long.get(n, 0.0) - k_short.get(n, 0.0)) / a.steps for n in set(k_long) | set(k_short)}
+    per_step = {n: us for n, us in per_step.items() if us > 0.05}
+    del sp
+    torch.cuda.empty_cache()
+    return step_ms, per_step
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads-to-profile", default="dense,self", help="comma-separated SpeContextConfig heads")
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--context", type=int, default=9216)
+    p.add_argument("--steps", type=int, default=64, help="decode steps of the long call beyond the short one")
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--logprobs", action="store_true", help="return per-token sampling log-probs (as TRL rollouts)")
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--model", default="llama-8b", help="a decode-suite shape (kvtransform.bench.decode_model)")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's, for a quick look")
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8 TB/s)")
+    p.add_argument("--csv", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the tool (--model tiny; CPU ops)")
+    a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA GPU here: the breakdown is of CUDA kernels (--device cpu --model tiny: a smoke run)")
+    from kvtransform.bench.decode_model import build_model, model_shape, step_bytes, weight_bytes
+
+    model = build_model(a.model, torch.bfloat16 if a.device == "cuda" else torch.float32, a.device,
+                        **({"layers": a.layers} if a.layers else {}))
+    shape = model_shape(model)
+    rows = []
+    for head in a.heads_to_profile.split(","):
+        step_ms, per_step = profile_head(model, a, head)
+        total = sum(per_step.values()) / 1e3
+        method = {"dense": "dense", "quest": "quest"}.get(head, "specontext")
+        floor_ms = (weight_bytes(model) + step_bytes(method, shape, a.rows, a.context, a.context + a.steps + 4,
+                                                     a.budget)) / (a.hbm_tbps * 1e12) * 1e3
+        print(f"\n[{head}] {a.rows} rows, context {a.context}, budget {a.budget}, {shape['layers']} layers: step "
+              f"{step_ms:.2f} ms (CUDA events; HBM floor {floor_ms:.2f} ms at {a.hbm_tbps} TB/s), kernels "
+              f"{total:.2f} ms per step")
+        ranked = sorted(per_step.items(), key=lambda kv: -kv[1])
+        for name, us in ranked[:a.top]:
+            print(f"  {us / 1e3:7.3f} ms {100 * us / 1e3 / total:5.1f} %  {name[:110]}")
+        rest = sum(us for _, us in ranked[a.top:]) / 1e3
+        print(f"  {rest:7.3f} ms {100 * rest / max(total, 1e-9):5.1f} %  ({len(ranked) - a.top} more kernels)")
+        rows += [(head, name, us) for name, us in ranked]
+    if a.csv:
+        import csv
+
+        with open(a.csv, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["head", "kernel", "us_per_step"])
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
