@@ -432,3 +432,35 @@ def test_self_head_needs_the_models_own_query_projection():
     assert auto_head(phi3) == "quest" and auto_head(kvt.tiny_model("llama")) == "self"
     with pytest.raises(ValueError, match=r"qkv_proj|q_proj.*use head='quest'"):
         kvt.transform(phi3, kvt.SpeContextConfig(head="self", budget=16), progress=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "gpt_oss"])
+def test_self_head_query_is_the_models_own_layer0_query(family):
+    """The self head's query from the embedding alone equals the model's layer-0 query computed by its own modules
+    (input norm, q_proj and bias, q_norm, RoPE with the model's rotary tables) on that embedding: Gemma's RMSNorm,
+    which computes x̂·(1 + w), included (norm gains made random so that the two forms differ)."""
+    import types
+
+    model = kvt.tiny_model(family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.5)
+    head = make_head("self", kvt.SpeContextConfig(head="self", budget=8))
+    head.bind(model)
+    head.prefill(types.SimpleNamespace(k=torch.zeros(1)))
+    tok, pos = torch.tensor([5, 17, 99]), torch.tensor([0, 7, 40])
+    inner, attn = model.model, model.model.layers[0].self_attn
+    with torch.no_grad():
+        x = inner.embed_tokens(tok)
+        q = attn.q_proj(inner.layers[0].input_layernorm(x)).view(3, -1, attn.head_dim)
+        if getattr(attn, "q_norm", None) is not None:
+            q = attn.q_norm(q)
+        cos, sin = inner.rotary_emb(x[None], pos[None])
+        cos, sin = cos[0][:, None], sin[0][:, None]
+        half = q.shape[-1] // 2
+        if cos.shape[-1] == half:  # gpt-oss's tables cover one half (its rotation is the same rotate-half one)
+            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        q = q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
+    got = head.query(tok, pos, 0)
+    assert got.shape == q.shape and (got - q).abs().max() <= 1e-5 * q.abs().max(), ((got - q).abs().max(), q.abs().max())

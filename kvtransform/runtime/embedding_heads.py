@@ -187,10 +187,45 @@ def _model_config(model):
     return cfg if cfg is not None and hasattr(cfg, "num_attention_heads") else None
 
 
+def _embedding_scale(model, weight: torch.Tensor) -> float:
+    """The factor the model's input embedding module applies to its table rows (Gemma's ``sqrt(hidden)``; 1.0 for
+    a plain ``nn.Embedding``), probed on a few token ids."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None:
+        return 1.0
+    ids = torch.arange(min(8, weight.shape[0]), device=weight.device)
+    with torch.no_grad():
+        rows, out = weight[ids].float(), emb(ids).float()
+    return float((out * rows).sum() / (rows * rows).sum().clamp_min(1e-30))
+
+
+def _norm_gain_offset(model, layer: int, weight: torch.Tensor, eps: float) -> float:
+    """0.0 where layer ``layer``'s ``input_layernorm`` computes ``x̂ · w`` (Llama, Qwen, Mistral, gpt-oss), 1.0 where
+    it computes ``x̂ · (1 + w)`` (Gemma's RMSNorm stores the gain's offset from 1), probed on a random input.
+
+    Raises:
+        ValueError: the norm is neither (the self head could not reproduce the model's query), naming head='quest'.
+    """
+    mod = next((m for n, m in model.named_modules() if n.endswith(f"layers.{layer}.input_layernorm")), None)
+    if mod is None:
+        return 0.0
+    x = torch.randn(4, weight.shape[-1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = mod(x.to(weight.device, weight.dtype)).float().cpu()
+    w = weight.detach().float().cpu()
+    err = {off: (got - rms_norm(x, w + off, eps)).abs().max().item() for off in (0.0, 1.0)}
+    best = min(err, key=err.get)
+    if err[best] > 2e-2 * max(1.0, got.abs().max().item()):
+        raise ValueError(f"head='self' cannot reproduce layer {layer}'s input norm ({type(mod).__name__} is neither "
+                         f"RMSNorm form x*w nor x*(1+w)): use head='quest' (training-free, reads only the KV cache)")
+    return best
+
+
 @register_head("self")
 class SelfHead(RetrievalHead):
     """Training-free: the target's own layer-``l`` query of the current token computed from its embedding alone
-    (``RoPE(q_proj(RMSNorm_l(embed[token])))``, plus ``q_norm`` where the family has one), scored against layer
+    (``RoPE(q_proj(RMSNorm_l(embed[token])))``, plus ``q_norm`` where the family has one, the embedding scale and
+    the norm's form as the model's modules compute them: :meth:`query`), scored against layer
     ``l``'s real keys in the KV cache (the keys are exact, only the query skips the layers below ``l``); the
     group-max log-probabilities of the :attr:`LAYERS` are maxed, top-``budget``.
 
@@ -262,10 +297,11 @@ class SelfHead(RetrievalHead):
         w = {"layers": torch.tensor(layers), "inv_freq": inv.clone(),
              "mscale": torch.tensor(float(getattr(scaling, "attention_scaling", 1.0))),
              "eps": torch.tensor(float(getattr(cfg, "rms_norm_eps", 1e-6))), "heads": torch.tensor(h),
-             "head_dim": torch.tensor(d)}
+             "head_dim": torch.tensor(d), "embed_scale": torch.tensor(_embedding_scale(model, self.embed))}
         for l in layers:  # the model's own parameters (not copies): updates between generate calls are followed
             pre = f"layers.{l}."
             w[f"norm{l}"] = find_param(model, pre + "input_layernorm.weight", detach=False)
+            w[f"norm_offset{l}"] = torch.tensor(_norm_gain_offset(model, l, w[f"norm{l}"], float(w["eps"])))
             w[f"q{l}"] = find_param(model, pre + "self_attn.q_proj.weight", detach=False)
             try:
                 w[f"qb{l}"] = find_param(model, pre + "self_attn.q_proj.bias", detach=False)
@@ -292,22 +328,32 @@ class SelfHead(RetrievalHead):
         self._layers = [int(l) for l in w["layers"].tolist()]
         self._h, self._d, self._eps = int(w["heads"]), int(w["head_dim"]), float(w["eps"])
         self._mscale = float(w["mscale"])
+        # the norms' gains, with Gemma's offset of 1 (a Python float read here, outside any CUDA graph)
+        self._gain = {l: self._dev[f"norm{l}"].float() + float(w.get(f"norm_offset{l}", 0.0)) for l in self._layers}
+        self._embed_scale = float(w.get("embed_scale", 1.0))
+
+    def query(self, tok: torch.Tensor, pos: torch.Tensor, l: int) -> torch.Tensor:
+        """Layer ``l``'s query of tokens ``tok`` (int64 ``(b,)``) at positions ``pos`` (int64 ``(b,)``) from their
+        embeddings alone: fp32 ``(b, heads, head_dim)``, RoPE applied. The norm's gain is ``w`` or, where the model's
+        norm computes ``x̂ · (1 + w)`` (Gemma's RMSNorm), ``1 + w``; the embedding rows are scaled as the model's
+        embedding module scales them (Gemma's ``sqrt(hidden)``, which matters through the norm's eps); both probed at
+        :meth:`bind`. Needs :meth:`prefill` first."""
+        w = self._dev
+        eps = self._eps
+        q = rms_norm(self.embed[tok].float() * self._embed_scale, self._gain[l], eps) @ w[f"q{l}"].float().t()
+        if f"qb{l}" in w:
+            q = q + w[f"qb{l}"].float()
+        q = q.view(-1, self._h, self._d)
+        if f"qn{l}" in w:
+            q = rms_norm(q, w[f"qn{l}"], eps)
+        return rope(q, pos, w["inv_freq"], self._mscale)
 
     def select(self, cache, queries):
-        w = self._dev
         tok, pos = current_tokens(cache)
-        x = self.embed[tok]
-        h, d, eps = self._h, self._d, self._eps
-        scale = self.scale or d ** -0.5
+        scale = self.scale or self._d ** -0.5
         best = None
         for l in self._layers:
-            q = rms_norm(x, w[f"norm{l}"], eps) @ w[f"q{l}"].float().t()
-            if f"qb{l}" in w:
-                q = q + w[f"qb{l}"].float()
-            q = q.view(-1, h, d)
-            if f"qn{l}" in w:
-                q = rms_norm(q, w[f"qn{l}"], eps)
-            q = rope(q, pos, w["inv_freq"], self._mscale)
+            q = self.query(tok, pos, l)
             s = _scores(q.to(cache.k.dtype), cache.k[l], cache.cache_seqlens, scale,
                         *_forced_windows(self.budget, max(self.num_sink, self.SINK),
                                         max(self.num_recent, int(self.RECENT_FRACTION * self.budget))))
