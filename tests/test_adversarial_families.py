@@ -62,6 +62,21 @@ def test_hf_integration_packed_forward_under_autocast():
             assert (lp - want).abs().max() < 0.05
 
 
+def test_canonical_module_under_autocast_is_one_line():
+    """A canonical module runs its program in the captured dtype: under ``torch.autocast`` Gemma 2's failed deep
+    inside the graph (a metadata assert on a ``.to()``'s input) and Llama's ran with the captured conversions; both
+    are now one line naming the fix, and the same module still runs outside autocast."""
+    from kvtransform.models import tiny_model
+
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    for family in ("gemma2", "llama"):
+        opt = kvt.transform(tiny_model(family), "canonical", progress=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=r"model\.to\(") as e:
+            opt(ids)
+        assert "\n" not in str(e.value)
+        assert opt(ids).dtype == torch.float32
+
+
 def test_trl_refuses_sampling_settings_hidden_in_generation_kwargs(tmp_path):
     """TRL's ``generation_kwargs`` override its generation config: a repetition penalty or min_p given there would
     have been dropped by the SpeContext sampler without a word; now one line, as the top-level fields are. And

@@ -47,12 +47,22 @@ class OptimizedModule(torch.nn.Module):
         self.report = report
         self.max_seq_len = int(max_seq_len)
 
+    def refuse_autocast(self, device_type: str, alternative: str = "") -> None:
+        """Raises ValueError (one line) while ``torch.autocast`` is on for ``device_type``: the captured program
+        bakes the dtypes of its conversions at capture (export's ``_to_copy`` and its metadata asserts), so it runs in
+        the model's dtype, not under autocast; ``alternative`` names another way in, if any."""
+        if torch.is_autocast_enabled(device_type):
+            raise ValueError(f"a {type(self).__name__} runs the program captured in the model's dtype, not under "
+                             f"torch.autocast: cast the model (e.g. model.to(torch.bfloat16)) before kvt.transform"
+                             + (f", or {alternative}" if alternative else ""))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``(B, S, vocab)``.
 
         Raises:
             ValueError: ``input_ids`` not an integer ``(B, S)`` tensor with ``B >= 1`` and ``1 <= S <= max_seq_len``,
-                token ids outside the vocabulary, or an ``attention_mask`` that is not 0/1 of the same shape.
+                token ids outside the vocabulary, an ``attention_mask`` that is not 0/1 of the same shape, or a call
+                under ``torch.autocast`` (:meth:`refuse_autocast`).
         """
         if not isinstance(input_ids, torch.Tensor):
             raise ValueError(f"{type(self).__name__} takes input_ids as an integer tensor (batch, seq); got "
@@ -62,6 +72,7 @@ class OptimizedModule(torch.nn.Module):
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must be an integer tensor of shape (batch, seq); got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
+        self.refuse_autocast(input_ids.device.type)
         b, s = input_ids.shape
         if b < 1 or not 1 <= s <= self.max_seq_len:
             raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: need batch >= 1 and 1 <= seq <= "

@@ -102,10 +102,8 @@ class DualKVModule(OptimizedModule):
                 segment_prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
         input_ids, position_ids, lay = self._normalise(batch, layout, input_ids, position_ids, cu_seqlens,
                                                        segment_prefix)
-        if torch.is_autocast_enabled(input_ids.device.type):
-            raise ValueError("a DualKV module runs the program captured in the model's dtype, not under torch.autocast: "
-                             "cast the model (e.g. model.to(torch.bfloat16)) before kvt.transform, or train through "
-                             "kvt.integrations.transformers.enable(model, 'dualkv'), which takes autocast")
+        self.refuse_autocast(input_ids.device.type, "train through kvt.integrations.transformers.enable(model, "
+                                                    "'dualkv'), which takes autocast")
         check_packed(input_ids, position_ids, lay, self.vocab_size)
         if isinstance(lay, PrefixTreeLayout):
             # One level deep: the DualKV program (its kernels are faster on that shape); it was captured for at
