@@ -82,27 +82,28 @@ def test_small_request_needs_no_offload_and_too_large_batch_is_refused():
                     budget=2048)
     with pytest.raises(ValueError, match="positive integer sizes"):
         plan_memory(mm, HeadMemory(), gpu_bytes=80 * 2 ** 30, batch=0, input_len=1, output_len=1, budget=1)
-    # the weights alone (16.06 GB) do not fit: the fix is more memory, not "lower the batch to 0"
-    with pytest.raises(ValueError, match=r"no batch fits 10 GB: the weights, head and reserve alone take 16.06 GB.*"
-                                         r"raise gpu_gb"):
+    # the weights alone (16.06e9 bytes = 14.96 GiB) do not fit: the fix is more memory, not "lower the batch to 0"
+    with pytest.raises(ValueError, match=r"no batch fits 9.313 GiB: the weights, head and reserve alone take 14.96 "
+                                         r"GiB.*raise gpu_gb"):
         plan_memory(mm, HeadMemory(), gpu_bytes=10 ** 10, batch=8, input_len=2048, output_len=4096, budget=2048)
 
 
 def test_plan_memory_cli(tmp_path):
     cfg = dict(LLAMA3_8B, architectures=["LlamaForCausalLM"], model_type="llama")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    cmd = [sys.executable, "-m", "kvtransform.cli", "plan-memory", str(tmp_path), "gpu_gb=85.89934592", "batch=32",
-           "head_gb=1.073741824", "head_token_bytes=4096", "reserve_gb=4.294967296"]
+    # GiB, as the decode suite's gpu_gb: the hand calculation's 80 GiB GPU, 1 GiB head, 4 GiB reserve
+    cmd = [sys.executable, "-m", "kvtransform.cli", "plan-memory", str(tmp_path), "gpu_gb=80", "batch=32",
+           "head_gb=1", "head_token_bytes=4096", "reserve_gb=4"]
     p = subprocess.run(cmd, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "| 1 | 31 | 14906 |" in p.stdout and "| 21 | 11 | 34686 |" in p.stdout
-    assert "largest batch 13 resident, 156 with offload" in p.stdout
+    assert "largest batch 13 resident, 156 with offload" in p.stdout and "GPU 80.0 GiB" in p.stdout
     p = subprocess.run(cmd[:5] + ["batch=9000"], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("error:") == 1 and "lower the batch" in p.stderr
 
 
-@pytest.mark.parametrize("arg,msg", [("gpu_gb=inf", "gpu_gb=inf must be a finite number of GB > 0"),
-                                     ("reserve_gb=nan", "reserve_gb=nan must be a finite number of GB >= 0"),
+@pytest.mark.parametrize("arg,msg", [("gpu_gb=inf", "gpu_gb=inf must be a finite number of GiB > 0"),
+                                     ("reserve_gb=nan", "reserve_gb=nan must be a finite number of GiB >= 0"),
                                      ("batch=0", "batch=0 must be an integer >= 1"),
                                      ("input_len=-5", "input_len=-5 must be an integer >= 1")])
 def test_plan_memory_cli_bad_values(tmp_path, arg, msg):

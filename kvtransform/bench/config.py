@@ -259,7 +259,7 @@ class DecodeBenchConfig:
             give a process less than their name: an A800/A100 "80GB" reports 79.1-79.3 GiB (gpu_gb=79.1), an
             H200 "141GB" about 140 GiB (gpu_gb=141 is refused there; its whole card is gpu_gb=0). Refused when
             larger than the device (on a CPU: cpu_memory_gb) or smaller than the weights plus reserve_gb.
-            (plan-memory's gpu_gb counts 1e9 bytes.)
+            (GiB, as plan-memory's gpu_gb.)
         cpu_memory_gb: the memory the request count is sized for on a CPU (all of it).
         samples: context lengths at which decode steps are timed (spread over the run).
         steps: decode steps timed per sample; n0: steps of the reference run subtracted (capture, warm-up). The two

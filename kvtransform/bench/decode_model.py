@@ -14,7 +14,7 @@ __all__ = ["OURS", "MODELS", "PAPER", "GIB", "build_model", "weight_bytes", "hel
            "step_bytes", "per_request_bytes", "max_requests", "device_bytes", "check_cap", "capped_free",
            "cap_fraction"]
 
-GIB = 2 ** 30  # the suite's memory settings (gpu_gb, reserve_gb, cpu_memory_gb) are GiB, as CUDA reports memory
+from kvtransform.runtime.memory import GIB  # noqa: E402  the suite's memory settings are GiB, as plan-memory's
 
 OURS = {"dense": "dense", "specontext": "distilled", "quest": "quest",  # method -> retrieval head
         "flashinfer": "dense"}  # (its slot-mode program calls FlashInfer's kernel: decode_ours.Ours.runtime)

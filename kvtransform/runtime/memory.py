@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+GIB = 2 ** 30  # the memory settings (gpu_gb, head_gb, reserve_gb) and the printed plan are GiB, as CUDA reports memory
+
 __all__ = ["ModelMemory", "HeadMemory", "MemoryPlan", "PlanMemoryConfig", "plan_memory", "run_plan_memory"]
 
 
@@ -150,24 +152,24 @@ class MemoryPlan:
 
     def rows(self) -> list:
         """One dict per offload event, in order: ``k``, ``layer``, ``length`` (tokens), ``gpu_gb`` before and
-        after the move, ``cpu_gb`` (pinned CPU memory holding offloaded K/V at ``S``), in GB (1e9 bytes)."""
+        after the move, ``cpu_gb`` (pinned CPU memory holding offloaded K/V at ``S``), in GiB (:data:`GIB`)."""
         out, c, b = [], self.model.kv_token_bytes, self.batch
         for k, l in enumerate(sorted((l for l, t in enumerate(self.thresholds) if t is not None),
                                      key=lambda l: (self.thresholds[l], -l)), start=1):
             n = self.thresholds[l]
             before = _m_k(self.model, self.head, self.reserve_bytes, b, self.budget, n, k - 1)
             after = _m_k(self.model, self.head, self.reserve_bytes, b, self.budget, n, k)
-            out.append({"k": k, "layer": l, "length": n, "gpu_gb_before": before / 1e9,
-                        "gpu_gb_after": after / 1e9, "cpu_gb": k * b * self.final_len * c / 1e9})
+            out.append({"k": k, "layer": l, "length": n, "gpu_gb_before": before / GIB,
+                        "gpu_gb_after": after / GIB, "cpu_gb": k * b * self.final_len * c / GIB})
         return out
 
     def table(self) -> str:
         """The plan as a markdown table plus a summary line."""
-        head = (f"GB = 1e9 bytes. GPU {self.gpu_bytes / 1e9:.1f} GB, weights {self.model.weight_bytes / 1e9:.2f} GB, batch "
-                f"{self.batch}, [{self.input_len} in, {self.output_len} out], budget {self.budget}: without "
-                f"offload {self.resident_bytes / 1e9:.1f} GB; with it peak {self.peak_bytes / 1e9:.1f} GB; largest "
+        head = (f"GiB = 2**30 bytes. GPU {self.gpu_bytes / GIB:.1f} GiB, weights {self.model.weight_bytes / GIB:.2f} "
+                f"GiB, batch {self.batch}, [{self.input_len} in, {self.output_len} out], budget {self.budget}: without "
+                f"offload {self.resident_bytes / GIB:.1f} GiB; with it peak {self.peak_bytes / GIB:.1f} GiB; largest "
                 f"batch {self.max_batch_resident} resident, {self.max_batch} with offload")
-        lines = [head, "", "| # | layer | moves at length (tokens) | GPU GB before | GPU GB after | pinned CPU GB "
+        lines = [head, "", "| # | layer | moves at length (tokens) | GPU GiB before | GPU GiB after | pinned CPU GiB "
                            "(at the end) |", "|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows():
             lines.append(f"| {r['k']} | {r['layer']} | {r['length']} | {r['gpu_gb_before']:.2f} | "
@@ -223,12 +225,12 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
         if max_batch < 1:  # not even one row: the fixed part (weights, head, reserve) or one row leaves no room
             fixed = model.weight_bytes + head.weight_bytes + reserve_bytes
             one = _m_k(model, head, reserve_bytes, 1, min(budget, S), S, L - pin)  # no more slots than tokens
-            raise ValueError(f"no batch fits {gpu_bytes / 1e9:.4g} GB: the weights, head and reserve alone take "
-                             f"{fixed / 1e9:.4g} GB and one row of [{input_len}, {output_len}] needs "
-                             f"{max(one, _m_k(model, head, reserve_bytes, 1, budget, input_len, 0)) / 1e9:.4g} GB in all "
+            raise ValueError(f"no batch fits {gpu_bytes / GIB:.4g} GiB: the weights, head and reserve alone take "
+                             f"{fixed / GIB:.4g} GiB and one row of [{input_len}, {output_len}] needs "
+                             f"{max(one, _m_k(model, head, reserve_bytes, 1, budget, input_len, 0)) / GIB:.4g} GiB in all "
                              f"with {which} on CPU: raise gpu_gb (or lower reserve_gb, shorten [input, output])")
-        raise ValueError(f"batch {batch} does not fit {gpu_bytes / 1e9:.3g} GB even with {which} on CPU "
-                         f"(needs {need / 1e9:.3g} GB at the prefill or at {S} tokens): lower the batch to "
+        raise ValueError(f"batch {batch} does not fit {gpu_bytes / GIB:.3g} GiB even with {which} on CPU "
+                         f"(needs {need / GIB:.3g} GiB at the prefill or at {S} tokens): lower the batch to "
                          f"{max_batch} or shorten [input, output]")
     thresholds: list = [None] * L
     for k in range(1, L - pin + 1):
@@ -255,12 +257,13 @@ class PlanMemoryConfig:
     Attributes:
         model: the model whose shapes are planned (``model.name``: registry name, local HF directory or a cached hub
             id; only its config is read for directories and hub ids: weights are counted on the ``meta`` device).
-        gpu_gb: GPU memory the run may use, in GB (1e9 bytes). batch: rows. input_len, output_len: tokens per row.
+        gpu_gb: GPU memory the run may use, in GiB (:data:`GIB`, as CUDA and the decode suite's ``gpu_gb`` count:
+            an "80 GB" card gives a process ≈ 79.1 GiB). batch: rows. input_len, output_len: tokens per row.
         budget: tokens per KV head per decode step (``SpeContextConfig.budget``).
-        head_gb: the retrieval head's weights in GB; head_token_bytes: its own state per cached token per row
+        head_gb: the retrieval head's weights in GiB; head_token_bytes: its own state per cached token per row
             (bytes; e.g. a one-layer key cache ``H_kv · D · e``); head_resident_layers: the first layers whose KV
             cache the head reads (1 for the ``self`` head), never offloaded.
-        reserve_gb: activations and workspace kept free, in GB.
+        reserve_gb: activations and workspace kept free, in GiB.
         dtype: weight and KV dtype (``bfloat16`` | ``float16`` | ``float32``).
     """
 
@@ -307,7 +310,7 @@ def run_plan_memory(cfg) -> MemoryPlan:
     for key in ("gpu_gb", "head_gb", "reserve_gb"):
         gb = float(getattr(cfg, key))
         if not (math.isfinite(gb) and gb >= (1e-9 if key == "gpu_gb" else 0)):
-            raise ValueError(f"{key}={getattr(cfg, key)!r} must be a finite number of GB "
+            raise ValueError(f"{key}={getattr(cfg, key)!r} must be a finite number of GiB "
                              f"{'> 0' if key == 'gpu_gb' else '>= 0'}")
     for key in ("batch", "input_len", "output_len", "budget"):  # before the model loads
         v = getattr(cfg, key)
@@ -315,10 +318,10 @@ def run_plan_memory(cfg) -> MemoryPlan:
             raise ValueError(f"{key}={v!r} must be an integer >= 1")
     name = cfg.model.name if hasattr(cfg.model, "name") else cfg.model
     mm = _model_memory(str(name), dtypes[cfg.dtype])
-    head = HeadMemory(weight_bytes=int(float(cfg.head_gb) * 1e9), token_bytes=int(cfg.head_token_bytes),
+    head = HeadMemory(weight_bytes=int(float(cfg.head_gb) * GIB), token_bytes=int(cfg.head_token_bytes),
                       resident_layers=int(cfg.head_resident_layers))
     if head.token_bytes < 0:
         raise ValueError(f"head_token_bytes={cfg.head_token_bytes} must be >= 0")
-    return plan_memory(mm, head, gpu_bytes=int(float(cfg.gpu_gb) * 1e9), batch=int(cfg.batch),
+    return plan_memory(mm, head, gpu_bytes=int(float(cfg.gpu_gb) * GIB), batch=int(cfg.batch),
                        input_len=int(cfg.input_len), output_len=int(cfg.output_len), budget=int(cfg.budget),
-                       reserve_bytes=int(float(cfg.reserve_gb) * 1e9))
+                       reserve_bytes=int(float(cfg.reserve_gb) * GIB))
