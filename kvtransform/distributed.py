@@ -239,7 +239,9 @@ def shard_dualkv(opt: torch.nn.Module, mesh=None, *, param_dtype: Optional[torch
     Splits ``opt.core.gm`` per decoder layer (:func:`split_decoder_layers`), wraps each layer in PyTorch's
     ``checkpoint_wrapper`` (non-reentrant activation checkpointing: the layer's forward, ``kvt.dualkv_attention``
     included, is recomputed in backward) when ``checkpoint``, applies ``fully_shard`` to each layer and then to
-    ``opt`` itself (embedding, final norm and LM head). Modifies ``opt`` in place (its class becomes FSDP's
+    ``opt`` itself (embedding, final norm and LM head); prefix-tree batches (``opt(tree_batch)``) then run the
+    tree program over the same sharded layers (:func:`kvtransform.passes.prefix_tree.prefix_tree_layers`). Modifies
+    ``opt`` in place (its class becomes FSDP's
     subclass of it) and returns it. Build the optimiser on ``opt.parameters()`` *after* this call: the parameters
     are new ``DTensor`` parameters (``Shard(0)`` over ``mesh``); the original model's tensors are no longer used, so
     drop the model to free them.
@@ -309,6 +311,12 @@ def shard_dualkv(opt: torch.nn.Module, mesh=None, *, param_dtype: Optional[torch
     for layer in gm.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(opt, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if "_tree_core" in opt.__dict__:  # prefix-tree batches: the tree program over the same sharded layer modules
+        from kvtransform.passes.manager import PassContext
+        from kvtransform.passes.prefix_tree import prefix_tree_layers
+        from kvtransform.report import Report
+
+        opt.__dict__["_tree_core"] = prefix_tree_layers(gm, PassContext(Report()))
     return opt
 
 
@@ -375,17 +383,19 @@ def token_level_loss(logprobs: Sequence[torch.Tensor], advantages: torch.Tensor,
 
 
 def micro_batch_loss(opt: torch.nn.Module, groups: Sequence[tuple], advantages: Sequence[torch.Tensor],
-                     global_tokens: int, world_size: int = 1) -> torch.Tensor:
-    """Forward one micro-batch of prompt groups through the (sharded) DualKV module and return its
-    :func:`token_level_loss` (call ``.backward()`` on it; gradients accumulate over micro-batches).
+                     global_tokens: int, world_size: int = 1, *, trees: bool = False) -> torch.Tensor:
+    """Forward one micro-batch of prompt groups (or prefix trees) through the (sharded) DualKV module and return
+    its :func:`token_level_loss` (call ``.backward()`` on it; gradients accumulate over micro-batches).
 
     Args:
         opt: the DualKV module (sharded with :func:`shard_dualkv` or not).
-        groups: this rank's groups of the micro-batch, ``[(prompt_ids, [response_ids, ...]), ...]``; may be empty
-            (a rank without groups in this micro-batch): a 2-token filler batch then runs with loss weight 0, so
-            that every rank issues the same FSDP collectives.
-        advantages: per group a ``(N_g,)`` tensor, one advantage per response.
-        global_tokens: response tokens of the whole step on all ranks and micro-batches.
+        groups: this rank's groups of the micro-batch, ``[(prompt_ids, [response_ids, ...]), ...]``; with
+            ``trees=True`` its prefix trees, ``[[trajectory_ids, ...], ...]`` (as ``kvt.balance_groups(...,
+            trees=True)`` assigns them; packed together by ``kvt.pack_trajectories``, every token after a
+            trajectory's first trained). May be empty (a rank without groups in this micro-batch): a 2-token filler
+            batch then runs with loss weight 0, so that every rank issues the same FSDP collectives.
+        advantages: per group a ``(N_g,)`` tensor, one advantage per response (per trajectory for trees).
+        global_tokens: trained tokens of the whole step on all ranks and micro-batches.
         world_size: data-parallel ranks averaging the gradients.
 
     Returns:
@@ -395,15 +405,20 @@ def micro_batch_loss(opt: torch.nn.Module, groups: Sequence[tuple], advantages: 
         ValueError: groups and advantages that do not match (or what ``pack_shared_prefix_groups`` raises).
     """
     from kvtransform.packing import pack_shared_prefix, pack_shared_prefix_groups
+    from kvtransform.tree_packing import pack_trajectories
 
     if len(groups) != len(advantages):
         raise ValueError(f"{len(groups)} groups but {len(advantages)} advantage vectors")
     if not groups:
         batch = pack_shared_prefix([1], [[2]])
         return opt(batch).float().sum() * 0.0
-    batch = pack_shared_prefix_groups(list(groups))
-    return token_level_loss(batch.response_logprobs(opt(batch)), torch.cat(list(advantages)), global_tokens,
-                            world_size)
+    if trees:
+        batch = pack_trajectories([t for tree in groups for t in tree])
+        logprobs = batch.trajectory_logprobs(opt(batch))
+    else:
+        batch = pack_shared_prefix_groups(list(groups))
+        logprobs = batch.response_logprobs(opt(batch))
+    return token_level_loss(logprobs, torch.cat(list(advantages)), global_tokens, world_size)
 
 
 def full_gradients(module: torch.nn.Module) -> dict:

@@ -32,7 +32,7 @@ KVT_TREE = torch.ops.kvt.prefix_tree_attention.default
 #: the tree program's layout inputs after ``cu_seqlens``, in :meth:`PrefixTreeLayout.kernel_tensors` order
 TREE_INPUTS = ("parent", "key_range_ptr", "key_ranges", "query_range_ptr", "query_ranges")
 
-__all__ = ["PrefixTreePass", "prefix_tree_program", "TREE_INPUTS"]
+__all__ = ["PrefixTreePass", "prefix_tree_program", "prefix_tree_layers", "TREE_INPUTS"]
 
 
 class PrefixTreePass(KVPass):
@@ -109,3 +109,82 @@ def prefix_tree_program(program: torch.nn.Module, ctx: PassContext) -> torch.fx.
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # node metadata comes along; the calling convention below
     return run_passes(derived_program(gm, graph), [PrefixTreePass(ctx)])
+
+
+def _layout_dispatch(self, *args):
+    """A split stage's forward: its own program for the one-level inputs, its prefix-tree variant (same
+    parameters) for the tree's (more inputs: one ``segment_prefix`` became the tree's five tensors)."""
+    if len(args) == self._one_level_arity:
+        return type(self).forward(self, *args)
+    return self._tree_variant(*args)
+
+
+def _guard_free_variant(stage: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A stage without attention (the embedding and rotary tables): the same graph with the one-level input guards
+    dropped and ``segment_prefix`` replaced by the tree's five inputs (unused)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(stage.graph, {}))
+    for n in [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+        graph.erase_node(n)
+    sp = [n for n in graph.nodes if n.op == "placeholder" and n.name == "segment_prefix"]
+    if len(sp) != 1 or sp[0].users:
+        raise ValueError("prefix_tree_layers: a stage without attention reads segment_prefix beyond its input "
+                         "guards")
+    with graph.inserting_after(sp[0]):
+        for name in reversed(TREE_INPUTS):
+            graph.placeholder(name)
+    graph.erase_node(sp[0])
+    return derived_program(stage, graph)
+
+
+def prefix_tree_layers(split: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    """The prefix-tree program of a DualKV program split per decoder layer
+    (:func:`kvtransform.distributed.split_decoder_layers`; its layers may be checkpoint-wrapped and FSDP2-sharded,
+    as :func:`kvtransform.distributed.shard_dualkv` leaves them).
+
+    Each stage that reads the layout (the decoder layers; ``pre`` for its input guards) gets its prefix-tree variant
+    (:func:`prefix_tree_program`; for ``pre`` its guards dropped) reading its parameters through the stage's own
+    submodules, so FSDP2's all-gather, which swaps the unsharded parameters into those submodules around the
+    stage's call, reaches both; the stage's ``forward`` then dispatches on the number of inputs. The returned
+    top-level program calls the very same ``pre``, ``layers`` and ``post`` modules (FSDP2's hooks and activation
+    checkpointing included) with the tree's layout inputs. Idempotent per stage.
+
+    Returns:
+        ``GraphModule``: ``(input_ids, position_ids, *PrefixTreeLayout.kernel_tensors()) -> logits``.
+
+    Raises:
+        ValueError: as :class:`PrefixTreePass` for a layer, or a stage without attention that reads
+            ``segment_prefix`` beyond its input guards.
+    """
+    import types
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(split.graph, {}))
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(phs) != 4:
+        raise ValueError(f"prefix_tree_layers needs the split DualKV program (input_ids, position_ids, cu_seqlens, "
+                         f"segment_prefix); got {len(phs)} inputs")
+    sp = phs[3]
+    new = []
+    with graph.inserting_after(sp):
+        for name in reversed(TREE_INPUTS):
+            new.insert(0, graph.placeholder(name))
+    for node in [n for n in graph.nodes if sp in n.args]:
+        if node.op != "call_module":
+            raise ValueError(f"prefix_tree_layers: {node.name} reads segment_prefix outside a stage")
+        stage = split.get_submodule(str(node.target))
+        inner = getattr(stage, "_checkpoint_wrapped_module", stage)
+        if "_tree_variant" not in inner.__dict__:
+            has_attention = any(n.op == "call_function" and n.target is KVT_DUALKV for n in inner.graph.nodes)
+            tree = prefix_tree_program(inner, ctx) if has_attention else _guard_free_variant(inner)
+            tree._modules = inner._modules  # the same submodules: FSDP2's parameter swaps reach the variant too
+            inner.__dict__["_tree_variant"] = tree  # not registered: its parameters are the stage's
+            inner.__dict__["_one_level_arity"] = sum(n.op == "placeholder" for n in inner.graph.nodes)
+            inner.__dict__["forward"] = types.MethodType(_layout_dispatch, inner)
+        node.args = tuple(x for a in node.args for x in (new if a is sp else [a]))
+    graph.erase_node(sp)
+    top = derived_program(split, graph)
+    _reset_input_spec(top)
+    top.recompile()
+    top.layers = split.layers  # the same ModuleList (GraphModule copied the call targets into a plain Module)
+    return top

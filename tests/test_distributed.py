@@ -61,7 +61,7 @@ def test_shard_dualkv_errors(tiny_opt):
         shard_dualkv(opt, mesh=object(), master_dtype=torch.float64)
 
 
-def _worker(rank, world_size, opt, groups, plan, adv, global_tokens, store, out):
+def _worker(rank, world_size, opt, groups, plan, adv, global_tokens, store, out, trees=False):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -71,7 +71,8 @@ def _worker(rank, world_size, opt, groups, plan, adv, global_tokens, store, out)
         assert len(opt.core.gm.layers) == 3 and all(type(m).__name__.startswith("FSDP") for m in opt.core.gm.layers)
         loss_sum = torch.zeros(())
         for mb in plan.indices[rank]:  # gradient accumulation over this rank's micro-batches (some may be empty)
-            loss = micro_batch_loss(opt, [groups[i] for i in mb], [adv[i] for i in mb], global_tokens, world_size)
+            loss = micro_batch_loss(opt, [groups[i] for i in mb], [adv[i] for i in mb], global_tokens, world_size,
+                                    trees=trees)
             loss.backward()
             loss_sum += loss.detach()
         grads = full_gradients(opt)
@@ -83,11 +84,26 @@ def _worker(rank, world_size, opt, groups, plan, adv, global_tokens, store, out)
 
 
 
+def _two_ranks(tmp_path, opt, groups, plan, adv, global_tokens, trees=False) -> dict:
+    """Run :func:`_worker` on two forked gloo ranks; rank 0's ``{"loss", "grads"}``."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    # fork: the children inherit the transformed module (no re-import, no re-capture); each shards its own copy
+    ctx = mp.start_processes(_worker, args=(2, opt, groups, plan, adv, global_tokens, tmp_path / "store", out, trees),
+                             nprocs=2, join=False, start_method="fork")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two FSDP2 ranks did not finish within 120 s")
+    return torch.load(out)
+
+
 def test_fsdp2_two_gloo_ranks_equal_single_process_gradients(tmp_path):
     """fp32 on CPU: loss and every gradient equal the single-process step (relative error <= 1e-5; the two differ
     only in summation order: micro-batches, the gloo reduction, per-rank packing)."""
-    import torch.multiprocessing as mp
-
     t0 = time.perf_counter()
     model = kvt.tiny_model("qwen3", num_hidden_layers=3, seed=int(torch.randint(0, 1000, (1,))))
     opt = kvt.transform(model, "dualkv")
@@ -101,17 +117,7 @@ def test_fsdp2_two_gloo_ranks_equal_single_process_gradients(tmp_path):
     plan.indices[0].append(plan.indices[1][-1])
     plan.indices[1][-1:] = [[], []]
     global_tokens = sum(r.numel() for _, rs in groups for r in rs)
-    out = tmp_path / "rank0.pt"
-    # fork: the children inherit the transformed module (no re-import, no re-capture); each shards its own copy
-    ctx = mp.start_processes(_worker, args=(2, opt, groups, plan, adv, global_tokens, tmp_path / "store", out), nprocs=2,
-                             join=False, start_method="fork")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two FSDP2 ranks did not finish within 120 s")
-    res = torch.load(out)
+    res = _two_ranks(tmp_path, opt, groups, plan, adv, global_tokens)
 
     batch = kvt.pack_shared_prefix_groups(groups)  # the global batch in one process, no sharding
     loss = token_level_loss(batch.response_logprobs(opt(batch)), torch.cat(adv), global_tokens, 1)
@@ -124,6 +130,48 @@ def test_fsdp2_two_gloo_ranks_equal_single_process_gradients(tmp_path):
     print(f"fsdp2 gloo x2: loss {res['loss']:.6f} vs {float(loss.detach()):.6f}, worst per-parameter relative gradient "
           f"error {worst:.2e} over {len(g_ref)} parameters, {plan.num_micro_batches} micro-batches/rank, "
           f"{time.perf_counter() - t0:.1f} s")
+
+
+def _trees(seed, n=6):
+    """``n`` prefix trees of 1-4 trajectories: a root prompt, then branches at random depths (up to 3 levels)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(k):
+        return torch.randint(3, VOCAB, (k,), generator=g).tolist()
+
+    out = []
+    for _ in range(n):
+        root = ids(int(torch.randint(2, 10, (1,), generator=g)))
+        trajs = [root + ids(int(torch.randint(1, 7, (1,), generator=g)))]
+        for _ in range(int(torch.randint(0, 4, (1,), generator=g))):
+            base = trajs[int(torch.randint(0, len(trajs), (1,), generator=g))]
+            cut = int(torch.randint(len(root), len(base) + 1, (1,), generator=g))
+            trajs.append(base[:cut] + ids(int(torch.randint(1, 6, (1,), generator=g))))
+        out.append([torch.tensor(t) for t in trajs])
+    return out
+
+
+def test_fsdp2_two_gloo_ranks_prefix_trees_equal_single_process_gradients(tmp_path):
+    """Prefix-tree batches under ``shard_dualkv``: trees balanced over two gloo ranks by ``kvt.balance_groups(...,
+    trees=True)`` (a tree never split), each rank's micro-batches packed with ``kvt.pack_trajectories`` and run
+    through the tree program over the sharded layers: loss and every gradient equal the single-process step on all
+    trees (relative error <= 1e-5). The tree program used to keep the model's unsharded parameters, so the sharded
+    ones got no gradient at all."""
+    model = kvt.tiny_model("qwen3", num_hidden_layers=3, seed=int(torch.randint(0, 1000, (1,))))
+    opt = kvt.transform(model, "dualkv")
+    trees = _trees(int(torch.randint(0, 1 << 30, (1,))))
+    adv = [torch.randn(len(t)) for t in trees]
+    plan = kvt.balance_groups(trees, 2, max_tokens=max(sum(len(x) for x in t) for t in trees), trees=True)
+    global_tokens = sum(len(x) - 1 for t in trees for x in t)
+    res = _two_ranks(tmp_path, opt, trees, plan, adv, global_tokens, trees=True)
+
+    loss = micro_batch_loss(opt, trees, adv, global_tokens, 1, trees=True)  # all trees in one process, unsharded
+    params = dict(model.named_parameters())
+    g_ref = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+    assert res["loss"] == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-7)
+    assert set(res["grads"]) == set(g_ref)
+    worst = max(float((res["grads"][n] - g).abs().max() / g.abs().max()) for n, g in g_ref.items())
+    assert worst <= 1e-5, worst
 
 
 @pytest.mark.slow
