@@ -71,10 +71,10 @@ def _trainer(cls, path, dtype=torch.float32, peft_config=None, **kw):
     from transformers import AutoTokenizer
 
     torch.manual_seed(0)
-    args = (GRPOConfig if cls is GRPOTrainer else trl.GRPOConfig)(
+    args = (GRPOConfig if cls is GRPOTrainer else trl.GRPOConfig)(**{**dict(
         output_dir=f"{path}/out", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        use_cpu=True, bf16=False, report_to="none", seed=0, save_strategy="no", model_init_kwargs={"dtype": dtype},
-        **kw)
+        use_cpu=True, bf16=False, report_to="none", seed=0, save_strategy="no", model_init_kwargs={"dtype": dtype}),
+        **kw})
     return cls(model=path, reward_funcs=_reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                processing_class=AutoTokenizer.from_pretrained(path), peft_config=peft_config)
 
@@ -277,3 +277,28 @@ def test_sampler_logprobs_are_those_of_the_drawn_distribution():
     assert torch.allclose(lp, torch.log_softmax(logits, -1).max(-1).values)
     tok, lp = _sampler(True, 1e-38, None, None, 0, "cpu", logprobs=True)(logits)
     assert torch.equal(tok, logits.argmax(-1)) and torch.equal(lp, torch.zeros(5))
+
+
+def test_two_processes_equal_one(tiny_dir, tmp_path):
+    """``shared_prefix=True`` under two processes (``torch.distributed.run``, gloo through accelerate; on two GPUs
+    the same launch with NCCL): each rank packs its half of the global batch (here one prompt group each); the mean
+    of the ranks' losses and the rank-averaged gradients (what DDP applies) equal one process's step on the whole
+    batch within 1e-5 relative."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trl_two_process_worker import one_step
+
+    worker = Path(__file__).resolve().parent / "trl_two_process_worker.py"
+    out = tmp_path / "two.pt"
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29563",
+                        str(worker), tiny_dir, str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    two = torch.load(out)
+    loss, grads = one_step(tiny_dir)
+    assert _rel(two["loss"], loss) <= 1e-5, (float(two["loss"]), float(loss))
+    assert two["grads"].keys() == grads.keys() and len(grads) >= 4
+    worst = max(_rel(two["grads"][n], g) for n, g in grads.items())
+    assert worst <= 1e-5, worst
