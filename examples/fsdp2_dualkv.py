@@ -13,6 +13,14 @@ way, on the same groups as right-padded ``(N, max_len)`` batches (what a trainer
     torchrun --nproc_per_node=2 examples/fsdp2_dualkv.py --check-grads --layers 4
     # CPU, gloo, tiny model
     torchrun --nproc_per_node=2 examples/fsdp2_dualkv.py --device cpu --tiny [--check-grads]
+    # agentic prefix trees (a shared prompt, then turns branching 2 x 2 x 2): against the flattened padded baseline
+    torchrun --nproc_per_node=2 examples/fsdp2_dualkv.py --trees [--fanout 2,2,2] [--check-grads --layers 4]
+
+With ``--trees`` each "group" is a prefix tree (``kvt.bench.tree_shapes.agentic_tree``: a ``--prompt-len`` root,
+then ``len(fanout)`` levels of turns of ``[R/4, R]`` tokens; Tree Training, arXiv 2511.00413), balanced whole over
+ranks (``kvt.balance_groups(..., trees=True)``), packed with ``kvt.pack_trajectories`` and run through the tree
+program over the sharded layers; every token after a trajectory's first is trained. The baseline runs each
+trajectory as its own right-padded row.
 
 Printed per method: step time, tokens/s per GPU (tokens the method computes: packed or padded), replicated tokens/s
 per GPU (``Σ_i (P + R_i)``, the same work for both methods), MFU = model FLOPs / step time / peak, peak memory.
@@ -62,6 +70,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=2048, help="longest prompt (tokens; lengths in [P/2, P])")
     ap.add_argument("--response-len", type=int, default=512, help="longest response (tokens; in [R/4, R])")
     ap.add_argument("--max-tokens", type=int, default=8192, help="packed tokens per micro-batch")
+    ap.add_argument("--trees", action="store_true", help="agentic prefix trees instead of one-level prompt groups")
+    ap.add_argument("--fanout", default="2,2,2", help="--trees: children per node at each turn level")
     ap.add_argument("--no-checkpoint", action="store_true", help="no activation checkpointing")
     ap.add_argument("--no-baseline", action="store_true", help="skip the padded replicated baseline")
     ap.add_argument("--no-verify", action="store_true", help="skip the transform's exactness gate")
@@ -70,6 +80,12 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    try:
+        a.fanout = [int(x) for x in a.fanout.split(",")]
+    except ValueError:
+        ap.error(f"--fanout must be comma-separated integers, e.g. 2,2,2; got {a.fanout!r}")
+    if a.trees and (not a.fanout or min(a.fanout) < 1):
+        ap.error(f"--fanout needs at least one level of >= 1 children; got {a.fanout}")
     if a.layers is None:
         a.layers = 4 if a.check_grads else (TINY if a.tiny else QWEN3_8B)["num_hidden_layers"]
     if a.tiny:
@@ -78,6 +94,15 @@ def parse_args(argv=None):
     elif a.check_grads:  # the float64 reference runs on one GPU: keep the batch modest
         a.prompt_len, a.response_len = min(a.prompt_len, 512), min(a.response_len, 128)
         a.num_responses = min(a.num_responses, 4)
+    if a.trees:  # a tree is never split: a micro-batch must hold the largest one
+        largest, nodes = a.prompt_len, 1
+        for f in a.fanout:
+            nodes *= f
+            largest += nodes * a.response_len
+        if a.max_tokens < largest:
+            print(f"--max-tokens {a.max_tokens} -> {largest}: the largest possible tree ({a.prompt_len} + turns of "
+                  f"<= {a.response_len} tokens, fanout {a.fanout})", flush=True)
+            a.max_tokens = largest
     return a
 
 
@@ -102,8 +127,45 @@ def build_model(args, device, dtype):
     return model.eval()
 
 
+def make_step_trees(args, step, vocab):
+    """``--trees``: the global batch of one step (identical on every rank): trees (lists of trajectories), one
+    advantage per trajectory."""
+    from kvtransform.bench.tree_shapes import agentic_tree, leaves
+
+    g = torch.Generator().manual_seed(args.seed * 1000 + step)
+    ws = dist.get_world_size() if dist.is_initialized() else 1
+    trees, advs = [], []
+    for i in range(args.groups_per_rank * ws):
+        p = int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (1,), generator=g))
+        lay = agentic_tree(p, args.fanout, (max(1, args.response_len // 4), args.response_len),
+                           seed=args.seed * 1000003 + step * 1009 + i)
+        ids = torch.randint(3, vocab, (lay.total_tokens,), generator=g)
+        trajs = [ids[lay.path_index(n).cpu()] for n in leaves(lay)]
+        trees.append(trajs)
+        rewards = torch.tensor([float((t % 2 == 0).float().mean()) for t in trajs])
+        advs.append(group_advantages(rewards))
+    return trees, advs
+
+
+def pack(items, trees: bool):
+    """One micro-batch's groups (``pack_shared_prefix_groups``) or trees (``pack_trajectories``)."""
+    if trees:
+        return kvt.pack_trajectories([t for tree in items for t in tree])
+    return kvt.pack_shared_prefix_groups(items)
+
+
+def trained_tokens(items, trees: bool) -> int:
+    """Tokens the loss trains: response tokens of groups, tokens after the first of every trajectory."""
+    if trees:
+        return sum(t.numel() - 1 for tree in items for t in tree)
+    return sum(r.numel() for _, rs in items for r in rs)
+
+
 def make_step_groups(args, step, vocab):
-    """The global batch of one step (identical on every rank): groups, per-group advantages."""
+    """The global batch of one step (identical on every rank): groups, per-group advantages (``--trees``:
+    :func:`make_step_trees`)."""
+    if args.trees:
+        return make_step_trees(args, step, vocab)
     g = torch.Generator().manual_seed(args.seed * 1000 + step)
     ws = dist.get_world_size() if dist.is_initialized() else 1
     groups, advs = [], []
@@ -127,23 +189,27 @@ def model_flops(cfg, tokens: int, pairs: int) -> float:
     return cfg.num_hidden_layers * (per_layer + attn) + 6.0 * cfg.hidden_size * cfg.vocab_size * tokens
 
 
-def work_of(groups_mb, padded: bool):
-    """(tokens computed, attention pairs computed, replicated tokens) of one micro-batch."""
-    seqs = [p.numel() + r.numel() for p, rs in groups_mb for r in rs]
+def work_of(groups_mb, padded: bool, trees: bool = False):
+    """(tokens computed, attention pairs computed, replicated tokens) of one micro-batch (replicated: every
+    sequence, or trajectory, on its own)."""
     if not groups_mb:
         return 2, 3, 0
+    if trees:
+        seqs = [t.numel() for tree in groups_mb for t in tree]
+    else:
+        seqs = [p.numel() + r.numel() for p, rs in groups_mb for r in rs]
     if padded:
         s = max(seqs)
         return len(seqs) * s, len(seqs) * s * (s + 1) // 2, sum(seqs)
-    layout = kvt.pack_shared_prefix_groups(groups_mb).layout
+    layout = pack(groups_mb, trees).layout
     return layout.total_tokens, layout.visible_pairs(), sum(seqs)
 
 
-def padded_loss(model, groups_mb, advs_mb, global_tokens, ws):
+def padded_loss(model, groups_mb, advs_mb, global_tokens, ws, trees: bool = False):
     if not groups_mb:
         ids = torch.tensor([[1, 2]], device=next(model.parameters()).device)
         return model(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
-    batch = kvt.pack_shared_prefix_groups(groups_mb)
+    batch = pack(groups_mb, trees)
     return token_level_loss(replicated_logprobs(model, batch, padded=True), torch.cat(advs_mb), global_tokens, ws)
 
 
@@ -169,8 +235,8 @@ def run_steps(name, module, loss_fn, args, cfg, device, padded, ws, rank, captur
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(1, args.steps + 1):
         groups, advs = make_step_groups(args, step, cfg.vocab_size)
-        plan = kvt.balance_groups(groups, ws, max_tokens=args.max_tokens)
-        global_tokens = sum(r.numel() for _, rs in groups for r in rs)
+        plan = kvt.balance_groups(groups, ws, max_tokens=args.max_tokens, trees=args.trees)
+        global_tokens = trained_tokens(groups, args.trees)
         if step == 1:
             log(f"[{name}] step 1 plan: {plan.summary()}")
         tok = pairs = rep = 0
@@ -180,9 +246,9 @@ def run_steps(name, module, loss_fn, args, cfg, device, padded, ws, rank, captur
         t0 = time.perf_counter()
         for mb in plan.indices[rank]:
             gmb, amb = [groups[i] for i in mb], [advs[i] for i in mb]
-            loss = loss_fn(module, gmb, amb, global_tokens, ws)
+            loss = loss_fn(module, gmb, amb, global_tokens, ws, trees=args.trees)
             loss.backward()
-            t, p, r = work_of(gmb, padded)
+            t, p, r = work_of(gmb, padded, args.trees)
             tok, pairs, rep = tok + t, pairs + p, rep + r
         if capture_grads and step == 1:
             grads = {k: v.float().cpu() for k, v in full_gradients(module).items()}
@@ -227,8 +293,8 @@ def check_grads(args, device, ws, rank, mesh, mp):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         groups, advs = make_step_groups(args, 1, cfg.vocab_size)
-        batch = kvt.pack_shared_prefix_groups(groups)
-        global_tokens = sum(batch.response_lengths)
+        batch = pack(groups, args.trees)
+        global_tokens = trained_tokens(groups, args.trees)
         ref = {}
         for tag, dt in (("orig", dtype), ("fp64", torch.float64)):
             import transformers

@@ -175,15 +175,17 @@ def test_fsdp2_two_gloo_ranks_prefix_trees_equal_single_process_gradients(tmp_pa
 
 
 @pytest.mark.slow
-def test_example_check_grads_on_cpu():
-    """examples/fsdp2_dualkv.py --device cpu --tiny --check-grads under torchrun (2 gloo ranks) passes its table."""
+@pytest.mark.parametrize("mode", [[], ["--trees"]], ids=["groups", "trees"])
+def test_example_check_grads_on_cpu(mode):
+    """examples/fsdp2_dualkv.py --device cpu --tiny --check-grads under torchrun (2 gloo ranks) passes its table,
+    with prompt groups and with agentic prefix trees (``--trees``)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29561",
-                        str(root / "examples" / "fsdp2_dualkv.py"), "--device", "cpu", "--tiny", "--check-grads"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={29561 + len(mode)}", str(root / "examples" / "fsdp2_dualkv.py"), "--device",
+                        "cpu", "--tiny", "--check-grads", *mode], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "gradient check: PASS" in r.stdout
