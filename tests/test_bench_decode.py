@@ -121,7 +121,8 @@ def test_head_prefills_are_chunked_and_match_the_one_shot_result():
     k = torch.nn.functional.pad(cache.k, (0, 0, 0, 48 - 37))
     kmax = k.masked_fill(~valid, float("-inf")).view(L, b, h, 3, 16, d).amax(4)
     kmax = torch.where(torch.isfinite(kmax), kmax, torch.zeros_like(kmax))
-    assert torch.equal(q.kmax, kmax)
+    # a multiple of 8 pages (aligned page-score rows); the pages past the cache hold no key (0 after _finite)
+    assert q.kmax.shape[3] == 8 and torch.equal(q.kmax[:, :, :, :3], kmax) and not q.kmax[:, :, :, 3:].any()
 
     from kvtransform.runtime.distilled import DistilledBlock, DistilledHead
 
