@@ -11,12 +11,14 @@ weights, ``kvtransform.bench.decode_model``):
 
 Prints, per retrieval head: the step time by CUDA events, its HBM floor (the weights plus the KV and retrieval bytes
 the step reads, ``decode_model.step_bytes``, at ``--hbm-tbps``), the sum of kernel times per step, and the ``--top``
-kernels with their share (the rest summed into one line). ``--csv`` writes every kernel row.
+kernels with their share (the rest summed into one line), and the step by part (:data:`CATEGORIES`: attention,
+retrieval, sampling, GEMMs, small element-wise kernels, other). ``--csv`` writes every kernel row with its part.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 import time
 
 import torch
@@ -41,6 +43,23 @@ def kernel_times(fn) -> tuple[dict, float]:
         if e.device_type == kind:
             out[e.name] += e.device_time if cuda else e.self_cpu_time_total
     return dict(out), wall
+
+
+#: kernel-name patterns of the step's parts, first match wins (CUDA names: Triton kernels by their function name,
+#: cuBLAS ``nvjet_*`` / CUTLASS / ``splitKreduce``, ATen ``elementwise_kernel`` / ``reduce_kernel`` / copies)
+CATEGORIES = (
+    ("attention", re.compile(r"sparse_decode|dualkv|prefix_tree|flash|attn|attention|_fwd_kernel|_plan_", re.I)),
+    ("retrieval", re.compile(r"retrieval|topk|top_k|sort|radix|select|group_max", re.I)),
+    ("sampling", re.compile(r"softmax|multinomial|exponential|argmax|cumsum", re.I)),
+    ("GEMM", re.compile(r"gemm|nvjet|cutlass|cublas|splitk|matmul|(^|_)mm(_|$)|bmm|addmm|linear", re.I)),
+    ("element-wise", re.compile(r"elementwise|reduce_kernel|copy|cat|index|fill|gather|triton_|aten::|memcpy|memset",
+                                re.I)),
+)
+
+
+def category(name: str) -> str:
+    """The part of a decode step a kernel belongs to (:data:`CATEGORIES`, else ``other``)."""
+    return next((c for c, rx in CATEGORIES if rx.search(name)), "other")
 
 
 def profile_head(model, a, head: str):
@@ -96,6 +115,11 @@ def main():
         print(f"\n[{head}] {a.rows} rows, context {a.context}, budget {a.budget}, {shape['layers']} layers: step "
               f"{step_ms:.2f} ms (CUDA events; HBM floor {floor_ms:.2f} ms at {a.hbm_tbps} TB/s), kernels "
               f"{total:.2f} ms per step")
+        parts = collections.Counter()
+        for name, us in per_step.items():
+            parts[category(name)] += us / 1e3
+        print("  by part: " + ", ".join(f"{c} {ms:.2f} ms ({100 * ms / max(total, 1e-9):.0f} %)"
+                                         for c, ms in parts.most_common()))
         ranked = sorted(per_step.items(), key=lambda kv: -kv[1])
         for name, us in ranked[:a.top]:
             print(f"  {us / 1e3:7.3f} ms {100 * us / 1e3 / total:5.1f} %  {name[:110]}")
@@ -107,8 +131,8 @@ def main():
 
         with open(a.csv, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["head", "kernel", "us_per_step"])
-            w.writerows(rows)
+            w.writerow(["head", "kernel", "part", "us_per_step"])
+            w.writerows((h, n, category(n), us) for h, n, us in rows)
 
 
 if __name__ == "__main__":
