@@ -131,22 +131,27 @@ def test_kernels_match_replicated_reference(case):
     assert torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2)
 
 
-@pytest.mark.parametrize("cfg", [
-    {"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dq": dict(BLOCK_M=32, BLOCK_N=16),
-     "dkdv": dict(BLOCK_M=16, BLOCK_N=32)},
-    {"fwd": dict(BLOCK_M=16, BLOCK_N=16), "dq": dict(BLOCK_M=16, BLOCK_N=16),
-     "dkdv": dict(BLOCK_M=16, BLOCK_N=16)},
-    {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True)},
-    {"fwd": dict(BLOCK_M=16, BLOCK_N=16, PACK=True)},
-    {"fwd": dict(BLOCK_M=32, BLOCK_N=16, TMA=True)},
-    {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True, TMA=True)},
-    {"dq": dict(BLOCK_M=16, BLOCK_N=32, PACK=True)},
-    {"dq": dict(BLOCK_M=16, BLOCK_N=32, PACK=True, TMA=True)},
-    {"dq": dict(BLOCK_M=32, BLOCK_N=16, TMA=True)},
-    {"dkdv": dict(BLOCK_M=16, BLOCK_N=32, TMA=True)},
-], ids=["blocks32-16", "blocks16", "gqa-packed-16-32", "gqa-packed-16", "tma", "tma-packed", "dq-packed-16-32",
-        "dq-tma-packed", "dq-tma", "dkdv-tma"])
-@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (3, 3)], ids=["gqa2", "gqa3", "mha"])
+GQA2, GQA3, MHA = (4, 2), (6, 2), (3, 3)
+# Each launch config with the head layout it most needs (packed GQA rows: a group of 3, so padded rows; the rest
+# rotate over GQA 2 / GQA 3 / MHA): the default configs run every head layout in the tests above.
+OTHER_CONFIGS = [
+    ("blocks32-16", {"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dq": dict(BLOCK_M=32, BLOCK_N=16),
+                     "dkdv": dict(BLOCK_M=16, BLOCK_N=32)}, GQA2),
+    ("blocks16", {"fwd": dict(BLOCK_M=16, BLOCK_N=16), "dq": dict(BLOCK_M=16, BLOCK_N=16),
+                  "dkdv": dict(BLOCK_M=16, BLOCK_N=16)}, MHA),
+    ("gqa-packed-16-32", {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True)}, GQA3),
+    ("gqa-packed-16-32-mha", {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True)}, MHA),
+    ("gqa-packed-16", {"fwd": dict(BLOCK_M=16, BLOCK_N=16, PACK=True)}, GQA2),
+    ("tma", {"fwd": dict(BLOCK_M=32, BLOCK_N=16, TMA=True)}, GQA3),
+    ("tma-packed", {"fwd": dict(BLOCK_M=16, BLOCK_N=32, PACK=True, TMA=True)}, GQA3),
+    ("dq-packed-16-32", {"dq": dict(BLOCK_M=16, BLOCK_N=32, PACK=True)}, GQA3),
+    ("dq-tma-packed", {"dq": dict(BLOCK_M=16, BLOCK_N=32, PACK=True, TMA=True)}, GQA2),
+    ("dq-tma", {"dq": dict(BLOCK_M=32, BLOCK_N=16, TMA=True)}, MHA),
+    ("dkdv-tma", {"dkdv": dict(BLOCK_M=16, BLOCK_N=32, TMA=True)}, GQA3),
+]
+
+
+@pytest.mark.parametrize("cfg,heads", [c[1:] for c in OTHER_CONFIGS], ids=[c[0] for c in OTHER_CONFIGS])
 def test_kernels_other_launch_configs(cfg, heads):
     layout = DualKVLayout.from_lengths([(17, [15, 1]), (16, [33]), (40, [70, 3])])
     q, k, v = make_inputs(layout, heads[0], heads[1], 64, torch.float32)
