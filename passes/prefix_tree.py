@@ -65,13 +65,9 @@ class PrefixTreePass(KVPass):
             why = unsupported_variants(KVT_TREE, dict(c.kwargs))
             if why is not None:
                 raise ValueError(f"the prefix_tree pass cannot rewrite {c.name}: {why}")
-        for n in [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
-            graph.erase_node(n)  # guards of the one-level axes (e.g. S >= 2); the tree axes have other bounds
+        if _drop_input_guards(graph):
             rec.notes.append("input guard call of the packed capture removed (the op checks the layout)")
-        new = []
-        with graph.inserting_after(sp):
-            for name in reversed(TREE_INPUTS):
-                new.insert(0, graph.placeholder(name))
+        new = _tree_inputs_after(graph, sp)
         for c in calls:
             c.target = KVT_TREE
             c.args = (*c.args[:3], cu, *new, c.args[5])
@@ -81,6 +77,25 @@ class PrefixTreePass(KVPass):
         rec.notes.append(f"{rec.rewritten} kvt.dualkv_attention -> kvt.prefix_tree_attention; inputs "
                          f"{[n.target for n in graph.nodes if n.op == 'placeholder']}")
         return True
+
+
+def _drop_input_guards(graph: torch.fx.Graph) -> int:
+    """Erase the capture's input guard calls (``_guards_fn``: bounds of the one-level layout axes, e.g. S >= 2; the
+    tree axes have other bounds and the op checks the layout). Returns how many."""
+    guards = [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]
+    for n in guards:
+        graph.erase_node(n)
+    return len(guards)
+
+
+def _tree_inputs_after(graph: torch.fx.Graph, sp: torch.fx.Node) -> list:
+    """The tree's five layout placeholders (:data:`TREE_INPUTS`), inserted right after ``segment_prefix``'s (which
+    the caller erases once nothing reads it)."""
+    new = []
+    with graph.inserting_after(sp):
+        for name in reversed(TREE_INPUTS):
+            new.insert(0, graph.placeholder(name))
+    return new
 
 
 def _reset_input_spec(gm: torch.fx.GraphModule) -> None:
@@ -124,15 +139,12 @@ def _guard_free_variant(stage: torch.fx.GraphModule) -> torch.fx.GraphModule:
     dropped and ``segment_prefix`` replaced by the tree's five inputs (unused)."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(stage.graph, {}))
-    for n in [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
-        graph.erase_node(n)
+    _drop_input_guards(graph)
     sp = [n for n in graph.nodes if n.op == "placeholder" and n.name == "segment_prefix"]
     if len(sp) != 1 or sp[0].users:
         raise ValueError("prefix_tree_layers: a stage without attention reads segment_prefix beyond its input "
                          "guards")
-    with graph.inserting_after(sp[0]):
-        for name in reversed(TREE_INPUTS):
-            graph.placeholder(name)
+    _tree_inputs_after(graph, sp[0])
     graph.erase_node(sp[0])
     return derived_program(stage, graph)
 
@@ -165,10 +177,7 @@ def prefix_tree_layers(split: torch.fx.GraphModule, ctx: PassContext) -> torch.f
         raise ValueError(f"prefix_tree_layers needs the split DualKV program (input_ids, position_ids, cu_seqlens, "
                          f"segment_prefix); got {len(phs)} inputs")
     sp = phs[3]
-    new = []
-    with graph.inserting_after(sp):
-        for name in reversed(TREE_INPUTS):
-            new.insert(0, graph.placeholder(name))
+    new = _tree_inputs_after(graph, sp)
     for node in [n for n in graph.nodes if sp in n.args]:
         if node.op != "call_module":
             raise ValueError(f"prefix_tree_layers: {node.name} reads segment_prefix outside a stage")

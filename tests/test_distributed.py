@@ -101,6 +101,18 @@ def _two_ranks(tmp_path, opt, groups, plan, adv, global_tokens, trees=False) -> 
     return torch.load(out)
 
 
+def _assert_equals_one_process(res: dict, loss: torch.Tensor, model) -> tuple:
+    """The two ranks' loss and every parameter gradient equal the one-process ``loss``'s (relative error <= 1e-5);
+    returns (worst relative gradient error, the one-process gradients)."""
+    params = dict(model.named_parameters())
+    g_ref = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+    assert res["loss"] == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-7)
+    assert set(res["grads"]) == set(g_ref)
+    worst = max(float((res["grads"][n] - g).abs().max() / g.abs().max()) for n, g in g_ref.items())
+    assert worst <= 1e-5, worst
+    return worst, g_ref
+
+
 def test_fsdp2_two_gloo_ranks_equal_single_process_gradients(tmp_path):
     """fp32 on CPU: loss and every gradient equal the single-process step (relative error <= 1e-5; the two differ
     only in summation order: micro-batches, the gloo reduction, per-rank packing)."""
@@ -121,12 +133,7 @@ def test_fsdp2_two_gloo_ranks_equal_single_process_gradients(tmp_path):
 
     batch = kvt.pack_shared_prefix_groups(groups)  # the global batch in one process, no sharding
     loss = token_level_loss(batch.response_logprobs(opt(batch)), torch.cat(adv), global_tokens, 1)
-    params = dict(model.named_parameters())
-    g_ref = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
-    assert res["loss"] == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-7)
-    assert set(res["grads"]) == set(g_ref)
-    worst = max(float((res["grads"][n] - g).abs().max() / g.abs().max()) for n, g in g_ref.items())
-    assert worst <= 1e-5, worst
+    worst, g_ref = _assert_equals_one_process(res, loss, model)
     print(f"fsdp2 gloo x2: loss {res['loss']:.6f} vs {float(loss.detach()):.6f}, worst per-parameter relative gradient "
           f"error {worst:.2e} over {len(g_ref)} parameters, {plan.num_micro_batches} micro-batches/rank, "
           f"{time.perf_counter() - t0:.1f} s")
@@ -166,12 +173,7 @@ def test_fsdp2_two_gloo_ranks_prefix_trees_equal_single_process_gradients(tmp_pa
     res = _two_ranks(tmp_path, opt, trees, plan, adv, global_tokens, trees=True)
 
     loss = micro_batch_loss(opt, trees, adv, global_tokens, 1, trees=True)  # all trees in one process, unsharded
-    params = dict(model.named_parameters())
-    g_ref = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
-    assert res["loss"] == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-7)
-    assert set(res["grads"]) == set(g_ref)
-    worst = max(float((res["grads"][n] - g).abs().max() / g.abs().max()) for n, g in g_ref.items())
-    assert worst <= 1e-5, worst
+    _assert_equals_one_process(res, loss, model)
 
 
 @pytest.mark.slow

@@ -215,8 +215,8 @@ class QuestHead(RetrievalHead):
         """Page min/max keys, one layer at a time (the temporaries are one layer's cache, not all of them)."""
         L, b, h_kv, s_max, d = cache.k.shape
         ps = self.page_size
-        # a multiple of 8 pages: the page scores' row stride (bf16) stays 16-byte aligned for cuBLAS (an odd count ran
-        # on an unaligned CUTLASS GEMM on the H200, docs/TRL.md); the pages past the cache are never valid
+        # a multiple of 8 pages: the page scores' row stride (bf16) stays 16-byte aligned for cuBLAS (an odd count
+        # ran on an unaligned CUTLASS GEMM, docs/TRL.md); the pages past the cache are never valid
         pages = math.ceil(math.ceil(s_max / ps) / 8) * 8
         pad = pages * ps - s_max
         pos = torch.arange(pages * ps, device=cache.k.device)
