@@ -402,13 +402,20 @@ def micro_batch_loss(opt: torch.nn.Module, groups: Sequence[tuple], advantages: 
         0-d float32 loss.
 
     Raises:
-        ValueError: groups and advantages that do not match (or what ``pack_shared_prefix_groups`` raises).
+        ValueError: groups and advantages that do not match, in number or per group (or what
+            ``pack_shared_prefix_groups`` / ``pack_trajectories`` raises).
     """
     from kvtransform.packing import pack_shared_prefix, pack_shared_prefix_groups
     from kvtransform.tree_packing import pack_trajectories
 
     if len(groups) != len(advantages):
         raise ValueError(f"{len(groups)} groups but {len(advantages)} advantage vectors")
+    for i, (item, adv) in enumerate(zip(groups, advantages)):
+        n = len(item) if trees else len(item[1])
+        if not isinstance(adv, torch.Tensor) or adv.dim() != 1 or adv.numel() != n:
+            shape = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
+            raise ValueError(f"{'tree' if trees else 'group'} {i} has {n} {'trajectories' if trees else 'responses'} "
+                             f"but its advantages are {shape}: pass a 1-D tensor of {n} values")
     if not groups:
         batch = pack_shared_prefix([1], [[2]])
         return opt(batch).float().sum() * 0.0

@@ -59,6 +59,14 @@ def test_shard_dualkv_errors(tiny_opt):
         shard_dualkv(opt, mesh=object(), param_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"compute in torch.float64 but the graph was captured in torch.float32"):
         shard_dualkv(opt, mesh=object(), master_dtype=torch.float64)
+    # advantages are checked per group / tree (the right total alone would put them on the wrong sequences)
+    t = torch.tensor
+    for items, adv, kw in (([[t([5, 6, 7]), t([5, 6, 8])], [t([9, 10, 11])]], [torch.ones(1), torch.ones(2)],
+                            dict(trees=True)),
+                           ([(t([5, 6]), [t([7]), t([8])])], [t(1.0)], {})):
+        with pytest.raises(ValueError, match=r"(tree|group) 0 has 2 .* pass a 1-D tensor of 2 values") as e:
+            micro_batch_loss(opt, items, adv, 10, 1, **kw)
+        assert "\n" not in str(e.value)
 
 
 def _worker(rank, world_size, opt, groups, plan, adv, global_tokens, store, out, trees=False):

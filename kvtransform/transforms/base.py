@@ -52,9 +52,10 @@ class OptimizedModule(torch.nn.Module):
         bakes the dtypes of its conversions at capture (export's ``_to_copy`` and its metadata asserts), so it runs in
         the model's dtype, not under autocast; ``alternative`` names another way in, if any."""
         if torch.is_autocast_enabled(device_type):
-            raise ValueError(f"a {type(self).__name__} runs the program captured in the model's dtype, not under "
-                             f"torch.autocast: cast the model (e.g. model.to(torch.bfloat16)) before kvt.transform"
-                             + (f", or {alternative}" if alternative else ""))
+            name = type(self).__name__
+            raise ValueError(f"{'an' if name[0] in 'AEIOU' else 'a'} {name} runs the program captured in the model's "
+                             f"dtype, not under torch.autocast: cast the model (e.g. model.to(torch.bfloat16)) before "
+                             f"kvt.transform" + (f", or {alternative}" if alternative else ""))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``(B, S, vocab)``.
