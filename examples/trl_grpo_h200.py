@@ -213,6 +213,9 @@ def main():
     p.add_argument("--parts", choices=("all", "rollout", "passes"), default="all",
                    help="time the rollouts only, or the log-prob passes and update only (the two fit separate "
                         "10-minute runs at 32 layers and 16K completions)")
+    p.add_argument("--compile", action="store_true", help="dense and ours: the decode programs through "
+                   "torch.compile (GRPOConfig.rollout_compile; one compile per cache-length bucket, paid in the "
+                   "warm-up)")
     p.add_argument("--csv", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (use tiny sizes)")
     a = p.parse_args()
@@ -233,7 +236,8 @@ def main():
         else:
             head = "dense" if setup == "dense" else a.head
             t0 = time.perf_counter()
-            sp = kvt.transform(model, kvt.SpeContextConfig(budget=a.budget, head=head), progress=False)
+            sp = kvt.transform(model, kvt.SpeContextConfig(budget=a.budget, head=head, compile=a.compile),
+                               progress=False)
             print(f"[{setup}] SpeContext transform (once per training run): {time.perf_counter() - t0:.0f} s",
                   flush=True)
             t_roll = rollout_sp(sp, a, prompts, logprobs=setup == "ours")

@@ -200,8 +200,10 @@ class RuntimeConfig:
         compile: on CUDA, compile the decode program with ``torch.compile`` (Inductor fuses the element-wise work
             between the projections; the ``kvt`` ops stay opaque) before the CUDA graph is captured: faster steps
             for a one-time compile of ~30 s per batch size and cache length (H200, Llama-8B shape, 25 requests,
-            8K context: 10.3 → 8.0 ms per step; BENCHMARKS.md, decode throughput). Off by default because each new
-            (batch, prompt + max_new_tokens) compiles again; worth it for long generations of a fixed shape.
+            8K context: 10.3 → 8.0 ms per step; BENCHMARKS.md, decode throughput). ``generate`` rounds the cache
+            length (prompt + max_new_tokens) up to one of 8 buckets per power of two, so requests of nearby lengths
+            (e.g. a GRPO run's rollouts) share one compile, for at most 1/8 more KV memory. Off by default because
+            each new batch size or bucket compiles again; worth it for long generations.
         fuse_projections: the decode program's sibling projections as one GEMM each
             (:mod:`kvtransform.passes.fuse_projections`): ``"all"`` (default: the attention's q/k/v projections,
             whose narrow GQA k/v GEMMs stream their weights slowly at decode batch sizes, and SwiGLU's gate/up),

@@ -140,17 +140,19 @@ def test_trl_specontext_rollout_follows_generation_kwargs(tmp_path, monkeypatch)
     import kvtransform
 
     def refuse(model, cfg, **kw):  # what the transform says for a head without its weights (CLI key names)
-        seen["retrieval"] = cfg.retrieval
+        seen["retrieval"], seen["compile"] = cfg.retrieval, cfg.compile
         raise ValueError("head=eagle3 needs the draft: transform.retrieval=<EAGLE-3 checkpoint directory>")
 
     monkeypatch.setattr(kvtransform, "transform", refuse)
     with pytest.raises(ValueError) as e:  # the fix it names is one this config has (it named the CLI's keys)
-        trainer({}, rollout_head="eagle3", rollout_retrieval="/a/draft")
-    assert seen["retrieval"] == "/a/draft" and str(e.value).endswith(
+        trainer({}, rollout_head="eagle3", rollout_retrieval="/a/draft", rollout_compile=True)
+    assert seen["retrieval"] == "/a/draft" and seen["compile"] is True and str(e.value).endswith(
         "rollout_head=eagle3 needs the draft: rollout_retrieval=<EAGLE-3 checkpoint directory>")
     monkeypatch.setattr(GRPOTrainer, "_build_rollout", lambda self: FakeRollout())
     ids, lps = trainer({"max_new_tokens": 3})._generate_single_turn([[3, 4], [5]], None, {}, 1)
     assert seen["max_new_tokens"] == 3 and [len(c) for c in ids] == [3, 3] and [len(x) for x in lps] == [3, 3]
+    with pytest.raises(ValueError, match="rollout_compile: compile must be true or false; got 'yes'"):
+        trainer({}, rollout_compile="yes")
     for gk, msg in (({"eos_token_id": [7]}, "drop it from generation_kwargs"),
                     ({"temperature": 0.0}, "temperature must be a finite number > 0"),  # was: at the first rollout
                     ({"top_p": 0.0}, "top_p must be in")):

@@ -476,3 +476,26 @@ def test_selection_checksum_is_of_the_set():
     other = sel.clone()
     other[0, 0, 0] = int(other[0, 0, 0]) + 1 if int(other[0, 0, 0]) < 4999 else 0  # one position differs
     assert _checksum(other)[0] != _checksum(sel)[0] and torch.equal(_checksum(other)[1:], _checksum(sel)[1:])
+
+
+def test_compiled_cache_length_buckets():
+    """With compile on CUDA, ``generate``'s cache length is rounded up to one of 8 buckets per power of two (at
+    least 256 tokens), so a GRPO run's rollouts of nearby prompt lengths reuse one compiled program; eager, on the
+    CPU or with offload it is the needed length itself."""
+    from kvtransform.runtime.generate import SpeContextRuntime
+
+    rt = SpeContextRuntime.__new__(SpeContextRuntime)  # cache_length reads only these settings
+    rt.compile, rt.offload = True, False
+    got = {n: rt.cache_length(n, "cuda") for n in (1, 100, 256, 257, 2048, 2049, 9000, 17000, 17408)}
+    assert got == {1: 256, 100: 256, 256: 256, 257: 512, 2048: 2048, 2049: 2304, 9000: 9216, 17000: 18432,
+                   17408: 18432}
+    for n in range(2048, 40000, 97):
+        c = rt.cache_length(n, torch.device("cuda", 0))
+        assert n <= c <= n * 9 // 8 + 1
+    # a run's rollouts: prompts of 1,000-2,000 tokens + 16,384 new tokens share one bucket (not 1,001 lengths)
+    assert {rt.cache_length(p + 16384, "cuda") for p in range(1000, 2001)} == {18432}
+    assert rt.cache_length(9000, "cpu") == 9000
+    rt.offload = True
+    assert rt.cache_length(9000, "cuda") == 9000
+    rt.offload, rt.compile = False, False
+    assert rt.cache_length(9000, "cuda") == 9000

@@ -8,6 +8,7 @@ weights, ``kvtransform.bench.decode_model``):
 
     python3 -P tools/decode_step_profile.py --rows 32 --context 9216 --heads-to-profile dense,self
     python3 -P tools/decode_step_profile.py --layers 8 --top 15           # a quicker look
+    python3 -P tools/decode_step_profile.py --rows 32 --context 9216 --heads-to-profile dense,self --compile
 
 Prints, per retrieval head: the step time by CUDA events, its HBM floor (the weights plus the KV and retrieval bytes
 the step reads, ``decode_model.step_bytes``, at ``--hbm-tbps``), the sum of kernel times per step, and the ``--top``
@@ -65,7 +66,7 @@ def category(name: str) -> str:
 def profile_head(model, a, head: str):
     import kvtransform as kvt
 
-    sp = kvt.transform(model, kvt.SpeContextConfig(budget=a.budget, head=head), progress=False)
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=a.budget, head=head, compile=a.compile), progress=False)
     ctx = torch.randint(3, model.config.vocab_size, (a.rows, a.context), device=a.device)
     kw = dict(do_sample=True, temperature=1.0, eos_token_id=None, pad_token_id=0, seed=0, progress=False,
               output_logprobs=a.logprobs, return_dict_in_generate=True)
@@ -91,6 +92,8 @@ def main():
     p.add_argument("--steps", type=int, default=64, help="decode steps of the long call beyond the short one")
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--logprobs", action="store_true", help="return per-token sampling log-probs (as TRL rollouts)")
+    p.add_argument("--compile", action="store_true", help="the decode programs through torch.compile "
+                   "(SpeContextConfig.compile; both calls share one cache-length bucket, compiled in the warm-up)")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--model", default="llama-8b", help="a decode-suite shape (kvtransform.bench.decode_model)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's, for a quick look")

@@ -64,6 +64,9 @@ class GRPOConfig(trl.GRPOConfig):
         rollout_retrieval: where a trained head's weights come from (``kvt.SpeContextConfig.retrieval``): ``"self"``
             (the packaged distilled head) or a directory (a ``distilled`` head from ``kvtransform
             distill-retrieval-head``, an ``eagle3`` draft checkpoint).
+        rollout_compile: on CUDA, the rollout's decode program through ``torch.compile``
+            (``kvt.SpeContextConfig.compile``): faster decode steps for ~30 s of compiling per rollout batch size
+            and cache-length bucket (8 per power of two), i.e. once or a few times per run, not once per step.
     """
 
     shared_prefix: bool = field(default=False, metadata={"help": "Per-token log-prob passes on packed shared-prefix "
@@ -73,6 +76,8 @@ class GRPOConfig(trl.GRPOConfig):
     rollout_head: str = field(default="auto", metadata={"help": "SpeContext retrieval head."})
     rollout_retrieval: str = field(default="self", metadata={"help": "SpeContext trained head's weights: 'self' "
                                                                       "(packaged) or a directory."})
+    rollout_compile: bool = field(default=False, metadata={"help": "SpeContext rollouts: compile the decode program "
+                                                                    "(CUDA)."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -90,9 +95,10 @@ class GRPOConfig(trl.GRPOConfig):
         from kvtransform.config import SpeContextConfig
 
         try:
-            SpeContextConfig(budget=self.rollout_budget, head=self.rollout_head, retrieval=self.rollout_retrieval)
+            SpeContextConfig(budget=self.rollout_budget, head=self.rollout_head, retrieval=self.rollout_retrieval,
+                             compile=self.rollout_compile)
         except ValueError as e:
-            raise ValueError(f"rollout_budget / rollout_head / rollout_retrieval: {e}") from None
+            raise ValueError(f"rollout_budget / rollout_head / rollout_retrieval / rollout_compile: {e}") from None
         if self.rollout != "specontext":
             return
         for flag in ("use_vllm", "use_transformers_continuous_batching"):
@@ -259,7 +265,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         base = self._kvt_base()
         cfg = kvt.SpeContextConfig(budget=self.args.rollout_budget, head=self.args.rollout_head,
-                                   retrieval=self.args.rollout_retrieval)
+                                   retrieval=self.args.rollout_retrieval, compile=self.args.rollout_compile)
         try:
             return kvt.transform(base, cfg, tokenizer=self._tokenizer, progress=False)
         except (ValueError, RuntimeError) as e:
