@@ -100,14 +100,22 @@ def test_plan_memory_cli(tmp_path):
     assert "largest batch 13 resident, 156 with offload" in p.stdout and "GPU 80.0 GiB" in p.stdout
     p = subprocess.run(cmd[:5] + ["batch=9000"], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("error:") == 1 and "lower the batch" in p.stderr
+    for arg, msg in (("head_gb=79", "raise gpu_gb (or lower head_gb, reserve_gb"),  # the head alone fills the GPU
+                     ("head_resident_layers=33", "head_resident_layers=33 is more than the model's 32 layers")):
+        p = subprocess.run(cmd[:5] + [arg], capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("arg,msg", [("gpu_gb=inf", "gpu_gb=inf must be a finite number of GiB > 0"),
-                                     ("reserve_gb=nan", "reserve_gb=nan must be a finite number of GiB >= 0"),
+@pytest.mark.parametrize("arg,msg", [("gpu_gb=inf", "gpu_gb=inf must be a number of GiB from 1e-09 to 1048576"),
+                                     ("gpu_gb=1e300", "gpu_gb=1e+300 must be a number of GiB from 1e-09 to"),
+                                     ("gpu_gb=1e-12", "gpu_gb=1e-12 must be a number of GiB from 1e-09 to"),
+                                     ("reserve_gb=nan", "reserve_gb=nan must be a number of GiB from 0 to 1048576"),
+                                     ("head_resident_layers=-1", "head_resident_layers=-1 must be an integer >= 0"),
                                      ("batch=0", "batch=0 must be an integer >= 1"),
                                      ("input_len=-5", "input_len=-5 must be an integer >= 1")])
 def test_plan_memory_cli_bad_values(tmp_path, arg, msg):
-    """One error line and exit 2 (no OverflowError traceback for inf), checked before the model is read."""
+    """One error line and exit 2 (no OverflowError traceback for inf or 1e300 GiB), checked before the model is
+    read."""
     cmd = [sys.executable, "-m", "kvtransform.cli", "plan-memory", str(tmp_path / "no-model"), arg]
     p = subprocess.run(cmd, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr

@@ -37,13 +37,13 @@ capacity ``n``, the layers whose threshold is ``≤ n`` (:meth:`MemoryPlan.offlo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 GIB = 2 ** 30  # the memory settings (gpu_gb, head_gb, reserve_gb) and the printed plan are GiB, as CUDA reports memory
+MAX_GIB = 2 ** 20  # the largest memory setting accepted (1 PiB): far past any device, and finite in bytes
 
 __all__ = ["ModelMemory", "HeadMemory", "MemoryPlan", "PlanMemoryConfig", "plan_memory", "run_plan_memory"]
 
@@ -228,7 +228,8 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
             raise ValueError(f"no batch fits {gpu_bytes / GIB:.4g} GiB: the weights, head and reserve alone take "
                              f"{fixed / GIB:.4g} GiB and one row of [{input_len}, {output_len}] needs "
                              f"{max(one, _m_k(model, head, reserve_bytes, 1, budget, input_len, 0)) / GIB:.4g} GiB in all "
-                             f"with {which} on CPU: raise gpu_gb (or lower reserve_gb, shorten [input, output])")
+                             f"with {which} on CPU: raise gpu_gb (or lower "
+                             f"{'head_gb, ' if head.weight_bytes else ''}reserve_gb, shorten [input, output])")
         raise ValueError(f"batch {batch} does not fit {gpu_bytes / GIB:.3g} GiB even with {which} on CPU "
                          f"(needs {need / GIB:.3g} GiB at the prefill or at {S} tokens): lower the batch to "
                          f"{max_batch} or shorten [input, output]")
@@ -308,20 +309,28 @@ def run_plan_memory(cfg) -> MemoryPlan:
     if cfg.dtype not in dtypes:
         raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(dtypes)}")
     for key in ("gpu_gb", "head_gb", "reserve_gb"):
-        gb = float(getattr(cfg, key))
-        if not (math.isfinite(gb) and gb >= (1e-9 if key == "gpu_gb" else 0)):
-            raise ValueError(f"{key}={getattr(cfg, key)!r} must be a finite number of GiB "
-                             f"{'> 0' if key == 'gpu_gb' else '>= 0'}")
+        v, low = getattr(cfg, key), (1e-9 if key == "gpu_gb" else 0.0)  # 1e-9 GiB: one byte
+        try:
+            gb = float(v)
+        except (TypeError, ValueError):
+            gb = float("nan")
+        if isinstance(v, bool) or not (low <= gb <= MAX_GIB):
+            raise ValueError(f"{key}={v!r} must be a number of GiB from {low:g} to {MAX_GIB}")
     for key in ("batch", "input_len", "output_len", "budget"):  # before the model loads
         v = getattr(cfg, key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{key}={v!r} must be an integer >= 1")
+    for key in ("head_token_bytes", "head_resident_layers"):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{key}={v!r} must be an integer >= 0")
     name = cfg.model.name if hasattr(cfg.model, "name") else cfg.model
     mm = _model_memory(str(name), dtypes[cfg.dtype])
+    if cfg.head_resident_layers > mm.num_layers:
+        raise ValueError(f"head_resident_layers={cfg.head_resident_layers} is more than the model's "
+                         f"{mm.num_layers} layers: give 0 to {mm.num_layers} (1 for the self head)")
     head = HeadMemory(weight_bytes=int(float(cfg.head_gb) * GIB), token_bytes=int(cfg.head_token_bytes),
                       resident_layers=int(cfg.head_resident_layers))
-    if head.token_bytes < 0:
-        raise ValueError(f"head_token_bytes={cfg.head_token_bytes} must be >= 0")
     return plan_memory(mm, head, gpu_bytes=int(float(cfg.gpu_gb) * GIB), batch=int(cfg.batch),
                        input_len=int(cfg.input_len), output_len=int(cfg.output_len), budget=int(cfg.budget),
                        reserve_bytes=int(float(cfg.reserve_gb) * GIB))
