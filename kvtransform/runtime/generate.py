@@ -51,7 +51,7 @@ class SpeContextRuntime:
             and residuals around the opaque ``kvt`` ops; compiled once per batch size and cache length, before
             the CUDA graph is captured; ``generate`` rounds the cache length up to a bucket, :meth:`cache_length`),
             and the retrieval head's step too (:meth:`head_step`: its block, RoPE, key write and selection become a
-            few fused kernels around the scoring kernel). Offloaded steps stay eager.
+            few fused kernels around the scoring kernel). Offloaded steps run the per-layer split program uncompiled.
         fuse_projections: ``"qkv"``, ``"all"`` or ``"none"``: the decode program's sibling projections fused into
             one GEMM each (the model's parameters become views of the fused weights, or, with
             :attr:`share_fused_weights` off or where they cannot, a copy refreshed when the originals change;
@@ -443,10 +443,9 @@ class SpeContextRuntime:
         row's EOS; log-probs when ``sample`` returns them, :func:`~.sampling._sampler`). Stops early when every row
         has finished (checked every 8 steps: a host sync)."""
         device = tok.device
-        # CUDA graphs stop where offload begins: capturing the offload side stream's fork/join (elastic copies,
-        # per-layer waits) fails on the H200 (cudaErrorStreamCaptureIsolation), so an offloaded request decodes
-        # eagerly (the copies still overlap compute on the side stream).
-        use_graph = self.cuda_graphs and torch.device(device).type == "cuda" and engine is None
+        # offloaded steps are captured too (recaptured after a layer move); under capture the elastic copies run
+        # on the compute stream (runtime/offload.py, "Streams")
+        use_graph = self.cuda_graphs and torch.device(device).type == "cuda"
         if engine is None:  # the fused projection weights = the model's now, however it was updated (offloaded
             stats.fused_weight_bytes = self.programs.refresh(force=True)  # steps run the unfused split)
         stepper = _GraphStep(self, cache, engine) if use_graph else None

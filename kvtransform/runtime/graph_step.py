@@ -46,9 +46,8 @@ class _GraphStep:
         self.q.copy_(saved_q)
         if eng is not None:  # the warm-up's copies are redone (same slots, same data) by the first replay
             eng.slotmap.slot_pos.copy_(saved_slots)
-            # No uncaptured work may be pending on the offload side stream when it joins the capture (a layer
-            # move's device-to-host copy would make the capture fail: cudaErrorStreamCaptureIsolation). Captures
-            # happen only when a layer moves or the cache grows, so this host wait is rare.
+            # A layer move's device-to-host copy (side stream) must be done before the graph's elastic copies read
+            # that layer's pinned memory. Captures happen only when a layer moves or the cache grows: a rare wait.
             torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

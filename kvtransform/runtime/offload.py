@@ -21,10 +21,10 @@ side stream waits for it, copies the entering entries of every offloaded layer, 
 the LLM step (resident layers compute while the copies run; the offloaded layers are the last ones, so their
 waits come last) → append: new K/V of resident layers into their GPU cache, of offloaded layers into pinned CPU
 memory (written by a GPU kernel through the unified-address view) → the compute stream joins the side stream.
-CUDA graphs stop where offload begins: an offloaded request decodes eagerly (the runtime does not capture it),
-because capturing the side stream's fork/join and per-layer waits failed on the H200 with
-``cudaErrorStreamCaptureIsolation``; :class:`~kvtransform.runtime.graph_step._GraphStep` keeps the recapture-on-move
-logic (:meth:`OffloadEngine.version`) for when that is fixed.
+That is the eager step. With CUDA graphs the step is captured as a whole
+(:class:`~kvtransform.runtime.graph_step._GraphStep`, captured again after a layer move or growth:
+:attr:`OffloadEngine.version`) and the elastic copies run on the capturing stream before the LLM step (capturing
+the side stream's fork/join and per-layer waits failed on the H200 with ``cudaErrorStreamCaptureIsolation``).
 
 **Layer moves** (:meth:`OffloadEngine.before_step`): resident layers are allocated for ``capacity`` tokens and grow
 by ``chunk`` tokens; before growing to ``n`` the layers the :class:`~kvtransform.runtime.memory.MemoryPlan` puts
@@ -335,6 +335,7 @@ class OffloadEngine:
             slot_of, pos, slot, enter = self.slotmap.update(sel)
             self._copy(off, pos, slot, enter)
             self._entered_now.copy_(enter.sum())
+        side = self._uses_side_stream()
         for l in range(c.num_layers):
             ready = getattr(self.graph, f"ready_{l}")
             ready.mark = self._open[2] if (self._open is not None and off and l == min(off)) else None
@@ -342,15 +343,27 @@ class OffloadEngine:
                 ready.event = None
                 args += [c.gpu[0][l], c.gpu[1][l], sel]
             else:
-                ready.event = self.events[l]
+                ready.event = self.events[l] if side else None
                 args += [c.slots[0][l], c.slots[1][l], slot_of]
         return args
+
+    def _uses_side_stream(self) -> bool:
+        """Whether this step's copies run on the side stream: on CUDA, outside CUDA-graph capture. Under capture
+        they run on the capturing stream, before the step's LLM work (the side stream's fork/join and per-layer
+        waits could not be captured on the H200: ``cudaErrorStreamCaptureIsolation``): the copies no longer overlap
+        the resident layers, but the step is one graph replay instead of ~100 eager launches per layer."""
+        return self.cuda and not torch.cuda.is_current_stream_capturing()
 
     def _copy(self, layers, pos, slot, enter):
         c = self.cache
         if not self.cuda:
             for l in layers:
                 elastic_copy_reference(c.host[0][l], c.host[1][l], c.slots[0][l], c.slots[1][l], pos, slot, enter)
+            return
+        if not self._uses_side_stream():  # captured: in stream order, before the layers that read the slots
+            for l in sorted(layers):
+                elastic_copy_triton(c.host_view[0][l], c.host_view[1][l], c.slots[0][l], c.slots[1][l], pos, slot,
+                                    enter)
             return
         cur = torch.cuda.current_stream()
         self.side.wait_stream(cur)
@@ -371,8 +384,8 @@ class OffloadEngine:
             self._open = ev
 
     def after_step(self) -> None:
-        """The compute stream joins the side stream (end of the step body)."""
-        if self.cuda:
+        """The compute stream joins the side stream (end of the step body; nothing to join under capture)."""
+        if self._uses_side_stream():
             cur = torch.cuda.current_stream()
             if self._open is not None:
                 self._open[3].record(cur)
