@@ -5,9 +5,9 @@ without network access, ``tools/device_env.sh`` installs the checkout first):
 
     source tools/device_env.sh && python3 -P tools/specontext_offload_check.py
 
-Model: a random-weight 8B-shaped Llama (bf16, 32 layers, 32/8 heads, head_dim 128; tools/specontext_gpu_check.py's
-``random_llama``), head ``self`` (data-dependent selections; layer 0 stays on the GPU), budget 1024. The memory
-pressure is **simulated**: the memory model plans for ``weights + KV of every layer up to --fit tokens`` instead of the
+Model: a random-weight 8B-shaped Llama (bf16, 32 layers, 32/8 heads, head_dim 128; the decode suite's ``llama-8b``
+shape, ``kvtransform.bench.decode_model.build_model``), head ``self`` (data-dependent selections; layer 0 stays on
+the GPU), budget 1024. The memory pressure is **simulated**: the memory model plans for ``weights + KV of every layer up to --fit tokens`` instead of the
 H200's 139 GB (a batch that truly overflows it at [2k, 32k] needs ~300 GB of pinned host memory and hours), so layers
 move to CPU during the run exactly as they would on a smaller GPU.
 
@@ -25,17 +25,14 @@ Prints a markdown table and writes ``specontext_offload_check.csv`` (into ``$OUT
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from specontext_gpu_check import random_llama  # noqa: E402
-
-import kvtransform as kvt  # noqa: E402
-from kvtransform.bench.report import save_rows  # noqa: E402
+import kvtransform as kvt
+from kvtransform.bench.decode_model import build_model
+from kvtransform.bench.report import save_rows
 
 
 def log(*a):
@@ -63,7 +60,7 @@ def main() -> int:
     p.add_argument("--budget", type=int, default=1024)
     args = p.parse_args()
     t0 = time.perf_counter()
-    model = random_llama(positions=8192)
+    model = build_model("llama-8b", torch.bfloat16, "cuda", positions=8192)
     sp = kvt.transform(model, kvt.SpeContextConfig(budget=args.budget, head="self", cuda_graphs=True),
                        progress=False)
     log(f"transform: {time.perf_counter() - t0:.1f} s, head {sp.head.name}")
