@@ -67,6 +67,30 @@ def test_offloaded_tokens_equal_resident(head, layers, tokens, budget):
     assert not torch.equal(ref2.sequences, ref.sequences) and torch.equal(out2.sequences, ref2.sequences)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_offloaded_cuda_graph_steps_equal_resident():
+    """CUDA: offloaded steps are CUDA-graph replays (recaptured after each layer move and growth, the elastic
+    copies on the capturing stream) and give the resident run's tokens and selections."""
+    layers = 4
+    model = tiny_model("llama", num_hidden_layers=layers).cuda()
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=8, head="self", fuse_projections="none"), progress=False)
+    ids = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(1)).cuda()
+    kw = dict(max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
+    ref = sp.generate(ids, **kw)
+    rt = sp.runtime
+    rt.offload, rt.offload_chunk = True, 4
+    c = 2 * model.config.num_key_value_heads * 16 * 4
+    rt.gpu_memory_bytes = _weights(rt) + 3 * layers * c * 26
+    try:
+        out = sp.generate(ids, **kw)
+    finally:
+        rt.offload = False
+    assert ref.stats.cuda_graph and out.stats.cuda_graph and out.stats.offload_moves
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.selection_checksums == ref.stats.selection_checksums
+
+
 def test_offload_refuses_heads_that_read_every_layer():
     sp = kvt.transform(tiny_model("llama"), kvt.SpeContextConfig(budget=8, head="quest"), progress=False)
     sp.runtime.offload, sp.runtime.gpu_memory_bytes = True, 10 ** 6
