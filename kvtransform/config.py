@@ -162,6 +162,13 @@ class DualKVConfig(TransformConfig):
 
     def validate(self) -> None:
         super().validate()
+        d = self.demo
+        for key, low in (("num_responses", 1), ("max_new_tokens", 1), ("min_new_tokens", 0), ("repeats", 1)):
+            v = getattr(d, key)  # (a min_new_tokens above max_new_tokens is clamped to it)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"demo.{key} must be an integer >= {low}; got {v!r}")
+        if not (isinstance(d.temperature, (int, float)) and math.isfinite(d.temperature) and d.temperature > 0):
+            raise ValueError(f"demo.temperature must be a finite number > 0; got {d.temperature!r}")
         if self.verify.enabled and not list(self.verify_groups):
             raise ValueError("verify_groups is empty: give at least one [prompt_length, [response_lengths...]] "
                              "group, or set verify.enabled=false")
@@ -306,6 +313,15 @@ CONFIG_TYPES: dict[str, type] = {
 }
 
 
+def _unknown_transform(name) -> str:
+    """The one-line refusal of an unknown transform name, with the closest known name when one is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name).lower().replace("_", ""), sorted(CONFIG_TYPES), n=1, cutoff=0.6)
+    return (f"unknown transform {name!r}" + (f": did you mean {close[0]!r}?" if close else "") +
+            f" (choose one of {sorted(CONFIG_TYPES)})")
+
+
 def config_from_dict(d: dict[str, Any]) -> TransformConfig:
     """Build the config dataclass named by ``d["name"]`` (default ``canonical``), rejecting unknown keys.
 
@@ -315,7 +331,7 @@ def config_from_dict(d: dict[str, Any]) -> TransformConfig:
     d = dict(d)
     name = d.get("name", "canonical")
     if name not in CONFIG_TYPES:
-        raise ValueError(f"unknown transform {name!r}; choose one of {sorted(CONFIG_TYPES)}")
+        raise ValueError(_unknown_transform(name))
     cls = CONFIG_TYPES[name]
     for k in [k for k in d if isinstance(k, str) and "." in k]:   # {"verify.lengths": [9]}: the nested key
         head, _, rest = k.partition(".")
@@ -384,7 +400,7 @@ def resolve_config(config: "str | TransformConfig | dict") -> TransformConfig:
         return config
     if isinstance(config, str):
         if config not in CONFIG_TYPES:
-            raise ValueError(f"unknown transform {config!r}; choose one of {sorted(CONFIG_TYPES)}")
+            raise ValueError(_unknown_transform(config))
         return CONFIG_TYPES[config]()
     if isinstance(config, dict):
         return config_from_dict(config)

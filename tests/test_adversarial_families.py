@@ -101,7 +101,7 @@ def test_trl_refuses_sampling_settings_hidden_in_generation_kwargs(tmp_path):
                    use_transformers_continuous_batching=True)
 
 
-def test_trl_specontext_rollout_follows_generation_kwargs(tmp_path, monkeypatch):
+def test_trl_specontext_rollout_follows_generation_kwargs(tmp_path, monkeypatch, caplog):
     """``generation_kwargs={"max_new_tokens": 3}`` reaches the SpeContext sampler (it used to decode
     ``max_completion_length`` tokens regardless); an ``eos_token_id`` there that the sampler would not stop at, and
     sampling settings the sampler refuses, are refused at construction in one line (not after the transform). A
@@ -153,6 +153,11 @@ def test_trl_specontext_rollout_follows_generation_kwargs(tmp_path, monkeypatch)
     assert seen["max_new_tokens"] == 3 and [len(c) for c in ids] == [3, 3] and [len(x) for x in lps] == [3, 3]
     with pytest.raises(ValueError, match="rollout_compile: compile must be true or false; got 'yes'"):
         trainer({}, rollout_compile="yes")
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kvtransform.integrations.trl"):  # set but unused: said
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", rollout_budget=512)
+    assert "rollout_budget=512 has no effect without rollout='specontext'" in caplog.text
     for gk, msg in (({"eos_token_id": [7]}, "drop it from generation_kwargs"),
                     ({"temperature": 0.0}, "temperature must be a finite number > 0"),  # was: at the first rollout
                     ({"top_p": 0.0}, "top_p must be in")):

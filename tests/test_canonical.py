@@ -178,6 +178,12 @@ def test_config_errors():
     model = kvt.tiny_model("llama")
     with pytest.raises(ValueError, match="unknown transform"):
         kvt.transform(model, "flashy", progress=False)
+    for typo, want in (("dualk", "dualkv"), ("dual_kv", "dualkv"), ("Canonical", "canonical"),
+                       ("speccontext", "specontext")):
+        with pytest.raises(ValueError, match=f"unknown transform '{typo}': did you mean '{want}'"):
+            kvt.transform(model, typo, progress=False)
+    with pytest.raises(ValueError, match="demo.num_responses must be an integer >= 1; got 0"):
+        kvt.transform(model, {"name": "dualkv", "demo": {"num_responses": 0}}, progress=False)
     with pytest.raises(ValueError, match="Valid keys"):
         kvt.transform(model, {"name": "canonical", "verfy": {}}, progress=False)
 

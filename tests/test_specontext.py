@@ -317,6 +317,8 @@ def test_one_prompt_without_a_batch_dimension_names_the_fix(sp_llama):
     with pytest.raises(ValueError, match=r"got torch.int64 \(10,\): one prompt needs a batch dimension, pass "
                                          r"input_ids\[None\]"):
         sp_llama.generate(torch.randint(3, 128, (10,)), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"got a list: pass torch.tensor\(\[ids\]\)"):
+        sp_llama.generate([1, 2, 3], max_new_tokens=2)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -100,6 +100,11 @@ class GRPOConfig(trl.GRPOConfig):
         except ValueError as e:
             raise ValueError(f"rollout_budget / rollout_head / rollout_retrieval / rollout_compile: {e}") from None
         if self.rollout != "specontext":
+            unused = [f"{k}={getattr(self, k)!r}" for k, default in (("rollout_budget", 2048), ("rollout_head", "auto"),
+                      ("rollout_retrieval", "self"), ("rollout_compile", False)) if getattr(self, k) != default]
+            if unused:
+                logger.warning("%s has no effect without rollout='specontext' (TRL generates the completions)",
+                               ", ".join(unused))
             return
         for flag in ("use_vllm", "use_transformers_continuous_batching"):
             if getattr(self, flag, False):

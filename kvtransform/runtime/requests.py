@@ -50,9 +50,9 @@ def _prompt_rows(input_ids, attention_mask, vocab: int) -> list:
             or input_ids.dtype == torch.bool:
         one_row = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1 and \
             not input_ids.dtype.is_floating_point and input_ids.dtype != torch.bool
-        raise ValueError(f"input_ids must be an integer tensor (batch, seq); got "
-                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                         f"{tuple(getattr(input_ids, 'shape', ()))}"
+        got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else
+               f"a {type(input_ids).__name__}: pass torch.tensor([ids]) (or the tokenizer's return_tensors='pt')")
+        raise ValueError(f"input_ids must be an integer tensor (batch, seq); got {got}"
                          + (": one prompt needs a batch dimension, pass input_ids[None]" if one_row else ""))
     if input_ids.shape[0] < 1:
         raise ValueError("input_ids has no rows: pass at least one prompt")
