@@ -11,7 +11,7 @@ package:
   bounded by ``cache_seqlens``, no index per token), derived from the gather program and passed through
   :attr:`DecodePrograms.slot_rewrite` when one is set;
 * the **per-layer split** KV offload runs (:func:`.layer_split.split_decode_inputs`: one cache/indices triple per
-  layer), derived from the unfused step.
+  layer), derived from the gather program.
 
 SpeContext, arXiv 2512.00722 §4–6.
 """
@@ -56,7 +56,7 @@ class DecodePrograms:
         self.source, self.num_layers = decode, int(num_layers)
         self._fuse, self._share, self._slot_rewrite = "all", True, None
         self._slot: Optional[torch.fx.GraphModule] = None
-        self._splits: dict = {}  # ready factory -> split program
+        self._splits: dict = {}  # (ready factory, id of the gather program split) -> split program
         self.fuse_projections = fuse_projections
         self.share_fused_weights = share_fused_weights
 
@@ -147,20 +147,24 @@ class DecodePrograms:
         return fused.extra_bytes
 
     def layer_split(self, ready: Callable[[], torch.nn.Module] = torch.nn.Identity) -> torch.fx.GraphModule:
-        """The unfused step split per layer for KV offload (:func:`~.layer_split.split_decode_inputs`), built once
-        per ``ready`` factory; it shares :attr:`source`'s weights.
+        """The gather program (fused per :attr:`fuse_projections`, as resident steps run it, so both give the same
+        bits) split per layer for KV offload (:func:`~.layer_split.split_decode_inputs`), built once per ``ready``
+        factory and program; it shares that program's weights (the fused copies are refreshed by :meth:`refresh`).
 
         Raises:
             ValueError: the step has sliding-window layers (an offloaded layer's slots are not cache positions).
         """
-        if ready not in self._splits:
+        fused = self.fused()
+        base = self.source if fused is None else fused.program
+        key = (ready, id(base))
+        if key not in self._splits:
             windows = sorted({n.kwargs["window"] for n in self.source.graph.nodes if n.op == "call_function"
                               and n.target is KVT_SPARSE_DECODE and n.kwargs.get("window") is not None})
             if windows:  # an offloaded layer's slot buffer is indexed by slot, not by position: no window there
                 raise ValueError(f"KV offload does not support sliding-window layers yet (window {windows[0]}): run "
                                  f"this model with runtime.offload off")
-            self._splits[ready] = split_decode_inputs(self.source, self.num_layers, ready)
-        return self._splits[ready]
+            self._splits[key] = split_decode_inputs(base, self.num_layers, ready)
+        return self._splits[key]
 
     def fused_bytes(self) -> int:
         """Bytes of the fused copies already built for :attr:`source` (any setting), without building any."""

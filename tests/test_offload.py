@@ -55,6 +55,8 @@ def test_offloaded_tokens_equal_resident(head, layers, tokens, budget):
     assert split[0] is rt.programs.layer_split(LayerReady)
     dec = {id(p) for p in rt.decode_fn.parameters()}
     assert split and all(id(p) in dec for m in split for p in m.parameters())
+    # it runs the fused projections, as resident steps do (same GEMMs: the same bits on CUDA too)
+    assert rt.fuse_projections == "all" and any(n.startswith("_kvt_fused_proj") for n, _ in split[0].named_buffers())
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.mul_(-2)

@@ -12,8 +12,8 @@ H200's 139 GB (a batch that truly overflows it at [2k, 32k] needs ~300 GB of pin
 move to CPU during the run exactly as they would on a smaller GPU.
 
 1. **Exactness**: batch 8, prompt 2048, 160 new tokens, CUDA graphs on: tokens and selections of the offloaded run
-   equal the resident run (same transformed model, ``offload`` off, projections unfused as in the offloaded
-   per-layer program); the offloaded steps are CUDA-graph replays
+   equal the resident run (same transformed model, ``offload`` off; both run the fused projections); the
+   offloaded steps are CUDA-graph replays
    (recaptured after each layer move or cache growth).
 2. **Eager timing run** (CUDA graphs off, timing events): share of the copy time hidden behind compute.
 3. **Graph run** (batch 16, prompt 2048, ``--new`` tokens, both CUDA graphs): ms/step resident vs offloaded (the
@@ -40,12 +40,9 @@ def log(*a):
     print(*a, flush=True)
 
 
-def run(sp, batch, prompt, new, offload, fit, graphs=True, timing=False, chunk=64, seed=0, fuse="none"):
-    """One generation. ``fuse``: the resident program's ``fuse_projections`` (offloaded steps run the unfused
-    per-layer program, so the exactness reference is resident and unfused: a fused q/k/v GEMM rounds differently)."""
+def run(sp, batch, prompt, new, offload, fit, graphs=True, timing=False, chunk=64, seed=0):
     rt = sp.runtime
     rt.offload, rt.cuda_graphs, rt.offload_chunk, rt.offload_timing = offload, graphs, chunk, timing
-    rt.fuse_projections = fuse
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in rt.decode_fn.parameters()}.values())
     c = 2 * sp.info.num_kv_heads * sp.info.head_dim * 2
     rt.gpu_memory_bytes = weights + batch * sp.info.num_layers * c * fit
@@ -86,7 +83,6 @@ def main() -> int:
 
     # 3. graph run, ms/step and bytes
     res, pr = run(sp, 16, 2048, args.new, offload=False, fit=0)
-    fast, _ = run(sp, 16, 2048, args.new, offload=False, fit=0, fuse="all")  # the resident default (speed)
     gr, po = run(sp, 16, 2048, args.new, offload=True, fit=2048 + args.new // 2, chunk=256)  # fewer recaptures
     st = gr.stats
     same_sel16 = res.stats.selection_checksums == st.selection_checksums
@@ -103,7 +99,6 @@ def main() -> int:
                      copy_hidden=eag.stats.offload_copy_hidden, ms_per_step=eag.stats.ms_per_step))
     rows.append(dict(check=f"b16, 2048+{args.new} (both CUDA graph)" if st.cuda_graph else
                      f"b16, 2048+{args.new} (offloaded: eager)", ms_per_step_resident=res.stats.ms_per_step,
-                     ms_per_step_resident_fused=fast.stats.ms_per_step,
                      ms_per_step=st.ms_per_step, overlap=st.selection_overlap, selections_equal=same_sel16,
                      bytes_per_step_mib=sum(moved) / max(len(moved), 1) / 2**20,
                      full_bytes_per_step_mib=sum(full) / max(len(full), 1) / 2**20, bytes_ratio=ratio,

@@ -446,8 +446,8 @@ class SpeContextRuntime:
         # offloaded steps are captured too (recaptured after a layer move); under capture the elastic copies run
         # on the compute stream (runtime/offload.py, "Streams")
         use_graph = self.cuda_graphs and torch.device(device).type == "cuda"
-        if engine is None:  # the fused projection weights = the model's now, however it was updated (offloaded
-            stats.fused_weight_bytes = self.programs.refresh(force=True)  # steps run the unfused split)
+        # the fused projection weights = the model's now, however it was updated (the offloaded split runs them too)
+        stats.fused_weight_bytes = self.programs.refresh(force=True)
         stepper = _GraphStep(self, cache, engine) if use_graph else None
         stats.cuda_graph = use_graph
         overlap = torch.zeros((), device=device)

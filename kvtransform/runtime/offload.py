@@ -434,8 +434,9 @@ def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: O
     """
     info = runtime.info
     params = {id(p): p for p in runtime.decode_fn.parameters()} if hasattr(runtime.decode_fn, "parameters") else {}
-    # + fused projection copies a non-offloaded generate may have built (they stay allocated)
-    weight = sum(p.numel() * p.element_size() for p in params.values()) + runtime.programs.fused_bytes()
+    runtime.programs.fused()  # + the fused projection copies (built now: the offloaded split runs them; the
+    weight = sum(p.numel() * p.element_size() for p in params.values()) + runtime.programs.fused_bytes()  # shared
+    # fused weights, the default, are the parameters themselves: no bytes)
     e = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
     mm = ModelMemory(weight, info.num_layers, info.num_kv_heads, info.head_dim, e)
     state = runtime.head.state_dict()
