@@ -28,7 +28,8 @@ class GenerationStats:
         selection_overlap: mean fraction of the tokens selected at a step that were also selected at the
             previous step (per row and KV head; ``1 - 1/len`` for ``dense``; None without two comparable steps).
         kv_bytes: bytes allocated for the KV cache (``2 * L * batch * H_kv * max_length * D * itemsize``).
-        cache_max_length: ``max_length`` of the cache (longest prompt + ``max_new_tokens``).
+        cache_max_length: ``max_length`` of the cache (longest prompt + ``max_new_tokens``; with ``compile`` on CUDA
+            rounded up to its bucket, ``SpeContextRuntime.cache_length``).
         head, budget: the retrieval head and the budget (tokens per KV head; ignored by ``dense``).
         cuda_graph: whether the decode steps replayed a CUDA graph.
         fused_weight_bytes: extra memory (on the model's device) of the decode program's fused projection weights:
