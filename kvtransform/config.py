@@ -167,8 +167,11 @@ class DualKVConfig(TransformConfig):
             v = getattr(d, key)  # (a min_new_tokens above max_new_tokens is clamped to it)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"demo.{key} must be an integer >= {low}; got {v!r}")
-        if not (isinstance(d.temperature, (int, float)) and math.isfinite(d.temperature) and d.temperature > 0):
-            raise ValueError(f"demo.temperature must be a finite number > 0; got {d.temperature!r}")
+        t = d.temperature  # logits / t in float32 stay finite and meaningful within these bounds
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1e-3 <= t <= 1e3:
+            raise ValueError(f"demo.temperature must be a number from 0.001 to 1000; got {t!r}")
+        if isinstance(d.seed, bool) or not isinstance(d.seed, int) or not 0 <= d.seed < 2 ** 63:
+            raise ValueError(f"demo.seed must be an integer from 0 to 2**63 - 1; got {d.seed!r}")
         if self.verify.enabled and not list(self.verify_groups):
             raise ValueError("verify_groups is empty: give at least one [prompt_length, [response_lengths...]] "
                              "group, or set verify.enabled=false")
@@ -211,7 +214,8 @@ class RuntimeConfig:
             for a one-time compile of ~30 s per batch size and cache length (H200, Llama-8B shape, 25 requests,
             8K context: 10.3 → 8.0 ms per step; BENCHMARKS.md, decode throughput). ``generate`` rounds the cache
             length (prompt + max_new_tokens) up to one of 8 buckets per power of two, so requests of nearby lengths
-            (e.g. a GRPO run's rollouts) share one compile, for at most 1/8 more KV memory. Off by default because
+            (e.g. a GRPO run's rollouts) share one compile, for at most 1/8 more KV memory from 2,048 tokens up (at
+            least 256 tokens a row). Off by default because
             each new batch size or bucket compiles again; worth it for long generations.
         fuse_projections: the decode program's sibling projections as one GEMM each
             (:mod:`kvtransform.passes.fuse_projections`): ``"all"`` (default: the attention's q/k/v projections,
@@ -332,7 +336,7 @@ def config_from_dict(d: dict[str, Any]) -> TransformConfig:
     """
     d = dict(d)
     name = d.get("name", "canonical")
-    if name not in CONFIG_TYPES:
+    if not isinstance(name, str) or name not in CONFIG_TYPES:
         raise ValueError(_unknown_transform(name))
     cls = CONFIG_TYPES[name]
     for k in [k for k in d if isinstance(k, str) and "." in k]:   # {"verify.lengths": [9]}: the nested key

@@ -182,8 +182,13 @@ def test_config_errors():
                        ("speccontext", "specontext")):
         with pytest.raises(ValueError, match=f"unknown transform '{typo}': did you mean '{want}'"):
             kvt.transform(model, typo, progress=False)
-    with pytest.raises(ValueError, match="demo.num_responses must be an integer >= 1; got 0"):
-        kvt.transform(model, {"name": "dualkv", "demo": {"num_responses": 0}}, progress=False)
+    for demo, msg in (({"num_responses": 0}, "demo.num_responses must be an integer >= 1; got 0"),
+                      ({"temperature": 1e-300}, "demo.temperature must be a number from 0.001 to 1000"),
+                      ({"seed": 2 ** 70}, "demo.seed must be an integer from 0 to 2\\*\\*63 - 1")):
+        with pytest.raises(ValueError, match=msg):
+            kvt.transform(model, {"name": "dualkv", "demo": demo}, progress=False)
+    with pytest.raises(ValueError, match="unknown transform"):  # not a TypeError (unhashable)
+        kvt.transform(model, {"name": ["dualkv"]}, progress=False)
     with pytest.raises(ValueError, match="Valid keys"):
         kvt.transform(model, {"name": "canonical", "verfy": {}}, progress=False)
 

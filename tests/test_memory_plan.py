@@ -110,6 +110,7 @@ def test_plan_memory_cli(tmp_path):
                                      ("gpu_gb=1e300", "gpu_gb=1e+300 must be a number of GiB from 1e-09 to"),
                                      ("gpu_gb=1e-12", "gpu_gb=1e-12 must be a number of GiB from 1e-09 to"),
                                      ("reserve_gb=nan", "reserve_gb=nan must be a number of GiB from 0 to 1048576"),
+                                     ("head_gb=true", "invalid value for 'head_gb': expected a number"),
                                      ("head_resident_layers=-1", "head_resident_layers=-1 must be an integer >= 0"),
                                      ("batch=0", "batch=0 must be an integer >= 1"),
                                      ("input_len=-5", "input_len=-5 must be an integer >= 1")])

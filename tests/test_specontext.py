@@ -501,3 +501,26 @@ def test_compiled_cache_length_buckets():
     assert rt.cache_length(9000, "cuda") == 9000
     rt.offload, rt.compile = False, False
     assert rt.cache_length(9000, "cuda") == 9000
+    for bad in (0, -300, True, 2.5):
+        with pytest.raises(ValueError, match="an integer >= 1"):
+            rt.cache_length(bad, "cuda")
+
+
+@pytest.mark.parametrize("head", ["quest", "self", "recent", "oracle"])
+def test_a_longer_cache_changes_no_token_or_selection(head):
+    """The cache-length bucket (``cache_length`` with compile on CUDA) leaves tokens and selections as they are:
+    here forced on the CPU (a cache of 256 for 32 needed tokens), with more forced quest pages (sink + newest) than
+    the budget holds, where top-k's tie order once depended on the page table's width."""
+    extra = dict(page_size=4, num_sink=8) if head == "quest" else {}
+    sp = kvt.transform(tiny_model("llama"), kvt.SpeContextConfig(head=head, budget=8, **extra), progress=False)
+    ids = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    am[1, :7] = 0
+    am[2, :13] = 0
+    kw = dict(max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True)
+    ref = sp.generate(ids, am, **kw)
+    sp.runtime.cache_length = lambda needed, device: 256
+    out = sp.generate(ids, am, **kw)
+    assert out.stats.cache_max_length == 256 and ref.stats.cache_max_length == 32
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.selection_checksums == ref.stats.selection_checksums

@@ -268,9 +268,11 @@ class QuestHead(RetrievalHead):
         recent = (start + ps > lens[:, None] - self.num_recent) & (self.num_recent > 0)
         sink = start < self.num_sink
         # forced pages outrank every score (log-probabilities, <= 0) in this order when they are more than the
-        # budget's pages: the newest page, the recent pages (newest first), the sink pages
+        # budget's pages: the newest page, the recent pages (newest first), the sink pages (oldest first: a strict
+        # order, so which of them fit does not depend on top-k's tie order, i.e. on the page table's width)
         prio = torch.where(newest, float("inf"), torch.where(recent, 1e30 + p[None, :].float() * 1e24,
-                                                              torch.where(sink, 1e20, float("nan"))))
+                                                              torch.where(sink, 1e20 + (pages - p[None, :]).float()
+                                                                          * 1e14, float("nan"))))
         forced = (newest | recent | sink) & valid
         score = torch.where(forced[:, None, :], prio[:, None, :], score)
         score = score.masked_fill(~valid[:, None, :], float("-inf"))

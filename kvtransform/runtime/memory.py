@@ -37,6 +37,7 @@ capacity ``n``, the layers whose threshold is ``≤ n`` (:meth:`MemoryPlan.offlo
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,11 +311,8 @@ def run_plan_memory(cfg) -> MemoryPlan:
         raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(dtypes)}")
     for key in ("gpu_gb", "head_gb", "reserve_gb"):
         v, low = getattr(cfg, key), (1e-9 if key == "gpu_gb" else 0.0)  # 1e-9 GiB: one byte
-        try:
-            gb = float(v)
-        except (TypeError, ValueError):
-            gb = float("nan")
-        if isinstance(v, bool) or not (low <= gb <= MAX_GIB):
+        gb = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else float("nan")
+        if not (low <= gb <= MAX_GIB):  # (nan, a bool, a string, None: not a number of GiB)
             raise ValueError(f"{key}={v!r} must be a number of GiB from {low:g} to {MAX_GIB}")
     for key in ("batch", "input_len", "output_len", "budget"):  # before the model loads
         v = getattr(cfg, key)
