@@ -177,23 +177,21 @@ class SpeContextRuntime:
         return self._head_compiled[1](cache, queries)
 
     def cache_length(self, needed: int, device) -> int:
-        """Tokens per row of the KV cache ``generate`` allocates for ``needed`` (the longest prompt plus
-        ``max_new_tokens``): ``needed`` itself, or, when the programs are compiled (:attr:`compile` on CUDA, without
-        :attr:`offload`), ``needed`` rounded up to a bucket: a multiple of 1/8 of its power of two, at least 256
-        (9,000 -> 9,216; 17,000 -> 18,432; 100 -> 256). A compiled program is specialised to its cache length, so
-        requests of nearby lengths (a GRPO run's rollouts, whose prompts differ from step to step) then reuse one
-        compile instead of paying ~30 s each; the cost is at most 1/8 more KV memory and page scoring from 2,048
-        tokens up (at most 256 tokens a row below). Positions past ``needed`` are never written or attended to, and
-        the heads size their state from ``max_new_tokens``, so the bucket changes no selection (tested per head).
+        """Tokens per row of the KV cache ``generate`` allocates for ``needed`` (longest prompt + ``max_new_tokens``):
+        ``needed``, or with :attr:`compile` on CUDA (no :attr:`offload`) ``needed`` rounded up to a multiple of 1/8 of
+        its power of two, at least 256 (9,000 -> 9,216; 17,000 -> 18,432; 100 -> 256), so requests of nearby lengths
+        (a GRPO run's rollouts) reuse one compiled program instead of ~30 s of compiling each; at most 1/8 more KV
+        memory and page scoring from 2,048 tokens up. Positions past ``needed`` are never written or attended to and
+        the heads size their state from ``max_new_tokens``: the bucket changes no selection (tested per head).
 
         Raises:
             ValueError: ``needed`` is not an integer >= 1."""
         if isinstance(needed, bool) or not isinstance(needed, int) or needed < 1:
             raise ValueError(f"cache_length needs the tokens a row must hold, an integer >= 1; got {needed!r}")
         if not (self.compile and not self.offload and torch.device(device).type == "cuda"):
-            return int(needed)
-        step = max(256, (1 << (max(int(needed), 1).bit_length() - 1)) // 8)
-        return -(-int(needed) // step) * step
+            return needed
+        step = max(256, (1 << (needed.bit_length() - 1)) // 8)
+        return -(-needed // step) * step
 
     def _raise_recompile_limit(self) -> None:
         """One static compile per (batch, cache length, indices width): a sweep or a server sees more than dynamo's
