@@ -103,21 +103,32 @@ def _lora():
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])
 
 
-@pytest.mark.parametrize("setup", ["full", "lora+checkpointing", "sliding-window"])
-def test_shared_prefix_step_matches_stock_trainer(request, setup, caplog):
+@pytest.mark.parametrize("setup", ["full", "lora+checkpointing", "sliding-window", "tree"])
+def test_shared_prefix_step_matches_stock_trainer(request, setup, caplog, monkeypatch):
     """One step with shared_prefix=True against stock trl.GRPOTrainer on the same completions and rewards: loss,
     old-policy and reference log-probs and every gradient within the numerics rule (as
     kvtransform.verify.check_numerics_rule: ``err(ours) <= 2 err(stock) + 1e-5``, each error relative to the same
     trainer run in float64 -- TRL's fused LM head works in float32 even then)."""
     kw = dict(beta=0.1, num_iterations=2)  # a reference model pass and an old-policy pass, both packed
     tiny_dir = request.getfixturevalue("tiny_window_dir" if setup == "sliding-window" else "tiny_dir")
-    peft = None
+    peft, mode = None, True
+    trees = []
+    if setup == "tree":  # prompts sharing a system prefix: one prefix tree across the groups
+        import kvtransform.integrations.trl as kvt_trl
+
+        mode = "tree"
+        monkeypatch.setitem(globals(), "PROMPTS", ["sys> " + p for p in PROMPTS])
+        monkeypatch.setattr(kvt_trl, "pack_chunk_tree", lambda *a, f=kvt_trl.pack_chunk_tree: trees.append(
+            f(*a)) or trees[-1])
     if setup == "lora+checkpointing":
         kw["gradient_checkpointing"] = True
         peft = _lora()
     with caplog.at_level(logging.WARNING, logger="kvtransform.integrations.trl"):
-        ours = _one_step(GRPOTrainer, tiny_dir, peft_config=peft, shared_prefix=True, **kw)
+        ours = _one_step(GRPOTrainer, tiny_dir, peft_config=peft, shared_prefix=mode, **kw)
     assert not [r for r in caplog.records if "unpacked" in r.getMessage()]  # every pass packed
+    if setup == "tree":  # three passes (policy, old policy, reference), each one tree sharing "sys> " across prompts
+        assert len(trees) >= 3 and all(t[0].layout.num_trees == 1 and t[0].num_tokens < t[0].replicated_tokens
+                                       for t in trees)
     stock = _one_step(trl.GRPOTrainer, tiny_dir, peft_config=peft, **kw)
     ref = _one_step(trl.GRPOTrainer, tiny_dir, torch.float64, peft_config=peft, **kw)
     pairs = [("loss", ours[0], stock[0], ref[0])]
@@ -163,6 +174,7 @@ def test_unpackable_batch_runs_trl_pass_and_says_so_once(tiny_dir, caplog):
     (dict(rollout="specontext", generation_kwargs={"num_beams": 2}), "does not take generation_kwargs ['num_beams']"),
     (dict(rollout="specontext", rollout_head="nope"), "rollout_budget / rollout_head"),
     (dict(rollout_budget=0), "rollout_budget must be an integer >= 1"),
+    (dict(shared_prefix="trees"), "shared_prefix must be True, False or 'tree'; got 'trees'"),
 ])
 def test_config_refusals_are_one_line(tmp_path, kw, msg):
     with pytest.raises(ValueError) as e:
@@ -302,3 +314,33 @@ def test_two_processes_equal_one(tiny_dir, tmp_path):
     assert two["grads"].keys() == grads.keys() and len(grads) >= 4
     worst = max(_rel(two["grads"][n], g) for n, g in grads.items())
     assert worst <= 1e-5, worst
+
+
+def test_tree_packing_shares_prefixes_across_prompts():
+    """``shared_prefix="tree"``: two prompts with a common 5-token prefix, two completions each (one completion a
+    prefix of the other's row, one row without completion tokens): the common prefix is packed once, every
+    completion token's label sits at the packed position of its (token, next token) pair, and the scores land at
+    the rows' completion columns."""
+    from kvtransform.integrations.trl_packing import pack_chunk_tree
+
+    sys_, c = [5, 6, 7, 8, 9], 4
+    prompts = [sys_ + [10, 11], sys_ + [12]]
+    comps = [[20, 21, 22], [20, 21], [30], []]
+    rows = [prompts[0], prompts[0], prompts[1], prompts[1]]
+    p = max(len(x) for x in rows)
+    ids = torch.zeros(4, p + c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, (pr, co) in enumerate(zip(rows, comps)):
+        ids[r, p - len(pr):p], mask[r, p - len(pr):p] = torch.tensor(pr), 1
+        ids[r, p:p + len(co)], mask[r, p:p + len(co)] = torch.tensor(co, dtype=torch.long), 1
+    assert plan_packing(ids, mask, c)[1] == ""  # prompts 0 and 1 each have two rows
+    plan, why = plan_packing(ids, mask, c, trees=True)
+    assert why == "" and len(plan.chunks) == 1
+    batch, labels, r_, c_, src = pack_chunk_tree(plan, plan.chunks[0], "cpu")
+    # pairs: row 0 (5,6)(6,7)(7,8)(8,9)(9,10)(10,11)(11,20)(20,21)(21,22); row 1 the same up to (20,21) then ends;
+    # row 2 (5,6)..(8,9)(9,12)(12,30): shared (5,6)..(8,9) once, then 9+10+11+20+21 | 9+12 -> 4 + 5 + 2 = 11
+    assert batch.num_tokens == 11 and batch.num_trajectories == 3
+    got = {(int(a), int(b)): int(labels[0, s]) for a, b, s in zip(r_, c_, src)}
+    assert got == {(0, 0): 20, (0, 1): 21, (0, 2): 22, (1, 0): 20, (1, 1): 21, (2, 0): 30}
+    assert int((labels != -100).sum()) == 4  # (11,20) (20,21) (21,22) (12,30): rows 0 and 1 share two positions
+    assert torch.equal(batch.input_ids[0, src], torch.tensor([11, 20, 21, 11, 20, 12]))

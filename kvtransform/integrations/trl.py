@@ -18,6 +18,9 @@ config, callback and metric is TRL's own. Two options:
   gradients are TRL's (equal to the unpacked ones under the project's numerics rule;
   :mod:`kvtransform.integrations.trl_packing` says how a batch packs). A batch that does not pack (no two rows share
   a prompt, multimodal inputs, an MoE auxiliary loss) runs TRL's own pass, said once in the log.
+  ``shared_prefix="tree"`` packs each pass's rows as one prefix tree instead (``kvt.pack_trajectories``; arXiv
+  2511.00413): any prefix rows share is computed once, across prompts too (a system prompt or few-shot examples
+  common to several prompts, identical turns), through ``kvt.prefix_tree_attention``.
 * ``rollout="specontext"`` (``rollout_budget``, ``rollout_head``): completions are sampled by the SpeContext runtime
   (SpeContext, arXiv 2512.00722) over the trainer's live weights: the captured programs hold the model's own
   ``Parameter`` objects (LoRA adapters applied unmerged inside the captured graph), so an optimizer step reaches the
@@ -31,13 +34,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import trl
 from trl.extras.profiling import profiling_context, profiling_decorator
 
-from .trl_packing import pack_chunk, plan_packing, scatter_back
+from .trl_packing import pack_chunk, pack_chunk_tree, plan_packing, scatter_back
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "ROLLOUTS"]
 
@@ -54,7 +57,9 @@ class GRPOConfig(trl.GRPOConfig):
     """``trl.GRPOConfig`` plus kvtransform's options (every TRL field unchanged).
 
     Attributes:
-        shared_prefix: run the per-token log-prob passes on packed shared-prefix batches (DualKV).
+        shared_prefix: run the per-token log-prob passes on packed shared-prefix batches (DualKV): True (one prompt
+            + its completions per group), ``"tree"`` (all rows of a pass as one prefix tree: also prefixes shared
+            across prompts) or False.
         rollout: None (TRL's own generation: transformers, or vLLM with ``use_vllm``) or ``"specontext"`` (sparse
             retrieval decode over the trainer's live weights, with importance-sampling correction).
         rollout_budget: SpeContext budget, tokens kept per KV head per decode step (a budget >= the longest
@@ -69,8 +74,9 @@ class GRPOConfig(trl.GRPOConfig):
             and cache-length bucket (8 per power of two), i.e. once or a few times per run, not once per step.
     """
 
-    shared_prefix: bool = field(default=False, metadata={"help": "Per-token log-prob passes on packed shared-prefix "
-                                                                  "batches (kvtransform DualKV)."})
+    shared_prefix: Union[bool, str] = field(default=False, metadata={
+        "help": "Per-token log-prob passes on packed shared-prefix batches (kvtransform DualKV): True, 'tree' "
+                "(prefix trees, also across prompts) or False."})
     rollout: Optional[str] = field(default=None, metadata={"help": "None (TRL's generation) or 'specontext'."})
     rollout_budget: int = field(default=2048, metadata={"help": "SpeContext budget (tokens per KV head)."})
     rollout_head: str = field(default="auto", metadata={"help": "SpeContext retrieval head."})
@@ -81,8 +87,8 @@ class GRPOConfig(trl.GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.shared_prefix, bool):
-            raise ValueError(f"shared_prefix must be True or False; got {self.shared_prefix!r}")
+        if not isinstance(self.shared_prefix, bool) and self.shared_prefix != "tree":
+            raise ValueError(f"shared_prefix must be True, False or 'tree'; got {self.shared_prefix!r}")
         if self.shared_prefix and getattr(self, "use_transformers_continuous_batching", False):
             raise ValueError("shared_prefix=True switches the model's attention to 'kvt_dualkv', which transformers' "
                              "continuous batching cannot generate with: set use_transformers_continuous_batching=False")
@@ -157,7 +163,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         a = self.args
         self._kvt_said: set = set()
         self._kvt_rollout = None
-        self.shared_prefix = bool(getattr(a, "shared_prefix", False))
+        self.shared_prefix = getattr(a, "shared_prefix", False)  # False, True or "tree"
         self.rollout = getattr(a, "rollout", None)
         vlm = bool(getattr(self, "_is_vlm", False))
         if self.rollout == "specontext":
@@ -212,7 +218,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             elif compute_aux_loss:
                 why = "an MoE load-balancing loss (it counts every row's prompt tokens)"
             else:
-                plan, why = plan_packing(input_ids, attention_mask, logits_to_keep, batch_size)
+                plan, why = plan_packing(input_ids, attention_mask, logits_to_keep, batch_size,
+                                         trees=self.shared_prefix == "tree")
         if plan is None:
             if self.shared_prefix:
                 self._say_once(f"shared_prefix: a batch runs unpacked (TRL's own pass): {why}")
@@ -222,8 +229,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         from kvtransform.integrations.transformers import packed_inputs
 
         logps, ents = [], []
+        pack = pack_chunk_tree if self.shared_prefix == "tree" else pack_chunk
         for chunk in plan.chunks:
-            packed = pack_chunk(plan, chunk, input_ids.device)
+            packed = pack(plan, chunk, input_ids.device)
             if packed is None:
                 continue
             batch, labels, rows, cols, src = packed

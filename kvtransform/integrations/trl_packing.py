@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["PackPlan", "plan_packing", "pack_chunk", "scatter_back"]
+__all__ = ["PackPlan", "plan_packing", "pack_chunk", "pack_chunk_tree", "scatter_back"]
 
 
 @dataclass
@@ -38,18 +38,20 @@ class PackPlan:
 
 
 def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                 batch_size: Optional[int] = None) -> tuple[Optional[PackPlan], str]:
+                 batch_size: Optional[int] = None, trees: bool = False) -> tuple[Optional[PackPlan], str]:
     """Group the rows of a TRL batch by prompt.
 
     Args:
         input_ids: int ``(B, P + C)``; attention_mask: 0/1 ``(B, P + C)``; logits_to_keep: ``C``.
         batch_size: at most this many rows per forward (TRL's chunking of its log-prob passes; groups are never
             split, a larger group is a chunk of its own); None: one forward.
+        trees: the chunks are packed as prefix trees (:func:`pack_chunk_tree`), which share whatever prefix rows
+            have in common and need neither equal prompts nor two-token prompts.
 
     Returns:
         ``(plan, "")``, or ``(None, reason)`` when the batch does not pack: a prompt mask that is not left padding, a
-        completion mask that is not a prefix of ones, no two rows sharing a prompt, a one-token prompt, or no
-        completion token at all.
+        completion mask that is not a prefix of ones, no completion token at all, and without ``trees`` no two rows
+        sharing a prompt or a one-token prompt.
     """
     b, total = input_ids.shape
     c = int(logits_to_keep)
@@ -63,12 +65,12 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
         return None, "a completion mask is not a prefix of ones (tokens masked inside a completion)"
     if int(n_c.sum()) == 0:
         return None, "no completion token to score"
-    if int(n_p.min()) < 2:
-        return None, "a prompt of one token (the packed layout needs two)"
+    if int(n_p.min()) < (1 if trees else 2):
+        return None, "a prompt of one token (the packed layout needs two)" if n_p.min() > 0 else "an empty prompt"
     groups: dict = {}
     for r in range(b):
         groups.setdefault(tuple(ids[r, p - int(n_p[r]):p].tolist()), []).append(r)
-    if max(len(rows) for rows in groups.values()) < 2:
+    if not trees and max(len(rows) for rows in groups.values()) < 2:
         return None, "no two rows share a prompt"
     chunks, cur, rows_in = [], [], 0
     for prompt, rows in groups.items():
@@ -114,6 +116,41 @@ def pack_chunk(plan: PackPlan, chunk: list, device) -> Optional[tuple]:
     batch = pack_shared_prefix_groups(spec, device=device)
     return (batch, torch.cat(labels)[None].to(device), torch.cat(rows).to(device), torch.cat(cols).to(device),
             torch.cat(src).to(device))
+
+
+def pack_chunk_tree(plan: PackPlan, chunk: list, device) -> Optional[tuple]:
+    """The rows of one chunk as one prefix tree (:func:`kvtransform.pack_trajectories`): every prefix rows share is
+    stored once, across prompts too (a system prompt or few-shot examples common to several prompts, turns two
+    rows have in common), not only a group's prompt. Same return as :func:`pack_chunk`.
+
+    So that each packed position predicts one token (TRL's fused LM head takes one label per position), the trie is
+    built over (token, next token) pairs: row ``s`` becomes ``s[t] * V + s[t + 1]`` for ``t < len(s) - 1`` (``V`` one
+    more than the chunk's largest id). Two rows share position ``t`` only where they also agree on ``s[t + 1]``,
+    so a branch point's token is repeated at the start of each branch, as :func:`pack_chunk` repeats a prompt's
+    last token in each completion segment; inputs are the pairs' first tokens, labels their second.
+    """
+    import dataclasses
+
+    from kvtransform.tree_packing import pack_trajectories
+
+    members = [(prompt, r) for prompt, rows in chunk for r in rows if plan.completions[r].numel() > 0]
+    if not members:
+        return None
+    seqs = [torch.cat([prompt, plan.completions[r]]) for prompt, r in members]
+    v = max(int(s.max()) for s in seqs) + 1
+    tree = pack_trajectories([s[:-1] * v + s[1:] for s in seqs])
+    inputs, targets = tree.input_ids // v, tree.input_ids % v
+    labels = torch.full_like(targets, -100)
+    rows, cols, src = [], [], []
+    for i, (prompt, r) in enumerate(members):
+        n = plan.completions[r].numel()
+        at = tree.token_index(i)[prompt.numel() - 1:prompt.numel() - 1 + n]  # the pairs predicting the completion
+        labels[0, at] = targets[0, at]
+        rows.append(torch.full((n,), r, dtype=torch.long))
+        cols.append(torch.arange(n))
+        src.append(at)
+    batch = dataclasses.replace(tree, input_ids=inputs, _index={}).to(device)
+    return batch, labels.to(device), torch.cat(rows).to(device), torch.cat(cols).to(device), torch.cat(src).to(device)
 
 
 def scatter_back(values: list, plan: PackPlan, dtype, device) -> torch.Tensor:
