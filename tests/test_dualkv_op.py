@@ -2,10 +2,11 @@
 *replicated* layout (each response as its own sequence prompt+response; prefix K/V gradients summed over the copies).
 
 Numerics rule (flash-attention's, ``docs/ARCHITECTURE.md``): max error of out, LSE, dQ, dK, dV ≤ 2 × PyTorch's own error in the same dtype
-(``dualkv_attention_reference(upcast=False)``) + a small absolute floor.
+(``dualkv_attention_reference(upcast=False)``) + a floor (``tests/numerics.py``).
 """
 import pytest
 import torch
+from numerics import check_rule, maxerr
 
 import kvtransform  # noqa: F401  registers torch.ops.kvt.*
 from kvtransform.kernels import dualkv as K
@@ -14,7 +15,6 @@ from kvtransform.layout import DualKVLayout
 from kvtransform.ops import dualkv as dualkv_ops
 from kvtransform.ops.dualkv import dualkv_attention
 
-FLOOR = {torch.float32: 2e-5, torch.float16: 2e-4}
 
 
 def replicated_reference(q, k, v, layout: DualKVLayout, scale):
@@ -64,15 +64,6 @@ def make_inputs(layout, h, h_kv, d, dtype):
     return q, k, v
 
 
-def maxerr(a, b):
-    return (a.double() - b.double()).abs().max().item()
-
-
-def check_rule(name, got, pt, ref, dtype):
-    e_got, e_pt = maxerr(got, ref), maxerr(pt, ref)
-    bound = 2 * e_pt + FLOOR[dtype]
-    assert e_got <= bound, f"{name}: kernel error {e_got:.3g} > 2 x PyTorch error {e_pt:.3g} + {FLOOR[dtype]:g}"
-    return e_got, e_pt
 
 
 # (groups, H, H_kv, D, dtype): every P, R in {1, 15, 16, 17, 97}, GQA ratios 1, 4, 7, head_dim 64/80/96/128 (+256),

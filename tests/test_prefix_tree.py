@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from numerics import check_rule, maxerr
 
 import kvtransform as kvt
 from kvtransform.kernels import prefix_tree as K
@@ -18,11 +19,7 @@ from kvtransform.ops import prefix_tree as tree_ops
 from kvtransform.tree_layout import PrefixTreeLayout
 from kvtransform.verify import _loss_grads, _rel, trainable_parameters
 
-FLOOR = {torch.float32: 2e-5, torch.float16: 2e-4}
 
-
-def maxerr(a, b):
-    return (a.double() - b.double()).abs().max().item()
 
 
 def one_line_error(fn, match):
@@ -270,11 +267,6 @@ def dense_reference(q, k, v, lay, scale):
     lse = torch.logsumexp(s, -1)
     return torch.einsum("hts,shd->thd", torch.softmax(s, -1), v.repeat_interleave(grp, 1)), lse
 
-
-def check_rule(name, got, pt, ref, dtype):
-    e_got, e_pt = maxerr(got, ref), maxerr(pt, ref)
-    bound = 2 * e_pt + FLOOR[dtype]
-    assert e_got <= bound, f"{name}: kernel error {e_got:.3g} > 2 x PyTorch error {e_pt:.3g} + {FLOOR[dtype]:g}"
 
 
 # (lengths, parents, H, H_kv, D, dtype): depth 1 (roots only), a chain (depth 4), depth 2 (DualKV's shape), depth 3
