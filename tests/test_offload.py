@@ -69,6 +69,47 @@ def test_offloaded_tokens_equal_resident(head, layers, tokens, budget):
     assert not torch.equal(ref2.sequences, ref.sequences) and torch.equal(out2.sequences, ref2.sequences)
 
 
+def test_engine_resumed_at_a_length_decodes_like_the_resident_cache():
+    """``OffloadEngine.resume_at`` + ``decode_from(engine=)`` (what the decode suite times at sampled lengths): the
+    plan's layers start on CPU without ever being on the GPU, the decode crosses a growth and a further move, and
+    the tokens and selections equal ``decode_from`` on a resident cache holding the same K/V."""
+    import dataclasses
+
+    from kvtransform.runtime.cache import KVCache
+    from kvtransform.runtime.offload import OffloadedKVCache, OffloadEngine, make_plan
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=8, head="self"), progress=False)
+    rt, info = sp.runtime, sp.runtime.info
+    b, max_len, ctx = 3, 64, 37
+    shape = (info.num_layers, b, info.num_kv_heads, max_len, info.head_dim)
+    g = torch.Generator().manual_seed(0)
+    resident = KVCache.allocate(*shape[:3], max_len, info.head_dim, torch.float32, "cpu")
+    resident.k.normal_(generator=g)
+    resident.v.normal_(generator=g)
+    resident.token_ids.random_(3, info.vocab_size, generator=g)
+    resident.cache_seqlens.fill_(ctx)
+    tok = torch.randint(3, info.vocab_size, (b,), generator=g)
+    plan = dataclasses.replace(make_plan(rt, b, ctx, max_len - ctx, 10 ** 9), thresholds=[None, 55, 30, 20])
+    cache = OffloadedKVCache(*shape[:3], max_len, info.head_dim, torch.float32, "cpu", capacity=1)
+    engine = OffloadEngine(cache, plan, 8, 16, rt.programs.layer_split(LayerReady))
+    engine.resume_at(ctx)
+    assert cache.offloaded == [2, 3] and cache.capacity == 48 and int(cache.cache_seqlens.max()) == ctx
+    for w, full in ((0, resident.k), (1, resident.v)):
+        for l in range(info.num_layers):
+            (cache.gpu[w][l] if cache.gpu[w][l] is not None else cache.host[w][l])[:, :, :ctx] = full[l][:, :, :ctx]
+    cache.token_ids.copy_(resident.token_ids)
+    want = rt.decode_from(resident, tok, 16)
+    got = rt.decode_from(cache, tok, 16, engine=engine)
+    assert torch.equal(got.sequences, want.sequences)
+    assert got.stats.selection_checksums == want.stats.selection_checksums
+    assert [m[2] for m in engine.moves] == [1] and cache.capacity == 64  # layer 1 moved when growing past 48
+    with pytest.raises(ValueError, match="fresh engine"):
+        engine.resume_at(ctx)
+    with pytest.raises(ValueError, match="engine must be the OffloadEngine of this cache"):
+        rt.decode_from(resident, tok, 2, engine=engine)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_offloaded_cuda_graph_steps_equal_resident():

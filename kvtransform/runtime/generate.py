@@ -15,6 +15,7 @@ stats and outputs in :mod:`.outputs` (``docs/ARCHITECTURE.md``, floor "runtime")
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Optional, Sequence, Union
 
@@ -117,9 +118,7 @@ class SpeContextRuntime:
         if len(seqs) == 1:  # the captured prefill takes >= 2 segments: add a 1-token dummy prompt
             seqs.append(torch.zeros(1, dtype=torch.long))
         seg_lens = [int(r.numel()) for r in seqs]
-        cu = [0]
-        for n in seg_lens:
-            cu.append(cu[-1] + n)
+        cu = [0, *itertools.accumulate(seg_lens)]
         ids = torch.cat(seqs).to(device=device, dtype=torch.long)[None]
         pos = torch.cat([torch.arange(n) for n in seg_lens]).to(device)[None]
         cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
@@ -360,11 +359,8 @@ class SpeContextRuntime:
         if engine is not None:
             off = engine.stats()
             stats.offload = True
-            stats.offload_bytes_per_step = off["offload_bytes_per_step"]
-            stats.offload_full_bytes_per_step = off["offload_full_bytes_per_step"]
-            stats.offload_layers_per_step = off["offload_layers_per_step"]
-            stats.offload_moves = off["offload_moves"]
-            stats.offload_copy_hidden = off["offload_copy_hidden"]
+            for key in ("bytes_per_step", "full_bytes_per_step", "layers_per_step", "moves", "copy_hidden"):
+                setattr(stats, f"offload_{key}", off[f"offload_{key}"])
         logprobs = torch.stack(lps, 1)[:, :new.shape[1]].to(input_ids.device) if output_logprobs else None
         new = new.to(input_ids.device)
         return GenerateOutput(torch.cat([input_ids.to(torch.long), new], dim=1), stats, logprobs)
@@ -372,7 +368,7 @@ class SpeContextRuntime:
     @torch.no_grad()
     def decode_from(self, cache: KVCache, tokens: torch.Tensor, max_new_tokens: int, *,
                     eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: Optional[int] = None,
-                    progress: bool = False) -> GenerateOutput:
+                    progress: bool = False, engine=None) -> GenerateOutput:
         """Greedy decoding continued from a cache that already holds every row's context: ``tokens`` ``(batch,)``
         int64 are the next inputs (not yet in the cache), ``max_new_tokens`` decode steps follow (the head's
         :meth:`~.heads.RetrievalHead.prefill` runs first). What ``generate`` does after its prefill; the decode
@@ -381,7 +377,9 @@ class SpeContextRuntime:
         Rows that reach an EOS of ``eos_token_id`` get ``pad_token_id`` (default: the model's pad id, else the first
         EOS, else 0) after it; decoding stops when every row has finished, checked every 8 steps (as ``generate``),
         so up to 7 pad steps may follow the last EOS: they are in ``sequences`` and in the cache
-        (``cache.cache_seqlens`` advances by ``stats.decode_steps``).
+        (``cache.cache_seqlens`` advances by ``stats.decode_steps``). ``engine``: the
+        :class:`~.offload.OffloadEngine` of ``cache`` (an :class:`~.offload.OffloadedKVCache`, e.g. one placed by
+        :meth:`~.offload.OffloadEngine.resume_at`) when it has layers on CPU; None: a resident cache.
 
         Returns:
             :class:`GenerateOutput` whose ``sequences`` are the ``(batch, steps)`` generated ids (no prompt) and
@@ -390,9 +388,12 @@ class SpeContextRuntime:
         Raises:
             ValueError: ``tokens`` not ``(cache.batch,)`` integer ids inside the vocabulary, a cache of another
                 model's shape or with a negative length, ``max_new_tokens < 1``, a row whose context plus
-                ``max_new_tokens`` does not fit ``cache.max_length``, an EOS or pad id outside the vocabulary.
+                ``max_new_tokens`` does not fit ``cache.max_length``, an EOS or pad id outside the vocabulary, an
+                ``engine`` of another cache.
         """
         info = self.info
+        if engine is not None and getattr(engine, "cache", None) is not cache:
+            raise ValueError("engine must be the OffloadEngine of this cache (engine.cache is cache), or None")
         if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != (cache.batch,) or \
                 tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must be integer ids of shape ({cache.batch},), one per cache row; got "
@@ -428,8 +429,7 @@ class SpeContextRuntime:
         sync()
         t0 = time.perf_counter()
         out, produced = self._decode_loop(cache, tokens.to(device=device, dtype=torch.long), running,
-                                          max_new_tokens, _greedy, eos_t,
-                                          pad_token_id, None, stats, progress)
+                                          max_new_tokens, _greedy, eos_t, pad_token_id, engine, stats, progress)
         out = [t for t, _ in out]
         sync()
         stats.decode_s = time.perf_counter() - t0
