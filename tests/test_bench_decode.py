@@ -348,6 +348,36 @@ def test_decode_suite_sizes_for_the_gpu_gb_cap_and_records_it(tmp_path):
     assert f"| tiny @{cap:g} GiB | 16 | 12 | hf_sdpa | 3 |" in (tmp_path / "results.md").read_text()
 
 
+def test_offload_method_serves_more_requests_under_a_cap_with_layers_on_cpu(tmp_path):
+    """``specontext_offload`` under a cap that holds three resident ``specontext`` requests: the memory plan serves
+    more, the sampled steps run with layers on CPU (elastic loading through the runtime's offload engine), the
+    validation run agrees with the estimate's sign, and ``host_gb`` bounds the count."""
+    from kvtransform.bench import run
+    from kvtransform.bench.decode_model import GIB, build_model, held_bytes
+
+    from kvtransform.bench.decode_ours import distilled_state
+
+    shape = dict(layers=2, kv_heads=2, heads=4, head_dim=16, vocab=512)
+    per = per_request_bytes("specontext", shape, 8 + 40, itemsize=4)
+    model = build_model("tiny", torch.float32, "cpu")
+    head = sum(t.numel() * t.element_size() for t in distilled_state(model)[0].values() if isinstance(t, torch.Tensor))
+    cap = (held_bytes(model) + head + 3 * per + 16) / GIB  # the weights, the head's and 3 resident requests
+    args = ["model=tiny", "input=8", "output=40", "samples=2", "steps=2", "n0=2", "budget=4", "prefill_tokens=16",
+            "dtype=float32", f"gpu_gb={cap}", "plot=false"]
+    rows = run("decode", ["-m"] + args + ["method=specontext,specontext_offload", "validate=true",
+                                          f"out_dir={tmp_path}"])
+    runs = {r["method"]: r for r in rows if r["pass"] == "run"}
+    assert all(r["status"] == "ok" for r in runs.values()), [r["status"] for r in runs.values()]
+    assert runs["specontext"]["requests"] == 3 and runs["specontext_offload"]["requests"] > 3
+    assert "layers on CPU by the last token" in runs["specontext_offload"]["note"]
+    steps = [r for r in rows if r["pass"] == "step" and r["method"] == "specontext_offload"]
+    assert len(steps) == 2 and all(r["offloaded_layers"] >= 1 and r["ms_p50"] > 0 for r in steps)
+    assert [r for r in rows if r["pass"] == "validate" and r["method"] == "specontext_offload"][0]["decode_s"] > 0
+    host = 1e-9  # GiB: no layer may go to CPU, so the count is the resident one at most
+    capped = run("decode", args + ["method=specontext_offload", f"host_gb={host}", f"out_dir={tmp_path / 'h'}"])
+    assert [r for r in capped if r["pass"] == "run"][0]["requests"] <= 3
+
+
 @pytest.mark.parametrize("override,match", [
     (["gpu_gb=-1"], "gpu_gb=-1.0: gpu_gb is GiB and must be >= 0"),
     (["gpu_gb=5"], r"gpu_gb=5.0 is larger than cpu_memory_gb=4.0 .*: set gpu_gb <= 4 or gpu_gb=0"),

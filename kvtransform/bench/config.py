@@ -230,6 +230,7 @@ class ThroughputMethod(Enum):
     specontext = "specontext"  # our runtime, the distilled retrieval head, budget B
     quest = "quest"  # our runtime, Quest pages, budget B
     flashinfer = "flashinfer"  # dense with FlashInfer's batch decode kernel as the attention (when importable)
+    specontext_offload = "specontext_offload"  # specontext with KV offload: the memory plan's request count
 
 
 @dataclass
@@ -261,6 +262,8 @@ class DecodeBenchConfig:
             larger than the device (on a CPU: cpu_memory_gb) or smaller than the weights plus reserve_gb.
             (GiB, as plan-memory's gpu_gb.)
         cpu_memory_gb: the memory the request count is sized for on a CPU (all of it).
+        host_gb: pinned CPU memory the ``specontext_offload`` method may hold for the layers it offloads, in GiB
+            (0: three quarters of the machine's memory); with ``gpu_gb`` it bounds that method's request count.
         samples: context lengths at which decode steps are timed (spread over the run).
         steps: decode steps timed per sample; n0: steps of the reference run subtracted (capture, warm-up). The two
             runs' fixed costs (CUDA-graph capture, the head's prefill) vary by tens of ms between runs, which 16
@@ -292,6 +295,7 @@ class DecodeBenchConfig:
     reserve_gb: float = 8.0
     gpu_gb: float = 0.0
     cpu_memory_gb: float = 4.0
+    host_gb: float = 0.0
     samples: int = 5
     steps: int = 64
     n0: int = 4
@@ -368,7 +372,7 @@ def validate_throughput(cfg) -> None:
                     "prefill_tokens": "the prompt tokens per timed prefill"}, 1)
     _at_least(cfg, {"requests": "the concurrent requests (0 = as many as fit)"}, 0)
     _at_least(cfg, {"n0": "the steps of the reference run (it must include the CUDA-graph capture)"}, 2)
-    for key in ("reserve_gb", "cpu_memory_gb", "gpu_gb"):
+    for key in ("reserve_gb", "cpu_memory_gb", "gpu_gb", "host_gb"):
         if not 0 <= getattr(cfg, key) < float("inf"):
             raise ValueError(f"{key}={getattr(cfg, key)}: {key} is GiB and must be >= 0 and finite")
     if cfg.output < cfg.n0 + cfg.steps + 2:

@@ -28,8 +28,11 @@ compiles the decode step itself), ``dense`` (our runtime, every token: the slot-
 cache up to the row's length), ``specontext`` (our runtime, the ``distilled`` head: the packaged one when it fits the
 model, else a randomly initialised head of the same architecture, which costs the same), ``quest`` (our runtime,
 Quest pages), ``flashinfer`` (``dense`` with FlashInfer's batch decode kernel as every layer's attention:
-:mod:`kvtransform.bench.flashinfer_decode`; a skip where FlashInfer does not import). Our runtime replays each step
-as a CUDA graph, its decode program under ``torch.compile`` (``compile=true``, CUDA only).
+:mod:`kvtransform.bench.flashinfer_decode`; a skip where FlashInfer does not import), ``specontext_offload``
+(``specontext`` with KV offload, §5–6: the request count is the largest the memory plan serves within the device
+memory and ``host_gb`` of pinned CPU memory, and each sampled step runs with the layers the plan has on CPU by then,
+elastic loading included). Our runtime replays each step as a CUDA graph, its decode program under
+``torch.compile`` (``compile=true``, CUDA only; not the offloaded per-layer program).
 """
 from __future__ import annotations
 
@@ -42,12 +45,15 @@ from typing import Callable, Optional
 
 import torch
 
+from kvtransform.runtime.offload import initial_capacity
+
 from .config import ThroughputMethod
 from .decode_hf import hf_seconds, prefill_hf, time_hf
-from .decode_model import (GIB, MODELS, OURS, PAPER, build_model, cap_fraction, capped_free, held_bytes,
-                           max_requests, model_shape, per_request_bytes, step_bytes, weight_bytes)
-from .decode_ours import Ours, prefill_ours, random_cache, time_ours
-from .decode_sampling import integrate_steps, sample_contexts
+from .decode_model import (GIB, MODELS, OFFLOAD, OURS, PAPER, build_model, cap_fraction, capped_free, held_bytes,
+                           host_limit, max_requests, model_shape, per_request_bytes, step_bytes, weight_bytes)
+from .decode_ours import (Ours, head_bytes, host_bytes, offload_plan, offload_requests, offloaded_run, prefill_ours, random_cache,
+                          time_ours)
+from .decode_sampling import integrate_steps, per_step, sample_contexts
 from .device import copy_bandwidth, resolve_device
 from .layer import torch_dtype
 
@@ -167,7 +173,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     itemsize = torch.empty((), dtype=dtype).element_size()
     ours = None
     cap = int(float(cfg.gpu_gb) * GIB)  # 0: no cap
-    contexts = sample_contexts(inp, outl, int(cfg.samples), int(cfg.n0) + int(cfg.steps))
+    n0, steps = int(cfg.n0), int(cfg.steps)
+    contexts = sample_contexts(inp, outl, int(cfg.samples), n0 + steps)
     paper = PAPER.get((mshape["paper"], inp, outl), {})
     with memory_cap(device, cap) as limit:  # (limit: the bytes this process may hold, None: no cap)
         for method in methods:
@@ -184,17 +191,28 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                         _KEEP["ours"][okey] = Ours(model, cfg)
                     ours = _KEEP["ours"][okey]
                     ours.cfg = cfg  # this job's settings (flashinfer_tensor_cores picks the flashinfer module)
+                if method in OURS:
+                    ours.runtime(method)  # its retrieval head's weights are held before the memory is measured
                 gc.collect()
                 if device.type == "cuda":  # under a cap: as if the device had gpu_gb (all in use counts against it)
                     torch.cuda.empty_cache()
                     free = capped_free(*torch.cuda.mem_get_info(device), cap)
                 else:  # on a CPU sized for cpu_memory_gb, or the cap less the weights (reserve_gb is device memory)
-                    free = max(0, cap - held_bytes(model)) if cap else int(cfg.cpu_memory_gb * GIB)
+                    held = held_bytes(model) + (head_bytes(ours.runtime(method)) if method in OURS else 0)
+                    free = max(0, cap - held) if cap else int(cfg.cpu_memory_gb * GIB)
                 reserve = int(cfg.reserve_gb * GIB) if device.type == "cuda" else 0
-                # our three methods share one request count (the smallest that fits all): one compiled program
-                sized = [m for m in OURS if m in methods] if method in OURS else [method]
-                reqs = int(cfg.requests) or min(max_requests(m, shape, max_length, free, reserve, itemsize,
-                                                             int(cfg.max_requests)) for m in sized)
+                # our resident methods share one request count (the smallest that fits all): one compiled program
+                sized = [m for m in OURS if m in methods and m != OFFLOAD] if method in OURS else [method]
+                if method == OFFLOAD:  # the memory plan's count (§5, Eq. 8), within host_gb of pinned memory
+                    reqs = int(cfg.requests) or offload_requests(ours.runtime(method), inp, outl, free - reserve,
+                                                                 host_limit(cfg), int(cfg.max_requests))
+                    if not reqs:
+                        emit(dict(rec, status=f"skip: no request fits with offload ({free / GIB:.1f} GiB free, "
+                                              f"host_gb={cfg.host_gb or 'auto'})"))
+                        continue
+                else:
+                    reqs = int(cfg.requests) or min(max_requests(m, shape, max_length, free, reserve, itemsize,
+                                                                 int(cfg.max_requests)) for m in sized)
                 t0 = time.perf_counter()
                 if device.type == "cuda":  # what earlier methods left behind (allocated, held by the allocator)
                     rec["mem_start_gb"] = round(torch.cuda.memory_allocated(device) / GIB, 2)
@@ -212,22 +230,32 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                         rt.gpu_memory_bytes = limit  # an offload plan would plan for the cap (the suite runs none)
                         prefill_s, g = prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
                         stage["name"] = "decode"
-                        cache = random_cache(shape, reqs, max_length, dtype, device, cfg.seed)
-                        ms = time_ours(rt, cache, contexts, int(cfg.n0), int(cfg.steps), device)
-                        note = "; ".join(n for n in (ours.note(method), "decode program under torch.compile" if
-                                                     rt.compile and device.type == "cuda" else "") if n)
+                        note = ours.note(method)
+                        if method == OFFLOAD:
+                            plan = stage["plan"] = offload_plan(rt, reqs, inp, outl, free - reserve)
+                            run, room = offloaded_run(rt, plan, shape["vocab"], device, cfg.seed), n0 + steps
+                            ms = [per_step(lambda n, c=c: run(c, n, room), n0, steps) for c in contexts]
+                            note += f"; {len(plan.offloaded_at(max_length))} of {shape['layers']} layers on CPU by " \
+                                    f"the last token ({host_bytes(plan) / GIB:.1f} GiB pinned)"
+                            if cfg.validate:
+                                measured = run(inp, outl - 1, 0)
+                        else:
+                            cache = random_cache(shape, reqs, max_length, dtype, device, cfg.seed)
+                            ms = time_ours(rt, cache, contexts, n0, steps, device)
+                            if rt.compile and device.type == "cuda":
+                                note = "; ".join(n for n in (note, "decode program under torch.compile") if n)
+                            if cfg.validate:
+                                cache.cache_seqlens.fill_(inp)
+                                tok = torch.randint(3, shape["vocab"], (reqs,), device=device)
+                                measured = rt.decode_from(cache, tok, outl - 1).stats.decode_s
+                            del cache
                         head_keys = getattr(rt.head, "keys", None)
                         head_isz = head_keys.element_size() if head_keys is not None else itemsize
-                        if cfg.validate:
-                            cache.cache_seqlens.fill_(inp)
-                            tok = torch.randint(3, shape["vocab"], (reqs,), device=device)
-                            measured = rt.decode_from(cache, tok, outl - 1).stats.decode_s
-                        del cache
                         rt.head.release()
                     else:
                         prefill_s, g = prefill_hf(model, method, inp, reqs, int(cfg.prefill_tokens), max_length, device)
                         stage["name"] = "decode"
-                        ms, first = time_hf(model, method, reqs, contexts, max_length, int(cfg.n0), int(cfg.steps),
+                        ms, first = time_hf(model, method, reqs, contexts, max_length, n0, steps,
                                             dtype, device, cfg.seed)
                         note = f"first generate call {first:.1f} s (warm-up" \
                                f"{', compile' if method == 'hf_static' else ''})"
@@ -270,7 +298,12 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                     read = wbytes + step_bytes(method, shape, reqs, ctx, max_length, int(cfg.budget), itemsize,
                                                head_itemsize=head_isz)
                     floor = 1000 * read / bw if bw == bw else float("nan")
-                    emit(dict(method=method, **{"pass": "step"}, requests=reqs, context=ctx,
+                    off = {}
+                    if method == OFFLOAD:  # the layers on CPU during this sample (resume_at's capacity)
+                        plan, chunk = stage["plan"], ours.runtime(method).offload_chunk
+                        off["offloaded_layers"] = len(plan.offloaded_at(initial_capacity(plan, ctx + n0 + steps,
+                                                                                         max_length, chunk)))
+                    emit(dict(method=method, **{"pass": "step"}, requests=reqs, context=ctx, **off,
                               ms_p50=round(m, 4) if m == m else None,
                               status="ok" if m == m else
                               "noisy: the longer run was never slower (left out; raise steps)",

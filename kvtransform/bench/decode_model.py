@@ -10,14 +10,16 @@ from typing import Optional
 
 import torch
 
-__all__ = ["OURS", "MODELS", "PAPER", "GIB", "build_model", "weight_bytes", "held_bytes", "model_shape",
+__all__ = ["OURS", "OFFLOAD", "MODELS", "PAPER", "GIB", "build_model", "weight_bytes", "held_bytes", "model_shape",
            "step_bytes", "per_request_bytes", "max_requests", "device_bytes", "check_cap", "capped_free",
-           "cap_fraction"]
+           "cap_fraction", "host_limit"]
 
 from kvtransform.runtime.memory import GIB  # noqa: E402  the suite's memory settings are GiB, as plan-memory's
 
 OURS = {"dense": "dense", "specontext": "distilled", "quest": "quest",  # method -> retrieval head
-        "flashinfer": "dense"}  # (its slot-mode program calls FlashInfer's kernel: decode_ours.Ours.runtime)
+        "flashinfer": "dense",  # (its slot-mode program calls FlashInfer's kernel: decode_ours.Ours.runtime)
+        "specontext_offload": "distilled"}  # (with KV offload: the memory plan sizes it, decode_ours)
+OFFLOAD = "specontext_offload"
 
 #: Model shapes (random weights). ``llama-8b``: DeepSeek-R1-Distill-Llama-8B (Llama-3.1-8B); ``qwen3-8b``: Qwen3-8B;
 #: ``smollm2-135m``: SmolLM2-135M (tied embeddings; the default model's shape, for quick GPU checks); ``tiny``: a
@@ -120,7 +122,7 @@ def step_bytes(method: str, shape: dict, requests: int, context: int, max_length
     in ``head_itemsize``); ``quest`` reads its selected pages' tokens plus every page's min and max keys in every
     layer (it scores the whole page table of ``max_length``)."""
     per_tok = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * itemsize  # K and V, all layers
-    if method == "specontext":
+    if method in ("specontext", OFFLOAD):  # (an offloaded layer reads its slots: the same selected tokens)
         head = shape["kv_heads"] * shape["head_dim"] * (head_itemsize or itemsize) * context
         return requests * (per_tok * min(budget, context) + head)
     if method == "quest":
@@ -137,7 +139,7 @@ def per_request_bytes(method: str, shape: dict, max_length: int, itemsize: int =
     kv = 2 * L * hk * max_length * d * itemsize
     if method in OURS:  # token ids, selections (indices, previous selection, overlap bitmap)
         extra = 8 * max_length + hk * max_length * 9
-        if method == "specontext":
+        if method in ("specontext", OFFLOAD):
             extra += hk * max_length * d * itemsize
         if method == "quest":  # page min/max and the prefill's one-layer temporaries
             extra += 2 * L * hk * math.ceil(max_length / page_size) * d * itemsize + 2 * kv // L
@@ -207,3 +209,13 @@ def cap_fraction(cap_bytes: int, total_bytes: int, free_bytes: int, reserved_byt
     in use outside it (the CUDA context, loaded kernel modules, other processes), measured now."""
     outside = int(total_bytes) - int(free_bytes) - int(reserved_bytes)
     return max(0.0, min(1.0, (int(cap_bytes) - outside) / int(total_bytes)))
+
+
+def host_limit(cfg) -> int:
+    """Pinned CPU bytes the ``specontext_offload`` method may hold for offloaded layers: ``host_gb`` GiB, or (0)
+    three quarters of this machine's physical memory."""
+    if float(cfg.host_gb):
+        return int(float(cfg.host_gb) * GIB)
+    import os
+
+    return int(0.75 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -1,6 +1,7 @@
 """The ``decode`` suite's methods that run our SpeContext runtime (``dense``, ``specontext``, ``quest``,
-``flashinfer``): one transform of the job's model shared by them, one retrieval head each, a random KV cache to
-decode from, and their timed decode steps and prefill (arXiv 2512.00722 §7).
+``flashinfer``, ``specontext_offload``): one transform of the job's model shared by them, one retrieval head each, a
+random KV cache to decode from, and their timed decode steps and prefill (arXiv 2512.00722 §7); for
+``specontext_offload`` the memory plan's request count and offloaded steps (§5–6).
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from .decode_model import OURS
 from .decode_sampling import per_step, timed_prefill
 
-__all__ = ["Ours", "use_flashinfer", "distilled_state", "random_cache", "time_ours", "prefill_ours"]
+__all__ = ["Ours", "use_flashinfer", "distilled_state", "random_cache", "time_ours", "prefill_ours",
+           "head_bytes", "offload_plan", "host_bytes", "offload_requests", "offloaded_run"]
 
 
 class Ours:
@@ -52,6 +54,7 @@ class Ours:
                                       head_state=state)
             if method == "flashinfer":
                 note = use_flashinfer(module.runtime, bool(self.cfg.flashinfer_tensor_cores))
+            module.runtime.offload = method == "specontext_offload"
             self.modules[key], self.notes[key] = module, note
         return self.modules[key].runtime
 
@@ -125,3 +128,72 @@ def prefill_ours(rt, input_len, requests, prefill_tokens, vocab, device) -> tupl
         rt.prefill([torch.randint(3, vocab, (input_len,)) for _ in range(g)], input_len, device)
 
     return timed_prefill(prefill, input_len, requests, prefill_tokens, device)
+
+
+def offload_plan(rt, requests: int, input_len: int, output_len: int, free_bytes: int):
+    """The runtime's memory plan (:func:`~kvtransform.runtime.offload.make_plan`) for ``requests`` rows with
+    ``free_bytes`` of device memory beside the weights and the retrieval head's weights (both held already when
+    the suite measures what is free). Raises ValueError when no plan fits."""
+    from kvtransform.runtime.offload import make_plan
+
+    held = make_plan(rt, 1, input_len, output_len, 1 << 62)  # the weights as the plan counts them
+    return make_plan(rt, requests, input_len, output_len,
+                     held.model.weight_bytes + held.head.weight_bytes + max(0, int(free_bytes)))
+
+
+def head_bytes(rt) -> int:
+    """Bytes of the runtime's retrieval-head weights (its state dict's tensors)."""
+    return sum(t.numel() * t.element_size() for t in rt.head.state_dict().values() if isinstance(t, torch.Tensor))
+
+
+def host_bytes(plan) -> int:
+    """Pinned CPU bytes of the K/V of the layers ``plan`` has on CPU at its last token."""
+    return len(plan.offloaded_at(plan.final_len)) * plan.batch * plan.final_len * plan.model.kv_token_bytes
+
+
+def offload_requests(rt, input_len: int, output_len: int, free_bytes: int, host_limit: int, cap: int) -> int:
+    """The largest request count, 0 to ``cap``, that KV offload serves (SpeContext §5, Eq. 8): its memory plan
+    (:func:`offload_plan`) fits ``free_bytes`` of device memory beside the weights, and the K/V of the layers it has
+    on CPU at the last token fit ``host_limit`` bytes of pinned CPU memory (:func:`host_bytes`)."""
+    def fits(batch):
+        try:
+            return host_bytes(offload_plan(rt, batch, input_len, output_len, free_bytes)) <= host_limit
+        except ValueError:  # no plan fits the device memory
+            return False
+
+    lo, hi = 0, int(cap)
+    while lo < hi:  # both limits grow with the count: the largest that fits, by bisection
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def offloaded_run(rt, plan, vocab, device, seed):
+    """``run(ctx, n, room) -> seconds`` of ``n`` offloaded decode steps of ``plan.batch`` rows from ``ctx`` cached
+    tokens: a fresh :class:`~kvtransform.runtime.offload.OffloadedKVCache` and engine each run, placed at ``ctx``
+    with room for ``room`` steps before a growth (:meth:`~kvtransform.runtime.offload.OffloadEngine.resume_at`;
+    ``n <= room``: no growth or move inside a timed run), the plan's layers on CPU from the start; the pinned CPU
+    buffers are allocated by the first run and reused. The K/V values are zeros: the step's work does not depend on
+    them (the distilled head selects from token ids; the token ids are random)."""
+    from kvtransform.runtime.offload import LayerReady, OffloadedKVCache, OffloadEngine
+
+    info = rt.info
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(3, vocab, (plan.batch, plan.final_len), generator=g, device=device)
+    tok = torch.randint(3, vocab, (plan.batch,), generator=g, device=device)
+    host = []
+
+    def run(ctx, n, room):
+        cache = OffloadedKVCache(info.num_layers, plan.batch, info.num_kv_heads, plan.final_len, info.head_dim,
+                                 getattr(torch, info.dtype), device, capacity=1)
+        if host:
+            cache.host, cache.host_view = host
+        engine = OffloadEngine(cache, plan, int(rt.head.budget), int(rt.offload_chunk),
+                               rt.programs.layer_split(LayerReady))
+        engine.preallocate()
+        engine.resume_at(ctx, room)
+        host[:] = [cache.host, cache.host_view]
+        cache.token_ids.copy_(ids)
+        return rt.decode_from(cache, tok, n, engine=engine).stats.decode_s
+
+    return run

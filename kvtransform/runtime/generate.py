@@ -165,10 +165,11 @@ class SpeContextRuntime:
     def head_step(self, cache: KVCache, queries: Optional[torch.Tensor]) -> torch.Tensor:
         """The retrieval head's selection for the coming step (:meth:`RetrievalHead.step
         <kvtransform.runtime.heads.RetrievalHead.step>`; int32 ``(batch, H_kv, budget)``), through ``torch.compile``
-        when :attr:`compile` is set and the cache is on CUDA (one compile per batch, cache length and whether
-        ``queries`` is given; Triton kernels the head launches are traced as they are). A head with nothing to
-        compute (``dense``, slot mode) is called as it is."""
-        if not (self.compile and cache.k.is_cuda) or getattr(self.head, "slot_mode", False):
+        when :attr:`compile` is set and the cache is resident on CUDA (one compile per batch, cache length and
+        whether ``queries`` is given; Triton kernels the head launches are traced as they are). A head with nothing
+        to compute (``dense``, slot mode) or over an offloaded cache (per-layer views) is called as it is."""
+        if not (self.compile and isinstance(cache.k, torch.Tensor) and cache.k.is_cuda) or \
+                getattr(self.head, "slot_mode", False):
             return self.head.step(cache, queries)
         if self._head_compiled is None or self._head_compiled[0] is not self.head:  # (a replaced head: again)
             self._raise_recompile_limit()
@@ -362,8 +363,7 @@ class SpeContextRuntime:
             for key in ("bytes_per_step", "full_bytes_per_step", "layers_per_step", "moves", "copy_hidden"):
                 setattr(stats, f"offload_{key}", off[f"offload_{key}"])
         logprobs = torch.stack(lps, 1)[:, :new.shape[1]].to(input_ids.device) if output_logprobs else None
-        new = new.to(input_ids.device)
-        return GenerateOutput(torch.cat([input_ids.to(torch.long), new], dim=1), stats, logprobs)
+        return GenerateOutput(torch.cat([input_ids.to(torch.long), new.to(input_ids.device)], dim=1), stats, logprobs)
 
     @torch.no_grad()
     def decode_from(self, cache: KVCache, tokens: torch.Tensor, max_new_tokens: int, *,

@@ -301,23 +301,28 @@ class OffloadEngine:
                     del old
         c.capacity = capacity
 
-    def resume_at(self, length: int) -> None:
+    def resume_at(self, length: int, room: int = 0) -> None:
         """Put this fresh engine where a generation stands at ``length`` tokens per row, without holding an
         offloaded layer on the GPU on the way (the decode suite times offloaded steps at sampled lengths of a long
         run: :mod:`kvtransform.bench.decode_ours`): resident layers with capacity :func:`initial_capacity` of
-        ``length``, the layers the plan has on CPU by that capacity in pinned memory with empty slots (the first
-        step loads its whole selection, as the step after a move does), ``cache_seqlens`` = ``length``. The K/V
-        values are the caller's to write (``cache.gpu`` and ``cache.host``, positions below ``length``).
+        ``length + room`` (``room``: steps to decode before the next growth), the layers the plan has on CPU by that
+        capacity in pinned memory with empty slots (the first step loads its whole selection, as the step after a
+        move does), ``cache_seqlens`` = ``length``. Pinned buffers already in ``cache.host`` are used, not
+        allocated again. The K/V values are the caller's to write (``cache.gpu`` and ``cache.host``, positions below
+        ``length``).
 
         Raises:
-            ValueError: ``length`` outside ``[1, cache.max_length)``, or an engine that has already stepped.
+            ValueError: ``length`` outside ``[1, cache.max_length)``, a negative ``room``, or an engine that has
+                already stepped.
         """
         c = self.cache
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length < c.max_length:
             raise ValueError(f"length must be an int in [1, {c.max_length}) (the cache's max_length); got {length!r}")
+        if isinstance(room, bool) or not isinstance(room, int) or room < 0:
+            raise ValueError(f"room must be an int >= 0 (tokens); got {room!r}")
         if self.step or self.moves:
             raise ValueError("resume_at needs a fresh engine (this one has already stepped or moved layers)")
-        capacity = initial_capacity(self.plan, length, c.max_length, self.chunk)
+        capacity = initial_capacity(self.plan, length + room, c.max_length, self.chunk)
         for l in self.plan.offloaded_at(capacity):
             self._alloc_host(l)
             for w in (0, 1):
