@@ -96,3 +96,29 @@ def derived_program(gm: torch.fx.GraphModule, graph: torch.fx.Graph, root=None) 
         new.graph._codegen = gm.graph._codegen
         new.recompile()
     return new
+
+
+def keyword_optional_args(node: torch.fx.Node) -> bool:
+    """Pass the optional arguments of a ``kvt`` op node (``window``, ``softcap``, ``sinks``: those with a default in
+    its schema) by keyword, as a capture writes them; ``torch.export``'s serialised form (a reloaded artifact)
+    writes them by position, and the passes read them by name. Returns whether the node changed."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op.namespace != "kvt":
+        return False
+    schema = op._schema.arguments
+    first = next((i for i, a in enumerate(schema) if a.has_default_value() or a.kwarg_only), len(schema))
+    if len(node.args) <= first:
+        return False
+    moved = {schema[i].name: a for i, a in enumerate(node.args) if i >= first and a is not None}  # (default None)
+    node.kwargs = {**moved, **node.kwargs}
+    node.args = node.args[:first]
+    return True
+
+
+def keyword_optional_args_all(gm: torch.fx.GraphModule) -> int:
+    """:func:`keyword_optional_args` on every node of ``gm`` (a program loaded with ``torch.export.load``); the
+    module is recompiled when a node changed. Returns how many did."""
+    changed = sum(keyword_optional_args(n) for n in gm.graph.nodes)
+    if changed:
+        gm.recompile()
+    return changed

@@ -25,7 +25,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .dualkv import unsupported_variants
-from .manager import KVPass, PassContext, derived_program, run_passes
+from .manager import KVPass, PassContext, derived_program, keyword_optional_args, run_passes
 
 KVT_DUALKV = torch.ops.kvt.dualkv_attention.default
 KVT_TREE = torch.ops.kvt.prefix_tree_attention.default
@@ -62,6 +62,7 @@ class PrefixTreePass(KVPass):
             raise ValueError("the prefix_tree pass needs every kvt.dualkv_attention to read the same two graph inputs "
                              "(cu_seqlens, segment_prefix), as the dualkv pass wires them")
         for c in calls:
+            keyword_optional_args(c)  # (a reloaded program passes window/softcap/sinks by position)
             why = unsupported_variants(KVT_TREE, dict(c.kwargs))
             if why is not None:
                 raise ValueError(f"the prefix_tree pass cannot rewrite {c.name}: {why}")

@@ -180,3 +180,25 @@ def test_specontext_window_layer_never_attends_outside_its_window(sp_gpt_oss, bu
         poisoned[layer], _ = rt.decode(c, tok, idx, slot=False)
     torch.testing.assert_close(poisoned[0], logits, atol=0, rtol=0)
     assert torch.isnan(poisoned[1]).all()
+
+
+def test_reloaded_artifacts_keep_window_softcap_and_sinks(tmp_path, sp_gpt_oss):
+    """``kvt.load`` of a DualKV artifact (Gemma 2: windows and soft-capping) gives the fresh module's prefix-tree
+    log-probs (the tree program is derived from the reloaded graph, whose ``torch.export`` form passes the variant
+    arguments by position), and a reloaded SpeContext artifact (gpt-oss) still knows its window layer: the oracle
+    head scores with the global layer only and the tokens equal the fresh module's."""
+    model = _tiny("gemma2")
+    opt = kvt.transform(model, kvt.DualKVConfig(verify=kvt.config.VerifyConfig(enabled=False)), progress=False)
+    opt.save(tmp_path / "dualkv", progress=False)
+    loaded = kvt.load(tmp_path / "dualkv", progress=False)
+    tree = kvt.pack_trajectories(TRAJECTORIES)
+    with torch.no_grad():
+        want, got = tree.trajectory_logprobs(opt(tree)), tree.trajectory_logprobs(loaded(tree))
+    assert all(torch.allclose(g, w, rtol=0, atol=1e-6) for g, w in zip(got, want))
+    gpt_oss, sp = sp_gpt_oss
+    sp.save(tmp_path / "specontext", progress=False)
+    sp2 = kvt.load(tmp_path / "specontext", progress=False)
+    assert sp2.head.score_layers == sp.head.score_layers == (1,)
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
+    a, b = (m.generate(ids, max_new_tokens=6, eos_token_id=None) for m in (sp, sp2))
+    assert torch.equal(a, b)

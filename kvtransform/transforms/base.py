@@ -19,7 +19,7 @@ from torch.export import Dim
 
 from kvtransform.capture import Captured, export_dynamic
 from kvtransform.config import TransformConfig
-from kvtransform.passes.manager import KVPass, PassContext, run_passes
+from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_args_all, run_passes
 from kvtransform.report import Report
 from kvtransform.utils import device_of, model_name, stage, timed
 
@@ -198,8 +198,9 @@ class OptimizedModule(torch.nn.Module):
         class registered for the config's type)."""
         if not (path / "model.pt2").is_file():
             raise FileNotFoundError(f"{str(path)!r} has no model.pt2: not a complete {config.name} artifact")
-        ep = torch.export.load(path / "model.pt2")
-        return cls(ep.module(), config, report, max_seq_len=meta.get("max_seq_len", 4096))
+        gm = torch.export.load(path / "model.pt2").module()
+        keyword_optional_args_all(gm)  # window/softcap/sinks by keyword, as the passes read them
+        return cls(gm, config, report, max_seq_len=meta.get("max_seq_len", 4096))
 
     def save(self, path: str | os.PathLike, overwrite: bool = False, progress: bool = True) -> Path:
         """Write the artifact into directory ``path``, atomically (a temporary sibling directory renamed into

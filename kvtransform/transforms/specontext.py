@@ -38,6 +38,7 @@ from kvtransform.config import SpeContextConfig
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.passes.dualkv import DualKVPass
+from kvtransform.passes.manager import keyword_optional_args_all
 from kvtransform.passes.programs import DecodePrograms
 from kvtransform.passes.sparse_decode import SparseDecodePass, count_cache_copies, drop_input_guards, \
     selection_layers
@@ -254,6 +255,8 @@ class SpeContextModule(OptimizedModule):
         prefill = torch.export.load(path / prefill_file).module()
         decode = torch.export.load(path / "decode.pt2").module()
         _drop_input_guards(decode)  # as after the capture (transform_specontext)
+        for program in (prefill, decode):  # window/softcap/sinks by keyword, as the passes read them
+            keyword_optional_args_all(program)
         if prefill_file == "prefill_shared.pt2":
             _bind_shared_weights(decode, prefill, meta.get("prefill_weights_from_decode"), path)
         else:  # an artifact written before prefill_shared.pt2: share what is equal
