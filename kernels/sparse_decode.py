@@ -328,10 +328,10 @@ def sparse_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
         s = torch.cat([s, sinks.to(device=q.device, dtype=dtype).view(1, h_kv, g, 1).expand(bsz, -1, -1, 1)], -1)
         vg = torch.cat([vg, vg.new_zeros(bsz, h_kv, 1, d)], dim=2)
     m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # empty rows: 0; a NaN stays NaN
     p = torch.exp(s - m)
     den = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(den > 0, den, torch.ones_like(den))
+    p = p / torch.where(den == 0, torch.ones_like(den), den)
     out = torch.einsum("bkgn,bknd->bkgd", p, vg)
     return out.reshape(bsz, h, d).to(q.dtype)
 

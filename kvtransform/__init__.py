@@ -31,6 +31,7 @@ _LAZY = {
     "pack_shared_prefix_groups": "kvtransform.packing",
     "PackedBatch": "kvtransform.packing",
     "DualKVModule": "kvtransform.transforms.dualkv",
+    "attention": "kvtransform.ops.attention",
     "dualkv_attention": "kvtransform.ops.dualkv",
     "retrieval_topk": "kvtransform.ops.sparse_decode",
     "sparse_decode_attention": "kvtransform.ops.sparse_decode",

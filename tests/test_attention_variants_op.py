@@ -320,3 +320,20 @@ def test_sinks_gradient_is_exact_in_half_precision(config):
     from_o = -(torch.exp(s[:, None] - lse) * ((out.float() * do.float()).sum(-1).T - dlse)).sum(1)
     assert err < 2e-5 * max(1.0, want.abs().max().item()), (err, maxerr(from_o, want))
     assert maxerr(from_o, want) > 20 * err
+
+
+def test_a_nan_sink_gives_nan_not_a_finite_wrong_answer():
+    """A NaN sink logit makes its head's output NaN in ``kvt.attention``'s reference and the sparse-decode reference,
+    as in ``kvt.dualkv_attention`` (the fully-masked-row guards must not turn it into an unnormalised output); the
+    other heads are unchanged."""
+    from kvtransform.kernels.sparse_decode import sparse_decode_reference
+
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    sinks = torch.tensor([float("nan"), 0.0, 0.0, 0.0])
+    out = kvtransform.attention(q, k, v, causal=True, sinks=sinks)
+    want = kvtransform.attention(q, k, v, causal=True, sinks=torch.zeros(4))
+    assert out[:, 0].isnan().all() and torch.equal(out[:, 1:], want[:, 1:])
+    cache_k, cache_v = torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    got = sparse_decode_reference(torch.randn(2, 4, 16), cache_k, cache_v, None, torch.tensor([9, 4]), scale=0.25,
+                                  sinks=sinks)
+    assert got[:, 0].isnan().all() and torch.isfinite(got[:, 1:]).all()

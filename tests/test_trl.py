@@ -183,6 +183,19 @@ def test_config_refusals_are_one_line(tmp_path, kw, msg):
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("argv,want", [([], False), (["--shared_prefix", "tree"], "tree"),
+                                       (["--shared_prefix", "true"], True), (["--shared_prefix", "no"], False)])
+def test_shared_prefix_from_the_command_line(tmp_path, argv, want):
+    """TRL's own parser (a script's ``--shared_prefix tree``, or the same key in a YAML config) gives the three
+    settings a Python caller has."""
+    from trl import TrlParser
+
+    (cfg,) = TrlParser(GRPOConfig).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--num_generations", "2",
+         "--per_device_train_batch_size", "2"] + argv)
+    assert cfg.shared_prefix == want and type(cfg.shared_prefix) is type(want)
+
+
 def test_sequence_level_correction_with_sparse_rollouts_is_warned(tmp_path, caplog):
     """Sparse rollouts shorter than the budget would cover: TRL's sequence-level correction is warned about (it masks
     most long sparse rollouts, docs/ROLLOUT_MISMATCH.md); token_truncate, or a budget covering every rollout, is not."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import trl
@@ -74,9 +74,11 @@ class GRPOConfig(trl.GRPOConfig):
             and cache-length bucket (8 per power of two), i.e. once or a few times per run, not once per step.
     """
 
-    shared_prefix: Union[bool, str] = field(default=False, metadata={
-        "help": "Per-token log-prob passes on packed shared-prefix batches (kvtransform DualKV): True, 'tree' "
-                "(prefix trees, also across prompts) or False."})
+    # typed str for HfArgumentParser / TrlParser (they parse a Union[bool, str] as a bool, refusing "tree"); True and
+    # False are accepted as they are, and the strings true/false/yes/no/1/0 become them (__post_init__)
+    shared_prefix: str = field(default=False, metadata={
+        "help": "Per-token log-prob passes on packed shared-prefix batches (kvtransform DualKV): true, 'tree' "
+                "(prefix trees, also across prompts) or false."})
     rollout: Optional[str] = field(default=None, metadata={"help": "None (TRL's generation) or 'specontext'."})
     rollout_budget: int = field(default=2048, metadata={"help": "SpeContext budget (tokens per KV head)."})
     rollout_head: str = field(default="auto", metadata={"help": "SpeContext retrieval head."})
@@ -87,6 +89,13 @@ class GRPOConfig(trl.GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(self.shared_prefix, str) and self.shared_prefix != "tree":  # a command line's or YAML's
+            from transformers.hf_argparser import string_to_bool
+
+            try:
+                self.shared_prefix = string_to_bool(self.shared_prefix)
+            except Exception:  # argparse's error for an unknown string: ours below names the choices
+                pass
         if not isinstance(self.shared_prefix, bool) and self.shared_prefix != "tree":
             raise ValueError(f"shared_prefix must be True, False or 'tree'; got {self.shared_prefix!r}")
         if self.shared_prefix and getattr(self, "use_transformers_continuous_batching", False):

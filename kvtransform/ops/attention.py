@@ -94,12 +94,13 @@ def attention_reference(q, k, v, attn_mask=None, key_padding=None, scale: Option
     if sinks is not None:  # a virtual key with logit sinks[h] and value 0: one more denominator term
         sink = sinks.to(soft)[None, :, None, None].expand(scores.shape[0], -1, scores.shape[2], 1)
         m = torch.maximum(m, sink).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()  # fully masked rows: 0 instead of NaN
+    # fully masked rows (max -inf): 0 instead of NaN; a NaN (a NaN sink or score) stays NaN
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m).detach()
     p = torch.exp(scores - m)
     denom = p.sum(dim=-1, keepdim=True)
     if sinks is not None:
         denom = denom + torch.exp(sink - m)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    p = p / torch.where(denom == 0, torch.ones_like(denom), denom)
     return torch.matmul(p.to(v.dtype), v).to(q.dtype)
 
 
