@@ -202,3 +202,16 @@ def test_reloaded_artifacts_keep_window_softcap_and_sinks(tmp_path, sp_gpt_oss):
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
     a, b = (m.generate(ids, max_new_tokens=6, eos_token_id=None) for m in (sp, sp2))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("override,match", [(dict(sliding_window=0), "window must be a positive int"),
+                                            (dict(attn_logit_softcapping=0.0), "softcap")])
+def test_enable_refuses_a_config_window_or_softcap_the_ops_refuse(override, match):
+    """A Gemma 2 config with a window of 0 or a soft-cap of 0 is refused at ``enable()`` in one line naming the
+    config keys, not at the first packed forward."""
+    from kvtransform.integrations.transformers import enable
+
+    with pytest.raises(ValueError, match=match) as e:
+        enable(_tiny("gemma2", **override))
+    assert "Gemma2ForCausalLM's config (sliding_window / attn_logit_softcapping)" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -264,8 +264,9 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
 
     Raises:
         ValueError: another ``kind``, a model that is not a transformers model, one with non-causal (bidirectional)
-            attention, a head_dim the packed ops do not take (above 256), or one whose attention variant (window,
-            soft-cap, sinks) an installed packed attention op does not take.
+            attention, a head_dim the packed ops do not take (above 256), a config window or soft-cap the ops refuse
+            (a window below 1, a soft-cap of 0), or one whose attention variant (window, soft-cap, sinks) an
+            installed packed attention op does not take.
     """
     if kind != "dualkv":
         raise ValueError(f"kvt.integrations.transformers.enable supports 'dualkv'; got {kind!r}")
@@ -276,9 +277,14 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
 
     check_causal_lm(model)  # packed attention is causal: a bidirectional model (EmbeddingGemma) would silently change
     needed = _model_variants(model)
+    from kvtransform.ops._common import check_attention_variants
     from kvtransform.ops.dualkv import check_head_dim, dualkv_attention
 
     heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
+    try:  # the config's values, at enable() rather than at the first packed forward
+        check_attention_variants(needed.get("window"), needed.get("softcap"), None, int(heads or 1))
+    except ValueError as e:
+        raise ValueError(f"{type(model).__name__}'s config (sliding_window / attn_logit_softcapping): {e}") from None
     head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if heads and hidden else None)
     if isinstance(head_dim, int):
         check_head_dim(int(head_dim))  # at enable(), not at the first packed forward
