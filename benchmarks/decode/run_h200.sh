@@ -10,8 +10,9 @@
 # .fi, and `(cd .fi && bash install.sh --aot) && source .fi/fi_env.sh` there first: --aot installs the prebuilt sm_90a kernels), validate (a whole [2k, 512] run per method against
 # the sampled estimate; INPUTS="32768" limits the long parts, METHODS="dense,specontext" the -gen parts), a800 (the
 # [2k,32k] row with every method held to an A800's memory, gpu_gb=79.1 GiB, the 79.1-79.3 GiB an A800-80GB gives a
-# process; GPU_GB= another cap, MODEL= the model, METHODS= the methods, e.g. METHODS=hf_sdpa; the full-card row is
-# llama-gen's). Each configuration of a long part runs in its own process (a 32K-token prefill after a
+# process; default methods dense, specontext and specontext_offload (KV offload: the memory plan's request count,
+# pinned CPU memory up to host_gb, default 3/4 of RAM); GPU_GB= another cap, MODEL= the model, METHODS= the methods,
+# e.g. METHODS=hf_sdpa; the full-card row is llama-gen's). Each configuration of a long part runs in its own process (a 32K-token prefill after a
 # 49-request job ran out of memory in one process). Parts append to the same out_dir; "vs best dense" compares every
 # dense row of the CSV at the same model, configuration and gpu_gb.
 set -o pipefail
@@ -45,7 +46,8 @@ case "$PART" in
         python3 -P -c "import flashinfer" || { echo "flashinfer does not import: install the bundle first" >&2; exit 2; }
         bench "model=${MODEL:-llama-8b}" input=2048 output=32768,16384 method=dense,specontext,flashinfer ;;
     a800)
-        bench "model=${MODEL:-llama-8b}" input=2048 output=32768 "gpu_gb=${GPU_GB:-79.1}" "$ours" ;;
+        bench "model=${MODEL:-llama-8b}" input=2048 output=32768 "gpu_gb=${GPU_GB:-79.1}" \
+            "method=${METHODS:-dense,specontext,specontext_offload}" ;;
     validate)
         python3 -P -c "from kvtransform.bench import run; import sys; run('decode', ['-m', 'model=llama-8b', \
 'input=2048', 'output=512', 'requests=16', 'steps=48', 'validate=true', 'method=dense,specontext,hf_sdpa', \
