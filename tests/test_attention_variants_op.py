@@ -337,3 +337,11 @@ def test_a_nan_sink_gives_nan_not_a_finite_wrong_answer():
     got = sparse_decode_reference(torch.randn(2, 4, 16), cache_k, cache_v, None, torch.tensor([9, 4]), scale=0.25,
                                   sinks=sinks)
     assert got[:, 0].isnan().all() and torch.isfinite(got[:, 1:]).all()
+
+
+def test_scale_and_causal_passed_by_position_are_named():
+    """``kvt.attention(q, k, v, 0.25, True)`` (scale and causal where attn_mask and key_padding go) is refused in one
+    line that gives the order, not an AttributeError from inside."""
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"attn_mask must be a tensor or None; got float \(the order is q, k, v"):
+        kvtransform.attention(q, q, q, 0.25, True)

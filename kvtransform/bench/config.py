@@ -241,7 +241,13 @@ class DecodeBenchConfig:
 
     Attributes:
         suite: suite name, recorded in the CSV and the reproduce command.
-        method: one of :class:`ThroughputMethod`; ``all`` runs every method.
+        method: one of :class:`ThroughputMethod`; ``all`` runs every method: ``hf_sdpa`` (HF generate,
+            DynamicCache), ``hf_static`` (HF generate, StaticCache, compiled by HF), ``dense`` (our runtime, every
+            cached token), ``specontext`` (our runtime, the distilled retrieval head, ``budget`` tokens),
+            ``quest`` (Quest pages), ``flashinfer`` (dense through FlashInfer's decode kernel),
+            ``specontext_offload`` (specontext with KV offload, §5-6: the memory plan's request count within
+            ``gpu_gb`` and ``host_gb``, some layers' KV in pinned CPU memory with elastic loading; step rows give
+            ``offloaded_layers``, the run row's note the layers on CPU by the last token).
         model: the model shape, a key of :data:`kvtransform.bench.decode.MODELS`: ``llama-8b``
             (DeepSeek-R1-Distill-Llama-8B), ``qwen3-8b`` (Qwen3-8B), ``smollm2-135m`` (the default model's shape) or
             ``tiny`` (CPU smoke); random bf16 weights

@@ -51,8 +51,8 @@ from .config import ThroughputMethod
 from .decode_hf import hf_seconds, prefill_hf, time_hf
 from .decode_model import (GIB, MODELS, OFFLOAD, OURS, PAPER, build_model, cap_fraction, capped_free, held_bytes,
                            host_limit, max_requests, model_shape, per_request_bytes, step_bytes, weight_bytes)
-from .decode_ours import (Ours, head_bytes, host_bytes, offload_plan, offload_requests, offloaded_run, prefill_ours, random_cache,
-                          time_ours)
+from .decode_ours import (Ours, head_bytes, host_bytes, offload_plan, offload_requests, offloaded_run, prefill_ours,
+                          random_cache, time_ours)
 from .decode_sampling import integrate_steps, per_step, sample_contexts
 from .device import copy_bandwidth, resolve_device
 from .layer import torch_dtype
@@ -141,9 +141,10 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     # them keeps every job's rows, and a row says how it was made when a default changes later
     from .config import DecodeBenchConfig
 
-    def ident(method) -> str:  # flashinfer_tensor_cores: only the flashinfer rows depend on it
+    def ident(method) -> str:  # flashinfer_tensor_cores (host_gb): only the flashinfer (offload) rows depend on it
         keys = ("budget", "compile", "cuda_graphs", "fuse_projections", "gpu_gb") + \
-            (("flashinfer_tensor_cores",) if method == "flashinfer" else ())
+            (("flashinfer_tensor_cores",) if method == "flashinfer" else ()) + \
+            (("host_gb",) if method == OFFLOAD else ())
         return f"model={model_name} input={inp} output={outl}" + "".join(
             f" {k}={str(getattr(cfg, k)).lower()}" for k in keys if getattr(cfg, k) != getattr(DecodeBenchConfig, k))
 
@@ -235,8 +236,10 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                             plan = stage["plan"] = offload_plan(rt, reqs, inp, outl, free - reserve)
                             run, room = offloaded_run(rt, plan, shape["vocab"], device, cfg.seed), n0 + steps
                             ms = [per_step(lambda n, c=c: run(c, n, room), n0, steps) for c in contexts]
+                            gib = host_bytes(plan) / GIB
+                            pinned = f"{gib:.1f} GiB" if gib >= 0.1 else f"{gib * 1024:.1f} MiB"
                             note += f"; {len(plan.offloaded_at(max_length))} of {shape['layers']} layers on CPU by " \
-                                    f"the last token ({host_bytes(plan) / GIB:.1f} GiB pinned)"
+                                    f"the last token ({pinned} pinned)"
                             if cfg.validate:
                                 measured = run(inp, outl - 1, 0)
                         else:

@@ -122,6 +122,10 @@ def _check(q, k, v, attn_mask, key_padding, window=None, softcap=None, sinks=Non
                          f"{v.dtype} (cast k and v with .to(q.dtype))")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    for name, t in (("attn_mask", attn_mask), ("key_padding", key_padding)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor or None; got {type(t).__name__} (the order is q, k, v, "
+                             f"attn_mask, key_padding, softmax_scale, causal: pass the scale and causal by keyword)")
     if key_padding is not None and tuple(key_padding.shape) != (q.shape[0], k.shape[2]):
         raise ValueError(f"key_padding must be (B, S_k) = {(q.shape[0], k.shape[2])}; got {tuple(key_padding.shape)}")
     return check_attention_variants(window, softcap, sinks, q.shape[1], q.device)

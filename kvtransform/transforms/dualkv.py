@@ -135,7 +135,8 @@ class DualKVModule(OptimizedModule):
                 raise ValueError(
                     f"this module expects a packed shared-prefix batch but got input_ids of shape "
                     f"{tuple(input_ids.shape)} without a layout: build one with kvt.pack_shared_prefix(prompt, "
-                    f"responses), or pass cu_seqlens= and segment_prefix= (int32)")
+                    f"responses) (or kvt.pack_trajectories(seqs) for prefix trees), or pass cu_seqlens= and "
+                    f"segment_prefix= (int32)")
             for name, t in (("cu_seqlens", cu_seqlens), ("segment_prefix", segment_prefix)):
                 if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
                     raise ValueError(f"{name} must be a 1-D int32 tensor")
