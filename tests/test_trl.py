@@ -184,7 +184,8 @@ def test_config_refusals_are_one_line(tmp_path, kw, msg):
 
 
 @pytest.mark.parametrize("argv,want", [([], False), (["--shared_prefix", "tree"], "tree"),
-                                       (["--shared_prefix", "true"], True), (["--shared_prefix", "no"], False)])
+                                       (["--shared_prefix", "true"], True), (["--shared_prefix", "no"], False),
+                                       (["--shared_prefix"], True)])
 def test_shared_prefix_from_the_command_line(tmp_path, argv, want):
     """TRL's own parser (a script's ``--shared_prefix tree``, or the same key in a YAML config) gives the three
     settings a Python caller has."""

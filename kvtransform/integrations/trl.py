@@ -77,6 +77,7 @@ class GRPOConfig(trl.GRPOConfig):
     # typed str for HfArgumentParser / TrlParser (they parse a Union[bool, str] as a bool, refusing "tree"); True and
     # False are accepted as they are, and the strings true/false/yes/no/1/0 become them (__post_init__)
     shared_prefix: str = field(default=False, metadata={
+        "nargs": "?", "const": True,  # a bare --shared_prefix is true, as TRL's bool flags
         "help": "Per-token log-prob passes on packed shared-prefix batches (kvtransform DualKV): true, 'tree' "
                 "(prefix trees, also across prompts) or false."})
     rollout: Optional[str] = field(default=None, metadata={"help": "None (TRL's generation) or 'specontext'."})
