@@ -207,8 +207,8 @@ class RuntimeConfig:
     Attributes:
         cuda_graphs: on CUDA, capture the whole decode step (retrieval head + LLM) in a CUDA graph and replay it.
         offload: keep the full KV cache of some layers on CPU with elastic loading (memory model decides which);
-            on CUDA the offloaded step is a CUDA-graph replay too, captured again after each layer move (H200,
-            Llama-8B shape, 16 rows: 10.55 ms a step against 8.50 resident; BENCHMARKS.md, SpeContext runtime).
+            on CUDA the offloaded step is a CUDA-graph replay too, captured again after each layer move (Llama-8B
+            shape, 16 rows: 10.55 ms a step against 8.50 resident; BENCHMARKS.md, SpeContext runtime).
         compile: on CUDA, compile the decode program with ``torch.compile`` (Inductor fuses the element-wise work
             between the projections; the ``kvt`` ops stay opaque) before the CUDA graph is captured: faster steps
             for a one-time compile of ~30 s per batch size and cache length (H200, Llama-8B shape, 25 requests,

@@ -45,13 +45,13 @@ from typing import Callable, Optional
 
 import torch
 
-from kvtransform.runtime.offload import initial_capacity
+from kvtransform.runtime.offload import initial_capacity, plan_inputs
 
 from .config import ThroughputMethod
 from .decode_hf import hf_seconds, prefill_hf, time_hf
 from .decode_model import (GIB, MODELS, OFFLOAD, OURS, PAPER, build_model, cap_fraction, capped_free, held_bytes,
                            host_limit, max_requests, model_shape, per_request_bytes, step_bytes, weight_bytes)
-from .decode_ours import (Ours, head_bytes, host_bytes, offload_plan, offload_requests, offloaded_run, prefill_ours,
+from .decode_ours import (Ours, host_bytes, offload_plan, offload_requests, offloaded_run, prefill_ours,
                           random_cache, time_ours)
 from .decode_sampling import integrate_steps, per_step, sample_contexts
 from .device import copy_bandwidth, resolve_device
@@ -199,7 +199,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                     torch.cuda.empty_cache()
                     free = capped_free(*torch.cuda.mem_get_info(device), cap)
                 else:  # on a CPU sized for cpu_memory_gb, or the cap less the weights (reserve_gb is device memory)
-                    held = held_bytes(model) + (head_bytes(ours.runtime(method)) if method in OURS else 0)
+                    held = held_bytes(model) + (plan_inputs(ours.runtime(method))[1].weight_bytes if method in OURS
+                                                else 0)  # + the retrieval head's weights
                     free = max(0, cap - held) if cap else int(cfg.cpu_memory_gb * GIB)
                 reserve = int(cfg.reserve_gb * GIB) if device.type == "cuda" else 0
                 # our resident methods share one request count (the smallest that fits all): one compiled program
@@ -228,7 +229,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                     stage["name"] = "prefill"
                     if method in OURS:
                         rt = ours.runtime(method)
-                        rt.gpu_memory_bytes = limit  # an offload plan would plan for the cap (the suite runs none)
+                        rt.gpu_memory_bytes = limit  # (generate's own offload plan would plan for the cap)
                         prefill_s, g = prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
                         stage["name"] = "decode"
                         note = ours.note(method)

@@ -11,7 +11,7 @@ from .decode_model import OURS
 from .decode_sampling import per_step, timed_prefill
 
 __all__ = ["Ours", "use_flashinfer", "distilled_state", "random_cache", "time_ours", "prefill_ours",
-           "head_bytes", "offload_plan", "host_bytes", "offload_requests", "offloaded_run"]
+           "offload_plan", "host_bytes", "offload_requests", "offloaded_run"]
 
 
 class Ours:
@@ -134,16 +134,11 @@ def offload_plan(rt, requests: int, input_len: int, output_len: int, free_bytes:
     """The runtime's memory plan (:func:`~kvtransform.runtime.offload.make_plan`) for ``requests`` rows with
     ``free_bytes`` of device memory beside the weights and the retrieval head's weights (both held already when
     the suite measures what is free). Raises ValueError when no plan fits."""
-    from kvtransform.runtime.offload import make_plan
+    from kvtransform.runtime.offload import make_plan, plan_inputs
 
-    held = make_plan(rt, 1, input_len, output_len, 1 << 62)  # the weights as the plan counts them
-    return make_plan(rt, requests, input_len, output_len,
-                     held.model.weight_bytes + held.head.weight_bytes + max(0, int(free_bytes)))
-
-
-def head_bytes(rt) -> int:
-    """Bytes of the runtime's retrieval-head weights (its state dict's tensors)."""
-    return sum(t.numel() * t.element_size() for t in rt.head.state_dict().values() if isinstance(t, torch.Tensor))
+    model, head = plan_inputs(rt)  # the weights as the plan counts them
+    held = model.weight_bytes + head.weight_bytes
+    return make_plan(rt, requests, input_len, output_len, held + max(0, int(free_bytes)))
 
 
 def host_bytes(plan) -> int:

@@ -24,7 +24,8 @@ memory (written by a GPU kernel through the unified-address view) → the comput
 That is the eager step. With CUDA graphs the step is captured as a whole
 (:class:`~kvtransform.runtime.graph_step._GraphStep`, captured again after a layer move or growth:
 :attr:`OffloadEngine.version`) and the elastic copies run on the capturing stream before the LLM step (capturing
-the side stream's fork/join and per-layer waits failed on the H200 with ``cudaErrorStreamCaptureIsolation``).
+the side stream's fork/join and per-layer waits failed with ``cudaErrorStreamCaptureIsolation``; BENCHMARKS.md,
+SpeContext runtime).
 
 **Layer moves** (:meth:`OffloadEngine.before_step`): resident layers are allocated for ``capacity`` tokens and grow
 by ``chunk`` tokens; before growing to ``n`` the layers the :class:`~kvtransform.runtime.memory.MemoryPlan` puts
@@ -48,7 +49,7 @@ from kvtransform.kernels.elastic import elastic_copy_reference, elastic_copy_tri
 from .cache import KVCache
 from .memory import HeadMemory, MemoryPlan, ModelMemory, plan_memory
 
-__all__ = ["LayerReady", "SlotMap", "OffloadedKVCache", "OffloadEngine", "OFFLOAD_HEADS", "make_plan",
+__all__ = ["LayerReady", "SlotMap", "OffloadedKVCache", "OffloadEngine", "OFFLOAD_HEADS", "plan_inputs", "make_plan",
            "initial_capacity"]
 
 #: Heads that never read the full cache of every layer (``quest``/``oracle`` read all layers' keys, ``dense``
@@ -383,7 +384,7 @@ class OffloadEngine:
     def _uses_side_stream(self) -> bool:
         """Whether this step's copies run on the side stream: on CUDA, outside CUDA-graph capture. Under capture
         they run on the capturing stream, before the step's LLM work (the side stream's fork/join and per-layer
-        waits could not be captured on the H200: ``cudaErrorStreamCaptureIsolation``): the copies no longer overlap
+        waits could not be captured: ``cudaErrorStreamCaptureIsolation``, BENCHMARKS.md): the copies no longer overlap
         the resident layers, but the step is one graph replay instead of ~100 eager launches per layer."""
         return self.cuda and not torch.cuda.is_current_stream_capturing()
 
@@ -458,13 +459,9 @@ class OffloadEngine:
                 "offload_plan": [t for t in self.plan.thresholds]}
 
 
-def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: Optional[int]) -> MemoryPlan:
-    """The :class:`MemoryPlan` for a generation: model facts from the decode program's parameters (and its fused
-    projection copies, when built: ``runtime.programs.fused_bytes()``), the head's state as its weights, ``gpu_bytes`` (default on CUDA: free memory now plus what is already allocated).
-
-    Raises:
-        ValueError: no ``gpu_bytes`` on the CPU stand-in, or a batch that does not fit (see :func:`plan_memory`).
-    """
+def plan_inputs(runtime) -> tuple[ModelMemory, HeadMemory]:
+    """What the memory model counts for ``runtime``: the decode program's parameters and fused projection copies
+    (built now), the retrieval head's state, its own key cache per token and the layers whose cache it reads."""
     info = runtime.info
     params = {id(p): p for p in runtime.decode_fn.parameters()} if hasattr(runtime.decode_fn, "parameters") else {}
     runtime.programs.fused()  # + the fused projection copies (built now: the offloaded split runs them; the
@@ -472,14 +469,21 @@ def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: O
     # fused weights, the default, are the parameters themselves: no bytes)
     e = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
     mm = ModelMemory(weight, info.num_layers, info.num_kv_heads, info.head_dim, e)
-    state = runtime.head.state_dict()
     read = [l for l in getattr(runtime.head, "LAYERS", ()) if l < info.num_layers]  # layers whose cache it reads
     # heads with their own key cache (self / distilled / eagle3: (batch, H_kv, S_max, D) in the model's dtype)
-    own_keys = "keys" in getattr(runtime.head, "REQUEST_STATE", ())
-    head = HeadMemory(weight_bytes=sum(t.numel() * t.element_size() for t in state.values()
-                                       if isinstance(t, torch.Tensor)),
-                      token_bytes=info.num_kv_heads * info.head_dim * e if own_keys else 0,
-                      resident_layers=max(read) + 1 if read else 0)
+    keys = info.num_kv_heads * info.head_dim * e if "keys" in getattr(runtime.head, "REQUEST_STATE", ()) else 0
+    state = [t for t in runtime.head.state_dict().values() if isinstance(t, torch.Tensor)]
+    return mm, HeadMemory(sum(t.numel() * t.element_size() for t in state), keys, max(read) + 1 if read else 0)
+
+
+def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: Optional[int]) -> MemoryPlan:
+    """The :class:`MemoryPlan` for a generation of ``runtime`` (:func:`plan_inputs`) in ``gpu_bytes`` (default on
+    CUDA: free memory now plus what is already allocated).
+
+    Raises:
+        ValueError: no ``gpu_bytes`` on the CPU stand-in, or a batch that does not fit (see :func:`plan_memory`).
+    """
+    mm, head = plan_inputs(runtime)
     if gpu_bytes is None:
         if not torch.cuda.is_available():
             raise ValueError("offload on CPU tensors needs the GPU memory to plan for: set "
