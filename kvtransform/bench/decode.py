@@ -114,6 +114,8 @@ def memory_cap(device: torch.device, cap_bytes: int):
     if device.type != "cuda":
         yield int(cap_bytes)
         return
+    # set_per_process_memory_fraction takes an index, not a bare "cuda" device
+    device = device.index if device.index is not None else torch.cuda.current_device()
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
