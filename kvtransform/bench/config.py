@@ -269,7 +269,8 @@ class DecodeBenchConfig:
             (GiB, as plan-memory's gpu_gb.)
         cpu_memory_gb: the memory the request count is sized for on a CPU (all of it).
         host_gb: pinned CPU memory the ``specontext_offload`` method may hold for the layers it offloads, in GiB
-            (0: three quarters of the machine's memory); with ``gpu_gb`` it bounds that method's request count.
+            (0: three quarters of the memory available when the job starts); with ``gpu_gb`` it bounds that
+            method's request count.
         samples: context lengths at which decode steps are timed (spread over the run).
         steps: decode steps timed per sample; n0: steps of the reference run subtracted (capture, warm-up). The two
             runs' fixed costs (CUDA-graph capture, the head's prefill) vary by tens of ms between runs, which 16

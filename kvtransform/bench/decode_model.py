@@ -213,9 +213,16 @@ def cap_fraction(cap_bytes: int, total_bytes: int, free_bytes: int, reserved_byt
 
 def host_limit(cfg) -> int:
     """Pinned CPU bytes the ``specontext_offload`` method may hold for offloaded layers: ``host_gb`` GiB, or (0)
-    three quarters of this machine's physical memory."""
+    three quarters of the memory available now (``MemAvailable`` of /proc/meminfo; the physical memory where that
+    file is missing): the process's own weights, compile workers and page cache need the rest."""
     if float(cfg.host_gb):
         return int(float(cfg.host_gb) * GIB)
     import os
 
-    return int(0.75 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        pass
+    return int(0.75 * avail)

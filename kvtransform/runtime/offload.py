@@ -47,6 +47,7 @@ import torch
 from kvtransform.kernels.elastic import elastic_copy_reference, elastic_copy_triton
 
 from .cache import KVCache
+from .host_memory import host_view, pinned_zeros
 from .memory import HeadMemory, MemoryPlan, ModelMemory, plan_memory
 
 __all__ = ["LayerReady", "SlotMap", "OffloadedKVCache", "OffloadEngine", "OFFLOAD_HEADS", "plan_inputs", "make_plan",
@@ -206,23 +207,6 @@ class OffloadedKVCache(KVCache):
         self.cache_seqlens.add_(1)
 
 
-def host_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor on ``device`` aliasing the pinned CPU tensor ``t`` (CUDA unified virtual addressing: the device
-    pointer of pinned memory is its host pointer), so GPU kernels read/write host memory directly; ``t`` itself on
-    the CPU stand-in."""
-    if device.type != "cuda":
-        return t
-    raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-    class _Iface:
-        __cuda_array_interface__ = {"shape": tuple(raw.shape), "typestr": "<i2" if t.element_size() == 2 else "<i4",
-                                    "data": (raw.data_ptr(), False), "version": 2, "strides": None}
-
-    alias = torch.as_tensor(_Iface(), device=device).view(t.dtype)
-    alias._kvt_owner = t  # keep the pinned memory alive with the view
-    return alias
-
-
 class OffloadEngine:
     """Owns the offload state of one generation: the plan, the cache, the slot map, streams and events, counters.
 
@@ -256,7 +240,7 @@ class OffloadEngine:
         shape = (c.batch, c.num_kv_heads, c.max_length, c.head_dim)
         for w in (0, 1):
             if c.host[w][l] is None:
-                c.host[w][l] = torch.zeros(shape, dtype=c.dtype, pin_memory=self.cuda)
+                c.host[w][l] = pinned_zeros(shape, c.dtype) if self.cuda else torch.zeros(shape, dtype=c.dtype)
                 c.host_view[w][l] = host_view(c.host[w][l], c.device)
 
     def preallocate(self):
