@@ -169,3 +169,37 @@ def test_elastic_copy_kernel_matches_reference():
     untouched = torch.ones(2, 3, 19, dtype=torch.bool)
     untouched[b, h, slot[b, h, j]] = False
     assert bool((outs[1][1][untouched] == 7.0).all())
+
+
+def test_a_dropped_offloaded_cache_is_freed_without_the_garbage_collector():
+    """An offloaded generation's cache and engine hold no reference cycle: dropping them frees the GPU layers at
+    once (the decode suite and repeated ``generate`` calls allocate the next cache right after), not when Python's
+    cyclic collector happens to run."""
+    import gc
+    import weakref
+
+    from kvtransform.runtime.offload import OffloadedKVCache, OffloadEngine, make_plan
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=8, head="self"), progress=False)
+    rt, info = sp.runtime, sp.runtime.info
+    b, max_len, ctx = 2, 48, 20
+    plan = make_plan(rt, b, ctx, max_len - ctx, 10 ** 9)
+    plan.thresholds = [None, 30, 25]
+    cache = OffloadedKVCache(info.num_layers, b, info.num_kv_heads, max_len, info.head_dim, torch.float32, "cpu",
+                             capacity=1)
+    engine = OffloadEngine(cache, plan, 8, 8, rt.programs.layer_split(LayerReady))
+    engine.resume_at(ctx)
+    cache.token_ids.random_(3, info.vocab_size)
+    out = rt.decode_from(cache, torch.randint(3, info.vocab_size, (b,)), 12, engine=engine)
+    assert engine.moves  # layers moved: the engine ran its full path
+    layer0, dead = cache.gpu[0][0], []
+    weakref.finalize(layer0, dead.append, True)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del cache, engine, layer0, out
+        assert dead == [True], "the offloaded cache outlived its last reference (a reference cycle)"
+    finally:
+        if was:
+            gc.enable()

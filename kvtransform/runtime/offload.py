@@ -40,6 +40,7 @@ stream and the events are no-ops and the copies run :func:`~kvtransform.kernels.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -122,7 +123,10 @@ class _LayerStack:
     S_max, D)``, ``device``, ``dtype``, and ``[l]`` = layer ``l``'s GPU cache (resident layers only)."""
 
     def __init__(self, cache: "OffloadedKVCache", which: int):
-        self._c, self._w = cache, which
+        # a weak reference: a strong one made a cycle, so a dropped cache (its GPU layers) lived until the cyclic
+        # garbage collector ran, and the next generation's cache was allocated beside it (out of memory at
+        # gpu_gb=79.1; BENCHMARKS.md, "Decode throughput")
+        self._c, self._w = weakref.proxy(cache), which
 
     @property
     def shape(self):
