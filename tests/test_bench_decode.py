@@ -350,8 +350,9 @@ def test_decode_suite_sizes_for_the_gpu_gb_cap_and_records_it(tmp_path):
 
 def test_offload_method_serves_more_requests_under_a_cap_with_layers_on_cpu(tmp_path):
     """``specontext_offload`` under a cap that holds three resident ``specontext`` requests: the memory plan serves
-    more, the sampled steps run with layers on CPU (elastic loading through the runtime's offload engine), the
-    validation run agrees with the estimate's sign, and ``host_gb`` bounds the count."""
+    more (``offload_count=largest``), the sampled steps run with layers on CPU (elastic loading through the runtime's
+    offload engine), the validation run agrees with the estimate's sign, the default ``offload_count=throughput``
+    serves at most as many, and ``host_gb`` bounds the count."""
     from kvtransform.bench import run
     from kvtransform.bench.decode_model import GIB, build_model, held_bytes
 
@@ -365,7 +366,7 @@ def test_offload_method_serves_more_requests_under_a_cap_with_layers_on_cpu(tmp_
     args = ["model=tiny", "input=8", "output=40", "samples=2", "steps=2", "n0=2", "budget=4", "prefill_tokens=16",
             "dtype=float32", f"gpu_gb={cap}", "plot=false"]
     rows = run("decode", ["-m"] + args + ["method=specontext,specontext_offload", "validate=true",
-                                          f"out_dir={tmp_path}"])
+                                          "offload_count=largest", f"out_dir={tmp_path}"])
     runs = {r["method"]: r for r in rows if r["pass"] == "run"}
     assert all(r["status"] == "ok" for r in runs.values()), [r["status"] for r in runs.values()]
     assert runs["specontext"]["requests"] == 3 and runs["specontext_offload"]["requests"] > 3
@@ -373,6 +374,13 @@ def test_offload_method_serves_more_requests_under_a_cap_with_layers_on_cpu(tmp_
     steps = [r for r in rows if r["pass"] == "step" and r["method"] == "specontext_offload"]
     assert len(steps) == 2 and all(r["offloaded_layers"] >= 1 and r["ms_p50"] > 0 for r in steps)
     assert [r for r in rows if r["pass"] == "validate" and r["method"] == "specontext_offload"][0]["decode_s"] > 0
+    # offload_count=throughput (the default): the count with the most modelled tokens/s, the model calibrated on
+    # two timed samples at the largest count; never more than the largest
+    best = run("decode", args + ["method=specontext_offload", f"out_dir={tmp_path / 't'}"])
+    best = [r for r in best if r["pass"] == "run"][0]
+    assert best["status"] == "ok" and 1 <= best["requests"] <= runs["specontext_offload"]["requests"]
+    assert "modelled tokens/s" in best["note"] or "not measurable" in best["note"], best["note"]
+    assert "offload_count" not in best["params"] and "offload_count=largest" in runs["specontext_offload"]["params"]
     host = 1e-9  # GiB: no layer may go to CPU, so the count is the resident one at most
     capped = run("decode", args + ["method=specontext_offload", f"host_gb={host}", f"out_dir={tmp_path / 'h'}"])
     assert [r for r in capped if r["pass"] == "run"][0]["requests"] <= 3

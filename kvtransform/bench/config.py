@@ -245,9 +245,9 @@ class DecodeBenchConfig:
             DynamicCache), ``hf_static`` (HF generate, StaticCache, compiled by HF), ``dense`` (our runtime, every
             cached token), ``specontext`` (our runtime, the distilled retrieval head, ``budget`` tokens),
             ``quest`` (Quest pages), ``flashinfer`` (dense through FlashInfer's decode kernel),
-            ``specontext_offload`` (specontext with KV offload, §5-6: the memory plan's request count within
-            ``gpu_gb`` and ``host_gb``, some layers' KV in pinned CPU memory with elastic loading; step rows give
-            ``offloaded_layers``, the run row's note the layers on CPU by the last token).
+            ``specontext_offload`` (specontext with KV offload, §5-6: a request count the memory plan serves within
+            ``gpu_gb`` and ``host_gb`` (``offload_count``), some layers' KV in pinned CPU memory with elastic
+            loading; step rows give ``offloaded_layers``, the run row's note the layers on CPU by the last token).
         model: the model shape, a key of :data:`kvtransform.bench.decode.MODELS`: ``llama-8b``
             (DeepSeek-R1-Distill-Llama-8B), ``qwen3-8b`` (Qwen3-8B), ``smollm2-135m`` (the default model's shape) or
             ``tiny`` (CPU smoke); random bf16 weights
@@ -271,6 +271,9 @@ class DecodeBenchConfig:
         host_gb: pinned CPU memory the ``specontext_offload`` method may hold for the layers it offloads, in GiB
             (0: three quarters of the memory available when the job starts); with ``gpu_gb`` it bounds that
             method's request count.
+        offload_count: how ``specontext_offload`` picks its request count (``requests=0``): ``throughput`` (the
+            count whose plan has the most modelled tokens/s, :mod:`kvtransform.runtime.throughput`, the model
+            calibrated by two timed samples at the largest count) or ``largest`` (the largest count that fits).
         samples: context lengths at which decode steps are timed (spread over the run).
         steps: decode steps timed per sample; n0: steps of the reference run subtracted (capture, warm-up). The two
             runs' fixed costs (CUDA-graph capture, the head's prefill) vary by tens of ms between runs, which 16
@@ -303,6 +306,7 @@ class DecodeBenchConfig:
     gpu_gb: float = 0.0
     cpu_memory_gb: float = 4.0
     host_gb: float = 0.0
+    offload_count: str = "throughput"
     samples: int = 5
     steps: int = 64
     n0: int = 4
@@ -371,7 +375,8 @@ def validate_throughput(cfg) -> None:
             ``reserve_gb``/``gpu_gb``, a ``gpu_gb`` cap larger than the device or smaller than the weights plus
             the reserve (:func:`~.decode_model.check_cap`), ``output`` too short for one timed sample (``n0 +
             steps + 2``), ``n0 < 2`` (the reference run must include the CUDA-graph capture), an unknown ``model``,
-            ``input + output`` beyond the model's positions, an unparsable ``device``.
+            ``input + output`` beyond the model's positions, an unparsable ``device``, an ``offload_count`` other
+            than throughput or largest.
     """
     _at_least(cfg, {"input": "the prompt tokens per request", "output": "the generated tokens per request",
                     "budget": "the selected tokens per KV head", "samples": "the number of sampled contexts",
@@ -382,6 +387,8 @@ def validate_throughput(cfg) -> None:
     for key in ("reserve_gb", "cpu_memory_gb", "gpu_gb", "host_gb"):
         if not 0 <= getattr(cfg, key) < float("inf"):
             raise ValueError(f"{key}={getattr(cfg, key)}: {key} is GiB and must be >= 0 and finite")
+    if cfg.offload_count not in ("throughput", "largest"):
+        raise ValueError(f"offload_count={cfg.offload_count!r}: choose throughput or largest")
     if cfg.output < cfg.n0 + cfg.steps + 2:
         raise ValueError(f"output={cfg.output} is shorter than one timed sample (n0 + steps + 2 = "
                          f"{cfg.n0 + cfg.steps + 2} tokens): raise output or lower steps")

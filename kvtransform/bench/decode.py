@@ -52,7 +52,7 @@ from .decode_hf import hf_seconds, prefill_hf, time_hf
 from .decode_model import (GIB, MODELS, OFFLOAD, OURS, PAPER, build_model, cap_fraction, capped_free, held_bytes,
                            host_limit, max_requests, model_shape, per_request_bytes, step_bytes, weight_bytes)
 from .decode_ours import (Ours, host_bytes, offload_plan, offload_requests, offloaded_run, prefill_ours,
-                          random_cache, time_ours)
+                          random_cache, throughput_plan, time_ours)
 from .decode_sampling import integrate_steps, per_step, sample_contexts
 from .device import copy_bandwidth, resolve_device
 from .layer import torch_dtype
@@ -146,7 +146,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     def ident(method) -> str:  # flashinfer_tensor_cores (host_gb): only the flashinfer (offload) rows depend on it
         keys = ("budget", "compile", "cuda_graphs", "fuse_projections", "gpu_gb") + \
             (("flashinfer_tensor_cores",) if method == "flashinfer" else ()) + \
-            (("host_gb",) if method == OFFLOAD else ())
+            (("host_gb", "offload_count") if method == OFFLOAD else ())
         return f"model={model_name} input={inp} output={outl}" + "".join(
             f" {k}={str(getattr(cfg, k)).lower()}" for k in keys if getattr(cfg, k) != getattr(DecodeBenchConfig, k))
 
@@ -225,18 +225,29 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                 stage = {"name": "prefill"}
 
                 def measure(reqs):
-                    """(prefill_s, g, ms per sample, note, head key itemsize, validate seconds or None); ``stage`` says
-                    whether the prefill (``g`` prompts, whatever ``reqs``) or the decode of ``reqs`` requests runs."""
+                    """(requests, prefill_s, g, ms per sample, note, head key itemsize, validate seconds or None);
+                    ``stage`` says whether the prefill (``g`` prompts, whatever ``reqs``) or the decode of ``reqs``
+                    requests runs. The offload method may serve fewer requests than ``reqs`` (``offload_count``)."""
                     measured = None
                     stage["name"] = "prefill"
                     if method in OURS:
                         rt = ours.runtime(method)
                         rt.gpu_memory_bytes = limit  # (generate's own offload plan would plan for the cap)
-                        prefill_s, g = prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
-                        stage["name"] = "decode"
                         note = ours.note(method)
                         if method == OFFLOAD:
-                            plan = stage["plan"] = offload_plan(rt, reqs, inp, outl, free - reserve)
+                            plan = offload_plan(rt, reqs, inp, outl, free - reserve)
+                            if cfg.offload_count == "throughput" and not int(cfg.requests):
+                                stage["name"] = "decode"  # (the probe decodes: out of memory there tries fewer)
+                                rate = bw if bw == bw else copy_bandwidth(device, 64)  # (a CPU's, for the stand-in)
+                                plan, chosen = throughput_plan(rt, plan, inp, outl, free - reserve, contexts, n0,
+                                                               steps, rate, shape["vocab"], device, cfg.seed)
+                                note = "; ".join((note, chosen))
+                                stage["name"] = "prefill"
+                            reqs = plan.batch
+                        prefill_s, g = prefill_ours(rt, inp, reqs, int(cfg.prefill_tokens), shape["vocab"], device)
+                        stage["name"] = "decode"
+                        if method == OFFLOAD:
+                            stage["plan"] = plan
                             run, room = offloaded_run(rt, plan, shape["vocab"], device, cfg.seed), n0 + steps
                             ms = [per_step(lambda n, c=c: run(c, n, room), n0, steps) for c in contexts]
                             gib = host_bytes(plan) / GIB
@@ -271,12 +282,12 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                             measured = hf_seconds(model, method, ids, inp, outl, max_length, dtype, device, cfg.seed) \
                                 * (outl - 1) / outl  # generate ran outl steps
                             del ids
-                    return prefill_s, g, ms, note, head_isz, measured
+                    return reqs, prefill_s, g, ms, note, head_isz, measured
 
                 retries = 0
                 while True:
                     try:
-                        prefill_s, g, ms, note, head_isz, measured = measure(reqs)
+                        reqs, prefill_s, g, ms, note, head_isz, measured = measure(reqs)
                         break
                     except torch.cuda.OutOfMemoryError as e:
                         # the memory model misses a temporary: the largest count that fits is found by trying (an

@@ -11,7 +11,7 @@ from .decode_model import OURS
 from .decode_sampling import per_step, timed_prefill
 
 __all__ = ["Ours", "use_flashinfer", "distilled_state", "random_cache", "time_ours", "prefill_ours",
-           "offload_plan", "host_bytes", "offload_requests", "offloaded_run"]
+           "offload_plan", "host_bytes", "offload_requests", "offloaded_run", "throughput_plan"]
 
 
 class Ours:
@@ -189,6 +189,49 @@ def offloaded_run(rt, plan, vocab, device, seed):
         engine.resume_at(ctx, room)
         host[:] = [cache.host, cache.host_view]
         cache.token_ids.copy_(ids)
-        return rt.decode_from(cache, tok, n, engine=engine).stats.decode_s
+        stats = rt.decode_from(cache, tok, n, engine=engine).stats
+        run.overlap = stats.selection_overlap  # of the consecutive selections of this run (None: one step)
+        return stats.decode_s
 
+    run.overlap = None
     return run
+
+
+def throughput_plan(rt, top, input_len: int, output_len: int, free_bytes: int, contexts, n0: int, steps: int,
+                    hbm_bytes_per_s: float, vocab: int, device, seed: int) -> tuple:
+    """``(plan, note)``: the request count, at most ``top.batch``, whose memory plan has the most modelled
+    tokens/s (:func:`~kvtransform.runtime.throughput.best_batch`), the model calibrated on this run's own steps.
+
+    Two offloaded runs of the largest plan ``top`` (:func:`offload_plan`) are timed as the suite times a sample
+    (:func:`~kvtransform.bench.decode_sampling.per_step`): at the first sampled context (few or no layers on CPU:
+    the step over its HBM floor at ``hbm_bytes_per_s`` gives ``gpu_factor``) and at the last (the rest of the step is
+    elastic loading: with the measured selection overlap it gives the link rate). When the last sample has no layer
+    on CPU, or its step is no slower than the model's GPU part, offload costs nothing measurable and ``top`` stays.
+    """
+    from kvtransform.runtime.offload import initial_capacity, plan_inputs
+    from kvtransform.runtime.throughput import StepModel, best_batch, step_bytes
+
+    run, room = offloaded_run(rt, top, vocab, device, seed), n0 + steps
+    first, last = int(contexts[0]), int(contexts[-1])
+    ms_first = per_step(lambda n: run(first, n, room), n0, steps)
+    ms_last = per_step(lambda n: run(last, n, room), n0, steps)
+    overlap = run.overlap or 0.0
+    chunk = int(rt.offload_chunk)
+    layers = [len(top.offloaded_at(initial_capacity(top, c + room, top.final_len, chunk))) for c in (first, last)]
+    if not (ms_first == ms_first and ms_last == ms_last) or layers[1] == 0:
+        return top, "largest count that fits (offload cost not measurable in the probe)"
+    reads, _ = step_bytes(top, first)
+    factor = max(1.0, ms_first / 1000 / (reads / hbm_bytes_per_s)) if not layers[0] else 1.0
+    reads, _ = step_bytes(top, last)
+    moved = top.batch * layers[1] * min(top.budget, last) * top.model.kv_token_bytes * (1 - overlap)
+    spent = ms_last / 1000 - factor * reads / hbm_bytes_per_s
+    if spent <= 0 or moved <= 0:
+        return top, "largest count that fits (offload cost not measurable in the probe)"
+    sm = StepModel(hbm_bytes_per_s, moved / spent, overlap, factor)
+    model, head = plan_inputs(rt)
+    plan, rate = best_batch(model, head, sm, gpu_bytes=model.weight_bytes + head.weight_bytes + max(0, free_bytes),
+                            input_len=input_len, output_len=output_len, budget=int(rt.head.budget),
+                            max_batch=top.batch)
+    return plan, (f"count for the most modelled tokens/s ({rate:.0f}; of at most {top.batch}): probe at "
+                  f"{top.batch} requests, overlap {overlap:.2f}, link {sm.link_bytes_per_s / 1e9:.1f} GB/s, "
+                  f"GPU step {factor:.2f}x its floor")

@@ -1,0 +1,106 @@
+"""Decode throughput under KV offload: the request count that maximises tokens/s, not merely the largest that fits
+(SpeContext arXiv 2512.00722 §5–6: offload buys requests; elastic loading pays for them in host-to-GPU copies).
+
+Step-time model at cached length ``n`` of a :class:`~kvtransform.runtime.memory.MemoryPlan` (its notation: ``W``,
+``P``, ``b``, ``L``, ``c``, ``c_h``, ``B``; ``k(n)`` layers on CPU; ``s = min(B, n)`` tokens selected per KV head)::
+
+    t(n) = f · [W + P + b · (L · s · c + n · c_h)] / hbm  +  b · k(n) · (1 − overlap) · s · c / link
+
+The first term is the GPU step: weights, the selected K/V of every layer (resident layers gather from their cache,
+offloaded ones from their slot buffers: the same bytes) and the head's own state, at the device's read rate
+``hbm`` times ``f``, the measured ratio of a real step to that floor. The second is elastic loading: each offloaded
+layer copies the entries that entered the selection (``1 − overlap`` of them) over the host link; the captured step
+runs those copies on the compute stream (:mod:`kvtransform.runtime.offload`), so they add to the step. Tokens/s =
+``b`` / the mean of ``t`` over the generation (``n`` from ``I`` to ``S − 1``).
+
+Measured (BENCHMARKS.md, "Decode throughput", Llama-8B shape at ``gpu_gb=79.1``): with random-weight heads the
+selection changes almost entirely every step, and the largest count that fits (32) ran at half the tokens/s of 12
+resident requests.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .memory import HeadMemory, MemoryPlan, ModelMemory, plan_memory
+
+__all__ = ["StepModel", "step_bytes", "step_seconds", "tokens_per_second", "best_batch"]
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """The rates the step-time model needs.
+
+    Attributes:
+        hbm_bytes_per_s: the device's memory read rate (bytes/s; the decode suite measures a device-to-device copy).
+        link_bytes_per_s: host-to-GPU rate of elastic loading (bytes/s).
+        overlap: fraction of a step's selected entries that the previous step had selected too, in [0, 1]
+            (``GenerationStats.selection_overlap``).
+        gpu_factor: a real step's time over its HBM floor (>= 1; 1: at the floor).
+
+    Raises:
+        ValueError: a rate that is not a positive finite number, an overlap outside [0, 1], a factor below 1.
+    """
+
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float
+    overlap: float = 0.0
+    gpu_factor: float = 1.0
+
+    def __post_init__(self):
+        for key in ("hbm_bytes_per_s", "link_bytes_per_s"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{key}={v!r} must be a positive number of bytes per second")
+        if not (isinstance(self.overlap, (int, float)) and 0.0 <= self.overlap <= 1.0):
+            raise ValueError(f"overlap={self.overlap!r} must be a fraction in [0, 1]")
+        if not (isinstance(self.gpu_factor, (int, float)) and math.isfinite(self.gpu_factor)
+                and self.gpu_factor >= 1.0):
+            raise ValueError(f"gpu_factor={self.gpu_factor!r} must be >= 1 (a step is never faster than its floor)")
+
+
+def step_bytes(plan: MemoryPlan, n: int) -> tuple:
+    """(bytes the GPU step reads, bytes elastic loading copies) at cached length ``n``."""
+    m, h = plan.model, plan.head
+    sel = min(plan.budget, n)
+    reads = m.weight_bytes + h.weight_bytes + plan.batch * (m.num_layers * sel * m.kv_token_bytes + n * h.token_bytes)
+    return reads, plan.batch * len(plan.offloaded_at(n)) * sel * m.kv_token_bytes
+
+
+def step_seconds(plan: MemoryPlan, n: int, sm: StepModel) -> float:
+    """Modelled decode step of ``plan.batch`` rows at cached length ``n`` (tokens), in seconds."""
+    reads, moved = step_bytes(plan, n)
+    return sm.gpu_factor * reads / sm.hbm_bytes_per_s + (1.0 - sm.overlap) * moved / sm.link_bytes_per_s
+
+
+def tokens_per_second(plan: MemoryPlan, sm: StepModel, points: int = 256) -> float:
+    """Modelled decode tokens/s of the whole generation: ``plan.batch`` / the mean step over lengths ``I .. S − 1``
+    (``points`` evenly spaced lengths; layer moves are steps of ``k(n)``, so a few hundred points resolve them)."""
+    lo, hi = plan.input_len, plan.final_len - 1
+    count = max(1, min(points, hi - lo + 1))
+    lengths = [lo + round(i * (hi - lo) / max(count - 1, 1)) for i in range(count)]
+    mean = sum(step_seconds(plan, n, sm) for n in lengths) / count
+    return plan.batch / mean
+
+
+def best_batch(model: ModelMemory, head: HeadMemory, sm: StepModel, *, gpu_bytes: int, input_len: int,
+               output_len: int, budget: int, reserve_bytes: int = 0, max_batch: int = 0) -> tuple:
+    """``(plan, tokens/s)``: of the batches that fit with offload (Eq. 8), at most ``max_batch`` (0: no bound), the
+    one whose :func:`plan_memory` plan has the most modelled tokens/s (:func:`tokens_per_second`); ties go to the
+    smaller batch (less memory for the same rate).
+
+    Raises:
+        ValueError: not even one row fits (:func:`plan_memory`'s message).
+    """
+    kw = dict(gpu_bytes=gpu_bytes, input_len=input_len, output_len=output_len, budget=budget,
+              reserve_bytes=reserve_bytes)
+    top = plan_memory(model, head, batch=1, **kw).max_batch
+    if max_batch:
+        top = min(top, int(max_batch))
+    best = None
+    for b in range(1, max(top, 1) + 1):
+        plan = plan_memory(model, head, batch=b, **kw)
+        rate = tokens_per_second(plan, sm)
+        if best is None or rate > best[1] * (1 + 1e-9):
+            best = (plan, rate)
+    return best
