@@ -121,3 +121,30 @@ def test_plan_memory_cli_bad_values(tmp_path, arg, msg):
     p = subprocess.run(cmd, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_plan_memory_cli_throughput(tmp_path):
+    """With ``hbm_gbps`` and ``link_gbps`` the command adds the modelled decode tokens/s of the batch and the batch
+    with the most (the same numbers as :func:`kvtransform.runtime.throughput.best_batch` in process); half a pair or
+    an overlap outside [0, 1] is one error line."""
+    from kvtransform.runtime.throughput import StepModel, best_batch, tokens_per_second
+
+    cfg = dict(LLAMA3_8B, architectures=["LlamaForCausalLM"], model_type="llama")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "kvtransform.cli", "plan-memory", str(tmp_path), "gpu_gb=80", "batch=32",
+           "head_gb=1", "head_token_bytes=4096", "reserve_gb=4"]
+    p = subprocess.run(cmd + ["hbm_gbps=4200", "link_gbps=42", "overlap=0.1", "gpu_factor=1.8"], capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr
+    model = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)
+    head = HeadMemory(weight_bytes=2 ** 30, token_bytes=4096)
+    sizes = dict(gpu_bytes=80 * 2 ** 30, input_len=2048, output_len=32768, budget=2048, reserve_bytes=4 * 2 ** 30)
+    sm = StepModel(4200e9, 42e9, 0.1, 1.8)
+    best, rate = best_batch(model, head, sm, **sizes)
+    mine = tokens_per_second(plan_memory(model, head, batch=32, **sizes), sm)
+    assert 1 <= best.batch < 156  # full churn over PCIe: not the largest batch that fits
+    assert f"batch 32 {mine:.0f}; the most at batch {best.batch}: {rate:.0f}" in p.stdout, p.stdout
+    for args, msg in ((["hbm_gbps=4200"], "link_gbps=0.0: the throughput model needs both hbm_gbps and link_gbps"),
+                      (["hbm_gbps=4200", "link_gbps=42", "overlap=1.5"], "overlap=1.5 must be a fraction in [0, 1]")):
+        p = subprocess.run(cmd + args, capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr

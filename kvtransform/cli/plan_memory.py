@@ -15,8 +15,26 @@ __all__ = ["main"]
 
 def job(cfg: DictConfig) -> None:
     from ..runtime.memory import run_plan_memory
+    from ..runtime.throughput import StepModel, best_batch, tokens_per_second
 
-    console().print(run_plan_memory(cfg).table(), soft_wrap=True)
+    rates = None
+    if cfg.hbm_gbps or cfg.link_gbps:  # checked before the model is read (StepModel: one line per bad value)
+        for key in ("hbm_gbps", "link_gbps"):
+            v = cfg[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{key}={v!r}: the throughput model needs both hbm_gbps and link_gbps as positive "
+                                 f"GB/s (or neither)")
+        rates = StepModel(float(cfg.hbm_gbps) * 1e9, float(cfg.link_gbps) * 1e9, float(cfg.overlap),
+                          float(cfg.gpu_factor))
+    plan = run_plan_memory(cfg)
+    console().print(plan.table(), soft_wrap=True)
+    if rates is not None:
+        best, rate = best_batch(plan.model, plan.head, rates, gpu_bytes=plan.gpu_bytes, input_len=plan.input_len,
+                                output_len=plan.output_len, budget=plan.budget, reserve_bytes=plan.reserve_bytes)
+        console().print(f"\nModelled decode tokens/s (HBM {cfg.hbm_gbps:g} GB/s x {cfg.gpu_factor:g}, link "
+                        f"{cfg.link_gbps:g} GB/s, overlap {cfg.overlap:g}): batch {plan.batch} "
+                        f"{tokens_per_second(plan, rates):.0f}; the most at batch {best.batch}: {rate:.0f}",
+                        soft_wrap=True)
 
 
 def main(args: Sequence[str]) -> int:

@@ -267,6 +267,10 @@ class PlanMemoryConfig:
             cache the head reads (1 for the ``self`` head), never offloaded.
         reserve_gb: activations and workspace kept free, in GiB.
         dtype: weight and KV dtype (``bfloat16`` | ``float16`` | ``float32``).
+        hbm_gbps, link_gbps: the device's memory read rate and the host-to-GPU rate of elastic loading, GB/s (1e9
+            bytes/s); both set (0: off) add the modelled decode tokens/s of ``batch`` and the batch with the most
+            (:mod:`kvtransform.runtime.throughput`). overlap: fraction of a step's selection the previous step
+            selected too (0 to 1); gpu_factor: a real step's time over its HBM floor (>= 1).
     """
 
     model: Any = None
@@ -280,6 +284,10 @@ class PlanMemoryConfig:
     head_resident_layers: int = 0
     reserve_gb: float = 0.0
     dtype: str = "bfloat16"
+    hbm_gbps: float = 0.0
+    link_gbps: float = 0.0
+    overlap: float = 0.5
+    gpu_factor: float = 1.0
 
 
 def _model_memory(name: str, dtype: torch.dtype) -> ModelMemory:
