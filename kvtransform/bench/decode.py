@@ -29,9 +29,10 @@ cache up to the row's length), ``specontext`` (our runtime, the ``distilled`` he
 model, else a randomly initialised head of the same architecture, which costs the same), ``quest`` (our runtime,
 Quest pages), ``flashinfer`` (``dense`` with FlashInfer's batch decode kernel as every layer's attention:
 :mod:`kvtransform.bench.flashinfer_decode`; a skip where FlashInfer does not import), ``specontext_offload``
-(``specontext`` with KV offload, §5–6: the request count is the largest the memory plan serves within the device
-memory and ``host_gb`` of pinned CPU memory, and each sampled step runs with the layers the plan has on CPU by then,
-elastic loading included). Our runtime replays each step as a CUDA graph, its decode program under
+(``specontext`` with KV offload, §5–6: of the request counts the memory plan serves within the device memory and
+``host_gb`` of pinned CPU memory, the one with the most modelled tokens/s (``offload_count=throughput``:
+:func:`.decode_ours.throughput_plan`) or the largest (``offload_count=largest``); each sampled step runs with the
+layers the plan has on CPU by then, elastic loading included). Our runtime replays each step as a CUDA graph, its decode program under
 ``torch.compile`` (``compile=true``, CUDA only; not the offloaded per-layer program).
 """
 from __future__ import annotations
