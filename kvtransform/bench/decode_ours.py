@@ -218,16 +218,20 @@ def throughput_plan(rt, top, input_len: int, output_len: int, free_bytes: int, c
     overlap = run.overlap or 0.0
     chunk = int(rt.offload_chunk)
     layers = [len(top.offloaded_at(initial_capacity(top, c + room, top.final_len, chunk))) for c in (first, last)]
-    if not (ms_first == ms_first and ms_last == ms_last) or layers[1] == 0:
-        return top, "largest count that fits (offload cost not measurable in the probe)"
-    reads, _ = step_bytes(top, first)
+    largest = "largest count that fits: offload cost not measurable in the probe"
+    if not (ms_first == ms_first and ms_last == ms_last):
+        return top, f"{largest} (noisy samples)"
+    if layers[1] == 0:
+        return top, f"{largest} (no layer on CPU at context {last})"
+    reads, _ = step_bytes(top, first, chunk)
     factor = max(1.0, ms_first / 1000 / (reads / hbm_bytes_per_s)) if not layers[0] else 1.0
-    reads, _ = step_bytes(top, last)
+    reads, _ = step_bytes(top, last, chunk)
     moved = top.batch * layers[1] * min(top.budget, last) * top.model.kv_token_bytes * (1 - overlap)
     spent = ms_last / 1000 - factor * reads / hbm_bytes_per_s
     if spent <= 0 or moved <= 0:
-        return top, "largest count that fits (offload cost not measurable in the probe)"
-    sm = StepModel(hbm_bytes_per_s, moved / spent, overlap, factor)
+        return top, (f"{largest} (the step with {layers[1]} layers on CPU, {ms_last:.3g} ms, is no slower than the "
+                     f"modelled GPU step; overlap {overlap:.2f})")
+    sm = StepModel(hbm_bytes_per_s, moved / spent, overlap, factor, chunk)
     model, head = plan_inputs(rt)
     plan, rate = best_batch(model, head, sm, gpu_bytes=model.weight_bytes + head.weight_bytes + max(0, free_bytes),
                             input_len=input_len, output_len=output_len, budget=int(rt.head.budget),

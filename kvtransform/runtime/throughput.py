@@ -20,6 +20,7 @@ resident requests.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from .memory import HeadMemory, MemoryPlan, ModelMemory, plan_memory
@@ -37,39 +38,59 @@ class StepModel:
         overlap: fraction of a step's selected entries that the previous step had selected too, in [0, 1]
             (``GenerationStats.selection_overlap``).
         gpu_factor: a real step's time over its HBM floor (>= 1; 1: at the floor).
+        chunk: tokens by which the runtime grows resident layers (``SpeContextRuntime.offload_chunk``): a layer
+            moves at the growth to the first capacity past its threshold, up to ``chunk`` tokens early (1: at the
+            threshold).
 
     Raises:
-        ValueError: a rate that is not a positive finite number, an overlap outside [0, 1], a factor below 1.
+        ValueError: a rate that is not a positive finite number, an overlap outside [0, 1], a factor below 1 or
+            not finite, a chunk below 1 (bools are not numbers here).
     """
 
     hbm_bytes_per_s: float
     link_bytes_per_s: float
     overlap: float = 0.0
     gpu_factor: float = 1.0
+    chunk: int = 1
 
     def __post_init__(self):
-        for key in ("hbm_bytes_per_s", "link_bytes_per_s"):
+        def real(key):
             v = getattr(self, key)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{key}={v!r} must be a positive number of bytes per second")
-        if not (isinstance(self.overlap, (int, float)) and 0.0 <= self.overlap <= 1.0):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                return float("nan")
+            try:
+                return float(v)
+            except OverflowError:
+                return float("inf")
+
+        for key in ("hbm_bytes_per_s", "link_bytes_per_s"):
+            if not 0 < real(key) < math.inf:
+                raise ValueError(f"{key}={getattr(self, key)!r} must be a positive number of bytes per second")
+        if not 0.0 <= real("overlap") <= 1.0:
             raise ValueError(f"overlap={self.overlap!r} must be a fraction in [0, 1]")
-        if not (isinstance(self.gpu_factor, (int, float)) and math.isfinite(self.gpu_factor)
-                and self.gpu_factor >= 1.0):
-            raise ValueError(f"gpu_factor={self.gpu_factor!r} must be >= 1 (a step is never faster than its floor)")
+        if not 1.0 <= real("gpu_factor") < math.inf:
+            raise ValueError(f"gpu_factor={self.gpu_factor!r} must be >= 1 and finite (a step is never faster than "
+                             f"its floor)")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, numbers.Integral) or self.chunk < 1:
+            raise ValueError(f"chunk={self.chunk!r} must be an integer >= 1 (tokens)")
 
 
-def step_bytes(plan: MemoryPlan, n: int) -> tuple:
-    """(bytes the GPU step reads, bytes elastic loading copies) at cached length ``n``."""
+def step_bytes(plan: MemoryPlan, n: int, chunk: int = 1) -> tuple:
+    """(bytes the GPU step reads, bytes elastic loading copies if every selected entry were new) at cached length
+    ``n``, with the layers on CPU that the runtime has at capacity ``ceil((n + 1) / chunk) · chunk``. Heads that
+    read layers' keys (``head.resident_layers``: the ``self`` head scores every cached key of layer 0) add those
+    keys (``n · c / 2`` per layer and row)."""
     m, h = plan.model, plan.head
     sel = min(plan.budget, n)
-    reads = m.weight_bytes + h.weight_bytes + plan.batch * (m.num_layers * sel * m.kv_token_bytes + n * h.token_bytes)
-    return reads, plan.batch * len(plan.offloaded_at(n)) * sel * m.kv_token_bytes
+    capacity = min(plan.final_len, -(-(n + 1) // chunk) * chunk)
+    per_row = m.num_layers * sel * m.kv_token_bytes + n * h.token_bytes + h.resident_layers * n * m.kv_token_bytes // 2
+    reads = m.weight_bytes + h.weight_bytes + plan.batch * per_row
+    return reads, plan.batch * len(plan.offloaded_at(capacity)) * sel * m.kv_token_bytes
 
 
 def step_seconds(plan: MemoryPlan, n: int, sm: StepModel) -> float:
     """Modelled decode step of ``plan.batch`` rows at cached length ``n`` (tokens), in seconds."""
-    reads, moved = step_bytes(plan, n)
+    reads, moved = step_bytes(plan, n, sm.chunk)
     return sm.gpu_factor * reads / sm.hbm_bytes_per_s + (1.0 - sm.overlap) * moved / sm.link_bytes_per_s
 
 
@@ -87,20 +108,34 @@ def best_batch(model: ModelMemory, head: HeadMemory, sm: StepModel, *, gpu_bytes
                output_len: int, budget: int, reserve_bytes: int = 0, max_batch: int = 0) -> tuple:
     """``(plan, tokens/s)``: of the batches that fit with offload (Eq. 8), at most ``max_batch`` (0: no bound), the
     one whose :func:`plan_memory` plan has the most modelled tokens/s (:func:`tokens_per_second`); ties go to the
-    smaller batch (less memory for the same rate).
+    smaller batch (less memory for the same rate). Every batch up to 512 is scored; past that a grid 1 % apart, then
+    every batch between the best grid point's neighbours (short requests can fit 10^5 rows).
 
     Raises:
-        ValueError: not even one row fits (:func:`plan_memory`'s message).
+        ValueError: ``max_batch`` not an integer >= 0, or not even one row fits (:func:`plan_memory`'s message).
     """
+    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 0:
+        raise ValueError(f"max_batch={max_batch!r} must be an integer >= 0 (0: no bound)")
     kw = dict(gpu_bytes=gpu_bytes, input_len=input_len, output_len=output_len, budget=budget,
               reserve_bytes=reserve_bytes)
     top = plan_memory(model, head, batch=1, **kw).max_batch
     if max_batch:
         top = min(top, int(max_batch))
-    best = None
-    for b in range(1, max(top, 1) + 1):
-        plan = plan_memory(model, head, batch=b, **kw)
-        rate = tokens_per_second(plan, sm)
-        if best is None or rate > best[1] * (1 + 1e-9):
-            best = (plan, rate)
-    return best
+    top = max(top, 1)
+    scored = {}
+
+    def score(b):
+        if b not in scored:
+            plan = plan_memory(model, head, batch=b, **kw)
+            scored[b] = (plan, tokens_per_second(plan, sm))
+        return scored[b]
+
+    grid = list(range(1, min(top, 512) + 1))
+    while grid[-1] < top:
+        grid.append(min(top, max(grid[-1] + 1, int(grid[-1] * 1.01))))
+    best = max(grid, key=lambda b: (score(b)[1], -b))
+    i = grid.index(best)
+    for b in range(grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)] + 1):
+        score(b)
+    b = max(scored, key=lambda b: (scored[b][1], -b))
+    return scored[b]
