@@ -308,7 +308,8 @@ def test_gpu_gb_cap_counts_everything_in_use_and_shrinks_the_request_count():
 
 
 def test_memory_cap_holds_the_cuda_allocator_to_the_cap_and_restores_it(monkeypatch):
-    """On CUDA the cap is PyTorch's per-process memory fraction while the block runs, 1 (the whole device) after."""
+    """On CUDA the cap is PyTorch's per-process memory fraction of the device's index while the block runs, 1 (the
+    whole device) after."""
     from kvtransform.bench.decode import memory_cap
     from kvtransform.bench.decode_model import GIB
 
@@ -316,9 +317,17 @@ def test_memory_cap_holds_the_cuda_allocator_to_the_cap_and_restores_it(monkeypa
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (100 * GIB, 140 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 38 * GIB)   # 2 GiB outside PyTorch
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(f))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    devices = []  # set_per_process_memory_fraction refuses a bare "cuda" device: it must get an index
+
+    def fraction(f, d=None):
+        calls.append(f)
+        devices.append(d)
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fraction)
     with memory_cap(torch.device("cuda"), 80 * GIB) as limit:
         assert calls == [pytest.approx(78 / 140)] and limit == pytest.approx(78 * GIB, abs=1)
+        assert devices == [0]
     assert calls[-1] == 1.0
     with pytest.raises(RuntimeError):                             # restored on the way out of an error too
         with memory_cap(torch.device("cuda"), 80 * GIB):
