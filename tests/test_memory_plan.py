@@ -143,10 +143,13 @@ def test_plan_memory_cli_throughput(tmp_path):
     best, rate = best_batch(model, head, sm, **sizes)
     mine = tokens_per_second(plan_memory(model, head, batch=32, **sizes), sm)
     assert 1 <= best.batch < 156  # full churn over PCIe: not the largest batch that fits
-    assert f"batch 32 {mine:.4g}; the most at batch {best.batch}: {rate:.4g}" in p.stdout, p.stdout
+    assert f"batch 32 (the plan above): {mine:.4g}\n  the most: batch {best.batch}: {rate:.4g} (" in p.stdout, p.stdout
+    resident = plan_memory(model, head, batch=13, **sizes)  # the hand calculation's largest resident batch
+    assert f"without offload: batch 13 (the largest resident): {tokens_per_second(resident, sm):.4g}" in p.stdout
     for args, msg in ((["hbm_gbps=4200"], "link_gbps=0.0: the throughput model needs both hbm_gbps and link_gbps"),
                       (["hbm_gbps=1e300", "link_gbps=42"], "hbm_gbps=1e+300: the throughput model needs both"),
                       (["overlap=1.5"], "overlap=1.5 must be a fraction in [0, 1]"),
-                      (["gpu_factor=0.5"], "gpu_factor=0.5 must be >= 1 and finite")):
+                      (["gpu_factor=0.5"], "gpu_factor=0.5 must be >= 1 and finite"),
+                      (["host_gb=-1"], "host_gb=-1.0 must be GiB >= 0 and finite")):
         p = subprocess.run(cmd + args, capture_output=True, text=True)
         assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr

@@ -63,6 +63,16 @@ def test_the_scan_matches_every_batch_and_stays_fast_when_many_rows_fit():
     assert top > 500_000
     plan, rate = best_batch(MODEL, HeadMemory(), StepModel(4.2e12, 42e9), **short)
     assert 1 <= plan.batch <= top and rate > 0
+    # a pinned-memory bound: the best batch within it (pinned bytes grow with the batch), one line when one row
+    # already needs more
+    unbounded, _ = best_batch(MODEL, HEAD, StepModel(4.2e12, 42e9, overlap=1.0), **SIZES)
+    bound = unbounded.pinned_bytes // 3
+    within, _ = best_batch(MODEL, HEAD, StepModel(4.2e12, 42e9, overlap=1.0), host_bytes=bound, **SIZES)
+    assert 0 < within.pinned_bytes <= bound < unbounded.pinned_bytes and within.batch < unbounded.batch
+    assert plan_memory(MODEL, HEAD, batch=within.batch + 1, **SIZES).pinned_bytes > bound
+    tight = dict(SIZES, gpu_bytes=int(17 * GIB))
+    with pytest.raises(ValueError, match="one row needs .* GiB of pinned CPU memory"):
+        best_batch(MODEL, HEAD, sm, host_bytes=1, **tight)
     for bad in (-3, True, 2.7, "7"):
         with pytest.raises(ValueError, match="max_batch=.* must be an integer >= 0"):
             best_batch(MODEL, HEAD, sm, max_batch=bad, **SIZES)

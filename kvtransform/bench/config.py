@@ -285,7 +285,7 @@ class DecodeBenchConfig:
         cuda_graphs: our runtime's CUDA graphs.
         fuse_projections: our runtime's projection fusion of the decode program (SpeContextConfig.fuse_projections:
             ``all``, ``qkv`` or ``none``); fusion happens before the request count is sized (the parameters become
-            views of the fused weights: no memory is added; BENCHMARKS.md, decode throughput, run H).
+            views of the fused weights: no memory is added; BENCHMARKS.md, "Decode throughput").
         flashinfer_tensor_cores: the ``flashinfer`` method's FlashInfer ``use_tensor_cores`` (its prefill kernel
             run for decode, meant for large GQA groups). On by default: FlashInfer's fastest decode here (H200,
             Llama-8B shape, 26 requests, [2k, 32k]: 1177 tokens/s, against 524 with its CUDA-core decode kernel).

@@ -52,7 +52,7 @@ from .config import ThroughputMethod
 from .decode_hf import hf_seconds, prefill_hf, time_hf
 from .decode_model import (GIB, MODELS, OFFLOAD, OURS, PAPER, build_model, cap_fraction, capped_free, held_bytes,
                            host_limit, max_requests, model_shape, per_request_bytes, step_bytes, weight_bytes)
-from .decode_ours import (Ours, host_bytes, offload_plan, offload_requests, offloaded_run, prefill_ours,
+from .decode_ours import (Ours, offload_plan, offload_requests, offloaded_run, prefill_ours,
                           random_cache, throughput_plan, time_ours)
 from .decode_sampling import integrate_steps, per_step, sample_contexts
 from .device import copy_bandwidth, resolve_device
@@ -251,7 +251,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                             stage["plan"] = plan
                             run, room = offloaded_run(rt, plan, shape["vocab"], device, cfg.seed), n0 + steps
                             ms = [per_step(lambda n, c=c: run(c, n, room), n0, steps) for c in contexts]
-                            gib = host_bytes(plan) / GIB
+                            gib = plan.pinned_bytes / GIB
                             pinned = f"{gib:.1f} GiB" if gib >= 0.1 else f"{gib * 1024:.1f} MiB"
                             note += f"; {len(plan.offloaded_at(max_length))} of {shape['layers']} layers on CPU by " \
                                     f"the last token ({pinned} pinned)"

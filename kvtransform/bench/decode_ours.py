@@ -11,7 +11,7 @@ from .decode_model import OURS
 from .decode_sampling import per_step, timed_prefill
 
 __all__ = ["Ours", "use_flashinfer", "distilled_state", "random_cache", "time_ours", "prefill_ours",
-           "offload_plan", "host_bytes", "offload_requests", "offloaded_run", "throughput_plan"]
+           "offload_plan", "offload_requests", "offloaded_run", "throughput_plan"]
 
 
 class Ours:
@@ -141,18 +141,13 @@ def offload_plan(rt, requests: int, input_len: int, output_len: int, free_bytes:
     return make_plan(rt, requests, input_len, output_len, held + max(0, int(free_bytes)))
 
 
-def host_bytes(plan) -> int:
-    """Pinned CPU bytes of the K/V of the layers ``plan`` has on CPU at its last token."""
-    return len(plan.offloaded_at(plan.final_len)) * plan.batch * plan.final_len * plan.model.kv_token_bytes
-
-
 def offload_requests(rt, input_len: int, output_len: int, free_bytes: int, host_limit: int, cap: int) -> int:
     """The largest request count, 0 to ``cap``, that KV offload serves (SpeContext §5, Eq. 8): its memory plan
     (:func:`offload_plan`) fits ``free_bytes`` of device memory beside the weights, and the K/V of the layers it has
-    on CPU at the last token fit ``host_limit`` bytes of pinned CPU memory (:func:`host_bytes`)."""
+    on CPU at the last token fit ``host_limit`` bytes of pinned CPU memory (``MemoryPlan.pinned_bytes``)."""
     def fits(batch):
         try:
-            return host_bytes(offload_plan(rt, batch, input_len, output_len, free_bytes)) <= host_limit
+            return offload_plan(rt, batch, input_len, output_len, free_bytes).pinned_bytes <= host_limit
         except ValueError:  # no plan fits the device memory
             return False
 

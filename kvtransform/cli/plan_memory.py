@@ -14,7 +14,7 @@ __all__ = ["main"]
 
 
 def job(cfg: DictConfig) -> None:
-    from ..runtime.memory import run_plan_memory
+    from ..runtime.memory import plan_memory, run_plan_memory
     from ..runtime.throughput import StepModel, best_batch, tokens_per_second
 
     rates = None  # checked before the model is read, one line per bad value
@@ -31,15 +31,26 @@ def job(cfg: DictConfig) -> None:
                                  f"finite GB/s (or neither)")
         rates = StepModel(float(cfg.hbm_gbps) * 1e9, float(cfg.link_gbps) * 1e9, float(cfg.overlap),
                           float(cfg.gpu_factor))
+    host = cfg.host_gb
+    if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host * 2 ** 30 < float("inf"):
+        raise ValueError(f"host_gb={host!r} must be GiB >= 0 and finite (0: no bound)")
     plan = run_plan_memory(cfg)
     console().print(plan.table(), soft_wrap=True)
-    if rates is not None:
-        best, rate = best_batch(plan.model, plan.head, rates, gpu_bytes=plan.gpu_bytes, input_len=plan.input_len,
-                                output_len=plan.output_len, budget=plan.budget, reserve_bytes=plan.reserve_bytes)
-        console().print(f"\nModelled decode tokens/s (HBM {cfg.hbm_gbps:g} GB/s x {cfg.gpu_factor:g}, link "
-                        f"{cfg.link_gbps:g} GB/s, overlap {cfg.overlap:g}): batch {plan.batch} "
-                        f"{tokens_per_second(plan, rates):.4g}; the most at batch {best.batch}: {rate:.4g}",
-                        soft_wrap=True)
+    if rates is None:
+        return
+    kw = dict(gpu_bytes=plan.gpu_bytes, input_len=plan.input_len, output_len=plan.output_len, budget=plan.budget,
+              reserve_bytes=plan.reserve_bytes)
+    best, rate = best_batch(plan.model, plan.head, rates, host_bytes=int(host * 2 ** 30), **kw)
+    lines = [f"\nModelled decode tokens/s (decode steps only: the GPU step {cfg.gpu_factor:g}x its floor at "
+             f"{cfg.hbm_gbps:g} GB/s, elastic loading at {cfg.link_gbps:g} GB/s, selection overlap {cfg.overlap:g}):",
+             f"  batch {plan.batch} (the plan above): {tokens_per_second(plan, rates):.4g}",
+             f"  the most: batch {best.batch}: {rate:.4g} ({len(best.offloaded_at(best.final_len))} layers on CPU by "
+             f"the last token, {best.pinned_bytes / 2 ** 30:.3g} GiB pinned)"]
+    if plan.max_batch_resident >= 1:
+        resident = plan_memory(plan.model, plan.head, batch=plan.max_batch_resident, **kw)
+        lines.append(f"  without offload: batch {resident.batch} (the largest resident): "
+                     f"{tokens_per_second(resident, rates):.4g}")
+    console().print("\n".join(lines), soft_wrap=True)
 
 
 def main(args: Sequence[str]) -> int:

@@ -139,6 +139,11 @@ class MemoryPlan:
         return self.input_len + self.output_len
 
     @property
+    def pinned_bytes(self) -> int:
+        """Pinned CPU bytes holding the K/V of the layers on CPU at the last token (``S`` tokens per row)."""
+        return len(self.offloaded_at(self.final_len)) * self.batch * self.final_len * self.model.kv_token_bytes
+
+    @property
     def needs_offload(self) -> bool:
         return any(t is not None for t in self.thresholds)
 
@@ -268,9 +273,12 @@ class PlanMemoryConfig:
         reserve_gb: activations and workspace kept free, in GiB.
         dtype: weight and KV dtype (``bfloat16`` | ``float16`` | ``float32``).
         hbm_gbps, link_gbps: the device's memory read rate and the host-to-GPU rate of elastic loading, GB/s (1e9
-            bytes/s); both set (0: off) add the modelled decode tokens/s of ``batch`` and the batch with the most
-            (:mod:`kvtransform.runtime.throughput`). overlap: fraction of a step's selection the previous step
-            selected too (0 to 1); gpu_factor: a real step's time over its HBM floor (>= 1).
+            bytes/s; the decode suite's ``copy_gbps`` and BENCHMARKS.md "Decode throughput" give the H200's); both
+            set (0: off) add the modelled decode tokens/s of ``batch``, of the batch with the most and of the
+            largest resident batch (:mod:`kvtransform.runtime.throughput`). overlap: fraction of a step's selection
+            the previous step selected too (0 to 1; ``GenerationStats.selection_overlap``); gpu_factor: a real
+            step's time over its HBM floor (>= 1; the decode suite's ``worst step / floor``). host_gb: pinned CPU
+            memory the best batch may hold, GiB (0: no bound).
     """
 
     model: Any = None
@@ -288,6 +296,7 @@ class PlanMemoryConfig:
     link_gbps: float = 0.0
     overlap: float = 0.5
     gpu_factor: float = 1.0
+    host_gb: float = 0.0
 
 
 def _model_memory(name: str, dtype: torch.dtype) -> ModelMemory:

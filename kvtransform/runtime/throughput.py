@@ -105,23 +105,36 @@ def tokens_per_second(plan: MemoryPlan, sm: StepModel, points: int = 256) -> flo
 
 
 def best_batch(model: ModelMemory, head: HeadMemory, sm: StepModel, *, gpu_bytes: int, input_len: int,
-               output_len: int, budget: int, reserve_bytes: int = 0, max_batch: int = 0) -> tuple:
-    """``(plan, tokens/s)``: of the batches that fit with offload (Eq. 8), at most ``max_batch`` (0: no bound), the
-    one whose :func:`plan_memory` plan has the most modelled tokens/s (:func:`tokens_per_second`); ties go to the
-    smaller batch (less memory for the same rate). Every batch up to 512 is scored; past that a grid 1 % apart, then
-    every batch between the best grid point's neighbours (short requests can fit 10^5 rows).
+               output_len: int, budget: int, reserve_bytes: int = 0, max_batch: int = 0, host_bytes: int = 0) -> tuple:
+    """``(plan, tokens/s)``: of the batches that fit with offload (Eq. 8), at most ``max_batch`` (0: no bound) and
+    with at most ``host_bytes`` of pinned CPU memory at the last token (``MemoryPlan.pinned_bytes``; 0: no bound),
+    the one whose :func:`plan_memory` plan has the most modelled tokens/s (:func:`tokens_per_second`); ties go to
+    the smaller batch (less memory for the same rate). Every batch up to 512 is scored; past that a grid 1 % apart,
+    then every batch between the best grid point's neighbours (short requests can fit 10^5 rows).
 
     Raises:
-        ValueError: ``max_batch`` not an integer >= 0, or not even one row fits (:func:`plan_memory`'s message).
+        ValueError: ``max_batch`` or ``host_bytes`` not an integer >= 0, or not even one row fits
+            (:func:`plan_memory`'s message).
     """
-    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 0:
-        raise ValueError(f"max_batch={max_batch!r} must be an integer >= 0 (0: no bound)")
+    for key, v in (("max_batch", max_batch), ("host_bytes", host_bytes)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"{key}={v!r} must be an integer >= 0 (0: no bound)")
     kw = dict(gpu_bytes=gpu_bytes, input_len=input_len, output_len=output_len, budget=budget,
               reserve_bytes=reserve_bytes)
     top = plan_memory(model, head, batch=1, **kw).max_batch
     if max_batch:
         top = min(top, int(max_batch))
     top = max(top, 1)
+    if host_bytes:  # pinned bytes grow with the batch: the largest within the bound, by bisection (one row at least)
+        lo, hi = 1, top
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if plan_memory(model, head, batch=mid, **kw).pinned_bytes <= host_bytes else (lo, mid - 1)
+        one = plan_memory(model, head, batch=1, **kw).pinned_bytes
+        if one > host_bytes:
+            raise ValueError(f"one row needs {one / 2**30:.3g} GiB of pinned CPU memory, more than the "
+                             f"{host_bytes / 2**30:.3g} GiB allowed: raise the host memory bound or the GPU memory")
+        top = lo
     scored = {}
 
     def score(b):
