@@ -123,19 +123,27 @@ def test_plan_memory_cli_bad_values(tmp_path, arg, msg):
     assert "Traceback" not in p.stderr
 
 
-def test_plan_memory_cli_throughput(tmp_path):
-    """With ``hbm_gbps`` and ``link_gbps`` the command adds the modelled decode tokens/s of the batch and the batch
-    with the most (the same numbers as :func:`kvtransform.runtime.throughput.best_batch` in process); half a pair or
-    an overlap outside [0, 1] is one error line."""
+def test_plan_memory_cli_throughput(tmp_path, capsys):
+    """With ``hbm_gbps`` and ``link_gbps`` the command adds the modelled decode tokens/s of the batch, of the batch
+    with the most and of the largest resident batch (the same numbers as
+    :func:`kvtransform.runtime.throughput.best_batch` in process); half a pair, a GB/s that overflows, an overlap
+    outside [0, 1], a factor below 1 or a negative host_gb is one error line (in process: the subprocess path is
+    ``test_plan_memory_cli``'s)."""
+    from kvtransform.cli import main
     from kvtransform.runtime.throughput import StepModel, best_batch, tokens_per_second
+
+    def run(args):
+        try:
+            rc = main(args)
+        except SystemExit as e:
+            rc = e.code
+        return (rc,) + capsys.readouterr()
 
     cfg = dict(LLAMA3_8B, architectures=["LlamaForCausalLM"], model_type="llama")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    cmd = [sys.executable, "-m", "kvtransform.cli", "plan-memory", str(tmp_path), "gpu_gb=80", "batch=32",
-           "head_gb=1", "head_token_bytes=4096", "reserve_gb=4"]
-    p = subprocess.run(cmd + ["hbm_gbps=4200", "link_gbps=42", "overlap=0.1", "gpu_factor=1.8"], capture_output=True,
-                       text=True)
-    assert p.returncode == 0, p.stderr
+    cmd = ["plan-memory", str(tmp_path), "gpu_gb=80", "batch=32", "head_gb=1", "head_token_bytes=4096", "reserve_gb=4"]
+    rc, out, err = run(cmd + ["hbm_gbps=4200", "link_gbps=42", "overlap=0.1", "gpu_factor=1.8"])
+    assert rc in (0, None), err
     model = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)
     head = HeadMemory(weight_bytes=2 ** 30, token_bytes=4096)
     sizes = dict(gpu_bytes=80 * 2 ** 30, input_len=2048, output_len=32768, budget=2048, reserve_bytes=4 * 2 ** 30)
@@ -143,13 +151,14 @@ def test_plan_memory_cli_throughput(tmp_path):
     best, rate = best_batch(model, head, sm, **sizes)
     mine = tokens_per_second(plan_memory(model, head, batch=32, **sizes), sm)
     assert 1 <= best.batch < 156  # full churn over PCIe: not the largest batch that fits
-    assert f"batch 32 (the plan above): {mine:.4g}\n  the most: batch {best.batch}: {rate:.4g} (" in p.stdout, p.stdout
+    out = " ".join(out.split())  # (the console may wrap)
+    assert f"batch 32 (the plan above): {mine:.4g} the most: batch {best.batch}: {rate:.4g} (" in out, out
     resident = plan_memory(model, head, batch=13, **sizes)  # the hand calculation's largest resident batch
-    assert f"without offload: batch 13 (the largest resident): {tokens_per_second(resident, sm):.4g}" in p.stdout
+    assert f"without offload: batch 13 (the largest resident): {tokens_per_second(resident, sm):.4g}" in out
     for args, msg in ((["hbm_gbps=4200"], "link_gbps=0.0: the throughput model needs both hbm_gbps and link_gbps"),
                       (["hbm_gbps=1e300", "link_gbps=42"], "hbm_gbps=1e+300: the throughput model needs both"),
                       (["overlap=1.5"], "overlap=1.5 must be a fraction in [0, 1]"),
                       (["gpu_factor=0.5"], "gpu_factor=0.5 must be >= 1 and finite"),
                       (["host_gb=-1"], "host_gb=-1.0 must be GiB >= 0 and finite")):
-        p = subprocess.run(cmd + args, capture_output=True, text=True)
-        assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr
+        rc, out, err = run(cmd + args)
+        assert rc == 2 and err.count("error:") == 1 and msg in " ".join(err.split()), err
