@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -334,17 +335,26 @@ def test_decode_ops_smoke(tmp_path, capsys):
 
 
 def test_dualkv_attn_tune_smoke(tmp_path, monkeypatch):
-    """tune=true on CPU (Triton interpreter): every candidate a row, dualkv_kernel timed with the best."""
+    """tune=true on CPU (Triton interpreter): every candidate a row, timed with the job's attention variants,
+    dualkv_kernel timed with the best."""
     from kvtransform.bench import tune
+    from kvtransform.kernels import dualkv as K
 
     monkeypatch.setattr(tune, "FWD_CANDS", [(32, 32, 4, 1), (32, 16, 4, 1)])
     monkeypatch.setattr(tune, "DQ_CANDS", [(32, 32, 4, 1)])
     monkeypatch.setattr(tune, "DKDV_CANDS", [(32, 32, 4, 1), (16, 32, 4, 1)])
+    seen = []
+    for name in ("dualkv_fwd", "dualkv_bwd"):
+        def spy(*a, _f=getattr(K, name), **kw):
+            seen.append((kw.get("softcap"), kw.get("sinks") is not None))
+            return _f(*a, **kw)
+        monkeypatch.setattr(K, name, spy)
     rows = run("dualkv-attn", ["P=9", "mb=2", "method=dualkv_kernel", "tune=true", f"out_dir={tmp_path}",
-                               "plot=false"] + TINY)
+                               "plot=false", "softcap=30", "sinks=true"] + TINY)
+    assert seen and set(seen) == {(30.0, True)}  # every sweep and timed call ran the soft-capped, sink variant
     tuned = [r for r in rows if r["method"] == "dualkv_kernel_tune"]
     assert len(tuned) == 5 and all(r["status"] == "ok" and r["pass"] == "tune" for r in tuned)
-    assert {r["params"].split(" ", 2)[2].split("=")[0] for r in tuned} == {"fwd", "dq", "dkdv"}
+    assert {re.search(r" (fwd|dq|dkdv)=\(", r["params"]).group(1) for r in tuned} == {"fwd", "dq", "dkdv"}
     kern = [r for r in rows if r["method"] == "dualkv_kernel"]
     assert [r["pass"] for r in kern] == ["fwd", "bwd", "fwdbwd"] and all(r["status"] == "ok" for r in kern)
     assert "fwd:32/" in kern[0]["impl"]

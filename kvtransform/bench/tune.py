@@ -66,11 +66,12 @@ def _as_cfg(c) -> dict:
 
 def tune_dualkv(layout, cfg, device) -> Tuple[dict, List[dict]]:
     """Sweep the forward, dQ and dK/dV launch configs of the DualKV kernels on ``layout`` (bf16/fp16 inputs of the
-    job's heads and head_dim); returns ``(best {"fwd": .., "dq": .., "dkdv": ..}, rows)``. Backward candidates are
+    job's heads and head_dim, with the job's window / soft-cap / sinks); returns ``(best {"fwd": .., "dq": .., "dkdv": ..}, rows)``. Backward candidates are
     timed as the whole backward with the other kernel at its best / default."""
     from kvtransform.kernels import dualkv as K
 
     from .layer import torch_dtype
+    from .methods import variant_kwargs
 
     t, h, h_kv, d = int(layout.total_tokens), cfg.heads, cfg.kv_heads, cfg.head_dim
     g = torch.Generator(device=device).manual_seed(cfg.seed + 1)
@@ -78,9 +79,11 @@ def tune_dualkv(layout, cfg, device) -> Tuple[dict, List[dict]]:
     q, do = (torch.randn(t, h, d, device=device, generator=g).to(dt) for _ in range(2))
     k, v = (torch.randn(t, h_kv, d, device=device, generator=g).to(dt) for _ in range(2))
     cu, sp, scale = layout.cu_seqlens, layout.segment_prefix, d ** -0.5
+    var = {key: (val.detach() if torch.is_tensor(val) else val) for key, val in variant_kwargs(cfg, device).items()}
     f_fwd = flops.attention_flops(layout, h, d)
     print(f"## DualKV launch-config sweep at P={layout.prefix_lens[0]}, mb={len(layout.response_lens[0])}, "
-          f"H={h}/{h_kv}, D={d}, {dt}", flush=True)
+          f"H={h}/{h_kv}, D={d}, {dt}" + "".join(f", {key}" + ("" if torch.is_tensor(val) else f"={val}")
+                                                 for key, val in var.items()), flush=True)
     best, rows = {}, []
     for kind, cands in (("fwd", FWD_CANDS), ("dq", DQ_CANDS), ("dkdv", DKDV_CANDS)):
         work = f_fwd * (1.0 if kind == "fwd" else flops.BACKWARD_FACTOR)
@@ -88,9 +91,9 @@ def tune_dualkv(layout, cfg, device) -> Tuple[dict, List[dict]]:
         def step_for(c, kind=kind):
             conf = dict(best, **{kind: _as_cfg(c)})
             if kind == "fwd":
-                return lambda mark: K.dualkv_fwd(q, k, v, cu, sp, scale, config=conf)
-            out, lse = K.dualkv_fwd(q, k, v, cu, sp, scale)
-            return lambda mark: K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale, config=conf)
+                return lambda mark: K.dualkv_fwd(q, k, v, cu, sp, scale, config=conf, **var)
+            out, lse = K.dualkv_fwd(q, k, v, cu, sp, scale, **var)
+            return lambda mark: K.dualkv_bwd(do, q, k, v, out, lse, cu, sp, scale, config=conf, **var)
 
         c, r = sweep(f"dualkv_kernel_tune", cands, step_for, device, cfg.warmup, cfg.iters,
                      lambda ms, work=work: {"tflops": work / (ms * 1e-3) / 1e12})
