@@ -289,10 +289,11 @@ def _default_bwd_cfg(d_pad: int, dtype: torch.dtype):
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
     if d_pad == 128 and dtype == torch.bfloat16:
-        # launch-config probe (H200, GQA 32/8; BENCHMARKS.md, "DualKV attention op"): Q/dO through tensor descriptors,
-        # 2 stages: 2.945 / 14.98 ms at P=5059 mb=4 / P=8192 mb=16 against 3.197 / 15.59 for 64/128/8/3 without
-        # (dK/dV bitwise equal)
-        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2, TMA=True)
+        # launch-config sweeps (H200, GQA 32/8; BENCHMARKS.md, "DualKV attention op"): Q/dO through tensor
+        # descriptors, 2 stages; 64 keys with 4 warps (two programs share an SM, ~99 KB of shared memory each, so one
+        # program's softmax phase overlaps the other's MMAs) beat 128 keys with 8 warps by 4-7 % for the whole
+        # backward (plain and soft-capped)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True)
     if d_pad <= 128:  # H200 sweep (P=8K, N=16, D=128): 64/128/8/3 best of 13
         return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)
     return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)

@@ -30,8 +30,11 @@ FWD_CANDS = [(128, 128, 8, 3), (32, 128, 8, 3, True, True), (128, 64, 8, 3), (32
 # D 128, bf16), the dK/dV kernel with TMA Q/dO loads and 2 stages (the default at D 128, bf16).
 DQ_CANDS = [(128, 64, 8, 3), (32, 64, 8, 3, True, True), (128, 64, 8, 3, False, True), (32, 64, 8, 3, True),
             (128, 32, 8, 3), (128, 128, 8, 3)]
-DKDV_CANDS = [(64, 128, 8, 3), (64, 128, 8, 2, False, True), (64, 128, 8, 3, False, True), (64, 128, 8, 2),
-              (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
+# Round 5 (BENCHMARKS.md, DualKV op section): dK/dV over 64 keys with 4 warps and TMA (two programs per SM) is the
+# default at D 128, bf16; the two-programs-per-SM forward and dQ configs of that round lost to the defaults.
+DKDV_CANDS = [(64, 64, 4, 2, False, True), (64, 128, 8, 2, False, True), (64, 64, 4, 3, False, True),
+              (64, 64, 8, 2, False, True), (32, 64, 4, 2, False, True), (64, 128, 8, 3), (64, 64, 4, 3),
+              (128, 128, 8, 2)]
 
 
 def sweep(method: str, candidates: list, step_for: Callable, device, warmup: int, iters: int, nbytes_or_flops=None,
