@@ -26,6 +26,7 @@ import torch
 from torch.export import Dim
 
 from kvtransform.capture_rewrites import KNOWN_BLOCKER_LINES, KNOWN_BLOCKERS, capturable
+from kvtransform.utils import cache_kwarg
 
 
 class CaptureError(RuntimeError):
@@ -286,15 +287,6 @@ DECODE_INPUTS = ("input_ids", "cache_seqlens", "indices", "k_cache", "v_cache")
 PREFILL_INPUTS = ("input_ids", "position_ids", "cu_seqlens", "segment_prefix", "logits_index")
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """The name of the KV-cache argument of ``model.forward``: ``cache`` (transformers >= 5.2x) or
-    ``past_key_values`` (older 5.x)."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _recording_cache(past_keys: Optional[list] = None, past_values: Optional[list] = None):
     """A transformers ``DynamicCache`` whose ``update(k, v, layer)`` records the new post-RoPE K/V of every layer
     (``.new_keys`` / ``.new_values``, lists of ``(B, H_kv, S_new, D)``) and returns ``cat(past_l, new)`` along the
@@ -341,7 +333,7 @@ class DecodeStepForward(torch.nn.Module):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
-        self._cache_kw = _cache_kwarg(model)
+        self._cache_kw = cache_kwarg(model)
 
     def forward(self, input_ids, cache_seqlens, indices, k_cache, v_cache):
         n_layers, s_max = k_cache.shape[0], k_cache.shape[3]
@@ -415,7 +407,7 @@ class PrefillForward(torch.nn.Module):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
-        self._cache_kw = _cache_kwarg(model)
+        self._cache_kw = cache_kwarg(model)
 
     def forward(self, input_ids, position_ids, cu_seqlens, segment_prefix, logits_index):
         cache = _recording_cache()

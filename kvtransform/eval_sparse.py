@@ -33,6 +33,7 @@ import torch
 
 from .attention_probe import cache_probs, probing
 from .runtime.cache import KVCache
+from .utils import cache_kwarg
 
 __all__ = ["Trace", "DocumentTeacher", "run_head", "keep_mask", "recall_per_layer", "nll",
            "evaluate_head", "EvalSparseConfig", "run_eval", "write_results", "summarize", "markdown"]
@@ -74,12 +75,9 @@ class DocumentTeacher:
     def __init__(self, model, prefix_ids: torch.Tensor):
         from transformers import DynamicCache
 
-        import inspect
-
         self.model = model
         self.prefix_ids = prefix_ids
-        # transformers >= 5.x calls the cache argument ``cache`` (``past_key_values`` is deprecated there)
-        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_kw = cache_kwarg(model)
         self.P = int(prefix_ids.numel())
         self.cache = DynamicCache(config=model.config)
         dev = next(model.parameters()).device

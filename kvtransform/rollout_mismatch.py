@@ -55,6 +55,7 @@ import torch
 from .attention_probe import probing
 from .eval_sparse import _as_list, markdown
 from .runtime.cache import KVCache
+from .utils import cache_kwarg
 
 __all__ = ["Rollouts", "token_kl_logw", "summarize_tokens", "sample_rollouts", "decode_sparse", "score_dense",
            "counted", "table", "RolloutMismatchConfig", "run_rollout_mismatch", "write_results", "TIS_CAP"]
@@ -218,7 +219,7 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
     n = len(heads) * B
     rp = (torch.arange(B) // samples).to(dev)                            # prompt of each row of a head pair
     params = inspect.signature(model.forward).parameters
-    kw = "cache" if "cache" in params else "past_key_values"
+    kw = cache_kwarg(model)
     last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}   # the prompt's last logits only
     cache = DynamicCache(config=model.config)
     with probing(model) as probe:

@@ -26,6 +26,14 @@ def console(stderr: bool = False):
     return c
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name of the KV-cache argument of a Hugging Face model's ``forward`` (and ``generate``): ``cache``
+    (transformers >= 5.2x, where ``past_key_values`` is deprecated) or ``past_key_values`` (older 5.x)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def device_of(module: torch.nn.Module) -> torch.device:
     """The device of ``module``'s first parameter (or buffer); CPU for a module with neither."""
     for p in module.parameters():

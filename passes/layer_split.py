@@ -42,7 +42,16 @@ def split_decode_inputs(gm: torch.fx.GraphModule, num_layers: int,
         ValueError: the graph uses the stacked cache or the indices in a way this split cannot map (anything but
             per-layer ``select``, the attention's indices argument and size queries of batch, heads or head_dim).
     """
-    gm = copy.deepcopy(gm, memo={id(t): t for t in (*gm.parameters(), *gm.buffers())})
+    # the copy gets a flat signature below: copy it without the exported pytree codegen and share its (immutable)
+    # tree specs, which torch deep-copies through a deprecated path (a FutureWarning on every split)
+    source, codegen = gm, gm.graph._codegen
+    memo = {id(t): t for t in (*source.parameters(), *source.buffers())}
+    memo.update((id(spec), spec) for spec in (getattr(source, "_in_spec", None), getattr(source, "_out_spec", None)))
+    source.graph._codegen = torch.fx.graph.CodeGen()
+    try:
+        gm = copy.deepcopy(source, memo=memo)
+    finally:
+        source.graph._codegen = codegen
     g = gm.graph
     ph = {n.target: n for n in g.nodes if n.op == "placeholder"}
     need = ("input_ids", "cache_seqlens", "indices", "k_cache", "v_cache")

@@ -95,7 +95,9 @@ def test_packed_calls_are_checked_before_the_model_runs():
         with torch.no_grad():
             out = model(**{**kw, "use_cache": True})
         assert out.past_key_values is None
-    with pytest.raises(ValueError, match="without a KV cache"):
+    with pytest.raises(ValueError, match="without a KV cache: drop past_key_values"):
         model(**packed_inputs(tree), past_key_values=out.past_key_values or object())
+    with pytest.raises(ValueError, match="without a KV cache: drop cache"):  # the argument's newer name
+        model(**packed_inputs(tree), cache=object())
     kvt.integrations.transformers.disable(model)
     assert not model._forward_pre_hooks

@@ -155,10 +155,12 @@ def test_plan_memory_cli_throughput(tmp_path, capsys):
     assert f"batch 32 (the plan above): {mine:.4g} the most: batch {best.batch}: {rate:.4g} (" in out, out
     resident = plan_memory(model, head, batch=13, **sizes)  # the hand calculation's largest resident batch
     assert f"without offload: batch 13 (the largest resident): {tokens_per_second(resident, sm):.4g}" in out
-    for args, msg in ((["hbm_gbps=4200"], "link_gbps=0.0: the throughput model needs both hbm_gbps and link_gbps"),
-                      (["hbm_gbps=1e300", "link_gbps=42"], "hbm_gbps=1e+300: the throughput model needs both"),
-                      (["overlap=1.5"], "overlap=1.5 must be a fraction in [0, 1]"),
-                      (["gpu_factor=0.5"], "gpu_factor=0.5 must be >= 1 and finite"),
-                      (["host_gb=-1"], "host_gb=-1.0 must be GiB >= 0 and finite")):
+    for args, msg in ((["hbm_gbps=4200"], "link_gbps=0.0: the throughput model needs both rates > 0 (or neither)"),
+                      (["hbm_gbps=1e300", "link_gbps=42"], "hbm_gbps=1e+300 must be a number of GB/s from 0 to 1000000"),
+                      (["link_gbps=-3", "hbm_gbps=4200"], "link_gbps=-3.0 must be a number of GB/s from 0 to"),
+                      (["overlap=1.5"], "overlap=1.5 must be a fraction from 0 to 1"),
+                      (["overlap=nan"], "overlap=nan must be a fraction from 0 to 1"),
+                      (["gpu_factor=0.5"], "gpu_factor=0.5 must be a step's time over its floor from 1 to 1000000"),
+                      (["host_gb=-1"], "host_gb=-1.0 must be a number of GiB from 0 to 1048576 (0: no bound)")):
         rc, out, err = run(cmd + args)
         assert rc == 2 and err.count("error:") == 1 and msg in " ".join(err.split()), err

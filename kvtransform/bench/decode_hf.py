@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from kvtransform.utils import cache_kwarg
+
 from .decode_model import model_shape
 from .decode_sampling import per_step, timed_prefill
 from .timing import sync
@@ -49,8 +51,8 @@ def hf_seconds(model, method, ids, ctx, n, max_length, dtype, device, seed) -> f
     cache = hf_cache(model, method, ids.shape[0], ctx, max_length, dtype, device, seed)
     sync(device)
     t0 = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
-                   min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                   pad_token_id=0, eos_token_id=None, **{cache_kwarg(model): cache})
     sync(device)
     dt = time.perf_counter() - t0
     del cache
@@ -84,6 +86,6 @@ def prefill_hf(model, method, input_len, requests, prefill_tokens, max_length, d
         ids = torch.randint(3, model.config.vocab_size, (g, input_len), device=device)
         cache = DynamicCache() if method == "hf_sdpa" else StaticCache(config=model.config, max_cache_len=max_length)
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
 
     return timed_prefill(prefill, input_len, requests, prefill_tokens, device)

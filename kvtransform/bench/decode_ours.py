@@ -221,7 +221,7 @@ def throughput_plan(rt, top, input_len: int, output_len: int, free_bytes: int, c
     reads, _ = step_bytes(top, first, chunk)
     factor = max(1.0, ms_first / 1000 / (reads / hbm_bytes_per_s)) if not layers[0] else 1.0
     reads, _ = step_bytes(top, last, chunk)
-    moved = top.batch * layers[1] * min(top.budget, last) * top.model.kv_token_bytes * (1 - overlap)
+    moved = step_bytes(top, last + room, chunk)[1] * (1 - overlap)  # the layers on CPU at the run's capacity
     spent = ms_last / 1000 - factor * reads / hbm_bytes_per_s
     if spent <= 0 or moved <= 0:
         return top, (f"{largest} (the step with {layers[1]} layers on CPU, {ms_last:.3g} ms, is no slower than the "

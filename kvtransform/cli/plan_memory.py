@@ -14,38 +14,24 @@ __all__ = ["main"]
 
 
 def job(cfg: DictConfig) -> None:
-    from ..runtime.memory import plan_memory, run_plan_memory
+    from ..runtime.memory import GIB, plan_memory, run_plan_memory
     from ..runtime.throughput import StepModel, best_batch, tokens_per_second
 
-    rates = None  # checked before the model is read, one line per bad value
-    for key, ok, want in (("overlap", lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
-                          ("gpu_factor", lambda v: 1 <= v < float("inf"), ">= 1 and finite (a step over its floor)")):
-        v = cfg[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-            raise ValueError(f"{key}={v!r} must be {want}")
-    if cfg.hbm_gbps or cfg.link_gbps:
-        for key in ("hbm_gbps", "link_gbps"):
-            v = cfg[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v * 1e9 < float("inf"):
-                raise ValueError(f"{key}={v!r}: the throughput model needs both hbm_gbps and link_gbps as positive, "
-                                 f"finite GB/s (or neither)")
-        rates = StepModel(float(cfg.hbm_gbps) * 1e9, float(cfg.link_gbps) * 1e9, float(cfg.overlap),
-                          float(cfg.gpu_factor))
-    host = cfg.host_gb
-    if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host * 2 ** 30 < float("inf"):
-        raise ValueError(f"host_gb={host!r} must be GiB >= 0 and finite (0: no bound)")
-    plan = run_plan_memory(cfg)
+    plan = run_plan_memory(cfg)  # checks every setting, the throughput keys too, before the model is read
     console().print(plan.table(), soft_wrap=True)
-    if rates is None:
+    if not cfg.hbm_gbps:
         return
+    rates = StepModel(float(cfg.hbm_gbps) * 1e9, float(cfg.link_gbps) * 1e9, float(cfg.overlap),
+                      float(cfg.gpu_factor))
+    host = float(cfg.host_gb)
     kw = dict(gpu_bytes=plan.gpu_bytes, input_len=plan.input_len, output_len=plan.output_len, budget=plan.budget,
               reserve_bytes=plan.reserve_bytes)
-    best, rate = best_batch(plan.model, plan.head, rates, host_bytes=int(host * 2 ** 30), **kw)
+    best, rate = best_batch(plan.model, plan.head, rates, host_bytes=int(host * GIB), **kw)
     lines = [f"\nModelled decode tokens/s (decode steps only: the GPU step {cfg.gpu_factor:g}x its floor at "
              f"{cfg.hbm_gbps:g} GB/s, elastic loading at {cfg.link_gbps:g} GB/s, selection overlap {cfg.overlap:g}):",
              f"  batch {plan.batch} (the plan above): {tokens_per_second(plan, rates):.4g}",
              f"  the most: batch {best.batch}: {rate:.4g} ({len(best.offloaded_at(best.final_len))} layers on CPU by "
-             f"the last token, {best.pinned_bytes / 2 ** 30:.3g} GiB pinned)"]
+             f"the last token, {best.pinned_bytes / GIB:.3g} GiB pinned)"]
     if plan.max_batch_resident >= 1:
         resident = plan_memory(plan.model, plan.head, batch=plan.max_batch_resident, **kw)
         lines.append(f"  without offload: batch {resident.batch} (the largest resident): "

@@ -203,7 +203,8 @@ def _check_packed_call(model, args, kwargs):
     writes a cache (``use_cache`` is forced off: a cache of a packed batch mixes every branch's K/V).
 
     Raises:
-        ValueError: no ``position_ids``, ``position_ids`` or ids that disagree with the layout, ``past_key_values``.
+        ValueError: no ``position_ids``, ``position_ids`` or ids that disagree with the layout, a KV cache
+            (``past_key_values`` or ``cache``).
     """
     from kvtransform.layout import DualKVLayout
     from kvtransform.packing import check_packed
@@ -212,8 +213,9 @@ def _check_packed_call(model, args, kwargs):
     tree, cu, sp = (kwargs.get(k) for k in ("prefix_tree_layout", "cu_seqlens", "segment_prefix"))
     if tree is None and cu is None and sp is None:
         return None
-    if kwargs.get("past_key_values") is not None:
-        raise ValueError("a packed batch runs without a KV cache: drop past_key_values (and use_cache)")
+    for key in ("past_key_values", "cache"):  # (the cache argument's two names across transformers 5.x)
+        if kwargs.get(key) is not None:
+            raise ValueError(f"a packed batch runs without a KV cache: drop {key} (and use_cache)")
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError("a packed batch needs input_ids (1, T): call model(**kvt.integrations.transformers."

@@ -45,6 +45,7 @@ import torch
 
 GIB = 2 ** 30  # the memory settings (gpu_gb, head_gb, reserve_gb) and the printed plan are GiB, as CUDA reports memory
 MAX_GIB = 2 ** 20  # the largest memory setting accepted (1 PiB): far past any device, and finite in bytes
+MAX_GBPS = 1e6  # the largest rate accepted (1 PB/s)
 
 __all__ = ["ModelMemory", "HeadMemory", "MemoryPlan", "PlanMemoryConfig", "plan_memory", "run_plan_memory"]
 
@@ -321,16 +322,28 @@ def run_plan_memory(cfg) -> MemoryPlan:
     """The ``plan-memory`` job: build the plan of ``cfg`` (:class:`PlanMemoryConfig`).
 
     Raises:
-        ValueError: a bad dtype or size, an unreadable model, or a batch that does not fit (see :func:`plan_memory`).
+        ValueError: a bad dtype, size, rate or throughput setting, an unreadable model, or a batch that does not fit
+            (see :func:`plan_memory`).
     """
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     if cfg.dtype not in dtypes:
         raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(dtypes)}")
-    for key in ("gpu_gb", "head_gb", "reserve_gb"):
-        v, low = getattr(cfg, key), (1e-9 if key == "gpu_gb" else 0.0)  # 1e-9 GiB: one byte
-        gb = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else float("nan")
-        if not (low <= gb <= MAX_GIB):  # (nan, a bool, a string, None: not a number of GiB)
-            raise ValueError(f"{key}={v!r} must be a number of GiB from {low:g} to {MAX_GIB}")
+    # real numbers within a range, one line per bad value (nan, a bool, a string, None: not a number); the
+    # throughput keys only matter with both rates set (0: off)
+    gib, gbps = "a number of GiB", "a number of GB/s"
+    ranges = [("gpu_gb", gib, 1e-9, MAX_GIB, ""),  # 1e-9 GiB: one byte
+              ("head_gb", gib, 0, MAX_GIB, ""), ("reserve_gb", gib, 0, MAX_GIB, ""),
+              ("host_gb", gib, 0, MAX_GIB, " (0: no bound)"), ("overlap", "a fraction", 0, 1, ""),
+              ("gpu_factor", "a step's time over its floor", 1, 1e6, ""),
+              ("hbm_gbps", gbps, 0, MAX_GBPS, " (0: off)"), ("link_gbps", gbps, 0, MAX_GBPS, " (0: off)")]
+    for key, what, low, high, note in ranges:
+        v = getattr(cfg, key)
+        x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else float("nan")
+        if not (low <= x <= high):
+            raise ValueError(f"{key}={v!r} must be {what} from {low:.15g} to {high:.15g}{note}")
+    if (cfg.hbm_gbps > 0) != (cfg.link_gbps > 0):
+        raise ValueError(f"hbm_gbps={cfg.hbm_gbps!r}, link_gbps={cfg.link_gbps!r}: the throughput model needs both "
+                         f"rates > 0 (or neither)")
     for key in ("batch", "input_len", "output_len", "budget"):  # before the model loads
         v = getattr(cfg, key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
