@@ -387,3 +387,20 @@ def test_compiled_layer_rows_on_cpu(tmp_path):
     assert set(methods.COMPILED) <= set(methods.methods_for(cfg, torch.device("cuda"), 20))
     (_, acfg), = compose_jobs("dualkv-attn", ["P=11", "mb=2"] + TINY)
     assert not set(methods.COMPILED) & set(methods.methods_for(acfg, torch.device("cuda"), 20))
+
+
+def test_csv_keeps_counts_whole(tmp_path):
+    """A count column that some rows lack (NaN there) is written as whole numbers, also after an append merges an
+    older file; a measured float column stays float."""
+    path = str(tmp_path / "results.csv")
+    rows = [dict(suite="decode", mode="gen", method="dense", params="a", requests=12, offloaded_layers=None,
+                 ms_p50=1.5),
+            dict(suite="decode", mode="gen", method="specontext_offload", params="b", requests=14, offloaded_layers=4,
+                 ms_p50=2.0)]
+    report.write_csv(rows, path)
+    report.write_csv(rows[:1], path, append=True)
+    lines = open(path).read().splitlines()
+    header = lines[0].split(",")
+    cells = [dict(zip(header, line.split(","))) for line in lines[1:]]
+    assert sorted((c["requests"], c["offloaded_layers"], c["ms_p50"]) for c in cells) == [("12", "", "1.5"),
+                                                                                            ("14", "4", "2.0")]

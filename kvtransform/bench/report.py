@@ -23,6 +23,9 @@ COLUMNS = ["suite", "mode", "method", "op", "impl", "pass", "params", "P", "mb",
            "pct_read", "tflops", "floor_ms", "check_rel_err", "check_vs", "status", "device", "commit", "torch",
            "dtype", "timestamp", "cmd"]
 KEY = ["suite", "mode", "method", "pass", "params"]
+#: counts that a column of mixed rows (NaN where a row has none) would otherwise write as floats ("12.0")
+_COUNTS = ["P", "mb", "T", "T_packed", "T_replicated", "S", "batch", "budget", "iters", "requests", "context", "input",
+           "output", "prefill_group", "paper_requests", "offloaded_layers"]
 _TEXT = ["suite", "mode", "method", "op", "impl", "pass", "params", "status", "device", "commit", "torch", "dtype",
          "timestamp", "cmd", "check_vs"]
 
@@ -126,6 +129,16 @@ def write_csv(rows: List[dict], path: str, append: bool = False):
         old = read_csv(path)
         df = pd.concat([old, df], ignore_index=True)
         df = df.drop_duplicates(subset=KEY, keep="last").reset_index(drop=True)
+    for c in _COUNTS:  # whole numbers stay whole in the file (pandas' nullable integers keep the gaps empty)
+        if c not in df.columns or pd.api.types.is_integer_dtype(df[c]):
+            continue
+        try:
+            col = pd.to_numeric(df[c])
+        except (TypeError, ValueError):  # not all numbers: written as they are
+            continue
+        v = col.dropna()
+        if len(v) and (v == v.round()).all() and v.abs().max() < 2 ** 53:
+            df[c] = col.astype("Int64")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     df.to_csv(path, index=False)
     return df
