@@ -49,30 +49,6 @@ def _tanh(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _exp2_fma(x):
-    """``2**x`` for ``x <= 0`` on the FMA and integer pipes instead of the MUFU (FlashAttention-4's software
-    exponent): ``x = j + f`` with ``j`` rounded by the 1.5 * 2**23 shift and ``f`` in [-0.5, 0.5], ``2**f`` from a
-    cubic (relative error <= 7.5e-5, below a 16-bit P's rounding), ``j`` added to the exponent bits. ``x`` below
-    -126 gives ~1e-38, not 0: callers use it on unmasked scores only, or mask after."""
-    x = tl.maximum(x, -126.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = 0.9999280725589672 + f * (0.6932609893881859 + f * (0.2426111398979417 + f * 0.055171656558748304))
-    return (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_mixed(x, FMA_HALF: tl.constexpr):
-    """``2**x`` of a score tile; with ``FMA_HALF`` every second column through :func:`_exp2_fma`, the rest through
-    the MUFU, so that a soft-capped tile's two MUFU operations per score (``tanh`` and ``exp2``) become 1.5."""
-    if FMA_HALF:
-        a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        return tl.reshape(tl.join(tl.math.exp2(a), _exp2_fma(b)), [x.shape[0], x.shape[1]])
-    else:
-        return tl.math.exp2(x)
-
-
-@triton.jit
 def _keep(k_idx, kbound, q_idx, qpos, POS, window, KEYS_ON_AXIS1: tl.constexpr, CAUSAL: tl.constexpr,
           WMASK: tl.constexpr):
     """The kept (query, key) pairs of one tile: keys ``< kbound``, causal (key <= query) and within the window
@@ -156,8 +132,8 @@ def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_
             m_use = m_new
         if SCALE_POS:
             p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        else:  # (masked tiles keep the MUFU exponent: exp2(-inf) is exactly 0)
-            p = _exp2_mixed(qk - m_use[:, None], SOFTCAP and FAST_TANH and not (MASK_K or WMASK))
+        else:
+            p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -340,7 +316,7 @@ def _bwd_dq_inner(dq, rsum, q, do, lse2, delta, q_idx, qpos, k_base, v_base, str
             qk = th * cap2
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = _exp2_mixed(qk - lse2[:, None], SOFTCAP and FAST_TANH)  # (masked after)
+        p = tl.math.exp2(qk - lse2[:, None])
         if MASK_K or WMASK:
             p = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), p, 0.0)
         if SOFTCAP:  # d tanh: folded into p before the next dot, so no extra tile stays live across it
@@ -448,7 +424,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, k_idx, kpos, q_base, do_base, lse_base, delta_
             qkT = thT * cap2
         else:
             qkT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-        pT = _exp2_mixed(qkT - lse2[None, :], SOFTCAP and FAST_TANH)  # (masked after)
+        pT = tl.math.exp2(qkT - lse2[None, :])
         if MASK_Q or WMASK:
             pT = tl.where(_keep(k_idx, qbound, q_idx, kpos, POS, window, False, CAUSAL, WMASK), pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)

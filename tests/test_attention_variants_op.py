@@ -12,11 +12,8 @@ import os
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import kvtransform  # noqa: F401  registers torch.ops.kvt.*
-from kvtransform.kernels.attention_tiles import _exp2_mixed
 from kvtransform.kernels import dualkv_reference as R
 from kvtransform.kernels import prefix_tree as KT
 from kvtransform.ops import dualkv as dualkv_ops
@@ -348,28 +345,3 @@ def test_scale_and_causal_passed_by_position_are_named():
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match=r"attn_mask must be a tensor or None; got float \(the order is q, k, v"):
         kvtransform.attention(q, q, q, 0.25, True)
-
-
-@triton.jit
-def _exp2_kernel(X, Y, M: tl.constexpr, N: tl.constexpr):
-    offs = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
-    tl.store(Y + offs, _exp2_mixed(tl.load(X + offs), True))
-
-
-def test_exp2_half_on_the_fma_pipes():
-    """``_exp2_mixed(x, FMA_HALF=True)`` (the soft-capped kernels' exponent on the GPU for 16-bit inputs: every
-    second column through the software ``_exp2_fma``) keeps the tile's column order, gives ``exp2`` exactly on the
-    other columns and within 7.5e-5 relative on the software ones over [-125, 0], and a tiny positive number, not
-    NaN, far below (the callers mask such entries or never produce them)."""
-    torch.manual_seed(0)
-    x = -torch.rand(16, 32, dtype=torch.float64) * 126
-    x[0, :8] = torch.tensor([0.0, -0.5, -0.49999, -1e-7, -125.99, -126.0, -300.0, -1e30], dtype=torch.float64)
-    x32 = x.float()
-    y = torch.empty_like(x32)
-    _exp2_kernel[(1,)](x32, y, 16, 32)
-    want = torch.exp2(x32.double())
-    rel = ((y.double() - want) / want.clamp_min(1e-300)).abs()
-    assert rel[:, 0::2][x32[:, 0::2] >= -126].max() < 1e-6  # the other columns: exp2 itself (to its rounding)
-    odd = rel[:, 1::2][x32[:, 1::2] >= -125]  # (at -126 the exponent add lands on a subnormal: 1.4e-4 there)
-    assert odd.max() <= 7.5e-5, odd.max()
-    assert (y[:, 1::2] > 0).all() and torch.isfinite(y).all() and (y[0, 6:8] < 1.2e-38).all()
