@@ -164,3 +164,51 @@ def test_plan_memory_cli_throughput(tmp_path, capsys):
                       (["host_gb=-1"], "host_gb=-1.0 must be a number of GiB from 0 to 1048576 (0: no bound)")):
         rc, out, err = run(cmd + args)
         assert rc == 2 and err.count("error:") == 1 and msg in " ".join(err.split()), err
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("num_hidden_layers", 0, "num_hidden_layers=0 must be an integer >= 1"),
+    ("num_key_value_heads", 0, "num_key_value_heads=0 must be an integer >= 1"),
+    ("hidden_size", 0, "head_dim=0 (hidden_size / num_attention_heads where not given) must be"),
+    ("num_hidden_layers", "32", "expected int, got str")])
+def test_plan_memory_bad_model_config(tmp_path, capsys, field, value, msg):
+    """A config.json whose sizes the memory model divides by: one error line naming the field (it was a
+    ZeroDivisionError or a transformers traceback)."""
+    from kvtransform.cli import main
+
+    cfg = dict(LLAMA3_8B, architectures=["LlamaForCausalLM"], model_type="llama", **{field: value})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["plan-memory", str(tmp_path)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and err.count("error:") == 1 and msg in err and "Traceback" not in err, err
+
+
+def test_plan_memory_limits_from_python_and_the_context_window(tmp_path, capsys):
+    """NumPy integers are sizes like ints; bad ModelMemory / HeadMemory fields are one line; a request past the
+    model's context window is refused; a huge GPU with tiny requests (10^8 rows fit) plans in seconds."""
+    import time
+
+    import numpy as np
+
+    from kvtransform.cli import main
+    from kvtransform.runtime.throughput import StepModel, best_batch
+
+    model = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)
+    assert model.max_positions == transformers.LlamaConfig(**LLAMA3_8B).max_position_embeddings
+    sizes = dict(gpu_bytes=np.int64(80 * 2 ** 30), input_len=np.int64(2048), output_len=2048, budget=np.int32(512))
+    assert plan_memory(model, HeadMemory(), batch=np.int64(3), **sizes).batch == 3
+    for bad, msg in ((lambda: HeadMemory(token_bytes=-1), "HeadMemory.token_bytes=-1 must be an integer >= 0"),
+                     (lambda: ModelMemory(1, 0, 8, 128, 2), "ModelMemory.num_layers=0 must be an integer >= 1"),
+                     (lambda: ModelMemory(-5, 32, 8, 128, 2), "ModelMemory.weight_bytes=-5 must be an integer >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            bad()
+    cfg = dict(LLAMA3_8B, architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=8192)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit):
+        main(["plan-memory", str(tmp_path), "input_len=4096", "output_len=4097"])
+    assert "8193 tokens is past the model's context window (8192" in " ".join(capsys.readouterr().err.split())
+    t0 = time.perf_counter()
+    plan, rate = best_batch(model, HeadMemory(), StepModel(4200e9, 42e9), gpu_bytes=100_000 * 2 ** 30, input_len=1,
+                            output_len=1, budget=1)
+    assert plan.batch > 10 ** 8 and rate > 0 and time.perf_counter() - t0 < 30

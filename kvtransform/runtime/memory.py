@@ -58,6 +58,10 @@ class ModelMemory:
         weight_bytes: bytes of all parameters (``W``).
         num_layers, num_kv_heads, head_dim: ``L``, ``H_kv``, ``D``.
         kv_dtype_bytes: bytes per element of the KV cache (``e``: 2 for bf16/fp16, 4 for fp32).
+        max_positions: the model's context window (``max_position_embeddings``; 0: unknown).
+
+    Raises:
+        ValueError: a field that is not an integer (``weight_bytes``, ``max_positions`` >= 0, the others >= 1).
     """
 
     weight_bytes: int
@@ -65,6 +69,11 @@ class ModelMemory:
     num_kv_heads: int
     head_dim: int
     kv_dtype_bytes: int
+    max_positions: int = 0
+
+    def __post_init__(self):
+        _check_counts(self, ("weight_bytes", "max_positions"), ("num_layers", "num_kv_heads", "head_dim",
+                                                                "kv_dtype_bytes"))
 
     @property
     def kv_token_bytes(self) -> int:
@@ -76,6 +85,7 @@ class ModelMemory:
         """From an instantiated HF causal LM (real or on the ``meta`` device): weights counted from its parameters
         (tied embeddings once), the KV dtype is the parameters' dtype."""
         cfg = model.config
+        _check_config(cfg)
         seen, weight = set(), 0
         for p in model.parameters():
             if id(p) not in seen:
@@ -85,7 +95,8 @@ class ModelMemory:
         return cls(weight_bytes=weight, num_layers=int(cfg.num_hidden_layers),
                    num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
                    head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
-                   kv_dtype_bytes=torch.empty((), dtype=dtype).element_size())
+                   kv_dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+                   max_positions=int(getattr(cfg, "max_position_embeddings", None) or 0))
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype = torch.bfloat16) -> "ModelMemory":
@@ -93,6 +104,7 @@ class ModelMemory:
         its parameters in ``dtype``."""
         import transformers
 
+        _check_config(config)  # (before transformers divides by them)
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         return cls.from_model(model)
@@ -107,6 +119,32 @@ class HeadMemory:
     weight_bytes: int = 0
     token_bytes: int = 0
     resident_layers: int = 0
+
+    def __post_init__(self):
+        _check_counts(self, ("weight_bytes", "token_bytes", "resident_layers"), ())
+
+
+def _check_counts(obj, non_negative, positive) -> None:
+    """One line for a field of ``obj`` that is not an integer ``>= 0`` (``non_negative``) or ``>= 1``
+    (``positive``); NumPy integers count as integers."""
+    for names, low in ((non_negative, 0), (positive, 1)):
+        for key in names:
+            v = getattr(obj, key)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+                raise ValueError(f"{type(obj).__name__}.{key}={v!r} must be an integer >= {low}")
+
+
+def _check_config(cfg) -> None:
+    """The config fields the memory model reads: one line naming a missing, non-integer or non-positive one."""
+    need = ["num_hidden_layers", "num_attention_heads"] + [k for k in ("num_key_value_heads", "head_dim")
+                                                           if getattr(cfg, k, None) is not None]
+    if getattr(cfg, "head_dim", None) is None:
+        need.append("hidden_size")
+    for key in need:
+        v = getattr(cfg, key, None)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            what = " (hidden_size / num_attention_heads where not given)" if key == "head_dim" else ""
+            raise ValueError(f"model config: {key}={v!r}{what} must be an integer >= 1 (fix the model's config.json)")
 
 
 @dataclass
@@ -210,10 +248,15 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
             gives the largest batch that fits and the GPU memory the requested one needs).
     """
     sizes = dict(gpu_bytes=gpu_bytes, batch=batch, input_len=input_len, output_len=output_len, budget=budget)
-    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
-    if bad or reserve_bytes < 0:
-        raise ValueError(f"plan_memory needs positive integer sizes (bytes, tokens, rows); got "
-                         f"{bad or {'reserve_bytes': reserve_bytes}}")
+    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1}
+    if not bad and (isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, numbers.Integral)
+                    or reserve_bytes < 0):
+        bad = {"reserve_bytes": reserve_bytes}
+    if bad:
+        raise ValueError(f"plan_memory needs positive integer sizes (bytes, tokens, rows; reserve_bytes >= 0); got "
+                         f"{bad}")
+    gpu_bytes, batch, input_len, output_len, budget, reserve_bytes = (int(x) for x in (
+        gpu_bytes, batch, input_len, output_len, budget, reserve_bytes))
     c, L, ch = model.kv_token_bytes, model.num_layers, head.token_bytes
     pin = min(max(int(head.resident_layers), 0), L)  # layers that never move
     S = input_len + output_len
@@ -226,7 +269,7 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
                       max_batch=int(max_batch), max_batch_resident=int(max_resident))
     if batch > max_batch:
         need = max(_m_k(model, head, reserve_bytes, batch, budget, input_len, 0),
-                   _m_k(model, head, reserve_bytes, batch, budget, S, L - pin))
+                   _m_k(model, head, reserve_bytes, batch, min(budget, S), S, L - pin))  # no more slots than tokens
         which = ("every layer's KV" if not pin else "no layer's KV (the retrieval head reads every layer)" if pin >= L
                  else f"the KV of every layer but the {pin} the retrieval head reads")
         if max_batch < 1:  # not even one row: the fixed part (weights, head, reserve) or one row leaves no room
@@ -311,10 +354,10 @@ def _model_memory(name: str, dtype: torch.dtype) -> ModelMemory:
 
     try:
         config = transformers.AutoConfig.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a missing path, bad JSON, a field transformers' validation refuses
+        why = " ".join(line.strip() for line in str(e).splitlines()[:2])
         raise ValueError(f"cannot read the config of model {name!r}: give a registry name, a local directory with "
-                         f"config.json or a hub id in the local Hugging Face cache ({str(e).splitlines()[0]})") \
-            from None
+                         f"a valid config.json or a hub id in the local Hugging Face cache ({why})") from None
     return ModelMemory.from_config(config, dtype)
 
 
@@ -346,14 +389,17 @@ def run_plan_memory(cfg) -> MemoryPlan:
                          f"rates > 0 (or neither)")
     for key in ("batch", "input_len", "output_len", "budget"):  # before the model loads
         v = getattr(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise ValueError(f"{key}={v!r} must be an integer >= 1")
     for key in ("head_token_bytes", "head_resident_layers"):
         v = getattr(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
             raise ValueError(f"{key}={v!r} must be an integer >= 0")
     name = cfg.model.name if hasattr(cfg.model, "name") else cfg.model
     mm = _model_memory(str(name), dtypes[cfg.dtype])
+    if mm.max_positions and cfg.input_len + cfg.output_len > mm.max_positions:
+        raise ValueError(f"input_len + output_len = {cfg.input_len + cfg.output_len} tokens is past the model's "
+                         f"context window ({mm.max_positions}, max_position_embeddings): shorten [input, output]")
     if cfg.head_resident_layers > mm.num_layers:
         raise ValueError(f"head_resident_layers={cfg.head_resident_layers} is more than the model's "
                          f"{mm.num_layers} layers: give 0 to {mm.num_layers} (1 for the self head)")

@@ -109,8 +109,10 @@ def best_batch(model: ModelMemory, head: HeadMemory, sm: StepModel, *, gpu_bytes
     """``(plan, tokens/s)``: of the batches that fit with offload (Eq. 8), at most ``max_batch`` (0: no bound) and
     with at most ``host_bytes`` of pinned CPU memory at the last token (``MemoryPlan.pinned_bytes``; 0: no bound),
     the one whose :func:`plan_memory` plan has the most modelled tokens/s (:func:`tokens_per_second`); ties go to
-    the smaller batch (less memory for the same rate). Every batch up to 512 is scored; past that a grid 1 % apart,
-    then every batch between the best grid point's neighbours (short requests can fit 10^5 rows).
+    the smaller batch (less memory for the same rate). A search, not a proof of the maximum (the rate is not
+    unimodal in the batch: layer moves are steps): every batch up to 512 is scored, past that a grid 1 % apart, then
+    finer grids between the best point's neighbours down to every batch there (short requests can fit 10^7 rows:
+    a few thousand plans at most).
 
     Raises:
         ValueError: ``max_batch`` or ``host_bytes`` not an integer >= 0, or not even one row fits
@@ -133,7 +135,8 @@ def best_batch(model: ModelMemory, head: HeadMemory, sm: StepModel, *, gpu_bytes
         one = plan_memory(model, head, batch=1, **kw).pinned_bytes
         if one > host_bytes:
             raise ValueError(f"one row needs {one / 2**30:.3g} GiB of pinned CPU memory, more than the "
-                             f"{host_bytes / 2**30:.3g} GiB allowed: raise the host memory bound or the GPU memory")
+                             f"{host_bytes / 2**30:.3g} GiB allowed: raise the host memory bound (host_bytes; "
+                             f"plan-memory's host_gb) or the GPU memory (gpu_bytes; gpu_gb)")
         top = lo
     scored = {}
 
@@ -146,9 +149,14 @@ def best_batch(model: ModelMemory, head: HeadMemory, sm: StepModel, *, gpu_bytes
     grid = list(range(1, min(top, 512) + 1))
     while grid[-1] < top:
         grid.append(min(top, max(grid[-1] + 1, int(grid[-1] * 1.01))))
-    best = max(grid, key=lambda b: (score(b)[1], -b))
-    i = grid.index(best)
-    for b in range(grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)] + 1):
+    while True:  # zoom in between the best point's neighbours, at most 512 plans a round
+        best = max(grid, key=lambda b: (score(b)[1], -b))
+        i = grid.index(best)
+        lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+        if hi - lo <= 512:
+            break
+        grid = sorted({lo, hi, best} | {lo + (hi - lo) * j // 256 for j in range(257)})
+    for b in range(lo, hi + 1):
         score(b)
     b = max(scored, key=lambda b: (scored[b][1], -b))
     return scored[b]
