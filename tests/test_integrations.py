@@ -99,5 +99,23 @@ def test_packed_calls_are_checked_before_the_model_runs():
         model(**packed_inputs(tree), past_key_values=out.past_key_values or object())
     with pytest.raises(ValueError, match="without a KV cache: drop cache"):  # the argument's newer name
         model(**packed_inputs(tree), cache=object())
+    # the backbone called directly is checked too; positional arguments count as given; one check per call
+    import kvtransform.packing as packing
+
+    kw = packed_inputs(tree)
+    with pytest.raises(ValueError, match="position_ids=batch.position_ids"):
+        model.model(kw["input_ids"], prefix_tree_layout=tree.layout)
+    with pytest.raises(ValueError, match="without a KV cache: drop past_key_values"):
+        model.model(**kw, past_key_values=object())
+    calls = []
+    real = packing.check_packed
+    packing.check_packed = lambda *a: (calls.append(1), real(*a))[1]
+    try:
+        with torch.no_grad():
+            want = model(**kw).logits
+            got = model(kw["input_ids"], None, kw["position_ids"], prefix_tree_layout=tree.layout).logits
+    finally:
+        packing.check_packed = real
+    assert torch.equal(got, want) and len(calls) == 1  # the second call's inputs were checked by the first
     kvt.integrations.transformers.disable(model)
-    assert not model._forward_pre_hooks
+    assert not model._forward_pre_hooks and not model.model._forward_pre_hooks

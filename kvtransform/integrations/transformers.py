@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 
@@ -196,11 +197,44 @@ def packed_inputs(batch) -> dict:
                      f"(kvt.pack_trajectories); got {type(batch).__name__}")
 
 
+def _call_arguments(module, args, kwargs) -> dict:
+    """The call's arguments by name (positional ones bound to ``module.forward``'s parameters, ``**kwargs``
+    flattened)."""
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except TypeError:  # the forward itself will say what is wrong
+        return dict(kwargs, **({"input_ids": args[0]} if args else {}))
+    named = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            named[name] = value
+    return named
+
+
+#: The inputs of the last packed call that passed :func:`_check_packed_call` (weak references and the tensors'
+#: version counters): the backbone's own hook, called by the top model with the same objects, does not check again.
+_last_checked: list = []
+
+
+def _ref(obj):
+    return (lambda: None) if obj is None else weakref.ref(obj)
+
+
+def _checked_already(objs) -> bool:
+    return len(_last_checked) == len(objs) and all(
+        ref() is o and ver == getattr(o, "_version", None) for (ref, ver), o in zip(_last_checked, objs))
+
+
 def _check_packed_call(model, args, kwargs):
-    """Forward pre-hook that :func:`enable` installs: a call with a packed layout (``prefix_tree_layout``, or
-    ``cu_seqlens``/``segment_prefix``) must bring the batch's ``position_ids`` (without them transformers numbers the
-    packed axis 0..T-1, a silently wrong answer), ids inside the vocabulary, and no KV cache; such a call never
-    writes a cache (``use_cache`` is forced off: a cache of a packed batch mixes every branch's K/V).
+    """Forward pre-hook that :func:`enable` installs on the model and on every transformers model inside it (a
+    direct call of the backbone, ``model.model(...)``, is checked too): a call with a packed layout
+    (``prefix_tree_layout``, or ``cu_seqlens``/``segment_prefix``) must bring the batch's ``position_ids`` (without
+    them transformers numbers the packed axis 0..T-1, a silently wrong answer), ids inside the vocabulary, and no KV
+    cache; such a call never writes a cache (``use_cache`` is forced off: a cache of a packed batch mixes every
+    branch's K/V). Arguments given by position count as given (the call continues with every argument by name).
 
     Raises:
         ValueError: no ``position_ids``, ``position_ids`` or ids that disagree with the layout, a KV cache
@@ -210,30 +244,36 @@ def _check_packed_call(model, args, kwargs):
     from kvtransform.packing import check_packed
     from kvtransform.tree_layout import PrefixTreeLayout
 
-    tree, cu, sp = (kwargs.get(k) for k in ("prefix_tree_layout", "cu_seqlens", "segment_prefix"))
+    if not {"prefix_tree_layout", "cu_seqlens", "segment_prefix"} & set(kwargs):
+        return None  # (a forward takes the layout through **kwargs only: by name)
+    named = _call_arguments(model, args, kwargs)
+    tree, cu, sp = (named.get(k) for k in ("prefix_tree_layout", "cu_seqlens", "segment_prefix"))
     if tree is None and cu is None and sp is None:
         return None
     for key in ("past_key_values", "cache"):  # (the cache argument's two names across transformers 5.x)
-        if kwargs.get(key) is not None:
+        if named.get(key) is not None:
             raise ValueError(f"a packed batch runs without a KV cache: drop {key} (and use_cache)")
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    input_ids, position_ids = named.get("input_ids"), named.get("position_ids")
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError("a packed batch needs input_ids (1, T): call model(**kvt.integrations.transformers."
                          "packed_inputs(batch))")
-    if kwargs.get("position_ids") is None:
+    if position_ids is None:
         raise ValueError("a packed batch needs position_ids=batch.position_ids (each segment continues its parent's "
                          "positions): call model(**kvt.integrations.transformers.packed_inputs(batch))")
-    if isinstance(tree, PrefixTreeLayout) and cu is None and sp is None:
-        layout = tree
-    elif tree is None and isinstance(cu, torch.Tensor) and isinstance(sp, torch.Tensor):
-        try:
-            layout = DualKVLayout.from_tensors(cu, sp)
-        except ValueError as e:
-            raise ValueError(f"invalid packed layout: {e}") from None
-    else:
-        return None  # the attention function names what is wrong with the layout arguments
-    check_packed(input_ids, kwargs["position_ids"], layout, getattr(model.config, "vocab_size", None))
-    return args, {**kwargs, "use_cache": False}
+    objs = (input_ids, position_ids, tree, cu, sp)
+    if not _checked_already(objs):
+        if isinstance(tree, PrefixTreeLayout) and cu is None and sp is None:
+            layout = tree
+        elif tree is None and isinstance(cu, torch.Tensor) and isinstance(sp, torch.Tensor):
+            try:
+                layout = DualKVLayout.from_tensors(cu, sp)
+            except ValueError as e:
+                raise ValueError(f"invalid packed layout: {e}") from None
+        else:
+            return None  # the attention function names what is wrong with the layout arguments
+        check_packed(input_ids, position_ids, layout, getattr(model.config, "vocab_size", None))
+        _last_checked[:] = [(_ref(o), getattr(o, "_version", None)) for o in objs]
+    return (), {**named, "use_cache": False}
 
 
 def dualkv_mask(*args, **kwargs):
@@ -301,8 +341,11 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
         model.set_attn_implementation(ATTENTION_NAME)
     else:  # pragma: no cover - older transformers
         cfg._attn_implementation = ATTENTION_NAME
-    if getattr(model, "_kvt_packed_hook", None) is None:
-        model._kvt_packed_hook = model.register_forward_pre_hook(_check_packed_call, with_kwargs=True)
+    if getattr(model, "_kvt_packed_hook", None) is None:  # the model and each transformers model in it
+        from transformers import PreTrainedModel
+
+        model._kvt_packed_hook = [m.register_forward_pre_hook(_check_packed_call, with_kwargs=True)
+                                  for m in model.modules() if m is model or isinstance(m, PreTrainedModel)]
     return model
 
 
@@ -333,8 +376,9 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
         else:  # pragma: no cover
             model.config._attn_implementation = prev
         del model._kvt_previous_attn
-    hook = getattr(model, "_kvt_packed_hook", None)
-    if hook is not None:
-        hook.remove()
+    hooks = getattr(model, "_kvt_packed_hook", None)
+    if hooks is not None:
+        for hook in hooks:
+            hook.remove()
         del model._kvt_packed_hook
     return model
