@@ -141,6 +141,19 @@ def test_offload_refuses_heads_that_read_every_layer():
         sp.generate(torch.randint(3, 100, (1, 12)), max_new_tokens=2)
 
 
+@pytest.mark.parametrize("key,value,msg", [("gpu_memory_bytes", float("nan"), r"gpu_memory_bytes=nan must be an "),
+                                           ("gpu_memory_bytes", True, r"gpu_memory_bytes=True must be an integer"),
+                                           ("gpu_memory_bytes", "1e9", r"gpu_memory_bytes='1e9' must be an integer"),
+                                           ("offload_chunk", 0, r"offload_chunk=0 must be an integer >= 1")])
+def test_offload_settings_are_checked(key, value, msg):
+    """The runtime's offload settings from Python: one line naming the attribute (they were int() errors)."""
+    sp = kvt.transform(tiny_model("llama"), kvt.SpeContextConfig(budget=8, head="recent"), progress=False)
+    sp.runtime.offload, sp.runtime.gpu_memory_bytes = True, 10 ** 9
+    setattr(sp.runtime, key, value)
+    with pytest.raises(ValueError, match="runtime." + msg):
+        sp.generate(torch.randint(3, 100, (1, 12)), max_new_tokens=2)
+
+
 def test_slot_map_moves_only_entering_entries():
     sm = SlotMap(1, 1, 4, 16, "cpu")
     slot_of, pos, slot, enter = sm.update(torch.tensor([[[3, 5, -1, -1]]], dtype=torch.int32))

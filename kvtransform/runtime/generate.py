@@ -326,7 +326,7 @@ class SpeContextRuntime:
         if plan is not None:
             from .offload import LayerReady, OffloadEngine, initial_capacity
 
-            chunk = max(1, int(self.offload_chunk))
+            chunk = int(self.offload_chunk)
             cache, logits = self.prefill(rows, longest + max_new_tokens, device,
                                          initial_capacity(plan, longest, longest + max_new_tokens, chunk))
             engine = OffloadEngine(cache, plan, int(self.head.budget), chunk, self.programs.layer_split(LayerReady))

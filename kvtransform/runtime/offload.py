@@ -40,6 +40,7 @@ stream and the events are no-ops and the copies run :func:`~kvtransform.kernels.
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from typing import Optional
 
@@ -469,8 +470,17 @@ def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: O
     CUDA: free memory now plus what is already allocated).
 
     Raises:
-        ValueError: no ``gpu_bytes`` on the CPU stand-in, or a batch that does not fit (see :func:`plan_memory`).
+        ValueError: no ``gpu_bytes`` on the CPU stand-in, a ``gpu_bytes`` or ``runtime.offload_chunk`` that is not
+            an integer >= 1, or a batch that does not fit (see :func:`plan_memory`).
     """
+    def whole(v):
+        return not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= 1
+
+    if not whole(runtime.offload_chunk):
+        raise ValueError(f"runtime.offload_chunk={runtime.offload_chunk!r} must be an integer >= 1 (tokens)")
+    if gpu_bytes is not None and not whole(gpu_bytes):
+        raise ValueError(f"runtime.gpu_memory_bytes={gpu_bytes!r} must be an integer >= 1 (bytes; None: on CUDA, "
+                         f"the free memory at the start)")
     mm, head = plan_inputs(runtime)
     if gpu_bytes is None:
         if not torch.cuda.is_available():
