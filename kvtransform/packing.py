@@ -51,6 +51,10 @@ def _as_ids(x: TokenIds, what: str, vocab_size: Optional[int]) -> torch.Tensor:
             raise ValueError(f"{what} must be 1-D token ids; got a NumPy array of shape {tuple(x.shape)}")
         if x.dtype.kind not in "iu":
             raise ValueError(f"{what} must hold integer token ids; got NumPy dtype {x.dtype}")
+        if x.dtype.kind == "u" and x.size and int(x.max()) > 2 ** 63 - 1:  # (astype would wrap it negative)
+            j = int(x.argmax())
+            raise ValueError(f"{what}: element {j} is {int(x[j])}, outside int64: token ids are vocabulary indices "
+                             f"(>= 0)")
         x = torch.tensor(x.astype("int64"))
     if isinstance(x, torch.Tensor):
         if x.dim() != 1:

@@ -240,6 +240,8 @@ def test_loss_masks():
     (dict(seqs=[[1, 2]], loss_masks=[{True, False}]), r"loss_masks\[0\] is a set \(unordered\)"),
     (dict(seqs=[[1, 2]], loss_masks={(True, True)}), "loss_masks must be a list"),
     (dict(seqs={(1, 2)}), "pass a list, not a set"), (dict(seqs=[[1, 2 ** 64]]), "outside int64"),
+    (dict(seqs=[__import__("numpy").array([3, 2 ** 63 + 5], dtype="uint64")]),
+     "element 1 is 9223372036854775813, outside int64"),  # (not wrapped to a negative id)
 ])
 def test_pack_refuses_malformed_input_in_one_line(kwargs, match):
     one_line_error(lambda: kvt.pack_trajectories(**kwargs), match)
