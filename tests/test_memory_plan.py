@@ -208,6 +208,11 @@ def test_plan_memory_limits_from_python_and_the_context_window(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(["plan-memory", str(tmp_path), "input_len=4096", "output_len=4097"])
     assert "8193 tokens is past the model's context window (8192" in " ".join(capsys.readouterr().err.split())
+    (tmp_path / "config.json").write_text(json.dumps(transformers.T5Config().to_dict()))  # not a causal LM
+    with pytest.raises(SystemExit):
+        main(["plan-memory", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "model type 't5' has no causal-LM class" in err and len(err) < 400, err
     t0 = time.perf_counter()
     plan, rate = best_batch(model, HeadMemory(), StepModel(4200e9, 42e9), gpu_bytes=100_000 * 2 ** 30, input_len=1,
                             output_len=1, budget=1)

@@ -105,8 +105,12 @@ class ModelMemory:
         import transformers
 
         _check_config(config)  # (before transformers divides by them)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except ValueError as e:  # transformers lists every causal-LM config class: keep the first sentence
+            raise ValueError(f"model type {getattr(config, 'model_type', '?')!r} has no causal-LM class in "
+                             f"transformers ({str(e).split('Model type should be')[0].strip()[:200]})") from None
         return cls.from_model(model)
 
 
