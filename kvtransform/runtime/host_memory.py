@@ -40,12 +40,20 @@ def pinned_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def host_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_view(t: torch.Tensor, device) -> torch.Tensor:
     """A tensor on ``device`` aliasing the pinned CPU tensor ``t`` (CUDA unified virtual addressing: the device
     pointer of pinned memory is its host pointer), so GPU kernels read/write host memory directly; ``t`` itself on
-    the CPU stand-in."""
+    the CPU stand-in.
+
+    Raises:
+        ValueError: ``t`` is not contiguous (the alias describes contiguous memory).
+    """
+    device = torch.device(device)
     if device.type != "cuda":
         return t
+    if not t.is_contiguous():
+        raise ValueError("host_view needs a contiguous pinned tensor (a strided view would alias the wrong bytes): "
+                         "pass the whole buffer from pinned_zeros")
     raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
     class _Iface:
