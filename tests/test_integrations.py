@@ -99,6 +99,13 @@ def test_packed_calls_are_checked_before_the_model_runs():
         model(**packed_inputs(tree), past_key_values=out.past_key_values or object())
     with pytest.raises(ValueError, match="without a KV cache: drop cache"):  # the argument's newer name
         model(**packed_inputs(tree), cache=object())
+    # a tree batch's positions without its layout (the README once showed only the shared-prefix arguments)
+    with pytest.raises(ValueError, match="position_ids fall back to 5 at token 6 without a packed layout"):
+        model(tree.input_ids, position_ids=tree.position_ids, use_cache=False)
+    with torch.no_grad():  # positions that restart at 0 (transformers' own packing) and left padding pass
+        model(torch.tensor([[1, 2, 3, 4]]), position_ids=torch.tensor([[0, 1, 0, 1]]))
+        model(torch.tensor([[0, 0, 3, 4]]), attention_mask=torch.tensor([[0, 0, 1, 1]]),
+              position_ids=torch.tensor([[1, 1, 0, 1]]))
     # the backbone called directly is checked too; positional arguments count as given; one check per call
     import kvtransform.packing as packing
 

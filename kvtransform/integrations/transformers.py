@@ -228,6 +228,27 @@ def _checked_already(objs) -> bool:
         ref() is o and ver == getattr(o, "_version", None) for (ref, ver), o in zip(_last_checked, objs))
 
 
+def _refuse_packed_positions_without_layout(model, args, kwargs) -> None:
+    """A call without a layout whose ``position_ids`` fall back to a value above 0 (a segment continuing its
+    prefix's positions: a DualKV or prefix-tree batch) and no ``attention_mask``: transformers would read the drop
+    as the start of another packed sequence (which restarts at 0) and cut the branch off its prefix, a silently
+    wrong answer. Left-padded rows bring an ``attention_mask`` and are not looked at."""
+    pos = kwargs.get("position_ids")
+    mask = kwargs.get("attention_mask")
+    if pos is None and len(args) > 1:
+        named = _call_arguments(model, args, kwargs)
+        pos, mask = named.get("position_ids"), named.get("attention_mask")
+    if mask is not None or not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[-1] < 2:
+        return
+    nxt = pos[:, 1:]
+    drop = (nxt <= pos[:, :-1]) & (nxt != 0)
+    if bool(drop.any()):
+        row, col = (int(x) for x in drop.nonzero()[0])
+        raise ValueError(f"position_ids fall back to {int(pos[row, col + 1])} at token {col + 1} without a packed "
+                         f"layout (a shared-prefix or tree batch?): call model(**kvt.integrations.transformers."
+                         f"packed_inputs(batch)), which passes the layout")
+
+
 def _check_packed_call(model, args, kwargs):
     """Forward pre-hook that :func:`enable` installs on the model and on every transformers model inside it (a
     direct call of the backbone, ``model.model(...)``, is checked too): a call with a packed layout
@@ -245,6 +266,7 @@ def _check_packed_call(model, args, kwargs):
     from kvtransform.tree_layout import PrefixTreeLayout
 
     if not {"prefix_tree_layout", "cu_seqlens", "segment_prefix"} & set(kwargs):
+        _refuse_packed_positions_without_layout(model, args, kwargs)
         return None  # (a forward takes the layout through **kwargs only: by name)
     named = _call_arguments(model, args, kwargs)
     tree, cu, sp = (named.get(k) for k in ("prefix_tree_layout", "cu_seqlens", "segment_prefix"))

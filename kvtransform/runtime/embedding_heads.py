@@ -195,8 +195,8 @@ def _embedding_scale(model, weight: torch.Tensor) -> float:
         return 1.0
     ids = torch.arange(min(8, weight.shape[0]), device=weight.device)
     with torch.no_grad():
-        rows, out = weight[ids].float(), emb(ids).float()
-    return float((out * rows).sum() / (rows * rows).sum().clamp_min(1e-30))
+        rows, out = weight[ids].detach().float(), emb(ids).detach().float()
+        return float((out * rows).sum() / (rows * rows).sum().clamp_min(1e-30))
 
 
 def _norm_gain_offset(model, layer: int, weight: torch.Tensor, eps: float) -> float:
