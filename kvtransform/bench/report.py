@@ -72,7 +72,7 @@ def row_line(r: dict) -> str:
         return f"{r['method']:<13} {r.get('pass', ''):<6} P={r['P']} mb={r['mb']}  {r['status']}   # {r.get('cmd', '')}"
     return (f"{r['method']:<13} {r.get('pass', ''):<6} P={r['P']} mb={r['mb']} T={r['T']}  "
             f"p50 {r['ms_p50']:.2f} ms [{r['ms_p20']:.2f}, {r['ms_p80']:.2f}]  {fmt(r.get('gb'), 2)} GB  "
-            f"{fmt(r.get('tflops'), 0)} TFLOP/s  floor {r['floor_ms']:.2f} ms  err {num(r.get('check_rel_err')) or 0:.1e}"
+            f"{fmt(r.get('tflops'), 0)} TFLOP/s  floor {fmt(r.get('floor_ms'), 2)} ms  err {num(r.get('check_rel_err')) or 0:.1e}"
             f"   # {r.get('cmd', '')}")
 
 

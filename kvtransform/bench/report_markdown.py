@@ -26,8 +26,9 @@ def markdown_layer(df) -> str:
     paper, calib = seed.table("paper_layer"), seed.table("h200_layer")
     first = df.iloc[0]
     out = [f"Device: {first['device']} · {commits(df)} · torch {first['torch']} · {first['dtype']} · "
-           f"median (p50) ms of fwd+bwd of one Qwen3-8B-shaped layer; paper = DualKV App. F.4 on an H100; "
-           f"floor = useful FLOPs at {790} TFLOP/s.", ""]
+           f"median (p50) ms of fwd+bwd of one decoder layer (Qwen3-8B-shaped unless the row's command sets hidden, "
+           f"heads, ...); paper = DualKV App. F.4 on an H100; floor = useful FLOPs at {790} TFLOP/s (GPU rows only).",
+           ""]
     out += ["| P | mb | T packed | floor ms | dualkv ms | dualkv/floor | flex ms | flex/dualkv | flex rebuild ms | "
             "fa2 ms | fa2/dualkv | pg ms | pg/dualkv | paper dualkv | paper fa2 | paper pg | paper dualkv/ours |",
             "|" + "---|" * 17]
