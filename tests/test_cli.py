@@ -261,10 +261,13 @@ def test_group_typos_suggest_the_group_choice(capsys):
         (["transform=specontext", "transform.budget=0"], "budget must be >= 1"),
     ],
 )
-def test_transform_config_checked_before_loading(capsys, overrides, expected):
-    # the model path does not exist: the config error must come first
+def test_transform_config_checked_before_loading(capsys, tmp_path, overrides, expected):
+    # the model path does not exist: the config error must come first, also before an existing output directory
     rc, _, err = _run(["optimize", "./no/such/dir", *overrides], capsys)
     assert rc == 2 and expected in err and "no such file" not in err, err
+    (tmp_path / "artifact.txt").write_text("not empty")
+    rc, _, err = _run(["optimize", "./no/such/dir", f"out={tmp_path}", *overrides], capsys)
+    assert rc == 2 and expected in err and "exists" not in err, err
 
 
 def test_cfg_job_is_resolved(capsys):

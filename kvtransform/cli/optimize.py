@@ -108,9 +108,9 @@ def run_optimize(cfg: DictConfig) -> dict:
     from ..transforms.base import check_output_dir
 
     console = _console()
-    out = check_output_dir(cfg.out, cfg.overwrite)  # before loading the model: never replace what is not an artifact
-    tcfg = _transform_config(cfg)
+    tcfg = _transform_config(cfg)  # the settings first: a bad value is named even when the output exists
     emit = _emit_kinds(cfg)
+    out = check_output_dir(cfg.out, cfg.overwrite)  # before loading the model: never replace what is not an artifact
 
     import transformers  # noqa: F401  (imported before the clock starts: startup is reported on its own)
 
