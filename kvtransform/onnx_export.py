@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -401,9 +402,12 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str | os.PathLike, input
     try:
         # opset 23 + dynamic shapes: onnxscript's optimizer folds the dynamic Attention shapes wrongly; the program
         # is exported unoptimised and only dead nodes are removed (an unused lse, constant-shape scaffolding).
-        prog = torch.onnx.export(ep, (), dynamo=True, opset_version=opset, optimize=False,
-                                 custom_translation_table=onnx_translations(), input_names=list(input_names),
-                                 output_names=list(output_names), verbose=False, report=False)
+        with warnings.catch_warnings():  # torch's own decomposition deep-copies tree specs through a deprecated path
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
+            prog = torch.onnx.export(ep, (), dynamo=True, opset_version=opset, optimize=False,
+                                     custom_translation_table=onnx_translations(), input_names=list(input_names),
+                                     output_names=list(output_names), verbose=False, report=False)
     except Exception as e:
         raise RuntimeError(f"torch.onnx.export failed: {type(e).__name__}: {e}") from e
     finally:
