@@ -224,6 +224,12 @@ def test_trainer_refusals(tiny_dir, monkeypatch):
     def refuse(model, cfg, **kw):
         raise ValueError("layer 0 attention: sliding window 8 is not causal attention over the cache\nmore")
 
+    # a model object without a name to load a tokenizer from (kvt.tiny_model) and no processing_class
+    with pytest.raises(ValueError, match="no name_or_path to load its tokenizer from .* pass processing_class="):
+        GRPOTrainer(model=kvtransform.tiny_model("llama"), reward_funcs=lambda completions, **k: [0.0],
+                    args=GRPOConfig(output_dir=f"{tiny_dir}/out", use_cpu=True, bf16=False, report_to="none"),
+                    train_dataset=[])
+
     monkeypatch.setattr(kvtransform, "transform", refuse)
     with pytest.raises(ValueError) as e:
         _trainer(GRPOTrainer, tiny_dir, rollout="specontext")

@@ -169,6 +169,11 @@ class GRPOTrainer(trl.GRPOTrainer):
     """
 
     def __init__(self, *args, **kwargs):
+        model = kwargs.get("model", args[0] if args else None)
+        if kwargs.get("processing_class") is None and len(args) < 6 and isinstance(model, torch.nn.Module) and \
+                not getattr(getattr(model, "config", None), "name_or_path", None):
+            raise ValueError("this model has no name_or_path to load its tokenizer from (e.g. kvt.tiny_model): pass "
+                             "processing_class= a tokenizer whose vocabulary fits the model's")
         super().__init__(*args, **kwargs)
         a = self.args
         self._kvt_said: set = set()
