@@ -198,4 +198,4 @@ def test_example_check_grads_on_cpu(mode):
                         f"--master_port={29561 + len(mode)}", str(root / "examples" / "fsdp2_dualkv.py"), "--device",
                         "cpu", "--tiny", "--check-grads", *mode], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "gradient check: PASS" in r.stdout
+    assert "gradient check: PASS" in r.stdout and " nan " not in r.stdout  # (an elided row printed nan once)
