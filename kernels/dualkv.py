@@ -289,7 +289,7 @@ def _default_bwd_cfg(d_pad: int, dtype: torch.dtype):
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
     if d_pad == 128 and dtype == torch.bfloat16:
-        # launch-config sweeps (H200, GQA 32/8; BENCHMARKS.md, "DualKV attention op"): Q/dO through tensor
+        # launch-config sweeps (GQA 32/8; BENCHMARKS.md, "DualKV attention op"): Q/dO through tensor
         # descriptors, 2 stages; 64 keys with 4 warps (two programs share an SM, ~99 KB of shared memory each, so one
         # program's softmax phase overlaps the other's MMAs) beat 128 keys with 8 warps by 4-7 % for the whole
         # backward (plain and soft-capped)

@@ -268,7 +268,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     def emit(r):
         r.setdefault("op", "decoder_layer" if _mode(cfg) == Mode.layer else "dualkv_attention")
         r.update(mode=_mode(cfg).value, P=shape.P, mb=len(shape.R), T_packed=shape.T, T_replicated=shape.T_rep,
-                 floor_ms=shape.floor_ms if device.type == "cuda" else None)  # (an H200's matmul rate: GPU only)
+                 floor_ms=shape.floor_ms if device.type == "cuda" else None)  # (a GPU matmul rate)
         r["params"] = f"P={shape.P} mb={len(shape.R)}" + variants + (f" {r['params']}" if r.get("params") else "")
         rows.append(r)
         if on_row is not None:

@@ -69,8 +69,9 @@ def _as_cfg(c) -> dict:
 
 def tune_dualkv(layout, cfg, device) -> Tuple[dict, List[dict]]:
     """Sweep the forward, dQ and dK/dV launch configs of the DualKV kernels on ``layout`` (bf16/fp16 inputs of the
-    job's heads and head_dim, with the job's window / soft-cap / sinks); returns ``(best {"fwd": .., "dq": .., "dkdv": ..}, rows)``. Backward candidates are
-    timed as the whole backward with the other kernel at its best / default."""
+    job's heads and head_dim, with the job's window / soft-cap / sinks); returns ``(best {"fwd": .., "dq": ..,
+    "dkdv": ..}, rows)``. Backward candidates are timed as the whole backward with the other kernel at its best /
+    default."""
     from kvtransform.kernels import dualkv as K
 
     from .layer import torch_dtype

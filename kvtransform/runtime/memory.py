@@ -128,13 +128,18 @@ class HeadMemory:
         _check_counts(self, ("weight_bytes", "token_bytes", "resident_layers"), ())
 
 
+def is_count(v, low: int = 0) -> bool:
+    """``v`` is an integer (Python or NumPy; not a bool) ``>= low``."""
+    return not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= low
+
+
 def _check_counts(obj, non_negative, positive) -> None:
     """One line for a field of ``obj`` that is not an integer ``>= 0`` (``non_negative``) or ``>= 1``
     (``positive``); NumPy integers count as integers."""
     for names, low in ((non_negative, 0), (positive, 1)):
         for key in names:
             v = getattr(obj, key)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+            if not is_count(v, low):
                 raise ValueError(f"{type(obj).__name__}.{key}={v!r} must be an integer >= {low}")
 
 
@@ -252,9 +257,8 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
             gives the largest batch that fits and the GPU memory the requested one needs).
     """
     sizes = dict(gpu_bytes=gpu_bytes, batch=batch, input_len=input_len, output_len=output_len, budget=budget)
-    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1}
-    if not bad and (isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, numbers.Integral)
-                    or reserve_bytes < 0):
+    bad = {k: v for k, v in sizes.items() if not is_count(v, 1)}
+    if not bad and not is_count(reserve_bytes):
         bad = {"reserve_bytes": reserve_bytes}
     if bad:
         raise ValueError(f"plan_memory needs positive integer sizes (bytes, tokens, rows; reserve_bytes >= 0); got "
@@ -393,11 +397,11 @@ def run_plan_memory(cfg) -> MemoryPlan:
                          f"rates > 0 (or neither)")
     for key in ("batch", "input_len", "output_len", "budget"):  # before the model loads
         v = getattr(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        if not is_count(v, 1):
             raise ValueError(f"{key}={v!r} must be an integer >= 1")
     for key in ("head_token_bytes", "head_resident_layers"):
         v = getattr(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        if not is_count(v):
             raise ValueError(f"{key}={v!r} must be an integer >= 0")
     name = cfg.model.name if hasattr(cfg.model, "name") else cfg.model
     mm = _model_memory(str(name), dtypes[cfg.dtype])

@@ -40,7 +40,6 @@ stream and the events are no-ops and the copies run :func:`~kvtransform.kernels.
 from __future__ import annotations
 
 import math
-import numbers
 import weakref
 from typing import Optional
 
@@ -50,7 +49,7 @@ from kvtransform.kernels.elastic import elastic_copy_reference, elastic_copy_tri
 
 from .cache import KVCache
 from .host_memory import host_view, pinned_zeros
-from .memory import HeadMemory, MemoryPlan, ModelMemory, plan_memory
+from .memory import HeadMemory, MemoryPlan, ModelMemory, is_count, plan_memory
 
 __all__ = ["LayerReady", "SlotMap", "OffloadedKVCache", "OffloadEngine", "OFFLOAD_HEADS", "plan_inputs", "make_plan",
            "initial_capacity"]
@@ -473,12 +472,9 @@ def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: O
         ValueError: no ``gpu_bytes`` on the CPU stand-in, a ``gpu_bytes`` or ``runtime.offload_chunk`` that is not
             an integer >= 1, or a batch that does not fit (see :func:`plan_memory`).
     """
-    def whole(v):
-        return not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= 1
-
-    if not whole(runtime.offload_chunk):
+    if not is_count(runtime.offload_chunk, 1):
         raise ValueError(f"runtime.offload_chunk={runtime.offload_chunk!r} must be an integer >= 1 (tokens)")
-    if gpu_bytes is not None and not whole(gpu_bytes):
+    if gpu_bytes is not None and not is_count(gpu_bytes, 1):
         raise ValueError(f"runtime.gpu_memory_bytes={gpu_bytes!r} must be an integer >= 1 (bytes; None: on CUDA, "
                          f"the free memory at the start)")
     mm, head = plan_inputs(runtime)

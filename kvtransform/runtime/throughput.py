@@ -23,7 +23,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from .memory import HeadMemory, MemoryPlan, ModelMemory, plan_memory
+from .memory import HeadMemory, MemoryPlan, ModelMemory, is_count, plan_memory
 
 __all__ = ["StepModel", "step_bytes", "step_seconds", "tokens_per_second", "best_batch"]
 
@@ -71,7 +71,7 @@ class StepModel:
         if not 1.0 <= real("gpu_factor") < math.inf:
             raise ValueError(f"gpu_factor={self.gpu_factor!r} must be >= 1 and finite (a step is never faster than "
                              f"its floor)")
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, numbers.Integral) or self.chunk < 1:
+        if not is_count(self.chunk, 1):
             raise ValueError(f"chunk={self.chunk!r} must be an integer >= 1 (tokens)")
 
 
@@ -119,7 +119,7 @@ def best_batch(model: ModelMemory, head: HeadMemory, sm: StepModel, *, gpu_bytes
             (:func:`plan_memory`'s message).
     """
     for key, v in (("max_batch", max_batch), ("host_bytes", host_bytes)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        if not is_count(v):
             raise ValueError(f"{key}={v!r} must be an integer >= 0 (0: no bound)")
     kw = dict(gpu_bytes=gpu_bytes, input_len=input_len, output_len=output_len, budget=budget,
               reserve_bytes=reserve_bytes)
