@@ -96,6 +96,47 @@ def _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, 
 
 # ====================================================================================================== forward
 @triton.jit
+def _fwd_step(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, start, kbound,
+              qk_scale, cap2, POS, window, D: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
+              CAUSAL: tl.constexpr, WMASK: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr,
+              SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr,
+              EMPTY_ROWS: tl.constexpr = False):
+    """One online-softmax step over the key block at ``start`` (:func:`_fwd_inner`). ``EMPTY_ROWS`` (implied by
+    ``WMASK``): a row may have seen no key yet after this block (running max -inf; 0 stands in for it)."""
+    k_idx = start + offs_n
+    if TMA:
+        k = KD.load([start, kcol])
+        v = VD.load([start, kcol])
+    else:
+        k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if SOFTCAP:
+        qk = _tanh(qk * qk_scale, FAST_TANH) * cap2
+    elif not SCALE_POS:
+        qk = qk * qk_scale
+    if MASK_K or WMASK:
+        qk = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), qk, float("-inf"))
+    if SCALE_POS:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if WMASK or EMPTY_ROWS:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    if SCALE_POS:
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    else:
+        p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi, kbound,
                qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                MASK_K: tl.constexpr, CAUSAL: tl.constexpr, WMASK: tl.constexpr, PREC: tl.constexpr,
@@ -109,36 +150,9 @@ def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_
     nothing). ``WMASK`` (window edge blocks): a row may see none of a block's keys before any other, so its running
     max stays -inf (and 0 stands in for it in the exponents)."""
     for start in range(lo, hi, BLOCK_N):
-        k_idx = start + offs_n
-        if TMA:
-            k = KD.load([start, kcol])
-            v = VD.load([start, kcol])
-        else:
-            k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if SOFTCAP:
-            qk = _tanh(qk * qk_scale, FAST_TANH) * cap2
-        elif not SCALE_POS:
-            qk = qk * qk_scale
-        if MASK_K or WMASK:
-            qk = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), qk, float("-inf"))
-        if SCALE_POS:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if WMASK:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        if SCALE_POS:
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        else:
-            p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-        m_i = m_new
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                                  start, kbound, qk_scale, cap2, POS, window, D, EVEN_D, MASK_K, CAUSAL, WMASK, PREC,
+                                  SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
     return acc, l_i, m_i
 
 
@@ -297,6 +311,39 @@ def _bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dt, strid
 
 
 @triton.jit
+def _dq_step(dq, rsum, q, do, lse2, delta, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, start,
+             kbound, qk_scale, cap2, POS, window, D: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
+             CAUSAL: tl.constexpr, WMASK: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+             FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """One dQ step over the key block at ``start`` (:func:`_bwd_dq_inner`)."""
+    k_idx = start + offs_n
+    if TMA:
+        k = KD.load([start, kcol])
+        v = VD.load([start, kcol])
+    else:
+        k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
+    if SOFTCAP:
+        th = _tanh(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale, FAST_TANH)
+        qk = th * cap2
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    p = tl.math.exp2(qk - lse2[:, None])
+    if MASK_K or WMASK:
+        p = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), p, 0.0)
+    if SOFTCAP:  # d tanh: folded into p before the next dot, so no extra tile stays live across it
+        if not HAS_SINKS:
+            p = p * (1.0 - th * th)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    if HAS_SINKS:  # rowsum(P * dP) needs P itself: d tanh folded in after the dot
+        rsum += tl.sum(p * dp, 1)
+        if SOFTCAP:
+            p = p * (1.0 - th * th)
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq, rsum
+
+
+@triton.jit
 def _bwd_dq_inner(dq, rsum, q, do, lse2, delta, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
                   lo, hi, kbound, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   EVEN_D: tl.constexpr, MASK_K: tl.constexpr, CAUSAL: tl.constexpr, WMASK: tl.constexpr,
@@ -305,30 +352,9 @@ def _bwd_dq_inner(dq, rsum, q, do, lse2, delta, q_idx, qpos, k_base, v_base, str
     """dQ steps over key blocks ``[lo, hi)`` (``TMA``: K/V blocks through the descriptors, as :func:`_fwd_inner`).
     ``HAS_SINKS``: also ``rsum += rowsum(P * dP)`` (fp32; the sinks' exact ``Delta``, see :func:`sinks_grad`)."""
     for start in range(lo, hi, BLOCK_N):
-        k_idx = start + offs_n
-        if TMA:
-            k = KD.load([start, kcol])
-            v = VD.load([start, kcol])
-        else:
-            k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
-        if SOFTCAP:
-            th = _tanh(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale, FAST_TANH)
-            qk = th * cap2
-        else:
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.math.exp2(qk - lse2[:, None])
-        if MASK_K or WMASK:
-            p = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), p, 0.0)
-        if SOFTCAP:  # d tanh: folded into p before the next dot, so no extra tile stays live across it
-            if not HAS_SINKS:
-                p = p * (1.0 - th * th)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        if HAS_SINKS:  # rowsum(P * dP) needs P itself: d tanh folded in after the dot
-            rsum += tl.sum(p * dp, 1)
-            if SOFTCAP:
-                p = p * (1.0 - th * th)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+        dq, rsum = _dq_step(dq, rsum, q, do, lse2, delta, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                            offs_d, start, kbound, qk_scale, cap2, POS, window, D, EVEN_D, MASK_K, CAUSAL, WMASK, PREC,
+                            SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
     return dq, rsum
 
 
@@ -375,6 +401,78 @@ def _dq_own(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_k
     return _dq_walk(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
                     a, b, d_lo, q_end, se, qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, True, PREC, WINDOW,
                     SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
+
+
+@triton.jit
+def _range_span(KLO, KHI, r, valid, qmin, qmax, POS, window, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+    """``(start, stop, ce)`` of context range ``r`` (``[KLO[r], KHI[r])``; empty where not ``valid``): its blocks
+    ``[start, stop)`` are :func:`_ctx_bounds`' ``[a, te)``, its keys end at ``ce``."""
+    cs = tl.load(KLO + r, mask=valid, other=0)
+    ce = tl.load(KHI + r, mask=valid, other=0)
+    a, b, c_full, te = _ctx_bounds(cs, ce, qmin, qmax, POS, window, BLOCK, WINDOW)
+    return a, te, ce
+
+
+@triton.jit
+def _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+    """Start of the flat walk over context ranges ``r0..r1`` (the prefix tree's ancestors): ``(steps, start, stop,
+    ce)``, ``steps`` = every range's blocks (at least one step per range, so :func:`_ranges_next` moves on one range
+    at a time; a range the window leaves empty costs one fully masked step), then range ``r0``'s span."""
+    steps = 0
+    for r in range(r0, r1):
+        a, te, ce = _range_span(KLO, KHI, r, True, qmin, qmax, POS, window, BLOCK, WINDOW)
+        steps += tl.maximum((te - a + BLOCK - 1) // BLOCK, 1)
+    start, stop, ce = _range_span(KLO, KHI, r0, r0 < r1, qmin, qmax, POS, window, BLOCK, WINDOW)
+    return steps, start, stop, ce
+
+
+@triton.jit
+def _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOCK: tl.constexpr,
+                 WINDOW: tl.constexpr):
+    """The flat walk's next block after the one at ``start`` of range ``r``: ``(r, start, stop, ce)``, moving to range
+    ``r + 1`` once ``start`` passes ``stop`` (branch-free: the loop stays one innermost loop)."""
+    start += BLOCK
+    nxt = start >= stop
+    r = tl.where(nxt, r + 1, r)
+    ns, nstop, nce = _range_span(KLO, KHI, r, nxt & (r < r1), qmin, qmax, POS, window, BLOCK, WINDOW)
+    return r, tl.where(nxt, ns, start), tl.where(nxt, nstop, stop), tl.where(nxt, nce, ce)
+
+
+@triton.jit
+def _fwd_ctx_ranges(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                    KLO, KHI, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr, WINDOW: tl.constexpr,
+                    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
+    """Forward over the context ranges ``r0..r1`` of ``KLO``/``KHI`` (a tree node's ancestors) as one flat loop over
+    their blocks, every step masked (keys ``< ce``, the window; a range left empty, by the window or a clamped bad
+layout, is one fully masked step, so rows may stay empty). The same blocks in the same order as
+    :func:`_fwd_ctx` range by range, so the same bits; one loop instead of a loop nested in a loop over ranges, whose
+    loop-carried accumulators made ptxas serialize the wgmma pipeline (sm_90a, triton 3.6; docs/PREFIX_TREES.md)."""
+    steps, start, stop, ce = _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK_N, WINDOW)
+    r = r0
+    for _ in range(0, steps):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                                  start, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, WINDOW, PREC,
+                                  SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, True)
+        r, start, stop, ce = _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOCK_N, WINDOW)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _dq_ctx_ranges(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt,
+                   offs_n, offs_d, KLO, KHI, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
+                   SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
+    """dQ (and ``rsum``) over the context ranges ``r0..r1`` in the flat walk of :func:`_fwd_ctx_ranges`."""
+    steps, start, stop, ce = _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK_N, WINDOW)
+    r = r0
+    for _ in range(0, steps):
+        dq, rsum = _dq_step(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                            offs_d, start, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, WINDOW, PREC,
+                            SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
+        r, start, stop, ce = _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOCK_N, WINDOW)
+    return dq, rsum
 
 
 @triton.jit

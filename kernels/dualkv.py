@@ -48,8 +48,8 @@ from .dualkv_reference import dualkv_attention_reference, dualkv_attention_refer
 
 from .dualkv_plan import LAYOUT_ASSERT_MSG, plan_layout as _plan_layout, plan_work as _plan_work  # noqa: E402,F401
 from .attention_tiles import (LOG2E, LN2, _bwd_delta_kernel, _dkdv_desc_range, _dkdv_own,  # noqa: F401
-                              _dq_ctx, _dq_own, _fwd_ctx, _fwd_own, _fwd_store, _query_rows, _row_positions,
-                              sinks_grad, variant_args, variant_tables)
+                              _dq_ctx, _dq_ctx_ranges, _dq_own, _fwd_ctx, _fwd_ctx_ranges, _fwd_own, _fwd_store,
+                              _query_rows, _row_positions, sinks_grad, variant_args, variant_tables)
 
 
 # ====================================================================================================== kernels
@@ -95,11 +95,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     acc = tl.zeros([PACK * BLOCK_M, D_PAD], tl.float32)
     # the context (a response's prefix; a node's ancestors, root first), then the own segment causally
     if CSR:
-        for r in range(tl.load(KPTR + seg), tl.load(KPTR + seg + 1)):
-            acc, l_i, m_i = _fwd_ctx(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt,
-                                     offs_n, offs_d, tl.load(KCTX_LO + r), tl.load(KCTX_HI + r), qk_scale, cap2, POS,
-                                     window, D, BLOCK_N, EVEN_D, PREC, SCALE_POS, WINDOW, SOFTCAP, FAST_TANH, KD, VD,
-                                     hk * D, TMA)
+        acc, l_i, m_i = _fwd_ctx_ranges(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt,
+                                        stride_vt, offs_n, offs_d, KCTX_LO, KCTX_HI, tl.load(KPTR + seg),
+                                        tl.load(KPTR + seg + 1), qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D,
+                                        PREC, SCALE_POS, WINDOW, SOFTCAP, FAST_TANH, KD, VD, hk * D, TMA)
     else:
         acc, l_i, m_i = _fwd_ctx(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt,
                                  offs_n, offs_d, tl.load(KCTX_LO + seg), tl.load(KCTX_HI + seg), qk_scale, cap2, POS,
@@ -154,11 +153,10 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
     dq = tl.zeros([PACK * BLOCK_M, D_PAD], tl.float32)
     rsum = tl.zeros([PACK * BLOCK_M], tl.float32)
     if CSR:
-        for r in range(tl.load(KPTR + seg), tl.load(KPTR + seg + 1)):
-            dq, rsum = _dq_ctx(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt,
-                               stride_vt, offs_n, offs_d, tl.load(KCTX_LO + r), tl.load(KCTX_HI + r), qk_scale, cap2,
-                               POS, window, D, BLOCK_N, EVEN_D, PREC, WINDOW, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA,
-                               HAS_SINKS)
+        dq, rsum = _dq_ctx_ranges(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt,
+                                  stride_vt, offs_n, offs_d, KCTX_LO, KCTX_HI, tl.load(KPTR + seg),
+                                  tl.load(KPTR + seg + 1), qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, PREC,
+                                  WINDOW, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
     else:
         dq, rsum = _dq_ctx(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt,
                            stride_vt, offs_n, offs_d, tl.load(KCTX_LO + seg), tl.load(KCTX_HI + seg), qk_scale, cap2,
