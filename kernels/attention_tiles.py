@@ -415,9 +415,9 @@ def _range_span(KLO, KHI, r, valid, qmin, qmax, POS, window, BLOCK: tl.constexpr
 
 @triton.jit
 def _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
-    """Start of the flat walk over context ranges ``r0..r1`` (the prefix tree's ancestors): ``(steps, start, stop,
-    ce)``, ``steps`` = every range's blocks (at least one step per range, so :func:`_ranges_next` moves on one range
-    at a time; a range the window leaves empty costs one fully masked step), then range ``r0``'s span."""
+    """Start of the windowed flat walk over context ranges ``r0..r1`` (the prefix tree's ancestors): ``(steps, start,
+    stop, ce)``, ``steps`` = every range's blocks (at least one step per range, so :func:`_ranges_next` moves on one
+    range at a time; a range the window leaves empty costs one fully masked step), then range ``r0``'s span."""
     steps = 0
     for r in range(r0, r1):
         a, te, ce = _range_span(KLO, KHI, r, True, qmin, qmax, POS, window, BLOCK, WINDOW)
@@ -439,39 +439,101 @@ def _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOC
 
 
 @triton.jit
+def _whole_span(KLO, KHI, r, valid, BLOCK: tl.constexpr):
+    """``(cs, c_full, ce)`` of context range ``r`` (empty where not ``valid``): its whole blocks are ``[cs, c_full)``,
+    its ragged tail ``[c_full, ce)``."""
+    cs = tl.load(KLO + r, mask=valid, other=0)
+    ce = tl.load(KHI + r, mask=valid, other=0)
+    return cs, cs + ((ce - cs) // BLOCK) * BLOCK, ce
+
+
+@triton.jit
+def _whole_walk(KLO, KHI, KNXT, r0, r1, BLOCK: tl.constexpr):
+    """Start of the walk over the whole blocks of context ranges ``r0..r1``: ``(steps, r, start, stop)``: their
+    count, then the first range with one (``KNXT``, :func:`whole_range_next`) and its whole blocks ``[start,
+    stop)``."""
+    steps = 0
+    for r in range(r0, r1):
+        steps += (tl.load(KHI + r) - tl.load(KLO + r)) // BLOCK
+    r = tl.load(KNXT + r0, mask=r0 < r1, other=0)
+    start, stop, ce = _whole_span(KLO, KHI, r, r < r1, BLOCK)
+    return steps, r, start, stop
+
+
+@triton.jit
+def _whole_next(KLO, KHI, KNXT, r, r1, start, stop, BLOCK: tl.constexpr):
+    """The whole block after the one at ``start`` of range ``r``: ``(r, start, stop)``, moving to the next range with
+    a whole block (``KNXT[r + 1]``) once ``start`` reaches ``stop``; branch-free, so the loop stays innermost."""
+    start += BLOCK
+    nxt = start >= stop
+    r = tl.where(nxt, tl.load(KNXT + r + 1, mask=nxt & (r < r1), other=0), r)
+    ns, nstop, ce = _whole_span(KLO, KHI, r, nxt & (r < r1), BLOCK)
+    return r, tl.where(nxt, ns, start), tl.where(nxt, nstop, stop)
+
+
+@triton.jit
 def _fwd_ctx_ranges(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                    KLO, KHI, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    KLO, KHI, KNXT, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr,
                     EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr, WINDOW: tl.constexpr,
                     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
-    """Forward over the context ranges ``r0..r1`` of ``KLO``/``KHI`` (a tree node's ancestors) as one flat loop over
-    their blocks, every step masked (keys ``< ce``, the window; a range left empty, by the window or a clamped bad
-layout, is one fully masked step, so rows may stay empty). The same blocks in the same order as
-    :func:`_fwd_ctx` range by range, so the same bits; one loop instead of a loop nested in a loop over ranges, whose
-    loop-carried accumulators made ptxas serialize the wgmma pipeline (sm_90a, triton 3.6; docs/PREFIX_TREES.md)."""
-    steps, start, stop, ce = _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK_N, WINDOW)
-    r = r0
-    for _ in range(0, steps):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                                  start, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, WINDOW, PREC,
-                                  SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, True)
-        r, start, stop, ce = _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOCK_N, WINDOW)
+    """Forward over the context ranges ``r0..r1`` of ``KLO``/``KHI`` (a tree node's ancestors) in flat loops, none
+    nested in a loop over the ranges (whose loop-carried accumulators made ptxas serialize the wgmma pipeline: sm_90a,
+    triton 3.6; docs/PREFIX_TREES.md). Without ``WINDOW``: every range's whole blocks unmasked (``KNXT`` skips the
+    ranges without one), then each range's ragged tail masked (one step per range; a range without a tail costs a
+    fully masked step). With ``WINDOW``: each range's blocks :func:`_ctx_bounds` ``[a, te)`` in one loop, every step
+    masked (keys ``< ce``, the window). Rows may stay empty (a window, or a clamped bad layout's empty range)."""
+    if WINDOW:
+        steps, start, stop, ce = _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK_N, WINDOW)
+        r = r0
+        for _ in range(0, steps):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                                      offs_d, start, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, True,
+                                      PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
+            r, start, stop, ce = _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOCK_N,
+                                              WINDOW)
+    else:
+        steps, r, start, stop = _whole_walk(KLO, KHI, KNXT, r0, r1, BLOCK_N)
+        for _ in range(0, steps):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                                      offs_d, start, stop, qk_scale, cap2, POS, window, D, EVEN_D, False, False, False,
+                                      PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
+            r, start, stop = _whole_next(KLO, KHI, KNXT, r, r1, start, stop, BLOCK_N)
+        for r in range(r0, r1):
+            cs, c_full, ce = _whole_span(KLO, KHI, r, True, BLOCK_N)
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                                      offs_d, c_full, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, False,
+                                      PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, True)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _dq_ctx_ranges(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt,
-                   offs_n, offs_d, KLO, KHI, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr,
+                   offs_n, offs_d, KLO, KHI, KNXT, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr,
                    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
                    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr,
                    HAS_SINKS: tl.constexpr):
-    """dQ (and ``rsum``) over the context ranges ``r0..r1`` in the flat walk of :func:`_fwd_ctx_ranges`."""
-    steps, start, stop, ce = _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK_N, WINDOW)
-    r = r0
-    for _ in range(0, steps):
-        dq, rsum = _dq_step(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                            offs_d, start, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, WINDOW, PREC,
-                            SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
-        r, start, stop, ce = _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOCK_N, WINDOW)
+    """dQ (and ``rsum``) over the context ranges ``r0..r1`` in the flat loops of :func:`_fwd_ctx_ranges`."""
+    if WINDOW:
+        steps, start, stop, ce = _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK_N, WINDOW)
+        r = r0
+        for _ in range(0, steps):
+            dq, rsum = _dq_step(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt,
+                                offs_n, offs_d, start, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, True,
+                                PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
+            r, start, stop, ce = _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOCK_N,
+                                              WINDOW)
+    else:
+        steps, r, start, stop = _whole_walk(KLO, KHI, KNXT, r0, r1, BLOCK_N)
+        for _ in range(0, steps):
+            dq, rsum = _dq_step(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt,
+                                offs_n, offs_d, start, stop, qk_scale, cap2, POS, window, D, EVEN_D, False, False,
+                                False, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
+            r, start, stop = _whole_next(KLO, KHI, KNXT, r, r1, start, stop, BLOCK_N)
+        for r in range(r0, r1):
+            cs, c_full, ce = _whole_span(KLO, KHI, r, True, BLOCK_N)
+            dq, rsum = _dq_step(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt,
+                                offs_n, offs_d, c_full, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False,
+                                False, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
     return dq, rsum
 
 
@@ -603,6 +665,17 @@ def _dkdv_desc_range(dk, dv, k, v, offs_n, kpos, kmin, kmax, q_base, do_base, ls
 
 
 # ====================================================================================================== host side
+def whole_range_next(lo: torch.Tensor, hi: torch.Tensor, block: int) -> torch.Tensor:
+    """int32 ``(R+1,)``: for each context range ``r`` the first range ``>= r`` with at least one whole block of
+    ``block`` keys (``hi - lo >= block``), ``R`` where none; entry ``R`` is ``R``. What the prefix-tree kernels'
+    walk over whole blocks follows (:func:`_whole_next`); built on the device, no host sync."""
+    r = lo.numel()
+    idx = torch.arange(r, device=lo.device)
+    cand = torch.where((hi.long() - lo.long()) >= block, idx, torch.full_like(idx, r))
+    nxt = torch.flip(torch.cummin(torch.flip(cand, (0,)), 0).values, (0,)) if r else cand
+    return torch.cat([nxt, idx.new_full((1,), r)]).to(torch.int32).contiguous()
+
+
 def variant_tables(cu: torch.Tensor, ctx_tokens: torch.Tensor, total_tokens: int):
     """The window's int32 ``(T,)`` tables, on the device without a host sync: ``pos`` (each token's position in its
     own sequence: its offset in its segment plus the segment's context tokens) and ``node_of`` (its segment), from

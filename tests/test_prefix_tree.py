@@ -339,6 +339,38 @@ def test_kernels_other_launch_configs(cfg):
         assert maxerr(g, r) < 5e-5
 
 
+@pytest.mark.parametrize("cfg", [None, {"fwd": dict(BLOCK_M=16, BLOCK_N=16), "dq": dict(BLOCK_M=16, BLOCK_N=16)}],
+                         ids=["default", "blocks-16"])
+def test_kernels_walk_ancestor_ranges_with_and_without_whole_blocks(cfg):
+    """The forward's and dQ's walk over a node's ancestor ranges: node 5's ancestors are three separate ranges
+    ([0, 40), [90, 96), [116, 148)): one with whole blocks and a ragged tail, one shorter than a block (skipped by
+    the whole-block walk, only its tail), one a whole multiple of the block (no tail: a fully masked step)."""
+    lay = PrefixTreeLayout.from_parents([40, 50, 6, 20, 32, 9], [-1, 0, 0, 2, 2, 4])
+    assert lay.key_ranges[lay.key_range_ptr[5]:lay.key_range_ptr[6]].tolist() == [[0, 40], [90, 96], [116, 148]]
+    t = lay.total_tokens
+    q, k, v = torch.randn(t, 4, 32), torch.randn(t, 2, 32), torch.randn(t, 2, 32)
+    do = torch.randn_like(q)
+    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
+    ref_out, ref_lse = dense_reference(qd, kd, vd, lay, 0.2)
+    ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
+    out, lse = K.prefix_tree_fwd(q, k, v, lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges, 0.2, config=cfg)
+    grads = K.prefix_tree_bwd(do, q, k, v, out, lse, lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges,
+                              lay.query_range_ptr, lay.query_ranges, 0.2, config=cfg)
+    assert maxerr(out, ref_out) < 1e-5 and maxerr(lse, ref_lse) < 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert maxerr(g, r) < 5e-5
+
+
+def test_whole_range_next_skips_ranges_without_a_whole_block():
+    from kvtransform.kernels.attention_tiles import whole_range_next
+
+    lo = torch.tensor([0, 90, 116, 200, 300], dtype=torch.int32)
+    hi = torch.tensor([40, 96, 148, 210, 301], dtype=torch.int32)
+    assert whole_range_next(lo, hi, 16).tolist() == [0, 2, 2, 5, 5, 5]
+    assert whole_range_next(lo, hi, 64).tolist() == [5] * 6
+    assert whole_range_next(lo[:0], hi[:0], 16).tolist() == [0]
+
+
 def test_references_agree_in_float64():
     lay = PrefixTreeLayout.from_parents([5, 3, 1, 4, 2, 6], [-1, 0, 1, 0, -1, 4])
     t = lay.total_tokens
