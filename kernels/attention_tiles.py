@@ -96,47 +96,6 @@ def _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, 
 
 # ====================================================================================================== forward
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, start, kbound,
-              qk_scale, cap2, POS, window, D: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
-              CAUSAL: tl.constexpr, WMASK: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr,
-              SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr,
-              EMPTY_ROWS: tl.constexpr = False):
-    """One online-softmax step over the key block at ``start`` (:func:`_fwd_inner`). ``EMPTY_ROWS`` (implied by
-    ``WMASK``): a row may have seen no key yet after this block (running max -inf; 0 stands in for it)."""
-    k_idx = start + offs_n
-    if TMA:
-        k = KD.load([start, kcol])
-        v = VD.load([start, kcol])
-    else:
-        k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-    if SOFTCAP:
-        qk = _tanh(qk * qk_scale, FAST_TANH) * cap2
-    elif not SCALE_POS:
-        qk = qk * qk_scale
-    if MASK_K or WMASK:
-        qk = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), qk, float("-inf"))
-    if SCALE_POS:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-    if WMASK or EMPTY_ROWS:
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    if SCALE_POS:
-        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-    else:
-        p = tl.math.exp2(qk - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-    m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi, kbound,
                qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                MASK_K: tl.constexpr, CAUSAL: tl.constexpr, WMASK: tl.constexpr, PREC: tl.constexpr,
@@ -150,9 +109,36 @@ def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_
     nothing). ``WMASK`` (window edge blocks): a row may see none of a block's keys before any other, so its running
     max stays -inf (and 0 stands in for it in the exponents)."""
     for start in range(lo, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                                  start, kbound, qk_scale, cap2, POS, window, D, EVEN_D, MASK_K, CAUSAL, WMASK, PREC,
-                                  SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
+        k_idx = start + offs_n
+        if TMA:
+            k = KD.load([start, kcol])
+            v = VD.load([start, kcol])
+        else:
+            k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if SOFTCAP:
+            qk = _tanh(qk * qk_scale, FAST_TANH) * cap2
+        elif not SCALE_POS:
+            qk = qk * qk_scale
+        if MASK_K or WMASK:
+            qk = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), qk, float("-inf"))
+        if SCALE_POS:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if WMASK:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        if SCALE_POS:
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        else:
+            p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -472,47 +458,18 @@ def _whole_next(KLO, KHI, KNXT, r, r1, start, stop, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fwd_ctx_ranges(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
-                    KLO, KHI, KNXT, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr, WINDOW: tl.constexpr,
-                    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
-    """Forward over the context ranges ``r0..r1`` of ``KLO``/``KHI`` (a tree node's ancestors) in flat loops, none
-    nested in a loop over the ranges (whose loop-carried accumulators made ptxas serialize the wgmma pipeline: sm_90a,
-    triton 3.6; docs/PREFIX_TREES.md). Without ``WINDOW``: every range's whole blocks unmasked (``KNXT`` skips the
-    ranges without one), then each range's ragged tail masked (one step per range; a range without a tail costs a
-    fully masked step). With ``WINDOW``: each range's blocks :func:`_ctx_bounds` ``[a, te)`` in one loop, every step
-    masked (keys ``< ce``, the window). Rows may stay empty (a window, or a clamped bad layout's empty range)."""
-    if WINDOW:
-        steps, start, stop, ce = _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK_N, WINDOW)
-        r = r0
-        for _ in range(0, steps):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                                      offs_d, start, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, True,
-                                      PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
-            r, start, stop, ce = _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOCK_N,
-                                              WINDOW)
-    else:
-        steps, r, start, stop = _whole_walk(KLO, KHI, KNXT, r0, r1, BLOCK_N)
-        for _ in range(0, steps):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                                      offs_d, start, stop, qk_scale, cap2, POS, window, D, EVEN_D, False, False, False,
-                                      PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
-            r, start, stop = _whole_next(KLO, KHI, KNXT, r, r1, start, stop, BLOCK_N)
-        for r in range(r0, r1):
-            cs, c_full, ce = _whole_span(KLO, KHI, r, True, BLOCK_N)
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
-                                      offs_d, c_full, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, False,
-                                      PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, True)
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _dq_ctx_ranges(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt,
                    offs_n, offs_d, KLO, KHI, KNXT, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr,
                    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
                    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr,
                    HAS_SINKS: tl.constexpr):
-    """dQ (and ``rsum``) over the context ranges ``r0..r1`` in the flat loops of :func:`_fwd_ctx_ranges`."""
+    """dQ (and ``rsum``) over the context ranges ``r0..r1`` of ``KLO``/``KHI`` (a tree node's ancestors) in flat
+    loops, none nested in a loop over the ranges: with the dQ accumulator carried through such a loop, ptxas
+    serialized the wgmma pipeline (sm_90a, triton 3.6: dQ 17-20 % slower; docs/PREFIX_TREES.md). Without ``WINDOW``:
+    every range's whole blocks unmasked (``KNXT``, :func:`whole_range_next`, skips the ranges without one), then
+    each range's ragged tail masked (one step per range; a range without a tail costs a fully masked step). With
+    ``WINDOW``: each range's blocks :func:`_ctx_bounds` ``[a, te)`` in one loop, every step masked (keys ``< ce``,
+    the window). (The forward keeps the loop over ranges: flat, it measured 5-11 % slower.)"""
     if WINDOW:
         steps, start, stop, ce = _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK_N, WINDOW)
         r = r0

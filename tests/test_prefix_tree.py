@@ -342,9 +342,10 @@ def test_kernels_other_launch_configs(cfg):
 @pytest.mark.parametrize("cfg", [None, {"fwd": dict(BLOCK_M=16, BLOCK_N=16), "dq": dict(BLOCK_M=16, BLOCK_N=16)}],
                          ids=["default", "blocks-16"])
 def test_kernels_walk_ancestor_ranges_with_and_without_whole_blocks(cfg):
-    """The forward's and dQ's walk over a node's ancestor ranges: node 5's ancestors are three separate ranges
-    ([0, 40), [90, 96), [116, 148)): one with whole blocks and a ragged tail, one shorter than a block (skipped by
-    the whole-block walk, only its tail), one a whole multiple of the block (no tail: a fully masked step)."""
+    """dQ's flat walk over a node's ancestor ranges (and the forward's loop over them): node 5's ancestors are three
+    separate ranges ([0, 40), [90, 96), [116, 148)): one with whole blocks and a ragged tail, one shorter than a
+    block (skipped by the whole-block walk, only its tail), one a whole multiple of the block (no tail: a fully
+    masked step)."""
     lay = PrefixTreeLayout.from_parents([40, 50, 6, 20, 32, 9], [-1, 0, 0, 2, 2, 4])
     assert lay.key_ranges[lay.key_range_ptr[5]:lay.key_range_ptr[6]].tolist() == [[0, 40], [90, 96], [116, 148]]
     t = lay.total_tokens
