@@ -389,6 +389,14 @@ def test_compiled_layer_rows_on_cpu(tmp_path):
     assert not set(methods.COMPILED) & set(methods.methods_for(acfg, torch.device("cuda"), 20))
 
 
+def test_each_invocation_checks_its_own_rows(tmp_path):
+    """``check_vs`` names a method of the same ``run``: an earlier invocation on the same shape in this process
+    (another method first) is not what the rows are compared with."""
+    run("dualkv-layer", ["P=11", "mb=2", "method=fa2", f"out_dir={tmp_path / 'a'}", "plot=false"] + TINY)
+    rows = run("dualkv-layer", ["P=11", "mb=2", "method=dualkv", f"out_dir={tmp_path / 'b'}", "plot=false"] + TINY)
+    assert rows[0]["check_vs"] == "dualkv" and rows[0]["check_rel_err"] == 0.0
+
+
 def test_csv_keeps_counts_whole(tmp_path):
     """A count column that some rows lack (NaN there) is written as whole numbers, also after an append merges an
     older file; a measured float column stays float."""

@@ -159,7 +159,9 @@ def run(suite: str, argv: List[str]) -> list:
         from .tree_runner import run_job
     else:
         from .runner import run_job
+    from .runner import clear_check_reference
 
+    clear_check_reference()
     argv = list(argv)
     if any(a in ("-h", "--help") for a in argv):
         print(suite_help(suite))

@@ -118,6 +118,12 @@ def estimate_gb(cfg, shape: Shape, method: str, replicated: bool = None) -> floa
 _CHECK_REF: dict = {}
 
 
+def clear_check_reference() -> None:
+    """Forget the output the rows of a shape are checked against (``check_vs``): each ``kvtransform bench``
+    invocation compares its own methods only, never a row of an earlier invocation in the same process."""
+    _CHECK_REF.clear()
+
+
 def run_method(cfg, shape: Shape, name: str, device, launch_config: Optional[dict] = None,
                methods: Optional[dict] = None) -> list:
     """Time one method on one shape; returns CSV rows (one in layer mode; fwd, bwd, fwdbwd in attn mode).
