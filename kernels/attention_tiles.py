@@ -72,12 +72,17 @@ def _keep(k_idx, kbound, q_idx, qpos, POS, window, KEYS_ON_AXIS1: tl.constexpr, 
 
 
 @triton.jit
-def _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D: tl.constexpr,
-                   EVEN_D: tl.constexpr, MASK_K: tl.constexpr):
-    """One (BLOCK_N, D_pad) block of K and of V at token indices ``k_idx``; rows ``>= kbound`` and padded head-dim
-    columns read as 0 (masks only where the caller says the block can be ragged)."""
+def _load_kv_block(k_base, v_base, start, k_idx, kbound, stride_kt, stride_vt, offs_d, D: tl.constexpr,
+                   EVEN_D: tl.constexpr, MASK_K: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
+    """One (BLOCK_N, D_pad) block of K and of V at token indices ``k_idx = start + arange(BLOCK_N)``: with ``TMA``
+    through the tensor descriptors ``KD``/``VD`` at column ``kcol`` (rows past ``kbound`` are real rows of the next
+    segment, or zeros past T: the caller masks their scores); else by pointer, rows ``>= kbound`` and padded
+    head-dim columns read as 0 (masks only where the caller says the block can be ragged)."""
     k_off = k_idx.to(tl.int64)
-    if MASK_K:
+    if TMA:
+        k = KD.load([start, kcol])
+        v = VD.load([start, kcol])
+    elif MASK_K:
         lm = k_idx[:, None] < kbound
         if not EVEN_D:
             lm = lm & (offs_d[None, :] < D)
@@ -110,11 +115,8 @@ def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_
     max stays -inf (and 0 stands in for it in the exponents)."""
     for start in range(lo, hi, BLOCK_N):
         k_idx = start + offs_n
-        if TMA:
-            k = KD.load([start, kcol])
-            v = VD.load([start, kcol])
-        else:
-            k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
+        k, v = _load_kv_block(k_base, v_base, start, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K,
+                              KD, VD, kcol, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if SOFTCAP:
             qk = _tanh(qk * qk_scale, FAST_TANH) * cap2
@@ -303,11 +305,8 @@ def _dq_step(dq, rsum, q, do, lse2, delta, q_idx, qpos, k_base, v_base, stride_k
              FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr, HAS_SINKS: tl.constexpr):
     """One dQ step over the key block at ``start`` (:func:`_bwd_dq_inner`)."""
     k_idx = start + offs_n
-    if TMA:
-        k = KD.load([start, kcol])
-        v = VD.load([start, kcol])
-    else:
-        k, v = _load_kv_block(k_base, v_base, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K)
+    k, v = _load_kv_block(k_base, v_base, start, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K, KD,
+                          VD, kcol, TMA)
     if SOFTCAP:
         th = _tanh(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale, FAST_TANH)
         qk = th * cap2

@@ -324,16 +324,21 @@ def test_kernels_match_float64_under_the_numerics_rule(case):
     {"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dq": dict(BLOCK_M=16, BLOCK_N=32), "dkdv": dict(BLOCK_M=16, BLOCK_N=16)},
 ], ids=["gqa-packed-16", "mixed-blocks"])
 def test_kernels_other_launch_configs(cfg):
-    lay = PrefixTreeLayout.from_parents([33, 17, 1, 40, 5], [-1, 0, 1, 0, 3])
+    _fp32_kernels_match_dense(PrefixTreeLayout.from_parents([33, 17, 1, 40, 5], [-1, 0, 1, 0, 3]), 64, 0.125, cfg)
+
+
+def _fp32_kernels_match_dense(lay, d, scale, cfg):
+    """The fp32 kernels (launch ``cfg``) against the dense float64 reference: out, lse and every gradient (H 4,
+    H_kv 2)."""
     t = lay.total_tokens
-    q, k, v = torch.randn(t, 4, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)
+    q, k, v = torch.randn(t, 4, d), torch.randn(t, 2, d), torch.randn(t, 2, d)
     do = torch.randn_like(q)
     qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
-    ref_out, ref_lse = dense_reference(qd, kd, vd, lay, 0.125)
+    ref_out, ref_lse = dense_reference(qd, kd, vd, lay, scale)
     ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
-    out, lse = K.prefix_tree_fwd(q, k, v, lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges, 0.125, config=cfg)
+    out, lse = K.prefix_tree_fwd(q, k, v, lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges, scale, config=cfg)
     grads = K.prefix_tree_bwd(do, q, k, v, out, lse, lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges,
-                              lay.query_range_ptr, lay.query_ranges, 0.125, config=cfg)
+                              lay.query_range_ptr, lay.query_ranges, scale, config=cfg)
     assert maxerr(out, ref_out) < 1e-5 and maxerr(lse, ref_lse) < 1e-5
     for g, r in zip(grads, ref_grads):
         assert maxerr(g, r) < 5e-5
@@ -348,18 +353,7 @@ def test_kernels_walk_ancestor_ranges_with_and_without_whole_blocks(cfg):
     masked step)."""
     lay = PrefixTreeLayout.from_parents([40, 50, 6, 20, 32, 9], [-1, 0, 0, 2, 2, 4])
     assert lay.key_ranges[lay.key_range_ptr[5]:lay.key_range_ptr[6]].tolist() == [[0, 40], [90, 96], [116, 148]]
-    t = lay.total_tokens
-    q, k, v = torch.randn(t, 4, 32), torch.randn(t, 2, 32), torch.randn(t, 2, 32)
-    do = torch.randn_like(q)
-    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
-    ref_out, ref_lse = dense_reference(qd, kd, vd, lay, 0.2)
-    ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
-    out, lse = K.prefix_tree_fwd(q, k, v, lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges, 0.2, config=cfg)
-    grads = K.prefix_tree_bwd(do, q, k, v, out, lse, lay.cu_seqlens, lay.key_range_ptr, lay.key_ranges,
-                              lay.query_range_ptr, lay.query_ranges, 0.2, config=cfg)
-    assert maxerr(out, ref_out) < 1e-5 and maxerr(lse, ref_lse) < 1e-5
-    for g, r in zip(grads, ref_grads):
-        assert maxerr(g, r) < 5e-5
+    _fp32_kernels_match_dense(lay, 32, 0.2, cfg)
 
 
 def test_whole_range_next_skips_ranges_without_a_whole_block():
