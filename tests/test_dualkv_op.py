@@ -425,3 +425,7 @@ def test_kernel_resources_tool_compiles_for_hopper_without_a_gpu():
     stores, loads = (int(x) for x in rows[0][3].split("/"))
     assert stores >= 0 and loads >= 0 and int(rows[0][4]) > 0
     assert "over sm_90's 227 KB" in rows[1][4], rows[1]  # the packed TMA forward at 4 stages (3 take 225 KB)
+    assert rows[0][5].strip() in ("yes", "no")  # ptxas's C7515 (wgmma pipeline serialized)
+    r = subprocess.run([sys.executable, str(tool), "dq", "32,32,8,3,1,4", "--tree"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "| dq | 32,32,8,3,1,4 | " in r.stdout and "error" not in r.stdout, r.stdout + r.stderr

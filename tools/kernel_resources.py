@@ -6,9 +6,12 @@ that spills registers or exceeds sm_90's shared memory shows up here.
 
     python tools/kernel_resources.py dkdv 64,128,8,2,1 64,64,8,2,1
     python tools/kernel_resources.py fwd 32,128,8,3,1,4 --dtype fp16 --head-dim 80
+    python tools/kernel_resources.py dq 32,64,8,3,1,4 --tree      # the prefix-tree variant (CSR context ranges)
 
 Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]]`` (TMA 0/1; PACK: the forward's and dQ's packed
-GQA rows, 1 = unpacked). The numbers are this machine's Triton (and its ptxas) for sm_90a; the GPU may run another
+GQA rows, 1 = unpacked). The last column says whether ptxas serialized the wgmma pipeline (its warning C7515: a
+non-wgmma instruction defines an accumulator inside a pipeline stage). The numbers are this machine's Triton (and its
+ptxas) for sm_90a; the GPU may run another
 Triton, whose register allocation can differ: a config is decided by timing it on the GPU
 (``kvtransform bench dualkv-attn tune=true``), not by this table. BENCHMARKS.md ("DualKV attention op") has the
 default's numbers.
@@ -33,6 +36,7 @@ KERNELS = {"fwd": K._fwd_kernel, "dq": K._bwd_dq_kernel, "dkdv": K._bwd_dkdv_ker
 DTYPES = {"bf16": "bf16", "fp16": "fp16"}
 _F32_PTRS = {"LSE", "DELTA"}
 _I32_PTRS = {"CU", "KCTX_LO", "KCTX_HI", "QCTX_LO", "QCTX_HI", "WSEG", "WBLK"}
+_TREE_PTRS = ("KPTR", "QPTR", "KNXT")  # the prefix tree's range pointers and whole-block table (int32)
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 SM90_SHARED_BYTES = 227 * 1024  # shared memory one block may take on sm_90 (H100/H200)
 _DESCRIPTORS = {"fwd": ("KD", "VD"), "dq": ("KD", "VD"), "dkdv": ("QD", "DOD")}
@@ -47,9 +51,10 @@ def _ptxas() -> str:
 
 
 def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bool = False, pack: int = 1,
-                   dtype: str = "bf16", head_dim: int = 128, softcap: bool = False):
+                   dtype: str = "bf16", head_dim: int = 128, softcap: bool = False, tree: bool = False):
     """The compiled kernel ``kind`` (:data:`KERNELS`) for sm_90a with the given launch config (``softcap``: the
-    soft-capped variant, with the GPU's ``tanh.approx`` as bf16/fp16 inputs get it)."""
+    soft-capped variant, with the GPU's ``tanh.approx`` as bf16/fp16 inputs get it; ``tree``: the prefix-tree variant,
+    ``CSR`` context ranges as ``kernels/prefix_tree.py`` launches it)."""
     fn = KERNELS[kind]
     d_pad = max(16, 1 << (head_dim - 1).bit_length())
     # the descriptor's block: K/V blocks (fwd, dQ) or Q/dO blocks (dK/dV)
@@ -61,11 +66,14 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
         const["SCALE_POS"] = not softcap
     if softcap:
         const["SOFTCAP"] = const["FAST_TANH"] = True
+    tree_ptrs = {name for name in _TREE_PTRS if name in fn.arg_names} if tree else set()
+    const["CSR"] = tree
     for name in _DESCRIPTORS[kind]:
         if not tma:
             const[name] = None
     for p in fn.params:  # the attention variants' arguments (kernels/attention_tiles.py): off, as by default
-        if (p.name not in const and p.name not in _DESCRIPTORS[kind] and p.default is not inspect.Parameter.empty
+        if (p.name not in const and p.name not in _DESCRIPTORS[kind] and p.name not in tree_ptrs
+                and p.default is not inspect.Parameter.empty
                 and (p.is_constexpr or p.default is None)):
             const[p.name] = p.default
     sig = {}
@@ -79,7 +87,7 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
             sig[name] = "*" + DTYPES[dtype]
         elif name in _F32_PTRS:
             sig[name] = "*fp32"
-        elif name in _I32_PTRS:
+        elif name in _I32_PTRS or name in tree_ptrs:
             sig[name] = "*i32"
         elif name in ("qk_scale", "sm_scale", "cap2"):
             sig[name] = "fp32"
@@ -90,7 +98,8 @@ def compile_kernel(kind: str, bm: int, bn: int, warps: int, stages: int, tma: bo
 
 
 def resources(kernel) -> dict:
-    """``ptxas -v`` of a compiled kernel: registers, spill stores / loads (bytes), stack; shared memory (bytes)."""
+    """``ptxas -v`` of a compiled kernel: registers, spill stores / loads (bytes), shared memory (bytes), and
+    ``serialized``: ptxas warned C7515 (it serialized the wgmma pipeline)."""
     with tempfile.TemporaryDirectory() as td:
         ptx = os.path.join(td, "k.ptx")
         with open(ptx, "w") as f:
@@ -102,7 +111,8 @@ def resources(kernel) -> dict:
     if regs is None:
         raise RuntimeError(f"ptxas gave no resource report:\n{err[-800:]}")
     return dict(registers=int(regs.group(1)), spill_stores=int(spill.group(1)) if spill else 0,
-                spill_loads=int(spill.group(2)) if spill else 0, shared=kernel.metadata.shared)
+                spill_loads=int(spill.group(2)) if spill else 0, shared=kernel.metadata.shared,
+                serialized="C7515" in err)
 
 
 def main():
@@ -112,8 +122,10 @@ def main():
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--softcap", action="store_true", help="the soft-capped variant (Gemma 2)")
+    ap.add_argument("--tree", action="store_true", help="the prefix-tree variant (CSR context ranges)")
     a = ap.parse_args()
-    print("| kernel | config | registers | spill stores / loads (bytes) | shared (bytes) |\n|---|---|---|---|---|")
+    print("| kernel | config | registers | spill stores / loads (bytes) | shared (bytes) | wgmma serialized (C7515) |\n"
+          "|---|---|---|---|---|---|")
     limit = SM90_SHARED_BYTES
     for c in a.configs:
         v = [int(x) for x in c.split(",")]
@@ -122,12 +134,12 @@ def main():
         try:
             r = resources(compile_kernel(a.kernel, *v[:4], tma=bool(v[4]) if len(v) > 4 else False,
                                          pack=v[5] if len(v) > 5 else 1, dtype=a.dtype, head_dim=a.head_dim,
-                                         softcap=a.softcap))
+                                         softcap=a.softcap, tree=a.tree))
             over = f" (over sm_90's {limit // 1024} KB: fails at launch)" if r["shared"] > limit else ""
             print(f"| {a.kernel} | {c} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
-                  f"{r['shared']}{over} |", flush=True)
+                  f"{r['shared']}{over} | {'yes' if r['serialized'] else 'no'} |", flush=True)
         except Exception as e:  # noqa: BLE001 - one failing config (e.g. out of shared memory) is a row
-            print(f"| {a.kernel} | {c} | error: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | |", flush=True)
+            print(f"| {a.kernel} | {c} | error: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
 
 
 if __name__ == "__main__":
