@@ -124,5 +124,17 @@ def test_packed_calls_are_checked_before_the_model_runs():
     finally:
         packing.check_packed = real
     assert torch.equal(got, want) and len(calls) == 1  # the second call's inputs were checked by the first
+    # without a layout, the positions are read once per forward too (the backbone's hook reuses the top's check)
+    import kvtransform.integrations.transformers as hf
+
+    reads = []
+    real_drop = hf._position_drop
+    hf._position_drop = lambda pos: (reads.append(1), real_drop(pos))[1]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3, 4]]), position_ids=torch.tensor([[0, 1, 0, 1]]))
+    finally:
+        hf._position_drop = real_drop
+    assert len(reads) == 1
     kvt.integrations.transformers.disable(model)
     assert not model._forward_pre_hooks and not model.model._forward_pre_hooks

@@ -217,15 +217,20 @@ def _call_arguments(module, args, kwargs) -> dict:
 #: The inputs of the last packed call that passed :func:`_check_packed_call` (weak references and the tensors'
 #: version counters): the backbone's own hook, called by the top model with the same objects, does not check again.
 _last_checked: list = []
+#: The same for the ``position_ids`` of the last call without a layout that passed
+#: :func:`_refuse_packed_positions_without_layout` (one device sync per forward, not one per hooked model).
+_last_positions: list = []
 
 
 def _ref(obj):
     return (lambda: None) if obj is None else weakref.ref(obj)
 
 
-def _checked_already(objs) -> bool:
-    return len(_last_checked) == len(objs) and all(
-        ref() is o and ver == getattr(o, "_version", None) for (ref, ver), o in zip(_last_checked, objs))
+def _checked_already(objs, memo=None) -> bool:
+    """``objs`` are the very objects of ``memo`` (default :data:`_last_checked`), the tensors unmodified since."""
+    memo = _last_checked if memo is None else memo
+    return len(memo) == len(objs) and all(
+        ref() is o and ver == getattr(o, "_version", None) for (ref, ver), o in zip(memo, objs))
 
 
 def _refuse_packed_positions_without_layout(model, args, kwargs) -> None:
@@ -240,13 +245,25 @@ def _refuse_packed_positions_without_layout(model, args, kwargs) -> None:
         pos, mask = named.get("position_ids"), named.get("attention_mask")
     if mask is not None or not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[-1] < 2:
         return
+    if _checked_already((pos,), _last_positions):
+        return
+    drop = _position_drop(pos)
+    if drop is not None:
+        raise ValueError(f"position_ids fall back to {drop[1]} at token {drop[0]} without a packed layout (a "
+                         f"shared-prefix or tree batch?): call model(**kvt.integrations.transformers."
+                         f"packed_inputs(batch)), which passes the layout")
+    _last_positions[:] = [(_ref(pos), pos._version)]
+
+
+def _position_drop(pos: torch.Tensor):
+    """``(token, position)`` of the first fall-back in ``(B, T)`` ``position_ids`` (a value above 0 that is not above
+    its predecessor), or None; one device sync."""
     nxt = pos[:, 1:]
     drop = (nxt <= pos[:, :-1]) & (nxt != 0)
-    if bool(drop.any()):
-        row, col = (int(x) for x in drop.nonzero()[0])
-        raise ValueError(f"position_ids fall back to {int(pos[row, col + 1])} at token {col + 1} without a packed "
-                         f"layout (a shared-prefix or tree batch?): call model(**kvt.integrations.transformers."
-                         f"packed_inputs(batch)), which passes the layout")
+    if not bool(drop.any()):
+        return None
+    row, col = (int(x) for x in drop.nonzero()[0])
+    return col + 1, int(pos[row, col + 1])
 
 
 def _check_packed_call(model, args, kwargs):
