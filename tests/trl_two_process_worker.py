@@ -56,6 +56,10 @@ def main():
         dist.all_reduce(g)
     if dist.get_rank() == 0:
         torch.save({"loss": loss / world, "grads": {n: g / world for n, g in grads.items()}}, out)
+    # every rank leaves together and tears gloo down before exit: a rank that exited with the group still up was
+    # once aborted by its gloo threads ("terminate called without an active exception") on a loaded machine
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
