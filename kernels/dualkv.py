@@ -366,7 +366,10 @@ def _only(kernel, kwargs: dict) -> dict:
 
 def _variants(q, cu, ctx_tokens, scale, window, softcap, sinks) -> dict:
     """Kernel arguments of the attention variants (``kernels/attention_tiles.py``), the window's position tables
-    built on the device only when a window is given."""
+    built on the device only when a window is given. A window above T is T: the same keys (no position on a
+    sequence of T tokens is T behind another), and the kernels' int32 bounds (position + window) cannot wrap."""
+    if window is not None:
+        window = min(int(window), max(1, q.shape[0]))
     va = variant_args(scale, q.dtype, window, softcap, sinks, _interpreting())
     pos = node_of = None
     if window is not None:

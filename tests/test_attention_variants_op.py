@@ -160,6 +160,25 @@ def test_kernels_match_the_brute_force_and_the_backward_is_deterministic(which, 
     assert all(torch.equal(x, y) for x, y in zip(got[2], again))
 
 
+def test_a_window_near_int32_max_equals_no_window(monkeypatch):
+    """A window longer than any sequence sees every key: the kernels clamp it to T, so position + window never wraps
+    in their int32 bounds (2**31 - 1 once gave wrong dK/dV, and a crash, from both ops)."""
+    monkeypatch.setattr(dualkv_ops, "USE_TRITON_ON_CPU", True)
+    monkeypatch.setattr(tree_ops, "USE_TRITON_ON_CPU", True)
+    tree = PrefixTreeLayout.from_parents([40, 20, 10], [-1, 0, 1])
+    calls = {"tree": lambda q, k, v, **w: prefix_tree_attention(q, k, v, tree, **w),
+             "dualkv": lambda q, k, v, **w: dualkv_attention(q, k, v, torch.tensor([0, 40, 60, 70], dtype=torch.int32),
+                                                             torch.tensor([-1, 0, 0], dtype=torch.int32), **w)}
+    for name, op in calls.items():
+        q, k, v = (torch.randn(70, h, 16, requires_grad=True) for h in (2, 1, 1))
+        grads = []
+        for w in ({}, {"window": 2 ** 31 - 48}, {"window": 2 ** 31 - 1}):
+            out = op(q, k, v, **w)
+            grads.append((out,) + torch.autograd.grad(out.square().sum(), (q, k, v)))
+        for got in grads[1:]:  # (the windowed kernels mask their steps: fp32 rounding apart, the same sums)
+            assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, grads[0])), name
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs CUDA and compiled kernels: TRITON_INTERPRET=0 python -m pytest -m gpu")])])
