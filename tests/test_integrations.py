@@ -123,18 +123,36 @@ def test_packed_calls_are_checked_before_the_model_runs():
             got = model(kw["input_ids"], None, kw["position_ids"], prefix_tree_layout=tree.layout).logits
     finally:
         packing.check_packed = real
-    assert torch.equal(got, want) and len(calls) == 1  # the second call's inputs were checked by the first
+    # one check per forward (the backbone's hook reuses its top model's), and every forward checks: the same
+    # tensors could have been refilled in place without a version bump (a collator writing through numpy)
+    assert torch.equal(got, want) and len(calls) == 2
+    pos = kw["position_ids"]
+    before = pos.clone()
+    pos.numpy()[0, -1] = 0  # no version bump: a check keyed on the tensor's version would miss it
+    with pytest.raises(ValueError):
+        model(**kw)
+    pos.copy_(before)
     # without a layout, the positions are read once per forward too (the backbone's hook reuses the top's check)
     import kvtransform.integrations.transformers as hf
 
     reads = []
     real_drop = hf._position_drop
-    hf._position_drop = lambda pos: (reads.append(1), real_drop(pos))[1]
+    hf._position_drop = lambda *a: (reads.append(1), real_drop(*a))[1]
     try:
         with torch.no_grad():
             model(torch.tensor([[1, 2, 3, 4]]), position_ids=torch.tensor([[0, 1, 0, 1]]))
     finally:
         hf._position_drop = real_drop
     assert len(reads) == 1
+    # a tokenizer's all-ones attention_mask does not hide a tree's positions passed without the layout
+    with pytest.raises(ValueError, match="position_ids fall back to 5 at token 6 without a packed layout"):
+        model(tree.input_ids, position_ids=tree.position_ids, attention_mask=torch.ones_like(tree.input_ids),
+              use_cache=False)
+    # a second model with a smaller vocabulary checks the same batch again
+    small_cfg = copy.deepcopy(model.config)
+    small_cfg.vocab_size = 3
+    small = kvt.integrations.transformers.enable(type(model)(small_cfg), "dualkv")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        small(**kw)
     kvt.integrations.transformers.disable(model)
-    assert not model._forward_pre_hooks and not model.model._forward_pre_hooks
+    assert not model._forward_pre_hooks and not model.model._forward_pre_hooks and not model._forward_hooks

@@ -215,11 +215,14 @@ def _call_arguments(module, args, kwargs) -> dict:
 
 
 #: The inputs of the last packed call that passed :func:`_check_packed_call` (weak references and the tensors'
-#: version counters): the backbone's own hook, called by the top model with the same objects, does not check again.
+#: version counters): the backbone's own hook, called inside the top model's forward with the same objects, does not
+#: check again. Only a nested call reuses it (:data:`_depth`): every outermost call is checked.
 _last_checked: list = []
 #: The same for the ``position_ids`` of the last call without a layout that passed
 #: :func:`_refuse_packed_positions_without_layout` (one device sync per forward, not one per hooked model).
 _last_positions: list = []
+#: How many hooked models' forwards are running (a pre-hook adds one, an always-called forward hook takes it off).
+_depth: list = [0]
 
 
 def _ref(obj):
@@ -227,39 +230,52 @@ def _ref(obj):
 
 
 def _checked_already(objs, memo=None) -> bool:
-    """``objs`` are the very objects of ``memo`` (default :data:`_last_checked`), the tensors unmodified since."""
+    """Inside a hooked model's forward, ``objs`` are the very objects of ``memo`` (default :data:`_last_checked`),
+    the tensors unmodified since; an outermost call is never taken as checked."""
     memo = _last_checked if memo is None else memo
-    return len(memo) == len(objs) and all(
+    return _depth[0] > 1 and len(memo) == len(objs) and all(
         ref() is o and ver == getattr(o, "_version", None) for (ref, ver), o in zip(memo, objs))
 
 
+def _leave_call(module, args, output):
+    """Forward hook (always called, also when the forward or a pre-hook raised) paired with
+    :func:`_check_packed_call`: one hooked forward less is running."""
+    _depth[0] = max(0, _depth[0] - 1)
+
+
 def _refuse_packed_positions_without_layout(model, args, kwargs) -> None:
-    """A call without a layout whose ``position_ids`` fall back to a value above 0 (a segment continuing its
-    prefix's positions: a DualKV or prefix-tree batch) and no ``attention_mask``: transformers would read the drop
-    as the start of another packed sequence (which restarts at 0) and cut the branch off its prefix, a silently
-    wrong answer. Left-padded rows bring an ``attention_mask`` and are not looked at."""
+    """A call without a layout whose ``position_ids`` fall back to a value above 0 between two attended tokens (a
+    segment continuing its prefix's positions: a DualKV or prefix-tree batch): without a mask transformers would
+    read the drop as the start of another packed sequence (which restarts at 0) and cut the branch off its prefix,
+    with one (a tokenizer's all-ones mask) attend causally across the branches: silently wrong answers either way.
+    Padding (mask 0) is not looked at, nor are calls with a custom (4-D) mask."""
     pos = kwargs.get("position_ids")
     mask = kwargs.get("attention_mask")
     if pos is None and len(args) > 1:
         named = _call_arguments(model, args, kwargs)
         pos, mask = named.get("position_ids"), named.get("attention_mask")
-    if mask is not None or not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[-1] < 2:
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[-1] < 2:
         return
-    if _checked_already((pos,), _last_positions):
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.shape == pos.shape):
+        return  # a custom (4-D) mask defines the attention itself
+    if _checked_already((pos, mask), _last_positions):
         return
-    drop = _position_drop(pos)
+    drop = _position_drop(pos, mask)
     if drop is not None:
         raise ValueError(f"position_ids fall back to {drop[1]} at token {drop[0]} without a packed layout (a "
                          f"shared-prefix or tree batch?): call model(**kvt.integrations.transformers."
                          f"packed_inputs(batch)), which passes the layout")
-    _last_positions[:] = [(_ref(pos), pos._version)]
+    _last_positions[:] = [(_ref(o), getattr(o, "_version", None)) for o in (pos, mask)]
 
 
-def _position_drop(pos: torch.Tensor):
+def _position_drop(pos: torch.Tensor, mask=None):
     """``(token, position)`` of the first fall-back in ``(B, T)`` ``position_ids`` (a value above 0 that is not above
-    its predecessor), or None; one device sync."""
+    its predecessor; with a ``(B, T)`` ``attention_mask``, between two attended tokens only: padding's positions are
+    anyone's), or None; one device sync."""
     nxt = pos[:, 1:]
     drop = (nxt <= pos[:, :-1]) & (nxt != 0)
+    if mask is not None:
+        drop = drop & mask[:, 1:].bool() & mask[:, :-1].bool()
     if not bool(drop.any()):
         return None
     row, col = (int(x) for x in drop.nonzero()[0])
@@ -282,6 +298,7 @@ def _check_packed_call(model, args, kwargs):
     from kvtransform.packing import check_packed
     from kvtransform.tree_layout import PrefixTreeLayout
 
+    _depth[0] += 1  # (first: :func:`_leave_call` runs even when this hook raises)
     if not {"prefix_tree_layout", "cu_seqlens", "segment_prefix"} & set(kwargs):
         _refuse_packed_positions_without_layout(model, args, kwargs)
         return None  # (a forward takes the layout through **kwargs only: by name)
@@ -383,8 +400,9 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     if getattr(model, "_kvt_packed_hook", None) is None:  # the model and each transformers model in it
         from transformers import PreTrainedModel
 
-        model._kvt_packed_hook = [m.register_forward_pre_hook(_check_packed_call, with_kwargs=True)
-                                  for m in model.modules() if m is model or isinstance(m, PreTrainedModel)]
+        hooked = [m for m in model.modules() if m is model or isinstance(m, PreTrainedModel)]
+        model._kvt_packed_hook = ([m.register_forward_pre_hook(_check_packed_call, with_kwargs=True) for m in hooked]
+                                  + [m.register_forward_hook(_leave_call, always_call=True) for m in hooked])
     return model
 
 
