@@ -93,7 +93,7 @@ def test_plan_memory_cli(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     # GiB, as the decode suite's gpu_gb: the hand calculation's 80 GiB GPU, 1 GiB head, 4 GiB reserve
     cmd = [sys.executable, "-m", "kvtransform.cli", "plan-memory", str(tmp_path), "gpu_gb=80", "batch=32",
-           "head_gb=1", "head_token_bytes=4096", "reserve_gb=4"]
+           "head_gb=1", "head_token_bytes=4096", "reserve_gb=4", "input_len=2048", "output_len=32768"]
     p = subprocess.run(cmd, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "| 1 | 31 | 14906 |" in p.stdout and "| 21 | 11 | 34686 |" in p.stdout
@@ -104,6 +104,20 @@ def test_plan_memory_cli(tmp_path):
                      ("head_resident_layers=33", "head_resident_layers=33 is more than the model's 32 layers")):
         p = subprocess.run(cmd[:5] + [arg], capture_output=True, text=True)
         assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr
+
+
+def test_plan_memory_defaults_fit_the_default_model(capsys):
+    """``kvtransform plan-memory`` with no arguments plans the default model (SmolLM2-135M, an 8192-token window):
+    its default request shape fits that window (a longer one is refused as past the context window)."""
+    from kvtransform.cli import main
+
+    try:
+        rc = main(["plan-memory"])
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc in (0, None), err
+    assert "[2048 in, 6144 out]" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("arg,msg", [("gpu_gb=inf", "gpu_gb=inf must be a number of GiB from 1e-09 to 1048576"),
@@ -141,7 +155,8 @@ def test_plan_memory_cli_throughput(tmp_path, capsys):
 
     cfg = dict(LLAMA3_8B, architectures=["LlamaForCausalLM"], model_type="llama")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    cmd = ["plan-memory", str(tmp_path), "gpu_gb=80", "batch=32", "head_gb=1", "head_token_bytes=4096", "reserve_gb=4"]
+    cmd = ["plan-memory", str(tmp_path), "gpu_gb=80", "batch=32", "head_gb=1", "head_token_bytes=4096", "reserve_gb=4",
+           "input_len=2048", "output_len=32768"]
     rc, out, err = run(cmd + ["hbm_gbps=4200", "link_gbps=42", "overlap=0.1", "gpu_factor=1.8"])
     assert rc in (0, None), err
     model = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)

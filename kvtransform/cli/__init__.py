@@ -57,7 +57,7 @@ commands:
   distill-retrieval-head [MODEL]     train the distilled retrieval head on MODEL's own attention (Hydra)
   eval-sparse [MODEL] [-m]           recall / NLL / greedy agreement of retrieval heads on real text (Hydra)
   rollout-mismatch [MODEL]           KL(sparse || dense) and importance weights of sparse-sampled rollouts (Hydra)
-  plan-memory [MODEL] gpu_gb=80 batch=32 input_len=2048 output_len=32768
+  plan-memory [MODEL] gpu_gb=80 batch=32 input_len=2048 output_len=6144
                                      when each layer's KV moves to CPU (SpeContext offload) and the largest batch
 
 MODEL (default smollm2-135m): a registry name ({names}), a local HF model directory, a .gguf file, or a hub id in

@@ -337,7 +337,7 @@ class PlanMemoryConfig:
     gpu_gb: float = 80.0
     batch: int = 1
     input_len: int = 2048
-    output_len: int = 32768
+    output_len: int = 6144  # [2048, 6144] fits the default model's 8192-token window (a longer one is refused)
     budget: int = 2048
     head_gb: float = 0.0
     head_token_bytes: int = 0
