@@ -364,7 +364,7 @@ def main(argv=None):
         model = build_model(args, device, dtype)
         cfg = model.config
         nparams = sum(p.numel() for p in model.parameters())
-        log(f"model: {nparams / 1e9:.2f} B parameters, built in {time.perf_counter() - t0:.1f} s")
+        log(f"model: {nparams / 1e9:.3g} B parameters, built in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         opt = kvt.transform(model, kvt.DualKVConfig(verify=kvt.VerifyConfig(enabled=not args.no_verify)),
                             progress=False)
@@ -391,13 +391,14 @@ def main(argv=None):
             del base
         log(f"\n{'method':14s} {'step s':>8s} {'tok/s/GPU':>11s} {'repl tok/s/GPU':>15s} {'MFU':>7s} "
             f"{'peak GiB':>9s} {'tokens/step':>12s}")
+        gpu = device.type == "cuda"  # (on a CPU the MFU against an H200 and the CUDA peak memory mean nothing: "-")
         for r in results:
+            mfu, peak = (f"{100 * r['mfu']:6.1f}%", f"{r['peak_gib']:9.1f}") if gpu else (f"{'-':>7s}", f"{'-':>9s}")
             log(f"{r['method']:14s} {r['step_s']:8.3f} {r['tokens_per_gpu_s']:11.0f} "
-                f"{r['replicated_tokens_per_gpu_s']:15.0f} {100 * r['mfu']:6.1f}% {r['peak_gib']:9.1f} "
-                f"{int(r['tokens']):12d}")
+                f"{r['replicated_tokens_per_gpu_s']:15.0f} {mfu} {peak} {int(r['tokens']):12d}")
         if len(results) == 2:
-            log(f"speed-up (same global batch, step time): {results[1]['step_s'] / results[0]['step_s']:.2f}x; "
-                f"MFU against {H200_BF16_DENSE_TFLOPS:g} TFLOP/s (H200 bf16 dense)")
+            log(f"speed-up (same global batch, step time): {results[1]['step_s'] / results[0]['step_s']:.2f}x"
+                + (f"; MFU against {H200_BF16_DENSE_TFLOPS:g} TFLOP/s (H200 bf16 dense)" if gpu else ""))
         return 0
     finally:
         # Leave together: a rank that exits while another still runs (rank 0's single-device reference) can take

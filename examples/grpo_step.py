@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
         print(f"step {step}: {batch.num_responses} responses, {batch.num_tokens} packed tokens vs "
               f"{batch.replicated_tokens} replicated (ρ={batch.token_ratio:.2f}); mean reward "
               f"{sum(map(sum, rewards)) / batch.num_responses:+.3f}")
-        print(f"  loss packed {float(loss):+.6f}  unpacked {float(loss_ref):+.6f}  (diff / loss scale {loss_rel:.2e}); "
+        print(f"  loss packed {loss.item():+.6f}  unpacked {loss_ref.item():+.6f}  (diff / loss scale {loss_rel:.2e}); "
               f"gradients ‖g_packed − g_unpacked‖/‖g_unpacked‖ = {grad_rel:.2e}; fwd+bwd packed {t1 - t0:.2f} s, "
               f"unpacked (padded) {t2 - t1:.2f} s")
         for p, g in zip((p for p in model.parameters() if p.requires_grad), g_packed):
