@@ -124,23 +124,42 @@ def main():
     ap.add_argument("--softcap", action="store_true", help="the soft-capped variant (Gemma 2)")
     ap.add_argument("--tree", action="store_true", help="the prefix-tree variant (CSR context ranges)")
     a = ap.parse_args()
+    if not 1 <= a.head_dim <= 256:
+        ap.error(f"--head-dim {a.head_dim}: the kernels take head dims 1..256")
+    configs = []
+    for c in a.configs:
+        try:
+            v = [int(x) for x in c.split(",")]
+        except ValueError:
+            ap.error(f"config {c!r}: integers BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]]")
+        if not 4 <= len(v) <= 6:
+            ap.error(f"config {c!r}: give BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]] (4 to 6 numbers)")
+        bm, bn, _, _, *rest = v
+        pack = rest[1] if len(rest) > 1 else 1
+        if any(b < 16 or b & (b - 1) for b in (bm, bn)) or pack < 1 or pack & (pack - 1):
+            ap.error(f"config {c!r}: BLOCK_M and BLOCK_N must be powers of two >= 16, PACK a power of two >= 1 (as "
+                     f"the launchers require)")
+        if a.kernel == "dkdv" and bn % bm:
+            ap.error(f"config {c!r}: dkdv's BLOCK_N ({bn} keys) must be a multiple of BLOCK_M ({bm} queries), as "
+                     f"the launcher requires")
+        configs.append((c, v))
+    tma_ok = a.head_dim == max(16, 1 << (a.head_dim - 1).bit_length())
     print("| kernel | config | registers | spill stores / loads (bytes) | shared (bytes) | wgmma serialized (C7515) |\n"
           "|---|---|---|---|---|---|")
     limit = SM90_SHARED_BYTES
-    for c in a.configs:
-        v = [int(x) for x in c.split(",")]
-        if len(v) < 4:
-            ap.error(f"config {c!r}: give BLOCK_M,BLOCK_N,num_warps,num_stages[,TMA[,PACK]]")
+    for c, v in configs:
+        tma = bool(v[4]) if len(v) > 4 else False
+        note = " (TMA off: the launchers use it for power-of-two head dims only)" if tma and not tma_ok else ""
         try:
-            r = resources(compile_kernel(a.kernel, *v[:4], tma=bool(v[4]) if len(v) > 4 else False,
-                                         pack=v[5] if len(v) > 5 else 1, dtype=a.dtype, head_dim=a.head_dim,
-                                         softcap=a.softcap, tree=a.tree))
+            r = resources(compile_kernel(a.kernel, *v[:4], tma=tma and tma_ok, pack=v[5] if len(v) > 5 else 1,
+                                         dtype=a.dtype, head_dim=a.head_dim, softcap=a.softcap, tree=a.tree))
             over = f" (over sm_90's {limit // 1024} KB: fails at launch)" if r["shared"] > limit else ""
-            print(f"| {a.kernel} | {c} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
+            print(f"| {a.kernel} | {c}{note} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
                   f"{r['shared']}{over} | {'yes' if r['serialized'] else 'no'} |", flush=True)
         except Exception as e:  # noqa: BLE001 - one failing config (e.g. out of shared memory) is a row
-            print(f"| {a.kernel} | {c} | error: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
-
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = lines[-1] if lines else ""  # (a CompilationError's first line is only where; its last says what)
+            print(f"| {a.kernel} | {c} | error: {type(e).__name__}: {why[:160]} | | | |", flush=True)
 
 if __name__ == "__main__":
     main()
