@@ -56,8 +56,8 @@ def main():
         dist.all_reduce(g)
     if dist.get_rank() == 0:
         torch.save({"loss": loss / world, "grads": {n: g / world for n, g in grads.items()}}, out)
-    # every rank leaves together and tears gloo down before exit: a rank that exited with the group still up was
-    # once aborted by its gloo threads ("terminate called without an active exception") on a loaded machine
+    # every rank leaves together and tears gloo down before exit: a rank that exits with the group still up can be
+    # aborted by its gloo threads ("terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
 
