@@ -101,6 +101,41 @@ def _load_kv_block(k_base, v_base, start, k_idx, kbound, stride_kt, stride_vt, o
 
 # ====================================================================================================== forward
 @triton.jit
+def _fwd_step(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, start, kbound,
+              qk_scale, cap2, POS, window, D: tl.constexpr, EVEN_D: tl.constexpr, MASK_K: tl.constexpr,
+              CAUSAL: tl.constexpr, WMASK: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr,
+              SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
+    """One online-softmax step over the key block at ``start`` (:func:`_fwd_inner`)."""
+    k_idx = start + offs_n
+    k, v = _load_kv_block(k_base, v_base, start, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K,
+                          KD, VD, kcol, TMA)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if SOFTCAP:
+        qk = _tanh(qk * qk_scale, FAST_TANH) * cap2
+    elif not SCALE_POS:
+        qk = qk * qk_scale
+    if MASK_K or WMASK:
+        qk = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), qk, float("-inf"))
+    if SCALE_POS:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if WMASK:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    if SCALE_POS:
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    else:
+        p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, lo, hi, kbound,
                qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                MASK_K: tl.constexpr, CAUSAL: tl.constexpr, WMASK: tl.constexpr, PREC: tl.constexpr,
@@ -114,33 +149,9 @@ def _fwd_inner(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_
     nothing). ``WMASK`` (window edge blocks): a row may see none of a block's keys before any other, so its running
     max stays -inf (and 0 stands in for it in the exponents)."""
     for start in range(lo, hi, BLOCK_N):
-        k_idx = start + offs_n
-        k, v = _load_kv_block(k_base, v_base, start, k_idx, kbound, stride_kt, stride_vt, offs_d, D, EVEN_D, MASK_K,
-                              KD, VD, kcol, TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if SOFTCAP:
-            qk = _tanh(qk * qk_scale, FAST_TANH) * cap2
-        elif not SCALE_POS:
-            qk = qk * qk_scale
-        if MASK_K or WMASK:
-            qk = tl.where(_keep(k_idx, kbound, q_idx, qpos, POS, window, True, CAUSAL, WMASK), qk, float("-inf"))
-        if SCALE_POS:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if WMASK:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        if SCALE_POS:
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        else:
-            p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-        m_i = m_new
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q_idx, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d,
+                                  start, kbound, qk_scale, cap2, POS, window, D, EVEN_D, MASK_K, CAUSAL, WMASK, PREC,
+                                  SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
     return acc, l_i, m_i
 
 
@@ -457,6 +468,67 @@ def _whole_next(KLO, KHI, KNXT, r, r1, start, stop, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _lead_spans(KLO, KHI, r0, r1, BLOCK: tl.constexpr):
+    """The whole blocks of the first four context ranges ``r0..min(r1, r0 + 4)`` (a tree node's ancestors, root
+    first), addressed from a loop counter by :func:`_lead_block`: ``(steps, lo0, lo1, lo2, lo3, c1, c2, c3)``, their
+    count, each range's first key and the blocks before ranges 1-3 (a missing range: no blocks)."""
+    v0 = r0 < r1
+    v1 = r0 + 1 < r1
+    v2 = r0 + 2 < r1
+    v3 = r0 + 3 < r1
+    lo0 = tl.load(KLO + r0, mask=v0, other=0)
+    lo1 = tl.load(KLO + r0 + 1, mask=v1, other=0)
+    lo2 = tl.load(KLO + r0 + 2, mask=v2, other=0)
+    lo3 = tl.load(KLO + r0 + 3, mask=v3, other=0)
+    c1 = (tl.load(KHI + r0, mask=v0, other=0) - lo0) // BLOCK
+    c2 = c1 + (tl.load(KHI + r0 + 1, mask=v1, other=0) - lo1) // BLOCK
+    c3 = c2 + (tl.load(KHI + r0 + 2, mask=v2, other=0) - lo2) // BLOCK
+    steps = c3 + (tl.load(KHI + r0 + 3, mask=v3, other=0) - lo3) // BLOCK
+    return steps, lo0, lo1, lo2, lo3, c1, c2, c3
+
+
+@triton.jit
+def _lead_block(i, lo0, lo1, lo2, lo3, c1, c2, c3, BLOCK: tl.constexpr):
+    """First key of whole block ``i`` of :func:`_lead_spans`' ranges: a function of the loop counter alone (no
+    loop-carried range state, so the software pipeline can address blocks ahead)."""
+    start = lo0 + i * BLOCK
+    start = tl.where(i >= c1, lo1 + (i - c1) * BLOCK, start)
+    start = tl.where(i >= c2, lo2 + (i - c2) * BLOCK, start)
+    return tl.where(i >= c3, lo3 + (i - c3) * BLOCK, start)
+
+
+@triton.jit
+def _fwd_ctx_ranges(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, KLO, KHI,
+                    KNXT, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr, SOFTCAP: tl.constexpr,
+                    FAST_TANH: tl.constexpr, KD, VD, kcol, TMA: tl.constexpr):
+    """Forward over the context ranges ``r0..r1`` of ``KLO``/``KHI`` (a tree node's ancestors; no window) in flat
+    loops, none nested in a loop over the ranges (nested, ptxas serializes the wgmma pipeline: docs/PREFIX_TREES.md):
+    the whole blocks of the first four ranges addressed from the loop counter (:func:`_lead_block`), those of any
+    deeper ranges by the walk :func:`_whole_next`, then each range's ragged tail masked (ranges without one
+    skipped: a fully masked first step would leave the running max at -inf)."""
+    steps, lo0, lo1, lo2, lo3, c1, c2, c3 = _lead_spans(KLO, KHI, r0, r1, BLOCK_N)
+    for i in range(0, steps):
+        start = _lead_block(i, lo0, lo1, lo2, lo3, c1, c2, c3, BLOCK_N)
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                                  offs_d, start, start + BLOCK_N, qk_scale, cap2, POS, window, D, EVEN_D, False, False,
+                                  False, PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
+    steps, r, start, stop = _whole_walk(KLO, KHI, KNXT, r0 + 4, r1, BLOCK_N)
+    for _ in range(0, steps):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                                  offs_d, start, stop, qk_scale, cap2, POS, window, D, EVEN_D, False, False, False,
+                                  PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
+        r, start, stop = _whole_next(KLO, KHI, KNXT, r, r1, start, stop, BLOCK_N)
+    for r in range(r0, r1):
+        cs, c_full, ce = _whole_span(KLO, KHI, r, True, BLOCK_N)
+        if c_full < ce:
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                                      offs_d, c_full, ce, qk_scale, cap2, POS, window, D, EVEN_D, True, False, False,
+                                      PREC, SCALE_POS, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _dq_ctx_ranges(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt,
                    offs_n, offs_d, KLO, KHI, KNXT, r0, r1, qk_scale, cap2, POS, window, D: tl.constexpr,
                    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
@@ -479,7 +551,13 @@ def _dq_ctx_ranges(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_bas
             r, start, stop, ce = _ranges_next(KLO, KHI, r, r1, start, stop, ce, qmin, qmax, POS, window, BLOCK_N,
                                               WINDOW)
     else:
-        steps, r, start, stop = _whole_walk(KLO, KHI, KNXT, r0, r1, BLOCK_N)
+        steps, lo0, lo1, lo2, lo3, c1, c2, c3 = _lead_spans(KLO, KHI, r0, r1, BLOCK_N)
+        for i in range(0, steps):
+            start = _lead_block(i, lo0, lo1, lo2, lo3, c1, c2, c3, BLOCK_N)
+            dq, rsum = _dq_step(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt,
+                                offs_n, offs_d, start, start + BLOCK_N, qk_scale, cap2, POS, window, D, EVEN_D, False,
+                                False, False, PREC, SOFTCAP, FAST_TANH, KD, VD, kcol, TMA, HAS_SINKS)
+        steps, r, start, stop = _whole_walk(KLO, KHI, KNXT, r0 + 4, r1, BLOCK_N)
         for _ in range(0, steps):
             dq, rsum = _dq_step(dq, rsum, q, do, lse2, delta, offs_m, qpos, k_base, v_base, stride_kt, stride_vt,
                                 offs_n, offs_d, start, stop, qk_scale, cap2, POS, window, D, EVEN_D, False, False,

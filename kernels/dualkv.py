@@ -48,7 +48,7 @@ from .dualkv_reference import dualkv_attention_reference, dualkv_attention_refer
 
 from .dualkv_plan import LAYOUT_ASSERT_MSG, plan_layout as _plan_layout, plan_work as _plan_work  # noqa: E402,F401
 from .attention_tiles import (LOG2E, LN2, _bwd_delta_kernel, _dkdv_desc_range, _dkdv_own,  # noqa: F401
-                              _dq_ctx, _dq_ctx_ranges, _dq_own, _fwd_ctx, _fwd_own, _fwd_store,
+                              _dq_ctx, _dq_ctx_ranges, _dq_own, _fwd_ctx, _fwd_ctx_ranges, _fwd_own, _fwd_store,
                               _query_rows, _row_positions, sinks_grad, variant_args, variant_tables,
                               whole_range_next)
 
@@ -60,8 +60,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
                 T, H, GROUP, qk_scale,
                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 PACK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, SCALE_POS: tl.constexpr = False,
-                KD=None, VD=None, TMA: tl.constexpr = False, KPTR=None, POS=None, SINKS=None, window=0, cap2=1.0,
-                CSR: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+                KD=None, VD=None, TMA: tl.constexpr = False, KPTR=None, KNXT=None, POS=None, SINKS=None, window=0,
+                cap2=1.0, CSR: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
                 HAS_SINKS: tl.constexpr = False, FAST_TANH: tl.constexpr = False):
     """One program per (work entry, head unit): ``PACK == 1``: one query head, ``BLOCK_M`` query tokens;
     ``PACK > 1`` (a power of two >= GROUP): every query head of one KV head (the GQA group, rows ``j * BLOCK_M + i``
@@ -95,7 +95,12 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     l_i = tl.zeros([PACK * BLOCK_M], tl.float32)
     acc = tl.zeros([PACK * BLOCK_M, D_PAD], tl.float32)
     # the context (a response's prefix; a node's ancestors, root first), then the own segment causally
-    if CSR:
+    if CSR and not WINDOW:
+        acc, l_i, m_i = _fwd_ctx_ranges(acc, l_i, m_i, q, offs_m, qpos, k_base, v_base, stride_kt, stride_vt, offs_n,
+                                        offs_d, KCTX_LO, KCTX_HI, KNXT, tl.load(KPTR + seg), tl.load(KPTR + seg + 1),
+                                        qk_scale, cap2, POS, window, D, BLOCK_N, EVEN_D, PREC, SCALE_POS, SOFTCAP,
+                                        FAST_TANH, KD, VD, hk * D, TMA)
+    elif CSR:
         for r in range(tl.load(KPTR + seg), tl.load(KPTR + seg + 1)):
             acc, l_i, m_i = _fwd_ctx(acc, l_i, m_i, q, offs_m, qpos, qmin, qmax, k_base, v_base, stride_kt, stride_vt,
                                      offs_n, offs_d, tl.load(KCTX_LO + r), tl.load(KCTX_HI + r), qk_scale, cap2, POS,
@@ -398,12 +403,14 @@ def launch_fwd(q, k, v, cu, kctx_lo, kctx_hi, kptr, ctx_tokens, plan, scale, con
     wseg, wblk, w = plan(bm, +1)
     kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
     va = _variants(q, cu, ctx_tokens, scale, window, softcap, sinks)
+    knxt = None if kptr is None else whole_range_next(kctx_lo, kctx_hi, bn)
     _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, out, lse, cu, kctx_lo, kctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         t, h, group, va.pop("qk_scale"),
         D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, PACK=pack, EVEN_D=(d == d_pad), PREC=prec, KD=kd, VD=vd,
-        TMA=kd is not None, KPTR=kptr, CSR=kptr is not None, **_only(_fwd_kernel, va), num_warps=cfg["num_warps"],
+        TMA=kd is not None, KPTR=kptr, KNXT=knxt, CSR=kptr is not None, **_only(_fwd_kernel, va),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out, lse
 

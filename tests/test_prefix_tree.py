@@ -356,6 +356,20 @@ def test_kernels_walk_ancestor_ranges_with_and_without_whole_blocks(cfg):
     _fp32_kernels_match_dense(lay, 32, 0.2, cfg)
 
 
+@pytest.mark.parametrize("cfg", [None, {"fwd": dict(BLOCK_M=16, BLOCK_N=16), "dq": dict(BLOCK_M=16, BLOCK_N=16)}],
+                         ids=["default", "blocks-16"])
+def test_kernels_walk_more_than_four_ancestor_ranges(cfg):
+    """The forward's and dQ's walks address the first four ancestor ranges' whole blocks from the loop counter and
+    walk any deeper ones: a leaf with six separate ancestor ranges (a side branch packed between each level and the
+    next), ranges with and without whole blocks and tails on both sides of the fourth."""
+    lens = [40, 3, 6, 3, 32, 3, 17, 3, 33, 3, 20, 3, 9]
+    parents = [-1, 0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10]
+    lay = PrefixTreeLayout.from_parents(lens, parents)
+    leaf = len(lens) - 1
+    assert len(lay.key_ranges[lay.key_range_ptr[leaf]:lay.key_range_ptr[leaf + 1]]) == 6
+    _fp32_kernels_match_dense(lay, 32, 0.2, cfg)
+
+
 def test_whole_range_next_skips_ranges_without_a_whole_block():
     from kvtransform.kernels.attention_tiles import whole_range_next
 
