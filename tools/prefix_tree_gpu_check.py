@@ -6,7 +6,7 @@
 
 1. **Numerics**: :func:`kvtransform.bench.checks_tree.check_prefix_tree_kernels` (what ``kernel_check=true`` of the
    ``tree-attn`` suite runs): forward and backward of the Triton kernels against a float64 reference, bf16 and fp16,
-   trees of depth 1-4 with odd node lengths; ``--quick`` checks two of the four trees; ``--window``, ``--softcap``,
+   trees of depth 1-7 with odd node lengths; ``--quick`` checks two of the five trees; ``--window``, ``--softcap``,
    ``--sinks``: with those attention variants (Gemma 2/3, gpt-oss), the sinks' gradient included.
 2. **Timing**: ``kvtransform bench tree-attn`` (default: the agentic shape, a 4096-token prompt, turns branching
    4x2x2 ways, 256-2048 tokens each; ``kvt_tree``, ``flex_tree``, ``flat``), written under ``$OUT/tree_attn`` (or
@@ -26,7 +26,7 @@ import torch
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two numerics trees instead of four")
+    ap.add_argument("--quick", action="store_true", help="two numerics trees instead of five")
     ap.add_argument("--skip-check", action="store_true", help="timing only")
     ap.add_argument("--no-timing", action="store_true", help="numerics only")
     ap.add_argument("--window", type=int, default=None, help="check the kernels with this sliding window")

@@ -1,7 +1,8 @@
 """Numerics of the prefix-tree Triton kernels on the benchmark device (``tree-attn``/``tree-layer``
 ``kernel_check=true``, and ``tools/prefix_tree_gpu_check.py``): forward and backward of
-``kvtransform.kernels.prefix_tree`` against a float64 reference (node by node), bf16 and fp16, on trees of depth 1-4
-with odd node lengths (1, 15, 17, 97, 1025), GQA 32/8 at D=128, GQA 4 at D=80, MHA at D=64, GQA 7 at D=256 (Tree
+``kvtransform.kernels.prefix_tree`` against a float64 reference (node by node), bf16 and fp16, on trees of depth 1-7
+with odd node lengths (1, 15, 17, 97, 1025), GQA 32/8 at D=128, GQA 4 at D=80, MHA at D=64, GQA 7 at D=256, GQA 4 at
+D=128 under six separate ancestor ranges (Tree
 Training, arXiv 2511.00413; the kernels generalise DualKV's, arXiv 2605.15422).
 
 Rule (``docs/ARCHITECTURE.md``): kernel max error <= 2 x PyTorch's own error in that dtype (the reference with its
@@ -32,6 +33,11 @@ def tree_cases(device) -> list:
         ("chain+roots", PrefixTreeLayout.from_parents([1025, 17, 1, 97, 15, 1], [-1, 0, 1, 2, -1, -1], device=device),
          4, 4, 64),
         ("dualkv-shape", agentic_tree(1025, (3,), [513, 1, 17], 3, device=device), 7, 1, 256),
+        # a leaf under six separate ancestor ranges (a side branch packed between each level and the next): the
+        # kernels' walk past the four ranges they address from the loop counter
+        ("deep-side-branches", PrefixTreeLayout.from_parents(
+            [1025, 17, 130, 1, 256, 64, 257, 3, 1, 15, 300, 33, 97],
+            [-1, 0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10], device=device), 8, 2, 128),
     ]
 
 
