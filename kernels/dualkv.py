@@ -384,12 +384,13 @@ def _variants(q, cu, ctx_tokens, scale, window, softcap, sinks) -> dict:
 
 
 def launch_fwd(q, k, v, cu, kctx_lo, kctx_hi, kptr, ctx_tokens, plan, scale, config, window=None, softcap=None,
-               sinks=None):
+               sinks=None, ranges_next=None):
     """The forward launch shared by :func:`dualkv_fwd` and ``kernels/prefix_tree.py``'s: ``cu`` the bounded
     offsets, ``kctx_lo``/``kctx_hi`` the context key ranges (one per segment, or with ``kptr`` the CSR ranges of the
     tree), ``ctx_tokens()`` the context tokens per segment (int ``(S,)``; called only with a window),
     ``plan(block, sign)`` the work table
-    ``(seg, blk, entries)``. Returns ``(out, lse)``."""
+    ``(seg, blk, entries)``, ``ranges_next(block)`` the tree's whole-block walk table (default
+    :func:`whole_range_next` of the context ranges). Returns ``(out, lse)``."""
     q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
     t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
     out = torch.empty_like(q)
@@ -403,7 +404,7 @@ def launch_fwd(q, k, v, cu, kctx_lo, kctx_hi, kptr, ctx_tokens, plan, scale, con
     wseg, wblk, w = plan(bm, +1)
     kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
     va = _variants(q, cu, ctx_tokens, scale, window, softcap, sinks)
-    knxt = None if kptr is None else whole_range_next(kctx_lo, kctx_hi, bn)
+    knxt = None if kptr is None else (ranges_next(bn) if ranges_next else whole_range_next(kctx_lo, kctx_hi, bn))
     _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, out, lse, cu, kctx_lo, kctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -416,7 +417,7 @@ def launch_fwd(q, k, v, cu, kctx_lo, kctx_hi, kptr, ctx_tokens, plan, scale, con
 
 
 def launch_bwd(do, q, k, v, out, lse, dlse, cu, kctx_lo, kctx_hi, kptr, qctx_lo, qctx_hi, qptr, ctx_tokens, plan,
-               scale, config, window=None, softcap=None, sinks=None):
+               scale, config, window=None, softcap=None, sinks=None, ranges_next=None):
     """The backward launches shared by :func:`dualkv_bwd` and ``kernels/prefix_tree.py``'s (arguments as
     :func:`launch_fwd`'s; ``qctx_lo``/``qctx_hi`` (``qptr``) the context query ranges that see a segment's keys):
     ``Delta``, dQ (with sinks also each row's exact fp32 Delta for the sinks' gradient), dK/dV, and the sinks'
@@ -444,7 +445,7 @@ def launch_bwd(do, q, k, v, out, lse, dlse, cu, kctx_lo, kctx_hi, kptr, qctx_lo,
     wseg, wblk, w = plan(bm, +1)
     kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
     rsum = None if sinks is None else torch.empty((h, t), dtype=torch.float32, device=q.device)
-    knxt = None if kptr is None else whole_range_next(kctx_lo, kctx_hi, bn)
+    knxt = None if kptr is None else (ranges_next(bn) if ranges_next else whole_range_next(kctx_lo, kctx_hi, bn))
     _bwd_dq_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, do, dq, lse, delta, cu, kctx_lo, kctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),

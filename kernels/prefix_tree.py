@@ -33,7 +33,9 @@ import torch
 import triton
 
 from .dualkv_reference import packed_reference, packed_reference_backward
+from .attention_tiles import whole_range_next
 from .dualkv import MAX_HEAD_DIM, SUPPORTED_DTYPES, launch_bwd, launch_fwd
+from .layout_memo import memo
 
 __all__ = ["prefix_tree_fwd", "prefix_tree_bwd", "prefix_tree_attention_reference",
            "prefix_tree_attention_reference_backward", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
@@ -177,12 +179,32 @@ def check_launch(q, k, v, cu_seqlens, range_ptr, ranges, what: str) -> None:
         raise ValueError(f"{what}: ranges must be (R, 2); got {tuple(ranges.shape)}")
 
 
-def _tree_plan(cu_seqlens, range_ptr, ranges, total_tokens):
-    """``(cu, ptr, lo, hi, ctx_tokens)``: the bounded layout with one range CSR (:func:`_bounded`) and its tokens per
-    node (:func:`_context_tokens`), as ``kernels/dualkv.py``'s ``launch_fwd``/``launch_bwd`` take them."""
-    cu, ptr, lo, hi = _bounded(cu_seqlens, range_ptr, ranges, total_tokens)
-    ctx = _context_tokens(ptr, lo, hi)
-    return cu, ptr, lo, hi, ctx
+class _SidePlan:
+    """One side of the layout (the ancestors' key ranges, or the descendants' query ranges) as the launchers of
+    ``kernels/dualkv.py`` take it: ``cu``, ``ptr``, ``lo``, ``hi`` (:func:`_bounded`), ``ctx`` (tokens per node,
+    :func:`_context_tokens`), ``work(block, sign)`` (:func:`_work_table`) and ``ranges_next(block)``
+    (:func:`~.attention_tiles.whole_range_next`). Everything is built on the device without a host sync, once per
+    layout tensors (``kernels/layout_memo.py``: the forward, the backward and every layer share it)."""
+
+    def __init__(self, cu_seqlens, range_ptr, ranges, total_tokens: int):
+        self.t = int(total_tokens)
+        self.tables = memo(cu_seqlens, range_ptr, ranges, key=("prefix-tree side", self.t))
+        if "bounded" not in self.tables:
+            bounded = _bounded(cu_seqlens, range_ptr, ranges, self.t)
+            self.tables["bounded"] = bounded + (_context_tokens(*bounded[1:]),)
+        self.cu, self.ptr, self.lo, self.hi, self.ctx = self.tables["bounded"]
+
+    def work(self, block: int, sign: int):
+        key = ("work", block, sign)
+        if key not in self.tables:
+            self.tables[key] = _work_table(self.cu, block, self.t, self.ctx, sign)
+        return self.tables[key]
+
+    def ranges_next(self, block: int):
+        key = ("ranges_next", block)
+        if key not in self.tables:
+            self.tables[key] = whole_range_next(self.lo, self.hi, block)
+        return self.tables[key]
 
 
 def prefix_tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -211,10 +233,9 @@ def prefix_tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         ValueError: shapes, dtypes or devices that disagree (:func:`check_launch`).
     """
     check_launch(q, k, v, cu_seqlens, key_range_ptr, key_ranges, "prefix_tree_fwd")
-    t = q.shape[0]
-    cu, kptr, klo, khi, kctx = _tree_plan(cu_seqlens, key_range_ptr, key_ranges, t)
-    return launch_fwd(q, k, v, cu, klo, khi, kptr, lambda: kctx,
-                      lambda block, sign: _work_table(cu, block, t, kctx, +1), scale, config, window, softcap, sinks)
+    side = _SidePlan(cu_seqlens, key_range_ptr, key_ranges, q.shape[0])
+    return launch_fwd(q, k, v, side.cu, side.lo, side.hi, side.ptr, lambda: side.ctx, side.work, scale, config,
+                      window, softcap, sinks, ranges_next=side.ranges_next)
 
 
 def prefix_tree_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -243,13 +264,13 @@ def prefix_tree_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """
     check_launch(q, k, v, cu_seqlens, key_range_ptr, key_ranges, "prefix_tree_bwd")
     check_launch(q, k, v, cu_seqlens, query_range_ptr, query_ranges, "prefix_tree_bwd")
-    t = q.shape[0]
-    cu, kptr, klo, khi, kctx = _tree_plan(cu_seqlens, key_range_ptr, key_ranges, t)
-    _, qptr, qlo, qhi, qctx = _tree_plan(cu_seqlens, query_range_ptr, query_ranges, t)
+    keys = _SidePlan(cu_seqlens, key_range_ptr, key_ranges, q.shape[0])
+    queries = _SidePlan(cu_seqlens, query_range_ptr, query_ranges, q.shape[0])
 
     def plan(block, sign):
-        return _work_table(cu, block, t, kctx if sign > 0 else qctx, sign)
+        return (keys if sign > 0 else queries).work(block, sign)
 
-    dq, dk, dv, dsinks = launch_bwd(do, q, k, v, out, lse, dlse, cu, klo, khi, kptr, qlo, qhi, qptr, lambda: kctx,
-                                    plan, scale, config, window, softcap, sinks)
+    dq, dk, dv, dsinks = launch_bwd(do, q, k, v, out, lse, dlse, keys.cu, keys.lo, keys.hi, keys.ptr, queries.lo,
+                                    queries.hi, queries.ptr, lambda: keys.ctx, plan, scale, config, window, softcap,
+                                    sinks, ranges_next=keys.ranges_next)
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from ..kernels import prefix_tree as _k
+from ..kernels.layout_memo import memo
 from ..tree_layout import PrefixTreeLayout
 from ._common import autocast_inputs, check_attention_variants, kernel_path, no_sinks_grad, variant_kwargs
 
@@ -125,8 +126,11 @@ def _check_op_inputs(q, k, v, layout_tensors, kernels: bool) -> None:
         check_kernel_support(q)
     if layout_tensors[0].device.type == "cpu":
         _check_values_host(q.shape[0], *layout_tensors)
-    else:
-        torch._assert_async(structure_ok(q.shape[0], *layout_tensors), LAYOUT_ASSERT_MSG)
+    else:  # once per layout tensors (kernels/layout_memo.py): every layer's forward and backward share them
+        checked = memo(*layout_tensors, key=("prefix-tree structure", q.shape[0]))
+        if not checked:
+            torch._assert_async(structure_ok(q.shape[0], *layout_tensors), LAYOUT_ASSERT_MSG)
+            checked["asserted"] = True
 
 
 @torch.library.custom_op("kvt::prefix_tree_attention", mutates_args=())
