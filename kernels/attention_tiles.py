@@ -537,10 +537,11 @@ def _dq_ctx_ranges(dq, rsum, q, do, lse2, delta, offs_m, qpos, qmin, qmax, k_bas
     """dQ (and ``rsum``) over the context ranges ``r0..r1`` of ``KLO``/``KHI`` (a tree node's ancestors) in flat
     loops, none nested in a loop over the ranges: with the dQ accumulator carried through such a loop, ptxas
     serialized the wgmma pipeline (sm_90a, triton 3.6: dQ 17-20 % slower; docs/PREFIX_TREES.md). Without ``WINDOW``:
-    every range's whole blocks unmasked (``KNXT``, :func:`whole_range_next`, skips the ranges without one), then
-    each range's ragged tail masked (one step per range; a range without a tail costs a fully masked step). With
+    every range's whole blocks unmasked (the first four ranges' addressed from the loop counter, :func:`_lead_block`;
+    deeper ranges' by the walk that ``KNXT``, :func:`whole_range_next`, steers past ranges without one), then each
+    range's ragged tail masked (one step per range; a range without a tail costs a fully masked step). With
     ``WINDOW``: each range's blocks :func:`_ctx_bounds` ``[a, te)`` in one loop, every step masked (keys ``< ce``,
-    the window). (The forward keeps the loop over ranges: flat, it measured 5-11 % slower.)"""
+    the window; the windowed forward keeps its loop over ranges)."""
     if WINDOW:
         steps, start, stop, ce = _ranges_walk(KLO, KHI, r0, r1, qmin, qmax, POS, window, BLOCK_N, WINDOW)
         r = r0

@@ -159,7 +159,7 @@ def test_one_level_tree_runs_the_dualkv_program(tiny):
     same logits as the same batch packed by pack_shared_prefix_groups; the tree program is not called."""
     model, opt = tiny
     piece = _rand_piece(model.config.vocab_size)
-    p1, p2 = piece(9).tolist(), piece(6).tolist()
+    p1, p2 = [4] + piece(8).tolist(), [5] + piece(5).tolist()
     r = [piece(n).tolist() for n in (4, 7, 5)]
     groups = [(p1, [[1] + r[0], [2] + r[1]]), (p2, [[3] + r[2]])]   # distinct first tokens: a clean one-level trie
     tree = kvt.pack_trajectories([p + x for p, xs in groups for x in xs])
