@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from kvtransform.cli import main
@@ -198,21 +199,72 @@ def test_optimize_tiny_model(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["artifact", "tiny-llama"]  # Hydra wrote nothing else in cwd
 
 
-def test_optimize_removes_an_artifact_that_does_not_reload(tmp_path, capsys, monkeypatch):
-    """A reload-check failure is one `error:` line, and the artifact that failed it is not left on disk."""
+def test_optimize_keeps_no_artifact_that_does_not_reload(tmp_path, capsys, monkeypatch):
+    """A reload-check failure is one `error:` line; the artifact that failed it is not left on disk, and with
+    overwrite=true the artifact that was there stays as it was (the new one is checked before it moves in)."""
     from kvtransform.cli import optimize
     from kvtransform.models import tiny_model
 
     def broken(opt, out, tok):
         raise optimize.ArtifactReloadError(f"the artifact {out} does not load in a fresh Python process: boom")
 
-    monkeypatch.setattr(optimize, "reload_check", broken)
     model_dir = tmp_path / "tiny-llama"
     tiny_model("llama").save_pretrained(model_dir)
     out = tmp_path / "artifact"
-    rc, _, err = _run(["optimize", str(model_dir), f"out={out}", "transform.verify.lengths=[5]"], capsys)
-    assert rc == 2 and "boom; the artifact was removed" in err and "Traceback" not in err, err
-    assert not out.exists()
+    args = ["optimize", str(model_dir), f"out={out}", "transform.verify.lengths=[5]"]
+    rc, _, err = _run(args, capsys)
+    assert rc == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    monkeypatch.setattr(optimize, "reload_check", broken)
+    for extra in ([], ["overwrite=true"]):
+        target = out if extra else tmp_path / "fresh"
+        rc, _, err = _run(args[:2] + [f"out={target}"] + args[3:] + extra, capsys)
+        assert rc == 2 and f"boom; nothing was written to {target}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "fresh").exists()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(os.listdir(tmp_path)) == ["artifact", "tiny-llama"]  # no staging directory left behind
+
+
+def test_reload_check_names_a_killed_check(tmp_path, monkeypatch):
+    """A reload-check process stopped by a signal (e.g. the OOM killer) is reported as such, not blamed on the
+    artifact."""
+    import subprocess as sp
+
+    from kvtransform.cli import optimize
+
+    class Opt:
+        def probe_inputs(self, tok):
+            return {"input_ids": torch.zeros(1, 3, dtype=torch.long)}
+
+        def probe(self, inputs):
+            return torch.zeros(1, 3, 5)
+
+    monkeypatch.setattr(sp, "run", lambda *a, **k: sp.CompletedProcess(a, -9, stdout="", stderr=""))
+    with pytest.raises(optimize.ArtifactReloadError, match="stopped by signal 9"):
+        optimize.reload_check(Opt(), tmp_path, None)
+
+
+@pytest.mark.parametrize("out,expected", [("afile.txt/sub", "is a file: the artifact directory"),
+                                          ("", "the output directory is empty")])
+def test_optimize_refuses_an_output_path_inside_a_file_before_loading(tmp_path, capsys, monkeypatch, out, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile.txt").write_text("mine")
+    rc, _, err = _run(["optimize", "smollm3-135m", f"out={out}"], capsys)  # checked before the (unknown) model
+    assert rc == 2 and expected in err, err
+    assert (tmp_path / "afile.txt").read_text() == "mine"
+
+
+def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
+    from kvtransform.cli import errors
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        errors.guard(interrupted, [])
+    assert e.value.code == errors.INTERRUPTED_EXIT == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
 
 
 def test_inspect_tiny_model(tmp_path, capsys):

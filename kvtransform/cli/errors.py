@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["USER_ERROR_EXIT", "UsageError", "console", "fail", "guard"]
+__all__ = ["USER_ERROR_EXIT", "INTERRUPTED_EXIT", "UsageError", "console", "fail", "guard"]
 
 USER_ERROR_EXIT = 2
 
@@ -50,12 +50,22 @@ def _message(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+INTERRUPTED_EXIT = 130  # the shell's status for a process stopped by Ctrl-C (128 + SIGINT)
+
+
 def guard(fn, *args, **kwargs):
-    """Run ``fn``; a user error becomes one ``error:`` line and exit status 2 (``KVT_DEBUG=1``: re-raise)."""
+    """Run ``fn``; a user error becomes one ``error:`` line and exit status 2, Ctrl-C one ``interrupted`` line and
+    exit status 130 (``KVT_DEBUG=1``: re-raise)."""
     try:
         return fn(*args, **kwargs)
     except SystemExit:
         raise
+    except KeyboardInterrupt:
+        if os.environ.get("KVT_DEBUG"):
+            raise
+        console(stderr=True).print("[bold red]interrupted[/bold red] (Ctrl-C): an artifact being written was not "
+                                   "moved into place", soft_wrap=True)
+        raise SystemExit(INTERRUPTED_EXIT) from None
     except Exception as e:
         if os.environ.get("KVT_DEBUG") or not _is_user_error(e):
             raise

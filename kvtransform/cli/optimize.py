@@ -6,8 +6,10 @@ structured configs of :mod:`.schema`; see :mod:`kvtransform.cli` for the error c
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -54,6 +56,9 @@ def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
         proc = subprocess.run([sys.executable, "-m", "kvtransform.cli.reload_check", str(out), str(probe_file)],
                               capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode < 0:
+        raise ArtifactReloadError(f"the reload check of {out} was stopped by signal {-proc.returncode} (killed, or out "
+                                  f"of memory) before it finished")
     if not lines:
         err_lines = proc.stderr.strip().splitlines() or ["no output"]
         warned = [ln.strip() for ln in err_lines[:-1] if "Warning" in ln or "warn" in ln]
@@ -64,6 +69,22 @@ def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
         raise ArtifactReloadError(f"the artifact reloaded from {out} in a fresh process gives different outputs (max abs "
                            f"error {res['max_abs_error']:.3g}, shape {res['shape']} vs {list(want.shape)})")
     return res["max_abs_error"], tuple(want.shape)
+
+
+def _move_into_place(staged: Path, out: Path) -> None:
+    """Rename the checked artifact ``staged`` to ``out`` (a sibling path). What ``out`` held (an empty directory, or
+    the artifact ``overwrite`` replaces) is moved aside first and deleted only after the rename."""
+    if not out.exists():
+        os.replace(staged, out)
+        return
+    aside = staged.parent / "previous"
+    os.replace(out, aside)
+    try:
+        os.replace(staged, out)
+    except BaseException:
+        os.replace(aside, out)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _emit_kinds(cfg: DictConfig) -> list:
@@ -130,16 +151,23 @@ def run_optimize(cfg: DictConfig) -> dict:
             demo_s = time.perf_counter() - td
     t_save = t3 = t4 = time.perf_counter()
     if "pt2" in emit:
-        with stage(True, f"saving the artifact to {out}"):
-            opt.save(str(out), overwrite=cfg.overwrite, progress=False)
-        t3 = time.perf_counter()
-        console.print(f"[bold]Saved[/bold] artifact to {out}")
+        # written and reload-checked beside `out`, then moved into place: an artifact that does not reload (or a
+        # check that is interrupted) never replaces what `out` held
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+        staged = staging / out.name
         try:
+            with stage(True, f"saving the artifact to {out}"):
+                opt.save(str(staged), progress=False)
+            t3 = time.perf_counter()
             with stage(True, "reloading the artifact in a fresh Python process and comparing outputs"):
-                err, shape = reload_check(opt, out, tok)
-        except ArtifactReloadError as e:  # nothing that does not reload stays on disk
-            shutil.rmtree(out, ignore_errors=True)
-            raise ArtifactReloadError(f"{e}; the artifact was removed (KVT_DEBUG=1 shows the traceback)") from e
+                err, shape = reload_check(opt, staged, tok)
+            _move_into_place(staged, out)
+        except ArtifactReloadError as e:
+            raise ArtifactReloadError(f"{e}; nothing was written to {out} (KVT_DEBUG=1 shows the traceback)") from e
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        console.print(f"[bold]Saved[/bold] artifact to {out}")
         t4 = time.perf_counter()
         console.print(f"[bold]Reloaded[/bold] {out} in a fresh process: same outputs on a {shape} probe (max abs "
                       f"diff {err:.2g})")

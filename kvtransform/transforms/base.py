@@ -252,10 +252,16 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
     replaced only with ``overwrite``. Anything else is never replaced.
 
     Raises:
-        FileExistsError: ``path`` is a file; the current directory or one of its parents; a non-empty directory that
-            is not a kvtransform artifact; or an artifact and ``overwrite`` is false.
+        FileExistsError: ``path`` is empty, a file or inside a file; the current directory or one of its parents; a
+            non-empty directory that is not a kvtransform artifact; or an artifact and ``overwrite`` is false.
     """
+    if not str(path).strip():
+        raise FileExistsError("the output directory is empty: give a directory path (e.g. out=out/<name>)")
     path = Path(path).expanduser()
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise FileExistsError(f"{str(parent)!r} is a file: the artifact directory {str(path)!r} cannot be inside "
+                                  f"it; choose a directory path")
     if not path.exists():
         return path
     if not path.is_dir():
