@@ -175,6 +175,8 @@ def test_unpackable_batch_runs_trl_pass_and_says_so_once(tiny_dir, caplog):
     (dict(rollout="specontext", rollout_head="nope"), "rollout_budget / rollout_head"),
     (dict(rollout_budget=0), "rollout_budget must be an integer >= 1"),
     (dict(shared_prefix="trees"), "shared_prefix must be True, False or 'tree'; got 'trees'"),
+    (dict(rollout="specontext", rollout_head="distilled", rollout_retrieval="/no/such/dir"), "is not a directory"),
+    (dict(shared_prefix="tree", use_transformers_continuous_batching=True), "shared_prefix='tree' switches"),
 ])
 def test_config_refusals_are_one_line(tmp_path, kw, msg):
     with pytest.raises(ValueError) as e:
@@ -185,7 +187,7 @@ def test_config_refusals_are_one_line(tmp_path, kw, msg):
 
 @pytest.mark.parametrize("argv,want", [([], False), (["--shared_prefix", "tree"], "tree"),
                                        (["--shared_prefix", "true"], True), (["--shared_prefix", "no"], False),
-                                       (["--shared_prefix"], True)])
+                                       (["--shared_prefix"], True), (["--shared_prefix", "TREE"], "tree")])
 def test_shared_prefix_from_the_command_line(tmp_path, argv, want):
     """TRL's own parser (a script's ``--shared_prefix tree``, or the same key in a YAML config) gives the three
     settings a Python caller has."""

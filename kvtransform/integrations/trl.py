@@ -33,6 +33,7 @@ config, callback and metric is TRL's own. Two options:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -90,18 +91,26 @@ class GRPOConfig(trl.GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.shared_prefix, str) and self.shared_prefix != "tree":  # a command line's or YAML's
-            from transformers.hf_argparser import string_to_bool
+        from transformers.hf_argparser import string_to_bool
 
+        if isinstance(self.shared_prefix, str) and self.shared_prefix.strip().lower() == "tree":
+            self.shared_prefix = "tree"
+        elif isinstance(self.shared_prefix, str):  # a command line's or YAML's
             try:
                 self.shared_prefix = string_to_bool(self.shared_prefix)
             except Exception:  # argparse's error for an unknown string: ours below names the choices
                 pass
+        if isinstance(self.rollout_compile, str):  # as shared_prefix's strings: true/false, yes/no, 1/0
+            try:
+                self.rollout_compile = string_to_bool(self.rollout_compile)
+            except Exception:  # SpeContextConfig's error below names it
+                pass
         if not isinstance(self.shared_prefix, bool) and self.shared_prefix != "tree":
             raise ValueError(f"shared_prefix must be True, False or 'tree'; got {self.shared_prefix!r}")
         if self.shared_prefix and getattr(self, "use_transformers_continuous_batching", False):
-            raise ValueError("shared_prefix=True switches the model's attention to 'kvt_dualkv', which transformers' "
-                             "continuous batching cannot generate with: set use_transformers_continuous_batching=False")
+            raise ValueError(f"shared_prefix={self.shared_prefix!r} switches the model's attention to kvtransform's "
+                             "packed attention, which transformers' continuous batching cannot generate with: set "
+                             "use_transformers_continuous_batching=False")
         if self.rollout not in ROLLOUTS:
             raise ValueError(f"rollout must be None (TRL's own generation) or 'specontext'; got {self.rollout!r}")
         if isinstance(self.rollout_budget, bool) or not isinstance(self.rollout_budget, int) or \
@@ -125,6 +134,9 @@ class GRPOConfig(trl.GRPOConfig):
         for flag in ("use_vllm", "use_transformers_continuous_batching"):
             if getattr(self, flag, False):
                 raise ValueError(f"rollout='specontext' generates the completions itself: set {flag}=False")
+        if self.rollout_retrieval != "self" and not os.path.isdir(os.path.expanduser(str(self.rollout_retrieval))):
+            raise ValueError(f"rollout_retrieval={self.rollout_retrieval!r} is not a directory: give 'self' (the "
+                             f"packaged head) or the directory `kvtransform distill-retrieval-head` wrote")
         gen = dict(self.generation_kwargs or {})  # TRL lets these override the fields in its generation config
         if gen.get("repetition_penalty", self.repetition_penalty) not in (None, 1.0) or \
                 gen.get("min_p", self.min_p) not in (None, 0.0):
