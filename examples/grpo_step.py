@@ -110,7 +110,8 @@ def main(argv=None) -> dict:
               f"{sum(map(sum, rewards)) / batch.num_responses:+.3f}")
         print(f"  loss packed {loss.item():+.6f}  unpacked {loss_ref.item():+.6f}  (diff / loss scale {loss_rel:.2e}); "
               f"gradients ‖g_packed − g_unpacked‖/‖g_unpacked‖ = {grad_rel:.2e}; fwd+bwd packed {t1 - t0:.2f} s, "
-              f"unpacked (padded) {t2 - t1:.2f} s")
+              f"unpacked (padded) {t2 - t1:.2f} s" + (" (step 0 includes the packed path's one-time setup)"
+                                                     if step == 0 else ""))
         for p, g in zip((p for p in model.parameters() if p.requires_grad), g_packed):
             p.grad = g
         opt.step()
