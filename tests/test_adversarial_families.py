@@ -139,14 +139,17 @@ def test_trl_specontext_rollout_follows_generation_kwargs(tmp_path, monkeypatch,
 
     import kvtransform
 
+    draft = tmp_path / "draft"  # a directory (the config refuses a missing one); the transform is faked below
+    draft.mkdir()
+
     def refuse(model, cfg, **kw):  # what the transform says for a head without its weights (CLI key names)
         seen["retrieval"], seen["compile"] = cfg.retrieval, cfg.compile
         raise ValueError("head=eagle3 needs the draft: transform.retrieval=<EAGLE-3 checkpoint directory>")
 
     monkeypatch.setattr(kvtransform, "transform", refuse)
     with pytest.raises(ValueError) as e:  # the fix it names is one this config has (it named the CLI's keys)
-        trainer({}, rollout_head="eagle3", rollout_retrieval="/a/draft", rollout_compile=True)
-    assert seen["retrieval"] == "/a/draft" and seen["compile"] is True and str(e.value).endswith(
+        trainer({}, rollout_head="eagle3", rollout_retrieval=str(draft), rollout_compile=True)
+    assert seen["retrieval"] == str(draft) and seen["compile"] is True and str(e.value).endswith(
         "rollout_head=eagle3 needs the draft: rollout_retrieval=<EAGLE-3 checkpoint directory>")
     monkeypatch.setattr(GRPOTrainer, "_build_rollout", lambda self: FakeRollout())
     ids, lps = trainer({"max_new_tokens": 3})._generate_single_turn([[3, 4], [5]], None, {}, 1)

@@ -100,11 +100,6 @@ class GRPOConfig(trl.GRPOConfig):
                 self.shared_prefix = string_to_bool(self.shared_prefix)
             except Exception:  # argparse's error for an unknown string: ours below names the choices
                 pass
-        if isinstance(self.rollout_compile, str):  # as shared_prefix's strings: true/false, yes/no, 1/0
-            try:
-                self.rollout_compile = string_to_bool(self.rollout_compile)
-            except Exception:  # SpeContextConfig's error below names it
-                pass
         if not isinstance(self.shared_prefix, bool) and self.shared_prefix != "tree":
             raise ValueError(f"shared_prefix must be True, False or 'tree'; got {self.shared_prefix!r}")
         if self.shared_prefix and getattr(self, "use_transformers_continuous_batching", False):
