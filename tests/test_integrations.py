@@ -75,7 +75,7 @@ def test_real_model_packed_equals_unpacked():
 
 def test_packed_calls_are_checked_before_the_model_runs():
     """A packed call without its position_ids (transformers would number the packed axis 0..T-1: a silently wrong
-    answer), with ids outside the vocabulary or with a KV cache is refused in one line; a packed call never leaves a
+    answer), with ids outside the vocabulary, a KV cache or a mask with zeros is refused in one line; a packed call never leaves a
     KV cache behind (it would mix every branch's K/V); disable() removes the check."""
     from kvtransform.integrations.transformers import packed_inputs
 
@@ -94,7 +94,12 @@ def test_packed_calls_are_checked_before_the_model_runs():
             model(**{**kw, "input_ids": bad_ids})
         with torch.no_grad():
             out = model(**{**kw, "use_cache": True})
-        assert out.past_key_values is None
+            ones = model(**kw, attention_mask=torch.ones_like(kw["input_ids"]))  # a tokenizer's mask: unused
+        assert out.past_key_values is None and torch.equal(ones.logits, out.logits)
+        hole = torch.ones_like(kw["input_ids"])
+        hole[0, 2] = 0
+        with pytest.raises(ValueError, match="attention_mask must be all ones"):  # padding it would not honour
+            model(**kw, attention_mask=hole)
     with pytest.raises(ValueError, match="without a KV cache: drop past_key_values"):
         model(**packed_inputs(tree), past_key_values=out.past_key_values or object())
     with pytest.raises(ValueError, match="without a KV cache: drop cache"):  # the argument's newer name

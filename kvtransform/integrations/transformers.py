@@ -292,7 +292,8 @@ def _check_packed_call(model, args, kwargs):
 
     Raises:
         ValueError: no ``position_ids``, ``position_ids`` or ids that disagree with the layout, a KV cache
-            (``past_key_values`` or ``cache``).
+            (``past_key_values`` or ``cache``), an ``attention_mask`` that is not all ones (a packed batch has no
+            padding).
     """
     from kvtransform.layout import DualKVLayout
     from kvtransform.packing import check_packed
@@ -316,8 +317,13 @@ def _check_packed_call(model, args, kwargs):
     if position_ids is None:
         raise ValueError("a packed batch needs position_ids=batch.position_ids (each segment continues its parent's "
                          "positions): call model(**kvt.integrations.transformers.packed_inputs(batch))")
-    objs = (input_ids, position_ids, tree, cu, sp)
+    mask = named.get("attention_mask")
+    objs = (input_ids, position_ids, tree, cu, sp, mask)
     if not _checked_already(objs):
+        if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
+            raise ValueError("a packed batch has no padding, so its attention_mask must be all ones (it is not used): "
+                             "drop it, or pack the unpadded rows (model(**kvt.integrations.transformers."
+                             "packed_inputs(batch)) passes none)")
         if isinstance(tree, PrefixTreeLayout) and cu is None and sp is None:
             layout = tree
         elif tree is None and isinstance(cu, torch.Tensor) and isinstance(sp, torch.Tensor):
