@@ -37,7 +37,8 @@ sequence's own positions (a response token sees the prompt tokens within its win
 The mask function is transformers' SDPA mask, registered under the same name: without one, transformers builds no
 causal mask for a custom attention name and the fallback path would silently attend to future tokens. In the
 packed path the mask is ignored (the layout defines the attention); transformers still builds it once per forward
-(a ``(1, 1, T, T)`` bool, since the restarting ``position_ids`` look like packed sequences to it).
+(a ``(1, 1, T, T)`` bool, since the restarting ``position_ids`` look like packed sequences to it). A packed call's own
+``attention_mask``, if given, must be all ones (a packed batch has no padding).
 """
 from __future__ import annotations
 
