@@ -10,7 +10,9 @@ An entry belongs to the exact tensor objects it was derived from: it is used onl
 weak reference) and unmodified (its version counter). A layout whose tensors are changed in place, or freed and
 others allocated in their place, gets a new entry. No entry is made or read for inference-mode tensors (no version
 counter), during CUDA-graph capture (the graph must own what it reads) or when not running eagerly on real tensors.
-In-place writes through ``.data`` bypass the version counter: build a new layout instead.
+Writes that bypass the version counter are not seen (through ``.data``, a NumPy view, another process or a custom
+kernel): a layout is a description to build once (``PrefixTreeLayout.from_parents``), not a buffer to refill. The
+CPU path (the PyTorch reference) plans nothing and reads no entry; the tables are for the Triton kernels.
 """
 from __future__ import annotations
 

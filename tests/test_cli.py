@@ -225,6 +225,55 @@ def test_optimize_keeps_no_artifact_that_does_not_reload(tmp_path, capsys, monke
     assert sorted(os.listdir(tmp_path)) == ["artifact", "tiny-llama"]  # no staging directory left behind
 
 
+def test_optimize_moves_in_only_what_out_still_allows(tmp_path, capsys, monkeypatch):
+    """`out` is checked again right before the move: what appeared there during the run (another run's artifact, a
+    user's files) is never replaced without overwrite=true; a failed ONNX step leaves the previous artifact as it
+    was; a symlinked `out` is written through; `out=.` is refused before loading."""
+    from kvtransform.cli import optimize
+    from kvtransform.models import tiny_model
+
+    model_dir = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(model_dir)
+    base = [str(model_dir), "transform.verify.lengths=[5]"]
+    real_check = optimize.reload_check
+    out = tmp_path / "raced"
+
+    def check_then_someone_writes(opt, staged, tok):
+        res = real_check(opt, staged, tok)
+        out.mkdir()
+        (out / "notes.txt").write_text("precious")
+        return res
+
+    monkeypatch.setattr(optimize, "reload_check", check_then_someone_writes)
+    rc, _, err = _run(["optimize", base[0], f"out={out}", base[1]], capsys)
+    assert rc == 2 and "exists and is not empty" in err, err
+    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "precious"
+    monkeypatch.setattr(optimize, "reload_check", real_check)
+
+    target = tmp_path / "target"
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)
+    target.mkdir()
+    rc, _, err = _run(["optimize", base[0], f"out={link}", base[1]], capsys)
+    assert rc == 0 and link.is_symlink() and (target / "meta.json").is_file(), err
+    before = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
+
+    def onnx_fails(self, path, **kw):
+        raise ValueError("cannot emit ONNX here")
+
+    import kvtransform.transforms.base as tb
+    monkeypatch.setattr(tb.OptimizedModule, "export_onnx", onnx_fails)
+    rc, _, err = _run(["optimize", base[0], f"out={link}", base[1], "emit=[pt2,onnx]", "overwrite=true"], capsys)
+    assert rc == 2 and "cannot emit ONNX here" in err, err
+    assert {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()} == before
+    assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
+
+    monkeypatch.chdir(tmp_path / "raced")
+    (tmp_path / "raced" / "notes.txt").unlink()
+    rc, _, err = _run(["optimize", "smollm3-135m", "out=."], capsys)  # an empty current directory too
+    assert rc == 2 and "is the current directory" in err, err
+
+
 def test_reload_check_names_a_killed_check(tmp_path, monkeypatch):
     """A reload-check process stopped by a signal (e.g. the OOM killer) is reported as such, not blamed on the
     artifact."""

@@ -63,8 +63,7 @@ def guard(fn, *args, **kwargs):
     except KeyboardInterrupt:
         if os.environ.get("KVT_DEBUG"):
             raise
-        console(stderr=True).print("[bold red]interrupted[/bold red] (Ctrl-C): an artifact being written was not "
-                                   "moved into place", soft_wrap=True)
+        console(stderr=True).print("[bold red]interrupted[/bold red] (Ctrl-C)", soft_wrap=True)
         raise SystemExit(INTERRUPTED_EXIT) from None
     except Exception as e:
         if os.environ.get("KVT_DEBUG") or not _is_user_error(e):

@@ -132,6 +132,8 @@ def run_optimize(cfg: DictConfig) -> dict:
     tcfg = _transform_config(cfg)  # the settings first: a bad value is named even when the output exists
     emit = _emit_kinds(cfg)
     out = check_output_dir(cfg.out, cfg.overwrite)  # before loading the model: never replace what is not an artifact
+    if out.is_symlink():  # written through the link: the directory it names is what gets replaced
+        out = Path(os.path.realpath(out))
 
     import transformers  # noqa: F401  (imported before the clock starts: startup is reported on its own)
 
@@ -149,34 +151,39 @@ def run_optimize(cfg: DictConfig) -> dict:
         td = time.perf_counter()
         if step(model, tok, opt, tcfg, console):
             demo_s = time.perf_counter() - td
-    t_save = t3 = t4 = time.perf_counter()
-    if "pt2" in emit:
-        # written and reload-checked beside `out`, then moved into place: an artifact that does not reload (or a
-        # check that is interrupted) never replaces what `out` held
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
-        staged = staging / out.name
-        try:
-            with stage(True, f"saving the artifact to {out}"):
+    t_save = t3 = t4 = t5 = time.perf_counter()
+    # everything is written and checked in a staging directory beside `out`, then moved into place (out checked
+    # again right before): a failed, killed or interrupted step never replaces or mixes with what `out` held
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    staged = staging / out.name
+    try:
+        if "pt2" in emit:
+            with stage(True, f"saving the artifact for {out}"):
                 opt.save(str(staged), progress=False)
             t3 = time.perf_counter()
-            with stage(True, "reloading the artifact in a fresh Python process and comparing outputs"):
-                err, shape = reload_check(opt, staged, tok)
-            _move_into_place(staged, out)
-        except ArtifactReloadError as e:
-            raise ArtifactReloadError(f"{e}; nothing was written to {out} (KVT_DEBUG=1 shows the traceback)") from e
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        console.print(f"[bold]Saved[/bold] artifact to {out}")
-        t4 = time.perf_counter()
-        console.print(f"[bold]Reloaded[/bold] {out} in a fresh process: same outputs on a {shape} probe (max abs "
-                      f"diff {err:.2g})")
-    t5 = t4
-    if "onnx" in emit:
-        with stage(True, "exporting ONNX and checking it in onnxruntime"):
-            onnx_path = opt.export_onnx(out / "model.onnx", tokenizer=tok, overwrite=cfg.overwrite)
-        t5 = time.perf_counter()
-        console.print(f"[bold]Wrote[/bold] {onnx_path} (ONNX opset 23; onnxruntime matches the module on a probe)")
+            try:
+                with stage(True, "reloading the artifact in a fresh Python process and comparing outputs"):
+                    err, shape = reload_check(opt, staged, tok)
+            except ArtifactReloadError as e:
+                raise ArtifactReloadError(f"{e}; nothing was written to {out} (KVT_DEBUG=1 shows the traceback)") \
+                    from e
+            t4 = time.perf_counter()
+            console.print(f"[bold]Reloaded[/bold] the artifact in a fresh process: same outputs on a {shape} probe "
+                          f"(max abs diff {err:.2g})")
+        if "onnx" in emit:
+            staged.mkdir(exist_ok=True)
+            with stage(True, "exporting ONNX and checking it in onnxruntime"):
+                opt.export_onnx(staged / "model.onnx", tokenizer=tok)
+            t5 = time.perf_counter()
+        check_output_dir(out, cfg.overwrite)  # again: a run beside this one may have written there meanwhile
+        _move_into_place(staged, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    t5 = max(t5, t4)
+    console.print(f"[bold]Saved[/bold] to {out}: " + ", ".join(
+        {"pt2": "the artifact (model.pt2, graph.py, config.yaml, report.json, meta.json)",
+         "onnx": "model.onnx (ONNX opset 23; onnxruntime matches the module on a probe)"}[e] for e in emit))
     times = dict(startup=t0 - _T_START, load=t1 - t0, transform=t2 - t1, demo=demo_s, save=t3 - t_save,
                  reload=t4 - t3, onnx=t5 - t4, total=t5 - _T_START)
     demo = f", {tcfg.name} demo {times['demo']:.1f} s" if demo_s else ""

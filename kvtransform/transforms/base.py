@@ -266,12 +266,12 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
         return path
     if not path.is_dir():
         raise FileExistsError(f"{str(path)!r} is a file, not an artifact directory: choose a directory path")
-    if not any(path.iterdir()):
-        return path
     resolved, cwd = path.resolve(), Path.cwd().resolve()
     if resolved == cwd or resolved in cwd.parents:
         raise FileExistsError(f"{str(path)!r} is the current directory or one of its parents: write the artifact to "
                               f"a new directory (e.g. out/<name>)")
+    if not any(path.iterdir()):
+        return path
     if not overwrite:
         raise FileExistsError(f"output directory {str(path)!r} exists and is not empty; choose another directory or "
                               f"pass overwrite=True (on the command line: overwrite=true)")
