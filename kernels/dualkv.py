@@ -49,8 +49,7 @@ from .dualkv_reference import dualkv_attention_reference, dualkv_attention_refer
 from .dualkv_plan import LAYOUT_ASSERT_MSG, plan_layout as _plan_layout, plan_work as _plan_work  # noqa: E402,F401
 from .attention_tiles import (LOG2E, LN2, _bwd_delta_kernel, _dkdv_desc_range, _dkdv_own,  # noqa: F401
                               _dq_ctx, _dq_ctx_ranges, _dq_own, _fwd_ctx, _fwd_ctx_ranges, _fwd_own, _fwd_store,
-                              _query_rows, _row_positions, sinks_grad, variant_args, variant_tables,
-                              whole_range_next)
+                              _query_rows, _row_positions, sinks_grad, variant_args, variant_tables)
 
 
 # ====================================================================================================== kernels
@@ -389,8 +388,8 @@ def launch_fwd(q, k, v, cu, kctx_lo, kctx_hi, kptr, ctx_tokens, plan, scale, con
     offsets, ``kctx_lo``/``kctx_hi`` the context key ranges (one per segment, or with ``kptr`` the CSR ranges of the
     tree), ``ctx_tokens()`` the context tokens per segment (int ``(S,)``; called only with a window),
     ``plan(block, sign)`` the work table
-    ``(seg, blk, entries)``, ``ranges_next(block)`` the tree's whole-block walk table (default
-    :func:`whole_range_next` of the context ranges). Returns ``(out, lse)``."""
+    ``(seg, blk, entries)``, ``ranges_next(block)`` the tree's whole-block walk table
+    (``attention_tiles.whole_range_next`` of the context ranges; with ``kptr``). Returns ``(out, lse)``."""
     q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
     t, h, d, h_kv, d_pad, prec = _prep(q, k, v)
     out = torch.empty_like(q)
@@ -404,7 +403,7 @@ def launch_fwd(q, k, v, cu, kctx_lo, kctx_hi, kptr, ctx_tokens, plan, scale, con
     wseg, wblk, w = plan(bm, +1)
     kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
     va = _variants(q, cu, ctx_tokens, scale, window, softcap, sinks)
-    knxt = None if kptr is None else (ranges_next(bn) if ranges_next else whole_range_next(kctx_lo, kctx_hi, bn))
+    knxt = None if kptr is None else ranges_next(bn)
     _fwd_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, out, lse, cu, kctx_lo, kctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -445,7 +444,7 @@ def launch_bwd(do, q, k, v, out, lse, dlse, cu, kctx_lo, kctx_hi, kptr, qctx_lo,
     wseg, wblk, w = plan(bm, +1)
     kd, vd = _tma_descriptors(k, v, bn) if cfg.get("TMA") else (None, None)
     rsum = None if sinks is None else torch.empty((h, t), dtype=torch.float32, device=q.device)
-    knxt = None if kptr is None else (ranges_next(bn) if ranges_next else whole_range_next(kctx_lo, kctx_hi, bn))
+    knxt = None if kptr is None else ranges_next(bn)
     _bwd_dq_kernel[(w * (h_kv if pack > 1 else h),)](
         q, k, v, do, dq, lse, delta, cu, kctx_lo, kctx_hi, wseg, wblk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),

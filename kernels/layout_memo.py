@@ -2,9 +2,10 @@
 
 A model calls its attention op once per layer in the forward and once per layer in the backward, every call with
 the same layout tensors; the prefix-tree op's planning (bounded offsets, context tokens, heaviest-first work tables,
-the whole-block walk table, the device-side structure check) is ~200 small kernels a step, about 2 ms on an H200 at
-the 4x2x2 agentic tree of ``kvtransform bench tree-attn`` (BENCHMARKS.md, "Prefix-tree attention"). :func:`memo`
-gives each layout one dict for such tables, so they are built on the first call and read afterwards.
+the whole-block walk tables, the device-side structure check) is most of the ~290 kernels of a forward+backward step
+at the 4x2x2 agentic tree of ``kvtransform bench tree-attn``, about 2 ms beside the attention kernels' 30.8
+(docs/PREFIX_TREES.md, "Planning once per layout"). :func:`memo` gives each layout one dict for such tables, so they
+are built on the first call and read afterwards.
 
 An entry belongs to the exact tensor objects it was derived from: it is used only while each of them is alive (a
 weak reference) and unmodified (its version counter). A layout whose tensors are changed in place, or freed and

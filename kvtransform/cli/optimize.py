@@ -6,7 +6,6 @@ structured configs of :mod:`.schema`; see :mod:`kvtransform.cli` for the error c
 """
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -71,22 +70,6 @@ def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
     return res["max_abs_error"], tuple(want.shape)
 
 
-def _move_into_place(staged: Path, out: Path) -> None:
-    """Rename the checked artifact ``staged`` to ``out`` (a sibling path). What ``out`` held (an empty directory, or
-    the artifact ``overwrite`` replaces) is moved aside first and deleted only after the rename."""
-    if not out.exists():
-        os.replace(staged, out)
-        return
-    aside = staged.parent / "previous"
-    os.replace(out, aside)
-    try:
-        os.replace(staged, out)
-    except BaseException:
-        os.replace(aside, out)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def _emit_kinds(cfg: DictConfig) -> list:
     """``cfg.emit`` as a list, checked (UsageError names the accepted values)."""
     emit = list(cfg.get("emit", ["pt2"]))
@@ -126,14 +109,12 @@ def run_optimize(cfg: DictConfig) -> dict:
     """
     import kvtransform as kvt
     from ..models import load_model
-    from ..transforms.base import check_output_dir
+    from ..transforms.base import check_output_dir, replace_directory
 
     console = _console()
     tcfg = _transform_config(cfg)  # the settings first: a bad value is named even when the output exists
     emit = _emit_kinds(cfg)
     out = check_output_dir(cfg.out, cfg.overwrite)  # before loading the model: never replace what is not an artifact
-    if out.is_symlink():  # written through the link: the directory it names is what gets replaced
-        out = Path(os.path.realpath(out))
 
     import transformers  # noqa: F401  (imported before the clock starts: startup is reported on its own)
 
@@ -177,7 +158,7 @@ def run_optimize(cfg: DictConfig) -> dict:
                 opt.export_onnx(staged / "model.onnx", tokenizer=tok)
             t5 = time.perf_counter()
         check_output_dir(out, cfg.overwrite)  # again: a run beside this one may have written there meanwhile
-        _move_into_place(staged, out)
+        replace_directory(staged, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     t5 = max(t5, t4)

@@ -227,29 +227,37 @@ class OptimizedModule(torch.nn.Module):
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; an artifact is as readable as any new directory
-            if path.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-                os.replace(path, old / "x")
-                try:
-                    os.replace(tmp, path)
-                except BaseException:
-                    os.replace(old / "x", path)  # put the previous artifact back
-                    raise
-                finally:
-                    shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, path)
+            replace_directory(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return path
 
 
+def replace_directory(src: Path, dst: Path) -> None:
+    """Rename directory ``src`` to ``dst`` (a path on the same file system). What ``dst`` held (an empty directory,
+    or the artifact an ``overwrite`` replaces) is moved aside first, put back if the rename fails, and deleted only
+    after it succeeded."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.replace(dst, old / "x")
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        os.replace(old / "x", dst)  # put the previous contents back
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
     """Check that an artifact may be written to directory ``path``; returns it as a ``Path``.
 
     A new or empty directory is fine. An existing artifact (a directory holding ``meta.json`` or ``config.yaml``) is
-    replaced only with ``overwrite``. Anything else is never replaced.
+    replaced only with ``overwrite``. Anything else is never replaced. A symbolic link is written through: the
+    returned path is the directory it names.
 
     Raises:
         FileExistsError: ``path`` is empty, a file or inside a file; the current directory or one of its parents; a
@@ -258,6 +266,8 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
     if not str(path).strip():
         raise FileExistsError("the output directory is empty: give a directory path (e.g. out=out/<name>)")
     path = Path(path).expanduser()
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     for parent in path.parents:
         if parent.exists() and not parent.is_dir():
             raise FileExistsError(f"{str(parent)!r} is a file: the artifact directory {str(path)!r} cannot be inside "
