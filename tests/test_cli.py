@@ -63,6 +63,7 @@ def test_optimize_help_shows_the_selected_transforms_keys(capsys):
     rc, out, _ = _run(["optimize", "transform=dualkv", "--help"], capsys)
     assert rc == 0 and "keys below are those of transform=dualkv" in out
     assert "verify_groups:" in out and "num_responses:" in out
+    assert "with these settings it is outputs/smollm2-135m-dualkv" in out  # out's default, resolved
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "bench", "generate"])
@@ -555,3 +556,48 @@ def test_redirected_console_does_not_wrap_at_80_columns():
     first, second = out.splitlines()[:2]
     assert first.split()[0] == "False" and int(first.split()[1]) > 200
     assert second == "x" * 150
+
+
+def test_optimize_staging_left_by_a_killed_run_is_removed(tmp_path):
+    """A staging directory whose owner process on this host is gone (a SIGKILLed run) is removed by the next run
+    writing beside it; one owned by a live process, or without an owner file (not made by optimize), stays."""
+    import socket
+    import subprocess as sp
+
+    from kvtransform.cli import optimize
+
+    out = tmp_path / "artifact"
+    dead = sp.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    stale, live, foreign = (tmp_path / f".artifact.staging-{n}" for n in ("dead", "live", "foreign"))
+    for d, owner in ((stale, f"{host} {dead.pid}"), (live, f"{host} {os.getpid()}"), (foreign, None)):
+        (d / "artifact").mkdir(parents=True)
+        if owner:
+            (d / "owner").write_text(owner)
+    printed = []
+
+    class Console:
+        def print(self, msg):
+            printed.append(msg)
+
+    new = optimize._make_staging(out, Console())
+    assert not stale.exists() and live.exists() and foreign.exists()
+    assert new.parent == tmp_path and (new / "owner").read_text() == f"{host} {os.getpid()}"
+    assert len(printed) == 1 and str(stale) in printed[0] and str(dead.pid) in printed[0]
+
+
+def test_output_dir_in_an_unwritable_directory_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """An `out` whose directory cannot be written is refused in one line naming it, before the model loads (root
+    bypasses permission bits, so the check is exercised through os.access)."""
+    import kvtransform.transforms.base as tb
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(tb.os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
+    with pytest.raises(PermissionError, match="is not writable"):
+        tb.check_output_dir(locked / "a" / "b", overwrite=False)
+    tb.check_output_dir(tmp_path / "fine", overwrite=False)
+    rc, _, err = _run(["optimize", "no-such-model-dir", f"out={locked / 'a'}"], capsys)
+    assert rc == 2 and "is not writable" in err and len(err.strip().splitlines()) == 1, err

@@ -6,7 +6,10 @@ structured configs of :mod:`.schema`; see :mod:`kvtransform.cli` for the error c
 """
 from __future__ import annotations
 
+import glob
+import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -68,6 +71,41 @@ def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
         raise ArtifactReloadError(f"the artifact reloaded from {out} in a fresh process gives different outputs (max abs "
                            f"error {res['max_abs_error']:.3g}, shape {res['shape']} vs {list(want.shape)})")
     return res["max_abs_error"], tuple(want.shape)
+
+
+_STAGING_OWNER = "owner"  # "<host> <pid>" of the run that made a staging directory
+
+
+def _make_staging(out: Path, console) -> Path:
+    """A new hidden staging directory beside ``out`` (``.<name>.staging-XXXX``, its owner recorded), after removing
+    those that runs on this host left when they were killed (owner process gone; a live or unknown owner's stays)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname()
+    for old in out.parent.glob(f".{glob.escape(out.name)}.staging-*"):
+        try:
+            owner_host, pid = (old / _STAGING_OWNER).read_text().split()
+            pid = int(pid)
+        except (OSError, ValueError):
+            continue  # not made by this code, or its owner file not written yet: leave it
+        if owner_host == host and not _process_alive(pid):
+            shutil.rmtree(old, ignore_errors=True)
+            console.print(f"removed {old}, left by an optimize run that was killed (process {pid})")
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    (staging / _STAGING_OWNER).write_text(f"{host} {os.getpid()}")
+    return staging
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (POSIX signal 0: nothing is sent; elsewhere always true)."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists under another user, or cannot be told: treat as alive
+    return True
 
 
 def _emit_kinds(cfg: DictConfig) -> list:
@@ -135,8 +173,7 @@ def run_optimize(cfg: DictConfig) -> dict:
     t_save = t3 = t4 = t5 = time.perf_counter()
     # everything is written and checked in a staging directory beside `out`, then moved into place (out checked
     # again right before): a failed, killed or interrupted step never replaces or mixes with what `out` held
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    staging = _make_staging(out, console)
     staged = staging / out.name
     try:
         if "pt2" in emit:

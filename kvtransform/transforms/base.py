@@ -262,6 +262,7 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
     Raises:
         FileExistsError: ``path`` is empty, a file or inside a file; the current directory or one of its parents; a
             non-empty directory that is not a kvtransform artifact; or an artifact and ``overwrite`` is false.
+        PermissionError: the directory that would hold ``path`` (its nearest existing ancestor) is not writable.
     """
     if not str(path).strip():
         raise FileExistsError("the output directory is empty: give a directory path (e.g. out=out/<name>)")
@@ -272,6 +273,7 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
         if parent.exists() and not parent.is_dir():
             raise FileExistsError(f"{str(parent)!r} is a file: the artifact directory {str(path)!r} cannot be inside "
                                   f"it; choose a directory path")
+    _check_writable(path)
     if not path.exists():
         return path
     if not path.is_dir():
@@ -289,6 +291,18 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
         raise FileExistsError(f"{str(path)!r} is a non-empty directory but not a kvtransform artifact (no meta.json "
                               f"or config.yaml): overwrite replaces only artifacts; choose another directory")
     return path
+
+
+def _check_writable(path: Path) -> None:
+    """Raise ``PermissionError`` unless the artifact's directory can be made or replaced: its nearest existing
+    ancestor (the parent once ``path`` exists: a replaced artifact is renamed inside it) is writable and
+    searchable."""
+    holder = path.parent
+    while not holder.exists() and holder != holder.parent:
+        holder = holder.parent
+    if not os.access(holder, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write the artifact {str(path)!r}: {str(holder)!r} is not writable; choose "
+                              f"an output directory you can write to (out=...)")
 
 
 class _ExportWrapper(torch.nn.Module):
