@@ -179,6 +179,24 @@ def _share_parameters(gm: torch.nn.Module, model: torch.nn.Module) -> None:
         owner._parameters[leaf] = params[name]
 
 
+def tie_aliased_parameters(gm: torch.nn.Module) -> None:
+    """Make parameters that alias one storage one ``Parameter`` again. ``torch.export.load`` gives a tied weight
+    (e.g. ``embed_tokens`` / ``lm_head``) as separate ``Parameter`` objects over the same memory, of which the graph
+    trains only one: the others would show up in ``parameters()`` with no gradient (an optimizer, DDP or FSDP2
+    would see an extra, unused weight). Every name of a group is set to its first ``Parameter``, as in the model
+    that was captured."""
+    first: dict = {}
+    for name, p in list(gm.named_parameters(remove_duplicate=False)):
+        if p.numel() == 0 or p.device.type == "meta":
+            continue
+        key = (p.device, p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), tuple(p.stride()),
+               p.dtype)
+        keep = first.setdefault(key, p)
+        if keep is not p:
+            *path, leaf = name.split(".")
+            gm.get_submodule(".".join(path))._parameters[leaf] = keep
+
+
 @contextlib.contextmanager
 def _quiet():
     """Silence the exporter: its loggers, warnings and what it prints to stderr (the partial graph of a failed

@@ -130,3 +130,26 @@ def test_save_never_replaces_what_is_not_an_artifact(tmp_path, monkeypatch):
     assert oct(art.stat().st_mode & 0o077) != "0o0"       # readable like any new directory (mkdtemp gives 0700)
     opt.save(tmp_path / "art", overwrite=True)             # an artifact is replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "notes.txt", "proj"]
+
+
+def test_loaded_artifact_keeps_a_tied_weight_one_parameter(tmp_path):
+    """A tied embedding / LM head comes back from an artifact as one trained Parameter (torch.export.load gives two
+    over one storage, one of them never receiving a gradient): the loaded module has the fresh one's parameters and
+    the same gradients."""
+    from kvtransform.models import tiny_model
+
+    model = tiny_model("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    opt = kvt.transform(model, "canonical")
+    loaded = kvt.load(opt.save(tmp_path / "a", progress=False), progress=False)
+    assert len(list(loaded.parameters())) == len(list(opt.parameters()))
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for mod in (opt, loaded):
+        mod.zero_grad(set_to_none=True)
+        out = mod(ids)
+        getattr(out, "logits", out).float().pow(2).mean().backward()
+        grads.append({n.split("gm.")[-1]: p.grad for n, p in mod.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert grads[1][name] is not None and torch.allclose(grads[1][name], g, atol=1e-6), name

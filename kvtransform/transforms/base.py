@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.export import Dim
 
-from kvtransform.capture import Captured, export_dynamic
+from kvtransform.capture import Captured, export_dynamic, tie_aliased_parameters
 from kvtransform.config import TransformConfig
 from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_args_all, run_passes
 from kvtransform.report import Report
@@ -199,6 +199,7 @@ class OptimizedModule(torch.nn.Module):
         if not (path / "model.pt2").is_file():
             raise FileNotFoundError(f"{str(path)!r} has no model.pt2: not a complete {config.name} artifact")
         gm = torch.export.load(path / "model.pt2").module()
+        tie_aliased_parameters(gm)  # a tied embedding / LM head is one trained Parameter, as in the model
         keyword_optional_args_all(gm)  # window/softcap/sinks by keyword, as the passes read them
         return cls(gm, config, report, max_seq_len=meta.get("max_seq_len", 4096))
 
