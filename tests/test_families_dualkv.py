@@ -54,6 +54,17 @@ def test_hf_integration_logprobs_and_gradients_equal_separate_sequences(family):
             assert torch.equal(*gen)
 
 
+def test_hf_integration_follows_the_softcap_the_model_applies():
+    """Gemma 3 keeps ``attn_logit_softcapping`` from its config but never passes it to its attention: the packed
+    paths must not soft-cap either (they follow the ``softcap`` keyword), so packed equals separate sequences."""
+    model = _tiny("gemma3", attn_logit_softcapping=2.0)
+    kvt.integrations.transformers.enable(model, "dualkv")
+    fn = lambda b: model(**packed_inputs(b)).logits  # noqa: E731
+    for batch in (kvt.pack_shared_prefix_groups(GROUPS), kvt.pack_trajectories(TRAJECTORIES)):
+        res = check_numerics_rule(model, fn, batch, floor=1e-5, original_runs="separate")
+        assert res["passed"], (type(batch).__name__, [r for r in res["rows"] if not r[1] <= r[3]][:3])
+
+
 def test_enable_refuses_a_variant_the_op_does_not_take(monkeypatch):
     """An installed op without a variant keyword is refused at enable(), in one line naming it (never dropped)."""
     import kvtransform.ops.dualkv as odk

@@ -109,11 +109,12 @@ def attention_variants(module: torch.nn.Module, kwargs: dict) -> dict:
     """The attention variant of one HF attention call, as the kvt ops' keyword arguments (only those that are on):
     ``window`` (int, HF ``sliding_window`` semantics: the query at position i sees keys i - window < j <= i; from
     the ``sliding_window`` keyword Mistral, Qwen, Phi-3, Gemma 2/3 and gpt-oss pass, else the module's attribute),
-    ``softcap`` (float, Gemma 2's ``softcap`` keyword, else the module's ``attn_logit_softcapping``) and ``sinks``
-    (gpt-oss's learned per-head sink logits ``(H,)``: the ``s_aux`` keyword, else the module's ``sinks``
-    parameter). Reads ``kwargs`` without removing anything."""
+    ``softcap`` (float, Gemma 2's ``softcap`` keyword only: HF's attention functions read no module attribute for
+    it, and Gemma 3 keeps an ``attn_logit_softcapping`` it never applies) and ``sinks`` (gpt-oss's learned per-head
+    sink logits ``(H,)``: the ``s_aux`` keyword, else the module's ``sinks`` parameter, which gpt-oss's eager
+    attention reads). Reads ``kwargs`` without removing anything."""
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    softcap = kwargs["softcap"] if "softcap" in kwargs else getattr(module, "attn_logit_softcapping", None)
+    softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
         sinks = module.sinks
@@ -294,7 +295,7 @@ def _check_packed_call(model, args, kwargs):
     Raises:
         ValueError: no ``position_ids``, ``position_ids`` or ids that disagree with the layout, a KV cache
             (``past_key_values`` or ``cache``), an ``attention_mask`` that is not all ones (a packed batch has no
-            padding).
+            padding), ``labels`` (shifted along the packed axis they pair tokens of different branches).
     """
     from kvtransform.layout import DualKVLayout
     from kvtransform.packing import check_packed
@@ -311,6 +312,10 @@ def _check_packed_call(model, args, kwargs):
     for key in ("past_key_values", "cache"):  # (the cache argument's two names across transformers 5.x)
         if named.get(key) is not None:
             raise ValueError(f"a packed batch runs without a KV cache: drop {key} (and use_cache)")
+    if named.get("labels") is not None:  # transformers shifts labels along the packed axis, across node boundaries
+        raise ValueError("a packed batch cannot take labels= (the model's loss would pair tokens of different "
+                         "branches): compute the loss from batch.trajectory_logprobs(logits) (a TreeBatch) or "
+                         "batch.response_logprobs(logits) (a PackedBatch)")
     input_ids, position_ids = named.get("input_ids"), named.get("position_ids")
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError("a packed batch needs input_ids (1, T): call model(**kvt.integrations.transformers."
