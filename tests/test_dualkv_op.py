@@ -370,6 +370,18 @@ def test_forward_any_softmax_scale(scale):
     assert maxerr(out, ref_out) < 1e-5 and maxerr(lse, ref_lse) < 1e-5
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.5", True, torch.tensor([0.1, 0.2])])
+def test_wrapper_refuses_a_softmax_scale_that_is_not_a_finite_number(scale):
+    """As the prefix-tree wrapper: one line, never an all-NaN output or a string taken as a number."""
+    from kvtransform.ops.dualkv import dualkv_attention
+
+    layout = DualKVLayout.from_lengths([(4, [3, 2])])
+    q, k, v = make_inputs(layout, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite real number") as e:
+        dualkv_attention(q, k, v, layout, softmax_scale=scale)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("kind", ["fwd", "dq"])
 def test_default_config_packs_gqa4_only_and_a_given_config_starts_unpacked(monkeypatch, kind):
     """The device default (not the interpreter's): GQA 4 at D=128 in bf16 runs the packed forward / dQ with TMA K/V

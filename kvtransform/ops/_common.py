@@ -49,6 +49,19 @@ def as_int(x, what: str, unit: str = "", keyword: Optional[str] = None) -> int:
                          f"counts {hint}") from None
 
 
+def as_scale(x) -> float:
+    """softmax_scale as a finite python float; ValueError (one line) for NaN/inf, bools, strings, tensors of more
+    than one element."""
+    ok = not isinstance(x, (bool, str, bytes)) and not (isinstance(x, torch.Tensor) and x.numel() != 1)
+    try:
+        val = float(x) if ok else None
+    except (TypeError, ValueError):
+        val = None
+    if val is None or not math.isfinite(val):
+        raise ValueError(f"softmax_scale must be a finite real number (default: head_dim ** -0.5); got {x!r}")
+    return val
+
+
 def renamed_kwargs(**old_to_new: str):
     """Decorator: accept the old keyword names of a public op wrapper for one release (a ``DeprecationWarning``
     names the new one). Passing both the old and the new name is a TypeError."""

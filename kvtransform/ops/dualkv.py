@@ -43,7 +43,7 @@ import torch
 
 from ..kernels import dualkv as _k
 from ..layout import DualKVLayout, _check_structure, structure_ok
-from ._common import (autocast_inputs, check_attention_variants, is_tracing, kernel_path, no_sinks_grad,
+from ._common import (as_scale, autocast_inputs, check_attention_variants, is_tracing, kernel_path, no_sinks_grad,
                       variant_kwargs)
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
@@ -236,7 +236,7 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cast to the autocast dtype first, as SDPA's are).
         layout: a :class:`DualKVLayout` (moved to q's device if needed), or the int32 ``cu_seqlens`` ``(S+1,)``
             tensor, in which case ``segment_prefix`` (int32 ``(S,)``) is required.
-        softmax_scale: default ``D ** -0.5``.
+        softmax_scale: a finite real number; default ``D ** -0.5``.
         return_lse: also return the fp32 ``(H, T)`` natural-log LSE (with sinks, their term included).
         window: sliding window (HF ``sliding_window``): the query at position ``i`` of its sequence sees keys at
             ``i - window < j <= i``; a response token's positions continue its prefix's. None: full causal.
@@ -253,7 +253,8 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             length 0, a response not directly after its prefix, an unsupported head_dim (outside 1..256) or
             dtype, H not divisible by H_kv, q/k/v dtypes or shapes that disagree, or tensors on
             different devices, a window that is not an int >= 1, a softcap that is not a finite float > 0, sinks
-            that are not ``(H,)`` floats on q's device (one line each). The data checks (offset values) are skipped
+            that are not ``(H,)`` floats on q's device, a softmax_scale that is not a finite real number (one line
+            each). The data checks (offset values) are skipped
             while tracing (export/compile).
     """
     check_data = True
@@ -277,7 +278,7 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v = autocast_inputs(q, k, v)
     check_inputs(q, k, v, cu_seqlens, segment_prefix, check_data=check_data and not is_tracing(q, cu_seqlens))
     window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale)
     out, lse = torch.ops.kvt.dualkv_attention(q, k, v, cu_seqlens, segment_prefix, scale, window, softcap, sinks)
     return (out, lse) if return_lse else out
 

@@ -29,7 +29,6 @@ wrapper's :class:`PrefixTreeLayout` (built and validated on the host).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -37,7 +36,8 @@ import torch
 from ..kernels import prefix_tree as _k
 from ..kernels.layout_memo import memo
 from ..tree_layout import PrefixTreeLayout
-from ._common import autocast_inputs, check_attention_variants, kernel_path, no_sinks_grad, variant_kwargs
+from ._common import (as_scale, autocast_inputs, check_attention_variants, kernel_path, no_sinks_grad,
+                      variant_kwargs)
 
 __all__ = ["prefix_tree_attention", "check_shapes", "PrefixTreeLayout"]
 
@@ -218,19 +218,6 @@ def _backward(ctx, grad_out, grad_lse):
 _tree_op.register_autograd(_backward, setup_context=_setup_ctx)
 
 
-def _as_scale(x) -> float:
-    """softmax_scale as a finite python float; ValueError (one line) for NaN/inf, bools, strings, tensors of more
-    than one element."""
-    ok = not isinstance(x, (bool, str, bytes)) and not (isinstance(x, torch.Tensor) and x.numel() != 1)
-    try:
-        val = float(x) if ok else None
-    except (TypeError, ValueError):
-        val = None
-    if val is None or not math.isfinite(val):
-        raise ValueError(f"softmax_scale must be a finite real number (default: head_dim ** -0.5); got {x!r}")
-    return val
-
-
 def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PrefixTreeLayout,
                           softmax_scale: Optional[float] = None, return_lse: bool = False, *,
                           window: Optional[int] = None, softcap: Optional[float] = None,
@@ -278,6 +265,6 @@ def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     elif q.shape[-1] == 0:
         raise ValueError("unsupported head_dim 0: q, k, v need head_dim >= 1")
     window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else _as_scale(softmax_scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale)
     out, lse = torch.ops.kvt.prefix_tree_attention(q, k, v, *tensors, scale, window, softcap, sinks)
     return (out, lse) if return_lse else out
