@@ -30,6 +30,23 @@ def test_packed_forward_equals_unpacked_original(family):
     assert res["passed"], [r for r in res["rows"] if not r[1] <= r[3]][:5]
 
 
+def test_float64_model_takes_trees_of_every_depth():
+    """A float64 model (CPU) runs one-level trees and lone trajectories too (the DualKV kernels take no float64, so
+    they stay on the tree op), with the separate sequences' log-probs."""
+    from kvtransform.integrations.transformers import packed_inputs
+
+    original = kvt.tiny_model("llama").double()
+    model = kvt.integrations.transformers.enable(copy.deepcopy(original), "dualkv")
+    for trajectories in ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]], [[1, 2, 3, 4], [1, 2, 3, 5]], [[1, 2, 3]]):
+        tree = kvt.pack_trajectories(trajectories)
+        with torch.no_grad():
+            got = tree.trajectory_logprobs(model(**packed_inputs(tree)).logits)
+            for seq, lp in zip(trajectories, got):
+                logits = original(torch.tensor([seq])).logits[0, :-1]
+                want = logits.log_softmax(-1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+                torch.testing.assert_close(lp, want, atol=1e-12, rtol=1e-10)
+
+
 def test_without_layout_falls_back_to_causal_sdpa():
     """A plain (padded) batch and generation through the enabled model equal the original: the registered mask
     function keeps the causal and padding mask."""

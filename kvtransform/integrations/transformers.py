@@ -93,7 +93,8 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         if not isinstance(tree, PrefixTreeLayout):
             raise ValueError(f"prefix_tree_layout must be a PrefixTreeLayout (TreeBatch.layout from "
                              f"kvt.pack_trajectories); got {type(tree).__name__}")
-        one_level = tree.as_dualkv()  # a one-level tree runs DualKV's kernels (faster on that shape)
+        # a one-level tree runs DualKV's kernels (faster on that shape); float64 (CPU) only has the tree op
+        one_level = tree.as_dualkv() if q.dtype != torch.float64 else None
         if one_level is None:
             extra = _op_variant_kwargs(prefix_tree_attention, variants, what)
             return prefix_tree_attention(q, k, v, tree, softmax_scale=scaling, **extra)[None], None
