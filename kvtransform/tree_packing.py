@@ -233,7 +233,8 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
             tensor or a 1-D integer NumPy array, >= 1 token. A list, a tuple, a generator (materialised) or the
             rows of a 2-D tensor / NumPy array.
         loss_masks: optional, per trajectory a bool ``(len(seq_i),)`` over its tokens (True: trained, e.g.
-            assistant turns; False: prompt and tool output), a tensor or a list of bools / 0-1 ints.
+            assistant turns; False: prompt and tool output), a tensor or a list of bools / 0-1 ints; or the rows
+            of a 2-D tensor / NumPy array.
         min_shared: a run shared by several trajectories shorter than this many tokens is duplicated into each
             branch instead of becoming its own node (fewer, longer nodes; 1 = always share). Default 1. Counted on
             CPU with the kernels' tile structure (every node costs whole ``BLOCK_M``-row query tiles, each reading
@@ -268,8 +269,13 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
         raise ValueError("pack_trajectories needs a non-empty list of trajectories (1-D token-id sequences); got "
                          + (f"a tensor of shape {tuple(seqs.shape)} (one trajectory? pass [ids])"
                             if isinstance(seqs, torch.Tensor) else type(seqs).__name__))
-    if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 1:
-        raise ValueError(f"min_shared must be an integer >= 1; got {min_shared!r}")
+    try:
+        shared = None if isinstance(min_shared, bool) else operator.index(min_shared)  # NumPy / torch integers too
+    except TypeError:
+        shared = None
+    if shared is None or shared < 1:
+        raise ValueError(f"min_shared must be an integer >= 1 (tokens); got {min_shared!r}")
+    min_shared = shared
     if vocab_size is not None:
         vocab_size = _as_vocab(vocab_size)
     device = _as_device(device)
@@ -281,6 +287,8 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
     seqs = [_as_ids(s, f"trajectory {i}", vocab_size) for i, s in enumerate(seqs)]
     masks = None
     if loss_masks is not None:
+        if isinstance(loss_masks, torch.Tensor) and loss_masks.dim() == 2:  # rows, as the trajectories' own
+            loss_masks = list(loss_masks.unbind(0))
         if isinstance(loss_masks, (torch.Tensor, Mapping, Set)) or not hasattr(loss_masks, "__len__") or \
                 len(loss_masks) != len(seqs):
             got = len(loss_masks) if hasattr(loss_masks, "__len__") and not isinstance(loss_masks, torch.Tensor) \

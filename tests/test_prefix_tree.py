@@ -250,6 +250,11 @@ def test_pack_refuses_malformed_input_in_one_line(kwargs, match):
 def test_pack_takes_rows_of_a_2d_tensor_or_array_and_generators():
     for make in (torch.tensor, lambda x: __import__("numpy").array(x), lambda x: (r for r in x)):
         assert kvt.pack_trajectories(make([[1, 2, 3], [1, 2, 4]])).layout.lengths == [2, 1, 1]
+    masks = [[False, True, True], [False, False, True]]  # loss masks as rows too; min_shared a NumPy integer
+    for make in (torch.tensor, lambda x: __import__("numpy").array(x)):
+        batch = kvt.pack_trajectories([[1, 2, 3], [1, 2, 4]], loss_masks=make(masks),
+                                      min_shared=__import__("numpy").int64(2))
+        assert [m.tolist() for m in batch.loss_mask_tensors()] == [[True, True], [False, True]]
 
 
 def test_trajectory_logprobs_refuses_foreign_logits():
