@@ -14,9 +14,9 @@ TRL's own metrics (reward; for ours the importance-sampling ratios of the rollou
 the stock trainer in float64, and prints the largest loss / log-prob / gradient differences and the numerics rule
 (``err(ours) <= 2 err(stock) + 1e-4`` against float64, as ``kvtransform.verify.check_numerics_rule``; TRL's fused LM
 head works in float32 even for a float64 model). ``docs/TRL.md`` explains the options and what was measured: on a
-CPU the ops run their plain-PyTorch references, so ours is slower there; the speedups are a GPU matter
-(``examples/trl_grpo_h200.py``). Any CPU run takes minutes (2 steps each with ``--check``: ~22 min on a loaded
-2-core machine).
+CPU the ops run their plain-PyTorch references, so ours is not faster there by design; the speedups are a GPU
+matter (``examples/trl_grpo_h200.py``). On a quiet 2-core CPU the defaults take ~100 s; under load, minutes (2 steps
+each with ``--check``: ~22 min at a load average of ~10).
 """
 from __future__ import annotations
 
@@ -103,8 +103,9 @@ def make_trainer(setup: str, model, tok, data, a, **extra):
     if setup == "stock":
         args, cls = trl.GRPOConfig(**common), trl.GRPOTrainer
     else:
-        ours = dict(shared_prefix=True) if setup == "packed" else dict(shared_prefix=True, rollout="specontext",
-                                                                         rollout_budget=a.budget, rollout_head=a.head)
+        ours = dict(shared_prefix=True) if setup == "packed" else dict(
+            shared_prefix=True, rollout="specontext", rollout_budget=a.budget, rollout_head=a.head,
+            vllm_importance_sampling_mode="token_truncate")  # per-token weights: docs/ROLLOUT_MISMATCH.md
         args, cls = GRPOConfig(**common, **ours), GRPOTrainer
     ds = Dataset.from_dict({"prompt": [p for p, _ in data], "reference": [r for _, r in data]})
     return cls(model=model, reward_funcs=coverage_reward, args=args, train_dataset=ds, processing_class=tok)
