@@ -483,8 +483,11 @@ def test_tiny_llama_on_a_packed_tree_equals_separate_runs(use_triton, monkeypatc
     # another, one trajectory sharing nothing
     r = lambda n: torch.randint(0, 61, (n,))  # noqa: E731
     sys_task, a, b = r(13), r(7), r(5)
+    lone = r(9)
+    lone[0] = (sys_task[0] + 1) % 61  # shares nothing, not even a first token (else one tree, not two)
+    b[0] = (a[0] + 1) % 61  # the two turns after the task branch at their first token
     seqs = [torch.cat([sys_task, a, r(4), r(3)]), torch.cat([sys_task, a, r(6)]), torch.cat([sys_task, b, r(2)]),
-            torch.cat([sys_task, b]), r(9)]
+            torch.cat([sys_task, b]), lone]
     seqs.insert(1, torch.cat([seqs[0][:24], r(5)]))
     masks = [torch.rand(s.numel()) < 0.7 for s in seqs]
     batch = kvt.pack_trajectories(seqs, loss_masks=masks, vocab_size=61)
