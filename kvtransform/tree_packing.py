@@ -23,6 +23,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .ops._common import as_int
 from .packed_logits import packed_logits
 from .tree_layout import PrefixTreeLayout
 
@@ -269,13 +270,9 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
         raise ValueError("pack_trajectories needs a non-empty list of trajectories (1-D token-id sequences); got "
                          + (f"a tensor of shape {tuple(seqs.shape)} (one trajectory? pass [ids])"
                             if isinstance(seqs, torch.Tensor) else type(seqs).__name__))
-    try:
-        shared = None if isinstance(min_shared, bool) else operator.index(min_shared)  # NumPy / torch integers too
-    except TypeError:
-        shared = None
-    if shared is None or shared < 1:
+    min_shared = as_int(min_shared, "min_shared", " >= 1 (tokens)")  # NumPy / torch integers too
+    if min_shared < 1:
         raise ValueError(f"min_shared must be an integer >= 1 (tokens); got {min_shared!r}")
-    min_shared = shared
     if vocab_size is not None:
         vocab_size = _as_vocab(vocab_size)
     device = _as_device(device)

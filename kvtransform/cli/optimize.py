@@ -103,8 +103,8 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
-        return True  # exists under another user, or cannot be told: treat as alive
+    except OSError:
+        return True  # exists under another user (EPERM), or cannot be told: treat as alive
     return True
 
 

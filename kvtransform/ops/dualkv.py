@@ -254,8 +254,7 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             dtype, H not divisible by H_kv, q/k/v dtypes or shapes that disagree, or tensors on
             different devices, a window that is not an int >= 1, a softcap that is not a finite float > 0, sinks
             that are not ``(H,)`` floats on q's device, a softmax_scale that is not a finite real number (one line
-            each). The data checks (offset values) are skipped
-            while tracing (export/compile).
+            each). The data checks (offset values) are skipped while tracing (export/compile).
     """
     check_data = True
     if isinstance(layout, DualKVLayout):
