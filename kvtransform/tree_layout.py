@@ -98,8 +98,24 @@ def _check_parents(parents: list) -> None:
         raise ValueError(f"node {i}'s parent {p} comes after it in the packing: a parent must precede its children")
 
 
+def _merged_ranges(ptr: torch.Tensor, flat: torch.Tensor, cu: torch.Tensor):
+    """CSR rows of node indices (int64 ``ptr`` ``(R+1,)``, ``flat``) -> CSR rows of token ranges ``[lo, hi)``
+    (``rptr`` ``(R+1,)``, ``ranges`` ``(RR, 2)``), a node adjacent to the previous one of its row merged into its
+    range. Tensor ops only: a deep tree has ~N * depth entries."""
+    rows = ptr.numel() - 1
+    row = torch.repeat_interleave(torch.arange(rows), ptr.diff())
+    lo, hi = cu[flat], cu[flat + 1]
+    first = torch.ones(flat.numel(), dtype=torch.bool)
+    first[1:] = (row[1:] != row[:-1]) | (hi[:-1] != lo[1:])
+    last = torch.ones(flat.numel(), dtype=torch.bool)
+    last[:-1] = first[1:]
+    rptr = torch.zeros(rows + 1, dtype=torch.long)
+    rptr[1:] = torch.bincount(row[first], minlength=rows).cumsum(0)
+    return rptr, torch.stack([lo[first], hi[last]], 1)
+
+
 def _derive(lengths: list, parents: list) -> dict:
-    """Every derived python list of the layout (see the module docstring)."""
+    """Every derived list and CSR tensor (int64 CPU) of the layout (see the module docstring)."""
     n = len(lengths)
     cu = [0]
     for ln in lengths:
@@ -107,37 +123,21 @@ def _derive(lengths: list, parents: list) -> dict:
     anc = []
     for i, p in enumerate(parents):
         anc.append([] if p < 0 else anc[p] + [p])
-    desc = [[] for _ in range(n)]
-    for i in range(n):
-        for a in anc[i]:
-            desc[a].append(i)
-
-    def ranges(nodes):
-        out = []
-        for m in nodes:
-            lo, hi = cu[m], cu[m + 1]
-            if out and out[-1][1] == lo:
-                out[-1][1] = hi
-            else:
-                out.append([lo, hi])
-        return out
-
-    def csr(lists):
-        ptr, flat = [0], []
-        for x in lists:
-            flat.extend(x)
-            ptr.append(len(flat))
-        return ptr, flat
-
-    aptr, aflat = csr(anc)
-    dptr, dflat = csr(desc)
-    kptr, kflat = csr([ranges(a) for a in anc])
-    qptr, qflat = csr([ranges(d) for d in desc])
+    aptr = torch.zeros(n + 1, dtype=torch.long)
+    aptr[1:] = torch.tensor([len(a) for a in anc], dtype=torch.long).cumsum(0)
+    aflat = torch.tensor([a for row in anc for a in row], dtype=torch.long)
+    # descendants: the (ancestor, node) pairs regrouped by ancestor, nodes in packing order (a stable sort)
+    dflat = torch.repeat_interleave(torch.arange(n), aptr.diff())[torch.sort(aflat, stable=True).indices]
+    dptr = torch.zeros(n + 1, dtype=torch.long)
+    dptr[1:] = torch.bincount(aflat, minlength=n).cumsum(0)
+    cut = torch.tensor(cu, dtype=torch.long)
+    kptr, kranges = _merged_ranges(aptr, aflat, cut)
+    qptr, qranges = _merged_ranges(dptr, dflat, cut)
     start = []
     for i, p in enumerate(parents):
         start.append(0 if p < 0 else start[p] + lengths[p])
-    return dict(cu=cu, anc=anc, aptr=aptr, aflat=aflat, dptr=dptr, dflat=dflat, kptr=kptr, kflat=kflat, qptr=qptr,
-                qflat=qflat, start=start)
+    return dict(cu=cu, anc=anc, aptr=aptr, aflat=aflat, dptr=dptr, dflat=dflat, kptr=kptr, kranges=kranges,
+                qptr=qptr, qranges=qranges, start=start)
 
 
 class PrefixTreeLayout:
@@ -217,6 +217,7 @@ class PrefixTreeLayout:
         obj._starts = d["start"]
         obj._anc = d["anc"]
         obj._cu = d["cu"]
+        obj._cu_cpu = None  # int64 CPU copy for path_index, made on first use
         obj.cu_seqlens = _int32_on(d["cu"], device)
         obj.parent = _int32_on(parents, device)
         obj.ancestor_ptr = _int32_on(d["aptr"], device)
@@ -224,9 +225,9 @@ class PrefixTreeLayout:
         obj.descendant_ptr = _int32_on(d["dptr"], device)
         obj.descendants = _int32_on(d["dflat"], device)
         obj.key_range_ptr = _int32_on(d["kptr"], device)
-        obj.key_ranges = _int32_on([x for r in d["kflat"] for x in r], device).view(-1, 2)
+        obj.key_ranges = _int32_on(d["kranges"], device)
         obj.query_range_ptr = _int32_on(d["qptr"], device)
-        obj.query_ranges = _int32_on([x for r in d["qflat"] for x in r], device).view(-1, 2)
+        obj.query_ranges = _int32_on(d["qranges"], device)
         return obj
 
     def __init__(self, *args, **kwargs):
@@ -348,8 +349,14 @@ class PrefixTreeLayout:
     def path_index(self, node: int) -> torch.Tensor:
         """int64 packed positions of the root→``node`` path's tokens, in sequence order (CPU); ``node`` in
         ``0..N-1``, else IndexError."""
-        cu, node = self._cu, self._node(node)
-        return torch.cat([torch.arange(cu[m], cu[m + 1]) for m in self._anc[node] + [node]])
+        node = self._node(node)
+        if getattr(self, "_cu_cpu", None) is None:
+            self._cu_cpu = torch.tensor(self._cu, dtype=torch.long)
+        path = torch.tensor(self._anc[node] + [node], dtype=torch.long)  # a few ops whatever the depth
+        lo, ln = self._cu_cpu[path], self._cu_cpu[path + 1] - self._cu_cpu[path]
+        ends = ln.cumsum(0)
+        idx = torch.arange(int(ends[-1]))
+        return idx + (lo - (ends - ln))[torch.searchsorted(ends, idx, right=True)]
 
     def visible_pairs(self) -> int:
         """Number of (query, key) pairs the tree mask lets through (for FLOP counts)."""

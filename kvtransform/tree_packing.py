@@ -220,6 +220,72 @@ def _as_mask(m, n: int, i: int) -> torch.Tensor:
     return t
 
 
+
+def _common_run(flat: torch.Tensor, starts: torch.Tensor, run: int) -> int:
+    """Length of the longest run ``< run`` tokens that the rows ``flat[starts[r] + j]`` share, compared in doubling
+    chunks (64, 128, ... tokens) so a short shared run costs little however long the rows are."""
+    done, chunk = 0, 64
+    while done < run:
+        n = min(chunk, run - done)
+        cols = flat[starts[:, None] + (done + torch.arange(n))]
+        diff = (cols != cols[0]).any(0).nonzero()
+        if diff.numel():
+            return done + int(diff[0])
+        done, chunk = done + n, chunk * 2
+    return run
+
+
+def _trie_nodes(seqs: list, min_shared: int):
+    """The compressed token trie of ``seqs`` (1-D int64 CPU tensors, each >= 1 token) in depth-first preorder:
+    ``nodes`` = list of ``(representative trajectory, start, end, parent)`` and per trajectory the node it ends
+    at. Each node's members are handled with a few tensor ops on one flat token tensor (no Python step per member
+    or per token), so deep trees (a comb of N trajectories is N levels deep) cost O(nodes) Python steps."""
+    lens = torch.tensor([int(s.numel()) for s in seqs], dtype=torch.long)
+    off = torch.cumsum(lens, 0) - lens
+    flat = torch.cat(seqs)
+    nodes, end_node = [], [-1] * len(seqs)
+
+    def split(members: torch.Tensor, at: int) -> list:
+        """Members ending at ``at`` (each alone), then groups by the token at ``at`` in order of first
+        appearance (each an int64 tensor of member indices, in input order)."""
+        ln = lens[members]
+        ended = members[ln == at]
+        out = list(ended.split(1)) if ended.numel() else []  # an empty tensor splits into one empty piece
+        live = members[ln > at]
+        if live.numel():
+            uniq, inv = torch.unique(flat[off[live] + at], return_inverse=True)
+            first = torch.full((uniq.numel(),), live.numel(), dtype=torch.long).scatter_reduce(
+                0, inv, torch.arange(live.numel()), "amin")
+            rank = torch.empty_like(first)
+            rank[first.argsort()] = torch.arange(first.numel())
+            key = rank[inv]
+            order = torch.sort(key, stable=True).indices
+            out += list(live[order].split(torch.bincount(key, minlength=uniq.numel()).tolist()))
+        return out
+
+    stack = [(g, 0, -1) for g in reversed(split(torch.arange(len(seqs)), 0))]
+    while stack:
+        members, start, parent = stack.pop()
+        if members.numel() == 1:
+            i = int(members[0])
+            nodes.append((i, start, int(lens[i]), parent))
+            end_node[i] = len(nodes) - 1
+            continue
+        lcp = _common_run(flat, off[members] + start, int(lens[members].min()) - start)
+        if lcp < min_shared:  # too short to share: every branch gets its own copy of the run
+            stack.extend((g, start, parent) for g in reversed(split(members, start + lcp)))
+            continue
+        nodes.append((int(members[0]), start, start + lcp, parent))
+        me = len(nodes) - 1
+        rest = []
+        for g in split(members, start + lcp):
+            if g.numel() == 1 and int(lens[g[0]]) == start + lcp:
+                end_node[int(g[0])] = me
+            else:
+                rest.append(g)
+        stack.extend((g, start + lcp, me) for g in reversed(rest))
+    return nodes, end_node
+
 def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] = None, min_shared: int = 1,
                       vocab_size: Optional[int] = None,
                       device: Union[str, torch.device, None] = None) -> TreeBatch:
@@ -292,46 +358,7 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
                 else type(loss_masks).__name__
             raise ValueError(f"loss_masks must be a list with one mask per trajectory ({len(seqs)}); got {got}")
         masks = [_as_mask(m, int(s.numel()), i) for i, (s, m) in enumerate(zip(seqs, loss_masks))]
-    lens = [int(s.numel()) for s in seqs]
-
-    # compressed trie, nodes created in depth-first preorder: (representative trajectory, start, end, parent)
-    nodes, end_node = [], [-1] * len(seqs)
-
-    def split(members, at):
-        """Members ending at ``at`` (each alone), then groups by the token at ``at`` in order of first appearance."""
-        out, groups = [], {}
-        for i in members:
-            if lens[i] == at:
-                out.append([i])
-            else:
-                groups.setdefault(int(seqs[i][at]), []).append(i)
-        return out + list(groups.values())
-
-    stack = [(g, 0, -1) for g in reversed(split(range(len(seqs)), 0))]
-    while stack:
-        members, start, parent = stack.pop()
-        if len(members) == 1:
-            i = members[0]
-            nodes.append((i, start, lens[i], parent))
-            end_node[i] = len(nodes) - 1
-            continue
-        run = min(lens[i] for i in members) - start
-        mat = torch.stack([seqs[i][start:start + run] for i in members])
-        diff = (mat != mat[0]).any(0).nonzero()
-        lcp = int(diff[0]) if diff.numel() else run
-        if lcp < min_shared:  # too short to share: every branch gets its own copy of the run
-            stack.extend((g, start, parent) for g in reversed(split(members, start + lcp)))
-            continue
-        nodes.append((members[0], start, start + lcp, parent))
-        me = len(nodes) - 1
-        rest = []
-        for g in split(members, start + lcp):
-            if len(g) == 1 and lens[g[0]] == start + lcp:
-                end_node[g[0]] = me
-            else:
-                rest.append(g)
-        stack.extend((g, start + lcp, me) for g in reversed(rest))
-
+    nodes, end_node = _trie_nodes(seqs, min_shared)
     layout = PrefixTreeLayout.from_parents([e - s for _, s, e, _ in nodes], [p for *_, p in nodes],
                                            device=device)
     ids = torch.cat([seqs[i][s:e] for i, s, e, _ in nodes])

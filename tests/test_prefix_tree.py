@@ -139,6 +139,23 @@ def test_pack_is_a_trie_with_every_trajectory_a_path(seed):
     assert all(int(lay.query_range_ptr[n + 1] - lay.query_range_ptr[n]) <= 1 for n in range(lay.num_nodes))
 
 
+
+def test_pack_a_comb_deep_tree():
+    """Trajectory i = a shared stem's first i tokens + its own token: a tree 1,500 nodes deep (each level one node
+    of the stem, one leaf), built with tensor ops per node, not per member or token."""
+    stem = torch.randint(0, 1000, (1500,))
+    seqs = [torch.cat([stem[:i], torch.tensor([1000 + i])]) for i in range(1, 1500)]
+    batch = kvt.pack_trajectories(seqs)
+    lay = batch.layout
+    assert lay.num_nodes == 1498 + 1499 and batch.num_tokens == 1498 + 1499 + 1  # the last leaf: stem token + own
+    assert max(len(a) for a in lay._anc) == 1498  # the deepest leaf hangs under the whole stem
+    for i in (0, 1, 700, 1498):
+        idx = batch.token_index(i)
+        assert torch.equal(batch.input_ids[0, idx], seqs[i])
+        assert batch.position_ids[0, idx].tolist() == list(range(len(seqs[i])))
+    lps = batch.trajectory_logprobs(torch.randn(batch.num_tokens, 2500))
+    assert [lp.numel() for lp in lps[:3]] == [1, 2, 3] and lps[-1].numel() == 1499
+
 @pytest.mark.parametrize("seqs, lengths, parents", [
     ([[1, 2, 3], [1, 2, 3]], [3], [-1]),                                   # identical
     ([[1, 2, 3, 4], [1, 2]], [2, 2], [-1, 0]),                             # one a prefix of the other
