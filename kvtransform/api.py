@@ -18,7 +18,7 @@ from .config import TransformConfig, config_from_yaml, resolve_config
 from .passes.attention import AttentionPass
 from .report import Report
 from .transforms import spec_for
-from .transforms.base import OptimizedModule, capture_and_rewrite
+from .transforms.base import OptimizedModule, capture_and_rewrite, load_artifact_file
 from .utils import stage
 
 
@@ -79,16 +79,20 @@ def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
 
     Raises:
         FileNotFoundError: ``path`` is not a saved kvtransform artifact.
-        ValueError: the artifact's config is invalid or newer than this installation understands.
+        ValueError: the artifact's config is invalid or newer than this installation understands, or one of its
+            files is damaged (the message names it).
     """
     path = Path(path)
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a kvtransform artifact (expected config.yaml and the programs "
                                 f"written by OptimizedModule.save)")
     config = config_from_yaml((path / "config.yaml").read_text())
-    report = Report.from_dict(json.loads((path / "report.json").read_text())) if (path / "report.json").exists() \
-        else Report()
-    meta = json.loads((path / "meta.json").read_text()) if (path / "meta.json").exists() else {}
+    def read_json(name):
+        return load_artifact_file(path / name, lambda f: json.loads(f.read_text())) if (path / name).exists() else None
+
+    report_dict, meta = read_json("report.json"), read_json("meta.json")
+    report = Report.from_dict(report_dict) if report_dict is not None else Report()
+    meta = meta if meta is not None else {}
     _register_transformers_ops()
     with stage(progress, f"loading the {config.name} artifact {path}"):
         return check_available(config).module_type.from_artifact(path, config, report, meta)

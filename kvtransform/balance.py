@@ -32,6 +32,8 @@ from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
+from .ops._common import as_int
+
 __all__ = ["GroupBalance", "balance_groups", "group_tokens", "tree_cost", "PAIR_WEIGHT"]
 
 PAIR_WEIGHT = 1.0 / (6 * 4096)
@@ -270,11 +272,14 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
             ``pair_weight`` negative / NaN / inf or given without ``trees=True``, or an
             item larger than ``max_tokens`` (the message names it, its size and the fix).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    world_size = as_int(world_size, "world_size", " >= 1 (the number of data-parallel ranks)")  # NumPy/torch too
+    if world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1 (the number of data-parallel ranks); got {world_size!r}")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError(f"max_tokens must be a positive integer (packed tokens per micro-batch) or None; "
-                         f"got {max_tokens!r}")
+    if max_tokens is not None:
+        max_tokens = as_int(max_tokens, "max_tokens", " >= 1 (packed tokens per micro-batch) or None")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer (packed tokens per micro-batch) or None; "
+                             f"got {max_tokens!r}")
     if not isinstance(trees, bool):
         raise ValueError(f"trees must be True (items are prefix trees) or False ((prompt, [responses]) groups); got "
                          f"{trees!r}")

@@ -19,6 +19,8 @@ import torch
 
 from .layout import DualKVLayout
 from .packed_logits import packed_logits
+# prefix-tree packing (any depth of shared prefix) lives in its own module; exported here too
+from .tree_packing import TreeBatch, _as_device, _as_vocab, pack_trajectories  # noqa: F401
 
 __all__ = ["PackedBatch", "pack_shared_prefix", "pack_shared_prefix_groups", "check_packed"]
 
@@ -141,6 +143,7 @@ class PackedBatch:
         return self.replicated_tokens / self.num_tokens
 
     def to(self, device) -> "PackedBatch":
+        device = _as_device(device)
         return PackedBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout.to(device),
                            self.groups)
 
@@ -207,17 +210,21 @@ def pack_shared_prefix_groups(groups: Sequence[tuple], vocab_size: Optional[int]
 
     Raises:
         ValueError: no groups, a group without responses, an empty prompt or response, a non-integer or negative
-            token id, or an id ``>= vocab_size``.
+            token id, or an id ``>= vocab_size``; a vocab_size that is not a positive integer; a device that is
+            not usable here (meta, an absent GPU).
     """
     if isinstance(groups, (torch.Tensor, str)) or not hasattr(groups, "__len__") or len(groups) == 0:
         raise ValueError("pack_shared_prefix_groups needs a non-empty list of (prompt_ids, [response_ids, ...])")
+    if vocab_size is not None:
+        vocab_size = _as_vocab(vocab_size)
+    device = _as_device(device)
     packed_groups, ids, pos, lens = [], [], [], []
     for g, grp in enumerate(groups):
         if not isinstance(grp, (tuple, list)) or len(grp) != 2:
             raise ValueError(f"group {g} must be a pair (prompt_ids, [response_ids, ...]); got {type(grp).__name__}")
         prompt, responses = grp
         if device is None and isinstance(prompt, torch.Tensor):
-            device = prompt.device
+            device = _as_device(prompt.device)
         p = _as_ids(prompt, f"group {g}: prompt", vocab_size)
         if isinstance(responses, torch.Tensor) or not hasattr(responses, "__len__"):
             raise ValueError(f"group {g}: responses must be a list of token-id sequences, got "
@@ -269,6 +276,3 @@ def check_packed(input_ids, position_ids, layout: DualKVLayout, vocab_size: Opti
         raise ValueError(f"token id {bad} at packed position {where} is outside the vocabulary "
                          f"[0, {vocab_size if vocab_size is not None else '?'})")
 
-
-# Prefix-tree packing (any depth of shared prefix) lives in its own module; exported here too.
-from .tree_packing import TreeBatch, pack_trajectories  # noqa: E402,F401

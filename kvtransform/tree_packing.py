@@ -80,6 +80,7 @@ class TreeBatch:
         return self.replicated_tokens / self.num_tokens
 
     def to(self, device) -> "TreeBatch":
+        device = _as_device(device)
         return TreeBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout.to(device),
                          self.sequences, self.end_nodes, self.loss_masks)
 
@@ -324,7 +325,7 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
             values, loss_masks not one per trajectory, min_shared < 1, a vocab_size that is not a positive integer,
             an unusable device.
     """
-    from .packing import _as_ids  # here: kvtransform.packing re-exports this module's names at its end
+    from .packing import _as_ids  # here: kvtransform.packing imports this module
 
     if isinstance(seqs, torch.Tensor) and seqs.dim() == 2:  # rows of a 2-D tensor, as of a 2-D NumPy array
         seqs = list(seqs.unbind(0))

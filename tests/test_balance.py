@@ -70,10 +70,18 @@ def test_balanced_example_and_token_sequences():
     (([(3, [2]), (1, [[]])], 1), "group 1: response 0 has 0 tokens"),
     (([(3, [2]), "abc"], 1), "group 1 must be a pair"),
     (([(3, [2])], 1, 0), "max_tokens must be a positive integer"),
+    (([(3, [2])], 1, 2.5), "max_tokens must be an integer >= 1"),
+    (([(3, [1])], True), "world_size must be an integer >= 1"),
 ])
 def test_errors(args, match):
     with pytest.raises(ValueError, match=match):
         kvt.balance_groups(*args)
+
+
+def test_numpy_and_torch_integers_as_world_size_and_max_tokens():
+    np = pytest.importorskip("numpy")
+    plan = kvt.balance_groups([(10, [5]), (3, [2])], np.int64(2), max_tokens=torch.tensor(30))
+    assert plan == kvt.balance_groups([(10, [5]), (3, [2])], 2, max_tokens=30)
 
 
 def test_group_larger_than_max_tokens_names_it_and_the_fix():

@@ -601,3 +601,23 @@ def test_output_dir_in_an_unwritable_directory_is_refused_before_loading(tmp_pat
     tb.check_output_dir(tmp_path / "fine", overwrite=False)
     rc, _, err = _run(["optimize", "no-such-model-dir", f"out={locked / 'a'}"], capsys)
     assert rc == 2 and "is not writable" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_output_dir_the_os_refuses_is_found_by_a_real_probe(tmp_path):
+    """A directory os.access calls writable that refuses new entries (root on /sys or a read-only mount) is found by
+    making and removing an empty directory there; a path that is not a path is a TypeError in one line."""
+    import kvtransform.transforms.base as tb
+
+    if not os.path.isdir("/sys") or os.access("/sys", os.W_OK) is False:
+        pytest.skip("needs a /sys that os.access reports writable (Linux, as root)")
+    try:
+        os.rmdir(__import__("tempfile").mkdtemp(dir="/sys"))
+        pytest.skip("/sys accepts new directories here")
+    except OSError:
+        pass
+    with pytest.raises(PermissionError, match=r"'/sys' is not writable \("):
+        tb.check_output_dir("/sys/kvt_art", overwrite=False)
+    with pytest.raises(TypeError, match="must be a path"):
+        tb.check_output_dir(None, overwrite=False)
+    assert list(tmp_path.iterdir()) == [] and tb.check_output_dir(tmp_path / "a", False) == tmp_path / "a"
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind

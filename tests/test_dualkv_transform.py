@@ -80,6 +80,12 @@ def test_response_logprobs_indexing():
     (lambda: kvt.pack_shared_prefix(["a"], [[2]]), "element 0 is 'a', not an integer"),
     (lambda: kvt.pack_shared_prefix([torch.tensor(1.0)], [[2]]), "not an integer"),
     (lambda: kvt.pack_shared_prefix([torch.tensor(True)], [[2]]), "not an integer"),
+    (lambda: kvt.pack_shared_prefix([1, 2], [[3]], vocab_size=3.5), "vocab_size must be a positive integer"),
+    (lambda: kvt.pack_shared_prefix([1, 2], [[3]], vocab_size=-1), "vocab_size must be a positive integer"),
+    (lambda: kvt.pack_shared_prefix([1, 2], [[3]], device="meta"), "holds no data"),
+    (lambda: kvt.pack_shared_prefix([1, 2], [[3]], device="bogus"), "must be a torch device"),
+    (lambda: kvt.pack_shared_prefix([1, 2], [[3]]).to("meta"), "holds no data"),
+    (lambda: kvt.pack_trajectories([[1, 2], [1, 3]]).to("meta"), "holds no data"),
 ])
 def test_pack_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -117,6 +117,10 @@ def test_packed_calls_are_checked_before_the_model_runs():
         hole[0, 2] = 0
         with pytest.raises(ValueError, match="attention_mask must be all ones"):  # padding it would not honour
             model(**kw, attention_mask=hole)
+        t = kw["input_ids"].shape[1]
+        for shape in ((1, t + 3), (1, 1, t, t)):  # a mask of another batch, a 4-D mask: not silently ignored
+            with pytest.raises(ValueError, match=r"attention_mask must be \(1, T\)"):
+                model(**kw, attention_mask=torch.ones(shape, dtype=torch.long))
         with pytest.raises(ValueError, match="cannot take labels="):  # shifted across branches: no one's loss
             model(**kw, labels=kw["input_ids"])
     with pytest.raises(ValueError, match="without a KV cache: drop past_key_values"):

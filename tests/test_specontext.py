@@ -304,6 +304,11 @@ def test_bad_generate_arguments(sp_llama, kwargs, match):
         sp_llama.generate(ids, **kwargs)
 
 
+def test_a_prompt_with_no_room_to_generate_says_how_much_to_shorten(sp_llama):
+    with pytest.raises(ValueError, match=r"prompt of 300 tokens leaves no room .* at most 255 tokens \(45 fewer\)"):
+        sp_llama.generate(torch.randint(3, 128, (1, 300)), max_new_tokens=3)
+
+
 @pytest.mark.parametrize("temperature", [0, 0.0, -1.0, None, float("inf")])
 def test_greedy_ignores_temperature_like_hf(sp_llama, temperature):
     """do_sample=False decodes greedily whatever the temperature (HF ignores it there)."""

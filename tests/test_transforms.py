@@ -153,3 +153,20 @@ def test_loaded_artifact_keeps_a_tied_weight_one_parameter(tmp_path):
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
         assert grads[1][name] is not None and torch.allclose(grads[1][name], g, atol=1e-6), name
+
+
+def test_load_names_a_damaged_file_in_one_line(tmp_path):
+    """A truncated or overwritten program and a malformed meta.json: one ValueError line naming the file and the
+    fix, not the zip reader's or the JSON parser's traceback."""
+    import shutil
+
+    from kvtransform.models import tiny_model
+
+    art = kvt.transform(tiny_model("llama"), "canonical").save(tmp_path / "a", progress=False)
+    data = (art / "model.pt2").read_bytes()
+    for name, damage in [("model.pt2", b"junk"), ("model.pt2", data[: len(data) // 2]), ("meta.json", b"{oops")]:
+        bad = tmp_path / f"bad_{len(damage)}_{name}"
+        shutil.copytree(art, bad)
+        (bad / name).write_bytes(damage)
+        with pytest.raises(ValueError, match=rf"{name} is damaged .*save the artifact again"):
+            kvt.load(bad, progress=False)

@@ -45,8 +45,8 @@ def as_int(x, what: str, unit: str = "", keyword: Optional[str] = None) -> int:
     except TypeError:
         hint = (f"e.g. {keyword}={int(x) if isinstance(x, float) else 1}" if keyword
                 else "(int, or a NumPy/torch integer)")
-        raise ValueError(f"{what} must be an integer{unit}; got {x!r} ({type(x).__name__}): pass whole token "
-                         f"counts {hint}") from None
+        raise ValueError(f"{what} must be an integer{unit}; got {x!r} ({type(x).__name__}): pass a whole "
+                         f"number {hint}") from None
 
 
 def as_scale(x) -> float:

@@ -89,10 +89,14 @@ def _check_request(rows, max_new_tokens, temperature, top_k, top_p, max_position
         raise ValueError(f"do_sample must be True or False; got {do_sample!r}")
     _check_steps(max_new_tokens)
     longest = max(r.numel() for r in rows)
+    if longest >= max_positions:  # no room for even one new token
+        raise ValueError(f"a prompt of {longest} tokens leaves no room to generate within the model's {max_positions} "
+                         f"positions: shorten it to at most {max_positions - 1} tokens ({longest - max_positions + 1} "
+                         f"fewer)")
     if longest + max_new_tokens > max_positions:
         raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
                          f"{max_positions} positions: shorten the prompt or lower max_new_tokens to "
-                         f"{max(max_positions - longest, 0)}")
+                         f"{max_positions - longest}")
     number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
     if do_sample and not (number and 0 < temperature < math.inf):
         raise ValueError(f"temperature must be a finite number > 0 when do_sample=True; got {temperature!r}")

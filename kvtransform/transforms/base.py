@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.export import Dim
@@ -23,6 +25,21 @@ from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_arg
 from kvtransform.report import Report
 from kvtransform.utils import device_of, model_name, stage, timed
 
+
+
+def load_artifact_file(file: Path, load: Callable[[Path], Any]) -> Any:
+    """``load(file)`` for one file of a saved artifact; a damaged file (not a zip archive, truncated, not a pickle,
+    not JSON) raises ValueError with one line naming the file and the fix instead of the reader's traceback."""
+    try:
+        return load(file)
+    except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        err = e
+    except RuntimeError as e:  # torch's zip reader on a truncated archive
+        if "zip" not in str(e).lower() and "PytorchStreamReader" not in str(e):
+            raise
+        err = e
+    why = (str(err).splitlines() or [""])[0][:160]
+    raise ValueError(f"{file} is damaged ({type(err).__name__}: {why}): save the artifact again") from None
 
 class OptimizedModule(torch.nn.Module):
     """A transformed model: an ``nn.Module`` holding the rewritten graph, its config and its report.
@@ -198,7 +215,7 @@ class OptimizedModule(torch.nn.Module):
         class registered for the config's type)."""
         if not (path / "model.pt2").is_file():
             raise FileNotFoundError(f"{str(path)!r} has no model.pt2: not a complete {config.name} artifact")
-        gm = torch.export.load(path / "model.pt2").module()
+        gm = load_artifact_file(path / "model.pt2", torch.export.load).module()
         tie_aliased_parameters(gm)  # a tied embedding / LM head is one trained Parameter, as in the model
         keyword_optional_args_all(gm)  # window/softcap/sinks by keyword, as the passes read them
         return cls(gm, config, report, max_seq_len=meta.get("max_seq_len", 4096))
@@ -263,8 +280,12 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
     Raises:
         FileExistsError: ``path`` is empty, a file or inside a file; the current directory or one of its parents; a
             non-empty directory that is not a kvtransform artifact; or an artifact and ``overwrite`` is false.
-        PermissionError: the directory that would hold ``path`` (its nearest existing ancestor) is not writable.
+        PermissionError: the directory that would hold ``path`` (its nearest existing ancestor) is not writable (an
+            empty directory made and removed there tells).
+        TypeError: ``path`` is not a str or os.PathLike.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"the output directory must be a path (str or os.PathLike); got {type(path).__name__}")
     if not str(path).strip():
         raise FileExistsError("the output directory is empty: give a directory path (e.g. out=out/<name>)")
     path = Path(path).expanduser()
@@ -301,9 +322,15 @@ def _check_writable(path: Path) -> None:
     holder = path.parent
     while not holder.exists() and holder != holder.parent:
         holder = holder.parent
-    if not os.access(holder, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot write the artifact {str(path)!r}: {str(holder)!r} is not writable; choose "
-                              f"an output directory you can write to (out=...)")
+    why = None if os.access(holder, os.W_OK | os.X_OK) else "permission denied"
+    if why is None:  # a real probe: root passes os.access on read-only mounts and on /proc or /sys
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".kvt-write-probe-", dir=holder))
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+    if why is not None:
+        raise PermissionError(f"cannot write the artifact {str(path)!r}: {str(holder)!r} is not writable ({why}); "
+                              f"choose an output directory you can write to (out=...)")
 
 
 class _ExportWrapper(torch.nn.Module):

@@ -49,7 +49,7 @@ from kvtransform.utils import device_of, stage, timed
 from kvtransform.verify import _input_kind, check, default_tolerance, text_token_ids
 
 from . import register_transform
-from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report
+from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, load_artifact_file, new_report
 
 __all__ = ["SpeContextModule", "specontext_transform", "verify_decode"]
 
@@ -252,8 +252,8 @@ class SpeContextModule(OptimizedModule):
         if missing or "model_info" not in meta:
             raise FileNotFoundError(f"{str(path)!r} is not a complete specontext artifact (missing "
                                     f"{missing or ['meta.json model_info']})")
-        prefill = torch.export.load(path / prefill_file).module()
-        decode = torch.export.load(path / "decode.pt2").module()
+        prefill = load_artifact_file(path / prefill_file, torch.export.load).module()
+        decode = load_artifact_file(path / "decode.pt2", torch.export.load).module()
         _drop_input_guards(decode)  # as after the capture (transform_specontext)
         for program in (prefill, decode):  # window/softcap/sinks by keyword, as the passes read them
             keyword_optional_args_all(program)
@@ -261,7 +261,7 @@ class SpeContextModule(OptimizedModule):
             _bind_shared_weights(decode, prefill, meta.get("prefill_weights_from_decode"), path)
         else:  # an artifact written before prefill_shared.pt2: share what is equal
             _share_weights(decode, prefill)
-        head = torch.load(path / "head.pt", weights_only=True)
+        head = load_artifact_file(path / "head.pt", lambda f: torch.load(f, weights_only=True))
         return cls(prefill, decode, config, report, ModelInfo(**meta["model_info"]), meta.get("softmax_scale"),
                    head_name=head.get("name"), head_state=head.get("state", {}))
 
