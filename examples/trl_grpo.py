@@ -15,7 +15,7 @@ the stock trainer in float64, and prints the largest loss / log-prob / gradient 
 (``err(ours) <= 2 err(stock) + 1e-4`` against float64, as ``kvtransform.verify.check_numerics_rule``; TRL's fused LM
 head works in float32 even for a float64 model). ``docs/TRL.md`` explains the options and what was measured: on a
 CPU the ops run their plain-PyTorch references, so ours is not faster there by design; the speedups are a GPU
-matter (``examples/trl_grpo_h200.py``). On a quiet 2-core CPU the defaults take ~100 s; under load, minutes (2 steps
+matter (``examples/trl_grpo_h200.py``). On a quiet 2-core CPU the defaults take ~100 s (185 s at a load average of 2-3); under more load, minutes (2 steps
 each with ``--check``: ~22 min at a load average of ~10).
 """
 from __future__ import annotations
@@ -127,6 +127,9 @@ def run(setup, model, tok, data, a):
                                                "sampling/importance_sampling_ratio/max") if k in lg) or "-"
         print(f"{i + 1:>4} {row['rollout']:>10.2f} {row['logprob']:>10.2f} {row['update']:>9.2f} "
               f"{lg.get('reward', float('nan')):>8.3f} {isr:>24}")
+    if any(r["logprob"] > 0 for r in timer.rows):
+        print("  (logprob s: the no-grad old-policy pass TRL runs to weigh sampled tokens by the importance-sampling "
+              "correction; with HF rollouts and one update per generation the stock trainer skips it)")
     return timer.rows
 
 

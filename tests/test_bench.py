@@ -322,6 +322,8 @@ def test_decode_ops_smoke(tmp_path, capsys):
     assert by["sdpa"]["bytes_gb"] == pytest.approx((2 * 2 * 2 * 64 * 16 * 2 + (2 * 2 * 4 * 16 + 2 * 2 * 2 * 16) * 2)
                                                    / 1e9)
     assert by["sparse_decode"]["floor_ms"] == pytest.approx(by["sparse_decode"]["bytes_gb"] / by["copy"]["gbps"] * 1e3)
+    assert (by["sparse_decode"]["impl"], by["retrieval_scoring"]["impl"], by["sdpa"]["impl"]) == \
+        ("torch reference", "triton interpreter", "torch")  # what each row ran on this CPU
     df = report.read_csv(str(tmp_path / "results.csv"))
     assert len(df) == len(rows) and set(report.COLUMNS) <= set(df.columns)
     md = (tmp_path / "results.md").read_text()

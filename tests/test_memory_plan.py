@@ -167,9 +167,11 @@ def test_plan_memory_cli_throughput(tmp_path, capsys):
     mine = tokens_per_second(plan_memory(model, head, batch=32, **sizes), sm)
     assert 1 <= best.batch < 156  # full churn over PCIe: not the largest batch that fits
     out = " ".join(out.split())  # (the console may wrap)
-    assert f"batch 32 (the plan above): {mine:.4g} the most: batch {best.batch}: {rate:.4g} (" in out, out
+    on_cpu = len(plan_memory(model, head, batch=32, **sizes).offloaded_at(32768 + 2048))
+    assert f"batch 32 (the plan above): {mine:,.0f} ({on_cpu} layers on CPU by the last token) the most: batch " \
+           f"{best.batch}: {rate:,.0f} (" in out, out
     resident = plan_memory(model, head, batch=13, **sizes)  # the hand calculation's largest resident batch
-    assert f"without offload: batch 13 (the largest resident): {tokens_per_second(resident, sm):.4g}" in out
+    assert f"without offload: batch 13 (the largest resident): {tokens_per_second(resident, sm):,.0f}" in out
     for args, msg in ((["hbm_gbps=4200"], "link_gbps=0.0: the throughput model needs both rates > 0 (or neither)"),
                       (["hbm_gbps=1e300", "link_gbps=42"], "hbm_gbps=1e+300 must be a number of GB/s from 0 to 1000000"),
                       (["link_gbps=-3", "hbm_gbps=4200"], "link_gbps=-3.0 must be a number of GB/s from 0 to"),

@@ -82,6 +82,22 @@ def _sdpa_flash(t):
         return F.scaled_dot_product_attention(t.q4, t.k, t.v, enable_gqa=True)
 
 
+_TRITON_DIRECT = ("retrieval_scoring", "retrieval_scoring_tuned", "retrieval_topk_tuned", "sparse_decode_tuned")
+_KVT_OPS = ("sparse_decode", "sparse_decode_sorted", "sparse_decode_slots", "sparse_decode_dense", "retrieval_topk")
+
+
+def _impl(name: str, device: torch.device) -> str:
+    """What a row of :func:`_op_table` runs: the registered kvt ops run Triton on CUDA and their PyTorch references
+    on a CPU; the ``*_triton`` kernels called directly run Triton's interpreter there (``TRITON_INTERPRET=1``), so
+    on a CPU a part (``retrieval_scoring``) can take longer than its whole (``retrieval_topk``)."""
+    cuda = device.type == "cuda"
+    if name in _TRITON_DIRECT:
+        return "triton" if cuda else "triton interpreter"
+    if name in _KVT_OPS:
+        return "triton" if cuda else "torch reference"
+    return "torch"
+
+
 def _op_table(tune: Optional[dict] = None, rtune: Optional[dict] = None) -> dict:
     """``name -> (op, mode, bytes kind, fn(t))`` of every timed op."""
     from kvtransform.kernels.retrieval import retrieval_scores_triton, select_topk
@@ -210,9 +226,10 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     names = [n for n in ops if m == "all" or n == m]
     for name in names:
         op, mode, kind, fn = ops[name]
-        r = dict(method=name, op=op, mode=mode, impl="", status="ok", iters=0, bytes_gb=nbytes[kind] / 1e9)
+        r = dict(method=name, op=op, mode=mode, impl=_impl(name, device), status="ok", iters=0,
+                 bytes_gb=nbytes[kind] / 1e9)
         if name.endswith("_tuned"):
-            r["impl"] = str(tuned if name.startswith("sparse") else rtuned)
+            r["impl"] += f" {tuned if name.startswith('sparse') else rtuned}"
         try:
             if device.type == "cuda":
                 sync(device)

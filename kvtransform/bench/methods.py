@@ -284,7 +284,7 @@ class Flex(AttnMethod):
         except Exception as e:  # pragma: no cover
             raise Unavailable(f"flex_attention not in this torch: {e}")
         if device.type == "cpu":
-            raise Unavailable("FlexAttention has no backward on CPU")
+            raise Unavailable("FlexAttention runs on CUDA only here (no CPU backward; the suite times fwd and bwd)")
         if set(self.variants) - {"softcap"}:
             raise Unavailable(f"{self.name} takes softcap as a score_mod; window and sinks only dualkv does")
         cap = self.variants.get("softcap")

@@ -34,7 +34,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
 
     def emit(r):
         r.setdefault("op", "decoder_layer" if mode == "layer" else "prefix_tree_attention")
-        r.update(mode=mode, T_packed=shape.T, T_replicated=shape.T_rep, floor_ms=shape.floor_ms,
+        r.update(mode=mode, T_packed=shape.T, T_replicated=shape.T_rep,
+                 floor_ms=shape.floor_ms if device.type == "cuda" else None,  # a GPU matmul rate's floor
                  nodes=shape.layout.num_nodes, depth=shape.layout.depth, trajectories=shape.trajectories)
         if shape.one_level and shape.layout.num_trees == 1:
             r.update(P=shape.layout.lengths[0], mb=shape.layout.num_nodes - 1)

@@ -29,13 +29,14 @@ def job(cfg: DictConfig) -> None:
     best, rate = best_batch(plan.model, plan.head, rates, host_bytes=int(host * GIB), **kw)
     lines = [f"\nModelled decode tokens/s (decode steps only: the GPU step {cfg.gpu_factor:g}x its floor at "
              f"{cfg.hbm_gbps:g} GB/s, elastic loading at {cfg.link_gbps:g} GB/s, selection overlap {cfg.overlap:g}):",
-             f"  batch {plan.batch} (the plan above): {tokens_per_second(plan, rates):.4g}",
-             f"  the most: batch {best.batch}: {rate:.4g} ({len(best.offloaded_at(best.final_len))} layers on CPU by "
+             f"  batch {plan.batch} (the plan above): {tokens_per_second(plan, rates):,.0f} "
+             f"({len(plan.offloaded_at(plan.final_len))} layers on CPU by the last token)",
+             f"  the most: batch {best.batch}: {rate:,.0f} ({len(best.offloaded_at(best.final_len))} layers on CPU by "
              f"the last token, {best.pinned_bytes / GIB:.3g} GiB pinned)"]
     if plan.max_batch_resident >= 1:
         resident = plan_memory(plan.model, plan.head, batch=plan.max_batch_resident, **kw)
         lines.append(f"  without offload: batch {resident.batch} (the largest resident): "
-                     f"{tokens_per_second(resident, rates):.4g}")
+                     f"{tokens_per_second(resident, rates):,.0f}")
     console().print("\n".join(lines), soft_wrap=True)
 
 
