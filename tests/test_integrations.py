@@ -123,6 +123,8 @@ def test_packed_calls_are_checked_before_the_model_runs():
                 model(**kw, attention_mask=torch.ones(shape, dtype=torch.long))
         with pytest.raises(ValueError, match="cannot take labels="):  # shifted across branches: no one's loss
             model(**kw, labels=kw["input_ids"])
+        with pytest.raises(ValueError, match="no attention weights: drop output_attentions"):
+            model(**kw, output_attentions=True)
     with pytest.raises(ValueError, match="without a KV cache: drop past_key_values"):
         model(**packed_inputs(tree), past_key_values=out.past_key_values or object())
     with pytest.raises(ValueError, match="without a KV cache: drop cache"):  # the argument's newer name

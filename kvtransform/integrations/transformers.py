@@ -296,7 +296,8 @@ def _check_packed_call(model, args, kwargs):
     Raises:
         ValueError: no ``position_ids``, ``position_ids`` or ids that disagree with the layout, a KV cache
             (``past_key_values`` or ``cache``), an ``attention_mask`` that is not all ones (a packed batch has no
-            padding), ``labels`` (shifted along the packed axis they pair tokens of different branches).
+            padding), ``labels`` (shifted along the packed axis they pair tokens of different branches),
+            ``output_attentions`` (no attention matrix is formed).
     """
     from kvtransform.layout import DualKVLayout
     from kvtransform.packing import check_packed
@@ -313,6 +314,9 @@ def _check_packed_call(model, args, kwargs):
     for key in ("past_key_values", "cache"):  # (the cache argument's two names across transformers 5.x)
         if named.get(key) is not None:
             raise ValueError(f"a packed batch runs without a KV cache: drop {key} (and use_cache)")
+    if named.get("output_attentions"):  # HF's sdpa path only warns and returns none; a packed call refuses
+        raise ValueError("packed attention computes no attention weights: drop output_attentions (or run the "
+                         "unpacked model with attn_implementation='eager' to inspect them)")
     if named.get("labels") is not None:  # transformers shifts labels along the packed axis, across node boundaries
         raise ValueError("a packed batch cannot take labels= (the model's loss would pair tokens of different "
                          "branches): compute the loss from batch.trajectory_logprobs(logits) (a TreeBatch) or "
