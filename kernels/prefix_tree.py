@@ -30,9 +30,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
-from .dualkv_reference import packed_reference, packed_reference_backward
+from .dualkv_reference import packed_reference, packed_reference_backward, work_table
 from .attention_tiles import whole_range_next
 from .dualkv import MAX_HEAD_DIM, SUPPORTED_DTYPES, launch_bwd, launch_fwd
 from .layout_memo import memo
@@ -128,32 +127,6 @@ def _context_tokens(ptr: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> to
     return csum[p[1:]] - csum[p[:-1]]
 
 
-def _work_table(cu: torch.Tensor, block: int, total_tokens: int, extra: torch.Tensor, per_block_sign: int):
-    """Blocks of ``block`` tokens of every node, heaviest first: ``(node, blk)`` int32 tensors of static length
-    ``cdiv(T, block) + N`` (unused entries ``node = -1``), built on the device (no host sync). Cost of block ``b`` of
-    node ``n``: ``extra[n] + (b+1)*block`` (query blocks) for ``per_block_sign > 0``, else ``extra[n] + len_n -
-    b*block`` (key blocks)."""
-    cu = cu.long()
-    lens = cu[1:] - cu[:-1]
-    s = lens.numel()
-    nblk = (lens + block - 1) // block
-    ends = torch.cumsum(nblk, 0)
-    w = triton.cdiv(total_tokens, block) + s
-    i = torch.arange(w, device=cu.device)
-    node = torch.searchsorted(ends, i, right=True)
-    valid = node < s
-    node_c = node.clamp(max=s - 1)
-    blk = i - (ends[node_c] - nblk[node_c])
-    if per_block_sign > 0:
-        cost = extra[node_c] + (blk + 1) * block
-    else:
-        cost = extra[node_c] + lens[node_c] - blk * block
-    cost = torch.where(valid, cost, torch.full_like(cost, -1))
-    order = torch.argsort(cost, descending=True, stable=True)
-    node_out = torch.where(valid, node_c, torch.full_like(node_c, -1))[order].to(torch.int32).contiguous()
-    return node_out, blk[order].to(torch.int32).contiguous(), w
-
-
 # ====================================================================================================== launchers
 def check_launch(q, k, v, cu_seqlens, range_ptr, ranges, what: str) -> None:
     """Host checks of the launchers (no data read): ranks, dtypes, head counts, devices, int32 layout tensors of
@@ -182,7 +155,7 @@ def check_launch(q, k, v, cu_seqlens, range_ptr, ranges, what: str) -> None:
 class _SidePlan:
     """One side of the layout (the ancestors' key ranges, or the descendants' query ranges) as the launchers of
     ``kernels/dualkv.py`` take it: ``cu``, ``ptr``, ``lo``, ``hi`` (:func:`_bounded`), ``ctx`` (tokens per node,
-    :func:`_context_tokens`), ``work(block, sign)`` (:func:`_work_table`) and ``ranges_next(block)``
+    :func:`_context_tokens`), ``work(block, sign)`` (``work_table`` of ``kernels/dualkv_reference.py``: heaviest blocks first, on the device) and ``ranges_next(block)``
     (:func:`~.attention_tiles.whole_range_next`). Everything is built on the device without a host sync, once per
     layout tensors (``kernels/layout_memo.py``: the forward, the backward and every layer share it)."""
 
@@ -197,7 +170,7 @@ class _SidePlan:
     def work(self, block: int, sign: int):
         key = ("work", block, sign)
         if key not in self.tables:
-            self.tables[key] = _work_table(self.cu, block, self.t, self.ctx, sign)
+            self.tables[key] = work_table(self.cu, block, self.t, self.ctx, sign)
         return self.tables[key]
 
     def ranges_next(self, block: int):

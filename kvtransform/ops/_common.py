@@ -160,3 +160,13 @@ def no_sinks_grad(q: torch.Tensor) -> torch.Tensor:
     """The ``dsinks`` output of the DualKV / prefix-tree backward ops when there are no sinks: an empty fp32 ``(0,)``
     tensor (a custom op's outputs cannot be None)."""
     return q.new_empty((0,), dtype=torch.float32)
+
+
+def check_backward_shapes(op: str, q: torch.Tensor, grad_out, out, lse, grad_lse) -> None:
+    """The attention backward ops' tensors against ``q`` ``(T, H, D)``: ``grad_out`` and ``out`` ``(T, H, D)``, ``lse``
+    and (when given) ``grad_lse`` fp32 ``(H, T)``; ValueError naming ``op`` and the tensor otherwise."""
+    t, h, _ = q.shape
+    for name, x, want in (("grad_out", grad_out, tuple(q.shape)), ("out", out, tuple(q.shape)),
+                          ("lse", lse, (h, t)), ("grad_lse", grad_lse, (h, t))):
+        if x is not None and tuple(x.shape) != want:
+            raise ValueError(f"{op}: {name} must have shape {want}; got {tuple(x.shape)}")

@@ -43,8 +43,8 @@ import torch
 
 from ..kernels import dualkv as _k
 from ..layout import DualKVLayout, _check_structure, structure_ok
-from ._common import (as_scale, autocast_inputs, check_attention_variants, is_tracing, kernel_path, no_sinks_grad,
-                      variant_kwargs)
+from ._common import (as_scale, autocast_inputs, check_attention_variants, check_backward_shapes, is_tracing,
+                      kernel_path, no_sinks_grad, variant_kwargs)
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 USE_TRITON_ON_CPU = False
@@ -126,11 +126,7 @@ def _dualkv_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dsinks)``; dsinks ``(H,)`` in sinks' dtype, an empty fp32 ``(0,)`` without sinks."""
     kernels = _use_triton(q)
-    t, h, _ = q.shape
-    for name, x, want in (("grad_out", grad_out, tuple(q.shape)), ("out", out, tuple(q.shape)),
-                          ("lse", lse, (h, t)), ("grad_lse", grad_lse, (h, t))):
-        if x is not None and tuple(x.shape) != want:
-            raise ValueError(f"kvt::dualkv_attention_backward: {name} must have shape {want}; got {tuple(x.shape)}")
+    check_backward_shapes("kvt::dualkv_attention_backward", q, grad_out, out, lse, grad_lse)
     in_kernel_check = _check_op_inputs(q, k, v, cu_seqlens, segment_prefix, kernels)
     var = variant_kwargs(q, window, softcap, sinks)
     if kernels:

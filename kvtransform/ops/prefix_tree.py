@@ -36,8 +36,8 @@ import torch
 from ..kernels import prefix_tree as _k
 from ..kernels.layout_memo import memo
 from ..tree_layout import PrefixTreeLayout
-from ._common import (as_scale, autocast_inputs, check_attention_variants, kernel_path, no_sinks_grad,
-                      variant_kwargs)
+from ._common import (as_scale, autocast_inputs, check_attention_variants, check_backward_shapes, kernel_path,
+                      no_sinks_grad, variant_kwargs)
 
 __all__ = ["prefix_tree_attention", "check_shapes", "PrefixTreeLayout"]
 
@@ -173,12 +173,7 @@ def _tree_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: to
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dsinks)``; dsinks ``(H,)`` in sinks' dtype, an empty fp32 ``(0,)`` without sinks."""
     kernels = _use_triton(q)
-    t, h, _ = q.shape
-    for name, x, want in (("grad_out", grad_out, tuple(q.shape)), ("out", out, tuple(q.shape)),
-                          ("lse", lse, (h, t)), ("grad_lse", grad_lse, (h, t))):
-        if x is not None and tuple(x.shape) != want:
-            raise ValueError(f"kvt::prefix_tree_attention_backward: {name} must have shape {want}; got "
-                             f"{tuple(x.shape)}")
+    check_backward_shapes("kvt::prefix_tree_attention_backward", q, grad_out, out, lse, grad_lse)
     lay = (cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges)
     _check_op_inputs(q, k, v, lay, kernels)
     var = variant_kwargs(q, window, softcap, sinks)
