@@ -221,10 +221,9 @@ def _as_mask(m, n: int, i: int) -> torch.Tensor:
     return t
 
 
-
 def _common_run(flat: torch.Tensor, starts: torch.Tensor, run: int) -> int:
-    """Length of the longest run ``< run`` tokens that the rows ``flat[starts[r] + j]`` share, compared in doubling
-    chunks (64, 128, ... tokens) so a short shared run costs little however long the rows are."""
+    """The length (at most ``run`` tokens) of the prefix that every row ``flat[starts[r] : starts[r] + run]`` shares,
+    compared in doubling chunks (64, 128, ... tokens), so a short shared run costs little however long the rows."""
     done, chunk = 0, 64
     while done < run:
         n = min(chunk, run - done)
@@ -286,6 +285,7 @@ def _trie_nodes(seqs: list, min_shared: int):
                 rest.append(g)
         stack.extend((g, start + lcp, me) for g in reversed(rest))
     return nodes, end_node
+
 
 def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] = None, min_shared: int = 1,
                       vocab_size: Optional[int] = None,
