@@ -148,9 +148,10 @@ def structure_ok(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_t
 
 
 def _int32_on(values, device) -> torch.Tensor:
-    """An int32 tensor of ``values`` (a list or a CPU integer tensor) on ``device``. For a CUDA device the copy goes through pinned memory without
-    blocking (a pageable host-to-device copy waits for the stream: a per-step layout would stall the GPU queue); it
-    is ordered on the current stream, so work on another stream must wait for that stream before reading it."""
+    """An int32 tensor of ``values`` (a list or a CPU integer tensor) on ``device``. For a CUDA device the copy goes
+    through pinned memory without blocking (a pageable host-to-device copy waits for the stream: a per-step layout
+    would stall the GPU queue); it is ordered on the current stream, so work on another stream must wait for that
+    stream before reading it."""
     t = values.to(torch.int32) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
     if device is None or torch.device(device).type != "cuda":
         return t if device is None else t.to(device)

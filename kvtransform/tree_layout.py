@@ -130,13 +130,13 @@ def _derive(lengths: list, parents: list) -> dict:
     dflat = torch.repeat_interleave(torch.arange(n), aptr.diff())[torch.sort(aflat, stable=True).indices]
     dptr = torch.zeros(n + 1, dtype=torch.long)
     dptr[1:] = torch.bincount(aflat, minlength=n).cumsum(0)
-    cut = torch.tensor(cu, dtype=torch.long)
-    kptr, kranges = _merged_ranges(aptr, aflat, cut)
-    qptr, qranges = _merged_ranges(dptr, dflat, cut)
+    cu_cpu = torch.tensor(cu, dtype=torch.long)
+    kptr, kranges = _merged_ranges(aptr, aflat, cu_cpu)
+    qptr, qranges = _merged_ranges(dptr, dflat, cu_cpu)
     start = []
     for i, p in enumerate(parents):
         start.append(0 if p < 0 else start[p] + lengths[p])
-    return dict(cu=cu, anc=anc, aptr=aptr, aflat=aflat, dptr=dptr, dflat=dflat, kptr=kptr, kranges=kranges,
+    return dict(cu=cu, cu_cpu=cu_cpu, anc=anc, aptr=aptr, aflat=aflat, dptr=dptr, dflat=dflat, kptr=kptr, kranges=kranges,
                 qptr=qptr, qranges=qranges, start=start)
 
 
@@ -217,7 +217,7 @@ class PrefixTreeLayout:
         obj._starts = d["start"]
         obj._anc = d["anc"]
         obj._cu = d["cu"]
-        obj._cu_cpu = None  # int64 CPU copy for path_index, made on first use
+        obj._cu_cpu = d["cu_cpu"]  # int64 CPU offsets for path_index
         obj.cu_seqlens = _int32_on(d["cu"], device)
         obj.parent = _int32_on(parents, device)
         obj.ancestor_ptr = _int32_on(d["aptr"], device)
@@ -350,8 +350,6 @@ class PrefixTreeLayout:
         """int64 packed positions of the root→``node`` path's tokens, in sequence order (CPU); ``node`` in
         ``0..N-1``, else IndexError."""
         node = self._node(node)
-        if getattr(self, "_cu_cpu", None) is None:
-            self._cu_cpu = torch.tensor(self._cu, dtype=torch.long)
         path = torch.tensor(self._anc[node] + [node], dtype=torch.long)  # a few ops whatever the depth
         lo, ln = self._cu_cpu[path], self._cu_cpu[path + 1] - self._cu_cpu[path]
         ends = ln.cumsum(0)

@@ -331,10 +331,10 @@ def _check_packed_call(model, args, kwargs):
     mask = named.get("attention_mask")
     objs = (input_ids, position_ids, tree, cu, sp, mask)
     if not _checked_already(objs):
-        if isinstance(mask, torch.Tensor) and tuple(mask.shape) != tuple(input_ids.shape[-2:] if input_ids.dim() > 1
-                                                                     else (1, input_ids.shape[-1])):
-            raise ValueError(f"a packed batch's attention_mask must be (1, T) = {(1, input_ids.shape[-1])} of ones "
-                             f"(it is not used); got {tuple(mask.shape)}: drop it")
+        want = (1, input_ids.shape[-1])
+        if isinstance(mask, torch.Tensor) and tuple(mask.shape) != want:
+            raise ValueError(f"a packed batch's attention_mask must be (1, T) = {want} of ones (it is not used); got "
+                             f"{tuple(mask.shape)}: drop it")
         if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
             raise ValueError("a packed batch has no padding, so its attention_mask must be all ones (it is not used): "
                              "drop it, or pack the unpadded rows (model(**kvt.integrations.transformers."
