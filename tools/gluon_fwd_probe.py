@@ -1,0 +1,324 @@
+"""Probe: the DualKV forward written in Gluon (Triton's lower-level dialect) with explicitly asynchronous wgmma, against
+the shipped Triton forward (``kernels/dualkv.py``) in the same process.
+
+The question it answers: does FlashAttention-3's intra-warpgroup overlap (Shah et al. 2024, arXiv 2407.08608, §3.2:
+issue the next block's ``Q K^T`` and this block's ``P V`` asynchronously, run the softmax while the tensor cores
+work) lift the forward above what the Triton compiler's own pipelining reaches on the H200? Triton 3.6 cannot express
+it (docs/DUALKV_BACKWARD.md); Gluon can (``warpgroup_mma(is_async=True)`` / ``warpgroup_mma_wait(num_outstanding)``).
+
+Scope: the plain DualKV forward (no window, soft-cap or sinks), bf16/fp16, head dim 128, one query head per program,
+K/V through TMA in a two-stage ring (separate K and V barriers: K is free once ``Q K^T`` completed, V one block
+later). The work table, context ranges and bounded offsets are the shipped kernel's (``kernels/dualkv_plan.py``).
+
+    python tools/gluon_fwd_probe.py --compile-only            # sm_90a, no GPU: registers, spills, shared memory
+    python tools/gluon_fwd_probe.py                           # H200: checks (float64, shipped kernel), then timing
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+if "--compile-only" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+# triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load (the old name raises)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# and the CTA-wide barrier thread_barrier (3.9: barrier)
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@gluon.jit
+def _kstart(j, n_ctx, cs, ss, BLOCK_N: gl.constexpr):
+    """First key of key block ``j``: the context range's blocks, then the own segment's."""
+    return gl.where(j < n_ctx, cs + j * BLOCK_N, ss + (j - n_ctx) * BLOCK_N)
+
+
+@gluon.jit
+def _issue(desc, smem, bars, j, n_ctx, cs, ss, col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    s = j % STAGES
+    bar = bars.index(s)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    _tma_load(desc, [_kstart(j, n_ctx, cs, ss, BLOCK_N), col], bar, smem.index(s))
+
+
+@gluon.jit
+def _masked(s, j, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N: gl.constexpr):
+    """Scores of key block ``j`` with the keys a row must not see at -inf: past the context range (its last block)
+    or, in the own segment, after the query (causal)."""
+    kb = _kstart(j, n_ctx, cs, ss, BLOCK_N)
+    in_ctx = j < n_ctx
+    need = gl.where(in_ctx, kb + BLOCK_N > ce, kb + BLOCK_N - 1 > q_start)
+    if need:
+        k_idx = kb + offs_n
+        kbound = gl.where(in_ctx, ce, se)
+        keep = (k_idx[None, :] < kbound) & ((k_idx[None, :] <= offs_m[:, None]) | in_ctx)
+        s = gl.where(keep, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, stride_ot, stride_oh, T, H, GROUP,
+                     qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr, num_warps: gl.constexpr):
+    pid = gl.program_id(0)
+    w = pid // H
+    h = pid % H
+    seg = gl.load(WSEG + w)
+    if seg >= 0:
+        blk = gl.load(WBLK + w)
+        ss = gl.load(CU + seg)
+        se = gl.load(CU + seg + 1)
+        cs = gl.load(KLO + seg)
+        ce = gl.load(KHI + seg)
+        hk = h // GROUP
+        q_start = ss + blk * BLOCK_M
+        q_end = gl.minimum(q_start + BLOCK_M, se)
+        n_ctx = (ce - cs + BLOCK_N - 1) // BLOCK_N
+        n = n_ctx + (q_end - ss + BLOCK_N - 1) // BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+
+        col = hk * HEAD_DIM
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_start, h * HEAD_DIM], q_bar, q_smem)
+        for i in gl.static_range(STAGES):
+            if i < n:
+                _issue(k_desc, k_smem, k_bars, i, n_ctx, cs, ss, col, BLOCK_N, STAGES)
+                _issue(v_desc, v_smem, v_bars, i, n_ctx, cs, ss, col, BLOCK_N, STAGES)
+
+        offs_m = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+        # block 0: Q K^T, then its softmax
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_bars.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if num_warps > 4:  # each warpgroup waits for its own wgmma: both must be done with a stage before TMA refills it
+            _cta_barrier()
+        if STAGES < n:
+            _issue(k_desc, k_smem, k_bars, STAGES, n_ctx, cs, ss, col, BLOCK_N, STAGES)
+        s = _masked(s, 0, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N)
+        m_i = gl.max(s, axis=1)
+        p = gl.exp2(s * qk_scale - (m_i * qk_scale)[:, None])
+        l_i = gl.sum(p, axis=1)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+        # block j: issue Q K_j^T and P_{j-1} V_{j-1}; the softmax of block j runs while P V is on the tensor cores
+        for j in range(1, n):
+            st = j % STAGES
+            mbarrier.wait(k_bars.index(st), (j // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            pst = (j - 1) % STAGES
+            mbarrier.wait(v_bars.index(pst), ((j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_smem.index(pst), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            s = _masked(s, j, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2((m_i - m_new) * qk_scale)
+            p = gl.exp2(s * qk_scale - (m_new * qk_scale)[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            if num_warps > 4:
+                _cta_barrier()
+            if j + STAGES < n:  # K_j and V_{j-1} are consumed
+                _issue(k_desc, k_smem, k_bars, j + STAGES, n_ctx, cs, ss, col, BLOCK_N, STAGES)
+            if j - 1 + STAGES < n:
+                _issue(v_desc, v_smem, v_bars, j - 1 + STAGES, n_ctx, cs, ss, col, BLOCK_N, STAGES)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+
+        lst = (n - 1) % STAGES
+        mbarrier.wait(v_bars.index(lst), ((n - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(lst), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        l_o = gl.convert_layout(l_i, o_rows)
+        out = acc / l_o[:, None]
+        rows = q_start + gl.arange(0, BLOCK_M, layout=o_rows)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = O + (rows.to(gl.int64) * stride_ot + h * stride_oh)[:, None] + offs_d[None, :]
+        gl.store(ptrs, out.to(dtype), mask=(rows < se)[:, None])
+        lse = (gl.convert_layout(m_i, o_rows) * qk_scale + gl.log2(l_o)) * 0.6931471805599453
+        gl.store(LSE + h.to(gl.int64) * T + rows, lse, mask=rows < se)
+
+
+CONFIGS = ((128, 128, 2, 8), (128, 64, 2, 8), (128, 64, 3, 8), (64, 128, 2, 4), (64, 64, 3, 4))  # BM/BN/stages/warps
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def descriptors(q, k, v, block_m: int, block_n: int):
+    """TMA descriptors of Q (blocks ``(block_m, D)``) and K, V (``(block_n, D)``) as 2-D ``(T, heads * D)`` views."""
+    t, h, d = q.shape
+    dt = _gl_dtype(q.dtype)
+    out = []
+    for x, rows in ((q, block_m), (k, block_n), (v, block_n)):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], dt)
+        out.append(TensorDescriptor.from_tensor(x.reshape(t, x.shape[1] * d), [rows, d], layout))
+    return out
+
+
+def gluon_fwd(q, k, v, cu_seqlens, segment_prefix, scale, block_m=128, block_n=128, stages=2, num_warps=8):
+    """``(out, lse)`` as ``kernels.dualkv.dualkv_fwd`` (plain variant; q ``(T, H, 128)`` bf16/fp16 contiguous)."""
+    from kvtransform.kernels.dualkv import _dualkv_plan
+    t, h, d = q.shape
+    cub, ctx, plan = _dualkv_plan(cu_seqlens, segment_prefix, t, False)
+    wseg, wblk, w = plan(block_m, +1)
+    out = torch.empty_like(q)
+    lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
+    qd, kd, vd = descriptors(q, k, v, block_m, block_n)
+    gluon_fwd_kernel[(w * h,)](qd, kd, vd, out, lse, cub, ctx[0], ctx[1], wseg, wblk, out.stride(0), out.stride(1), t,
+                               h, h // k.shape[1], scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
+                               STAGES=stages, num_warps=num_warps)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------- compile only
+def compile_only(block_m, block_n, stages, num_warps, dtype="bf16"):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    dt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    ql = gl.NVMMASharedLayout.get_default_for([block_m, 128], dt)
+    kl = gl.NVMMASharedLayout.get_default_for([block_n, 128], dt)
+    sig = {"q_desc": f"tensordesc<{dtype}[{block_m},128],{ql!r}>", "k_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>",
+           "v_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>", "O": f"*{dtype}", "LSE": "*fp32", "CU": "*i32",
+           "KLO": "*i32", "KHI": "*i32", "WSEG": "*i32", "WBLK": "*i32", "stride_ot": "i32", "stride_oh": "i32",
+           "T": "i32", "H": "i32", "GROUP": "i32", "qk_scale": "fp32", "BLOCK_M": "constexpr",
+           "BLOCK_N": "constexpr", "HEAD_DIM": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
+    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": 128, "STAGES": stages, "num_warps": num_warps}
+    src = GluonASTSource(gluon_fwd_kernel, sig, constexprs=consts)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_resources import resources
+    r = resources(ck)
+    ptx = ck.asm["ptx"]
+    print(f"{block_m}/{block_n}/{stages}/{num_warps}: {r} wgmma {ptx.count('wgmma.mma_async')} "
+          f"wait_group {ptx.count('wgmma.wait_group')}", flush=True)
+    return ck
+
+
+# ---------------------------------------------------------------------------------------------------- on the GPU
+def _layout(p, rs, device):
+    from kvtransform.layout import DualKVLayout
+    lay = DualKVLayout.from_lengths([(p, rs)], device=device)
+    return lay
+
+
+def check(device, dtype):
+    """Worst error against float64 divided by the shipped kernel's, over odd layouts (GQA 32/8)."""
+    from kvtransform.kernels.dualkv import dualkv_fwd
+    from kvtransform.kernels.dualkv_reference import dualkv_attention_reference
+    worst = 0.0
+    for p, rs in ((1, [1]), (77, [5, 130, 1]), (300, [129, 128, 257]), (1029, [333, 64, 1000]), (4099, [131, 2048])):
+        lay = _layout(p, rs, device)
+        t = lay.total_tokens
+        g = torch.Generator(device=device).manual_seed(t)
+        q = torch.randn(t, 32, 128, device=device, dtype=dtype, generator=g)
+        k = torch.randn(t, 8, 128, device=device, dtype=dtype, generator=g)
+        v = torch.randn(t, 8, 128, device=device, dtype=dtype, generator=g)
+        sc = 1 / math.sqrt(128)
+        ref, ref_lse = dualkv_attention_reference(q.double(), k.double(), v.double(), lay.cu_seqlens, lay.segment_prefix,
+                                                  sc)
+        o1, l1 = dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)
+        o2, l2 = gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)
+        e1 = (o1.double() - ref).abs().max().item()
+        e2 = (o2.double() - ref).abs().max().item()
+        le = (l2.double() - ref_lse.reshape(l2.shape)).abs().max().item() if ref_lse is not None else float("nan")
+        r = e2 / max(e1, 1e-6)
+        worst = max(worst, r)
+        print(f"check P={p} R={rs}: gluon err {e2:.3e} shipped {e1:.3e} ratio {r:.2f} lse err {le:.2e}", flush=True)
+    return worst
+
+
+def timing(device, dtype, shapes, reps):
+    from kvtransform.kernels.dualkv import dualkv_fwd
+    from kvtransform.bench.runner import response_lengths
+    for p, mb in shapes:
+        rs = response_lengths(mb)
+        lay = _layout(p, rs, device)
+        t = lay.total_tokens
+        q = torch.randn(t, 32, 128, device=device, dtype=dtype)
+        k = torch.randn(t, 8, 128, device=device, dtype=dtype)
+        v = torch.randn(t, 8, 128, device=device, dtype=dtype)
+        sc = 1 / math.sqrt(128)
+        flops = 4.0 * 128 * 32 * lay.visible_pairs()
+        res = {}
+        fns = {"shipped": lambda: dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)}
+        for bm, bn, st, nw in CONFIGS:
+            fns[f"gluon {bm}/{bn}/{st}/{nw}"] = (
+                lambda bm=bm, bn=bn, st=st, nw=nw: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
+                                                             block_m=bm, block_n=bn, stages=st, num_warps=nw))
+        for name, fn in fns.items():
+            try:
+                ms = triton.testing.do_bench(fn, warmup=25, rep=reps)
+            except Exception as e:  # noqa: BLE001 - a probe reports every candidate
+                print(f"P={p} mb={mb} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            res[name] = ms
+            print(f"P={p} mb={mb} T={t} {name}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        o1, _ = fns["shipped"]()
+        o2, _ = gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)
+        print(f"P={p} mb={mb}: max |gluon - shipped| {(o1.float() - o2.float()).abs().max().item():.3e}", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--shapes", default="8192:16,32768:4,5059:4,16384:16")
+    ap.add_argument("--reps", type=int, default=300, help="do_bench rep time, ms")
+    a = ap.parse_args(argv)
+    if a.compile_only:
+        for cfg in CONFIGS:
+            try:
+                compile_only(*cfg)
+            except Exception as e:  # noqa: BLE001
+                print(f"{cfg}: {type(e).__name__}: {e}")
+        return
+    dev = torch.device("cuda")
+    worst = check(dev, torch.bfloat16)
+    print(f"checks: worst gluon/shipped error ratio {worst:.2f}", flush=True)
+    shapes = [tuple(int(x) for x in s.split(":")) for s in a.shapes.split(",")]
+    timing(dev, torch.bfloat16, shapes, a.reps)
+
+
+if __name__ == "__main__":
+    main()
