@@ -54,6 +54,17 @@ def _issue(desc, smem, bars, j, n_ctx, cs, ss, col, BLOCK_N: gl.constexpr, STAGE
 
 
 @gluon.jit
+def _logits(s, qk_scale, cap2, SOFTCAP: gl.constexpr):
+    """Scores as the softmax takes them: raw (the scale is applied with the row max, one FMA) or, soft-capped (Gemma
+    2), ``cap2 * tanh(s * qk_scale)`` in log2 units (``qk_scale = scale / softcap``, ``cap2 = softcap * log2(e)``)."""
+    if SOFTCAP:
+        t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * qk_scale], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+        s = t * cap2
+    return s
+
+
+@gluon.jit
 def _masked(s, j, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N: gl.constexpr):
     """Scores of key block ``j`` with the keys a row must not see at -inf: past the context range (its last block)
     or, in the own segment, after the query (causal)."""
@@ -70,8 +81,8 @@ def _masked(s, j, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N: gl.co
 
 @gluon.jit
 def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, stride_ot, stride_oh, T, H, GROUP,
-                     qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, num_warps: gl.constexpr):
+                     qk_scale, cap2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr, num_warps: gl.constexpr, SOFTCAP: gl.constexpr = False):
     pid = gl.program_id(0)
     w = pid // H
     h = pid % H
@@ -88,6 +99,7 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, s
         n_ctx = (ce - cs + BLOCK_N - 1) // BLOCK_N
         n = n_ctx + (q_end - ss + BLOCK_N - 1) // BLOCK_N
         dtype: gl.constexpr = q_desc.dtype
+        e_scale = 1.0 if SOFTCAP else qk_scale  # the exponent's multiplier of the scores _logits returns
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -128,9 +140,9 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, s
             _cta_barrier()
         if STAGES < n:
             _issue(k_desc, k_smem, k_bars, STAGES, n_ctx, cs, ss, col, BLOCK_N, STAGES)
-        s = _masked(s, 0, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N)
+        s = _masked(_logits(s, qk_scale, cap2, SOFTCAP), 0, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N)
         m_i = gl.max(s, axis=1)
-        p = gl.exp2(s * qk_scale - (m_i * qk_scale)[:, None])
+        p = gl.exp2(s * e_scale - (m_i * e_scale)[:, None])
         l_i = gl.sum(p, axis=1)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
@@ -144,10 +156,10 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, s
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_smem.index(pst), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            s = _masked(s, j, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N)
+            s = _masked(_logits(s, qk_scale, cap2, SOFTCAP), j, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2((m_i - m_new) * qk_scale)
-            p = gl.exp2(s * qk_scale - (m_new * qk_scale)[:, None])
+            alpha = gl.exp2((m_i - m_new) * e_scale)
+            p = gl.exp2(s * e_scale - (m_new * e_scale)[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
@@ -175,11 +187,11 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, s
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         ptrs = O + (rows.to(gl.int64) * stride_ot + h * stride_oh)[:, None] + offs_d[None, :]
         gl.store(ptrs, out.to(dtype), mask=(rows < se)[:, None])
-        lse = (gl.convert_layout(m_i, o_rows) * qk_scale + gl.log2(l_o)) * 0.6931471805599453
+        lse = (gl.convert_layout(m_i, o_rows) * e_scale + gl.log2(l_o)) * 0.6931471805599453
         gl.store(LSE + h.to(gl.int64) * T + rows, lse, mask=rows < se)
 
 
-CONFIGS = ((128, 128, 2, 8), (128, 64, 2, 8), (128, 64, 3, 8), (64, 128, 2, 4), (64, 64, 3, 4))  # BM/BN/stages/warps
+CONFIGS = ((128, 128, 2, 8), (128, 64, 2, 8), (128, 64, 3, 8), (64, 128, 2, 4), (64, 64, 3, 4), (64, 64, 2, 4))  # BM/BN/stages/warps
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -197,7 +209,8 @@ def descriptors(q, k, v, block_m: int, block_n: int):
     return out
 
 
-def gluon_fwd(q, k, v, cu_seqlens, segment_prefix, scale, block_m=128, block_n=128, stages=2, num_warps=8):
+def gluon_fwd(q, k, v, cu_seqlens, segment_prefix, scale, block_m=128, block_n=128, stages=2, num_warps=8,
+              softcap=None):
     """``(out, lse)`` as ``kernels.dualkv.dualkv_fwd`` (plain variant; q ``(T, H, 128)`` bf16/fp16 contiguous)."""
     from kvtransform.kernels.dualkv import _dualkv_plan
     t, h, d = q.shape
@@ -207,13 +220,14 @@ def gluon_fwd(q, k, v, cu_seqlens, segment_prefix, scale, block_m=128, block_n=1
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
     qd, kd, vd = descriptors(q, k, v, block_m, block_n)
     gluon_fwd_kernel[(w * h,)](qd, kd, vd, out, lse, cub, ctx[0], ctx[1], wseg, wblk, out.stride(0), out.stride(1), t,
-                               h, h // k.shape[1], scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
-                               STAGES=stages, num_warps=num_warps)
+                               h, h // k.shape[1], scale / softcap if softcap else scale * LOG2E,
+                               (softcap or 1.0) * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
+                               num_warps=num_warps, SOFTCAP=bool(softcap))
     return out, lse
 
 
 # ---------------------------------------------------------------------------------------------------- compile only
-def compile_only(block_m, block_n, stages, num_warps, dtype="bf16"):
+def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     dt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
@@ -222,9 +236,11 @@ def compile_only(block_m, block_n, stages, num_warps, dtype="bf16"):
     sig = {"q_desc": f"tensordesc<{dtype}[{block_m},128],{ql!r}>", "k_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>",
            "v_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>", "O": f"*{dtype}", "LSE": "*fp32", "CU": "*i32",
            "KLO": "*i32", "KHI": "*i32", "WSEG": "*i32", "WBLK": "*i32", "stride_ot": "i32", "stride_oh": "i32",
-           "T": "i32", "H": "i32", "GROUP": "i32", "qk_scale": "fp32", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "HEAD_DIM": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
-    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": 128, "STAGES": stages, "num_warps": num_warps}
+           "T": "i32", "H": "i32", "GROUP": "i32", "qk_scale": "fp32", "cap2": "fp32", "BLOCK_M": "constexpr",
+           "BLOCK_N": "constexpr", "HEAD_DIM": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr",
+           "SOFTCAP": "constexpr"}
+    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": 128, "STAGES": stages, "num_warps": num_warps,
+              "SOFTCAP": softcap}
     src = GluonASTSource(gluon_fwd_kernel, sig, constexprs=consts)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -243,7 +259,7 @@ def _layout(p, rs, device):
     return lay
 
 
-def check(device, dtype):
+def check(device, dtype, softcap=None):
     """Worst error against float64 divided by the shipped kernel's, over odd layouts (GQA 32/8)."""
     from kvtransform.kernels.dualkv import dualkv_fwd
     from kvtransform.kernels.dualkv_reference import dualkv_attention_reference
@@ -257,19 +273,19 @@ def check(device, dtype):
         v = torch.randn(t, 8, 128, device=device, dtype=dtype, generator=g)
         sc = 1 / math.sqrt(128)
         ref, ref_lse = dualkv_attention_reference(q.double(), k.double(), v.double(), lay.cu_seqlens, lay.segment_prefix,
-                                                  sc)
-        o1, l1 = dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)
-        o2, l2 = gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)
+                                                  sc, softcap=softcap)
+        o1, l1 = dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, softcap=softcap)
+        o2, l2 = gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, softcap=softcap)
         e1 = (o1.double() - ref).abs().max().item()
         e2 = (o2.double() - ref).abs().max().item()
         le = (l2.double() - ref_lse.reshape(l2.shape)).abs().max().item() if ref_lse is not None else float("nan")
         r = e2 / max(e1, 1e-6)
         worst = max(worst, r)
-        print(f"check P={p} R={rs}: gluon err {e2:.3e} shipped {e1:.3e} ratio {r:.2f} lse err {le:.2e}", flush=True)
+        print(f"check softcap={softcap} P={p} R={rs}: gluon err {e2:.3e} shipped {e1:.3e} ratio {r:.2f} lse err {le:.2e}", flush=True)
     return worst
 
 
-def timing(device, dtype, shapes, reps):
+def timing(device, dtype, shapes, reps, softcap_shapes=()):
     from kvtransform.kernels.dualkv import dualkv_fwd
     from kvtransform.bench.runner import response_lengths
     for p, mb in shapes:
@@ -287,6 +303,13 @@ def timing(device, dtype, shapes, reps):
             fns[f"gluon {bm}/{bn}/{st}/{nw}"] = (
                 lambda bm=bm, bn=bn, st=st, nw=nw: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
                                                              block_m=bm, block_n=bn, stages=st, num_warps=nw))
+        if (p, mb) in softcap_shapes:
+            fns["shipped softcap 50"] = lambda: dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, softcap=50.0)
+            for bm, bn, st, nw in CONFIGS:
+                fns[f"gluon {bm}/{bn}/{st}/{nw} softcap 50"] = (
+                    lambda bm=bm, bn=bn, st=st, nw=nw: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
+                                                                 block_m=bm, block_n=bn, stages=st, num_warps=nw,
+                                                                 softcap=50.0))
         for name, fn in fns.items():
             try:
                 ms = triton.testing.do_bench(fn, warmup=25, rep=reps)
@@ -304,20 +327,24 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--shapes", default="8192:16,32768:4,5059:4,16384:16")
+    ap.add_argument("--softcap-shapes", default="32768:4", help="shapes also timed soft-capped (50)")
     ap.add_argument("--reps", type=int, default=300, help="do_bench rep time, ms")
     a = ap.parse_args(argv)
     if a.compile_only:
         for cfg in CONFIGS:
             try:
                 compile_only(*cfg)
+                compile_only(*cfg, softcap=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{cfg}: {type(e).__name__}: {e}")
         return
     dev = torch.device("cuda")
-    worst = check(dev, torch.bfloat16)
+    worst = max(check(dev, torch.bfloat16), check(dev, torch.bfloat16, softcap=50.0))
     print(f"checks: worst gluon/shipped error ratio {worst:.2f}", flush=True)
-    shapes = [tuple(int(x) for x in s.split(":")) for s in a.shapes.split(",")]
-    timing(dev, torch.bfloat16, shapes, a.reps)
+
+    def parse(text):
+        return [tuple(int(x) for x in s.split(":")) for s in text.split(",") if s]
+    timing(dev, torch.bfloat16, parse(a.shapes), a.reps, parse(a.softcap_shapes))
 
 
 if __name__ == "__main__":
