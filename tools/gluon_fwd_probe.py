@@ -136,7 +136,8 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, s
         mbarrier.wait(k_bars.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if num_warps > 4:  # each warpgroup waits for its own wgmma: both must be done with a stage before TMA refills it
+        if num_warps > 4:  # a warpgroup waits for its own wgmma only: both must be done with a stage before TMA
+            # refills it
             _cta_barrier()
         if STAGES < n:
             _issue(k_desc, k_smem, k_bars, STAGES, n_ctx, cs, ss, col, BLOCK_N, STAGES)
@@ -191,7 +192,8 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, s
         gl.store(LSE + h.to(gl.int64) * T + rows, lse, mask=rows < se)
 
 
-CONFIGS = ((128, 128, 2, 8), (128, 64, 2, 8), (128, 64, 3, 8), (64, 128, 2, 4), (64, 64, 3, 4), (64, 64, 2, 4))  # BM/BN/stages/warps
+# BLOCK_M, BLOCK_N, stages, warps
+CONFIGS = ((128, 128, 2, 8), (128, 64, 2, 8), (128, 64, 3, 8), (64, 128, 2, 4), (64, 64, 3, 4), (64, 64, 2, 4))
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -233,7 +235,8 @@ def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=Fals
     dt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     ql = gl.NVMMASharedLayout.get_default_for([block_m, 128], dt)
     kl = gl.NVMMASharedLayout.get_default_for([block_n, 128], dt)
-    sig = {"q_desc": f"tensordesc<{dtype}[{block_m},128],{ql!r}>", "k_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>",
+    sig = {"q_desc": f"tensordesc<{dtype}[{block_m},128],{ql!r}>",
+           "k_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>",
            "v_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>", "O": f"*{dtype}", "LSE": "*fp32", "CU": "*i32",
            "KLO": "*i32", "KHI": "*i32", "WSEG": "*i32", "WBLK": "*i32", "stride_ot": "i32", "stride_oh": "i32",
            "T": "i32", "H": "i32", "GROUP": "i32", "qk_scale": "fp32", "cap2": "fp32", "BLOCK_M": "constexpr",
@@ -272,8 +275,8 @@ def check(device, dtype, softcap=None):
         k = torch.randn(t, 8, 128, device=device, dtype=dtype, generator=g)
         v = torch.randn(t, 8, 128, device=device, dtype=dtype, generator=g)
         sc = 1 / math.sqrt(128)
-        ref, ref_lse = dualkv_attention_reference(q.double(), k.double(), v.double(), lay.cu_seqlens, lay.segment_prefix,
-                                                  sc, softcap=softcap)
+        ref, ref_lse = dualkv_attention_reference(q.double(), k.double(), v.double(), lay.cu_seqlens,
+                                                  lay.segment_prefix, sc, softcap=softcap)
         o1, l1 = dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, softcap=softcap)
         o2, l2 = gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, softcap=softcap)
         e1 = (o1.double() - ref).abs().max().item()
@@ -281,7 +284,8 @@ def check(device, dtype, softcap=None):
         le = (l2.double() - ref_lse.reshape(l2.shape)).abs().max().item() if ref_lse is not None else float("nan")
         r = e2 / max(e1, 1e-6)
         worst = max(worst, r)
-        print(f"check softcap={softcap} P={p} R={rs}: gluon err {e2:.3e} shipped {e1:.3e} ratio {r:.2f} lse err {le:.2e}", flush=True)
+        print(f"check softcap={softcap} P={p} R={rs}: gluon err {e2:.3e} shipped {e1:.3e} ratio {r:.2f} "
+              f"lse err {le:.2e}", flush=True)
     return worst
 
 
@@ -304,7 +308,8 @@ def timing(device, dtype, shapes, reps, softcap_shapes=()):
                 lambda bm=bm, bn=bn, st=st, nw=nw: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
                                                              block_m=bm, block_n=bn, stages=st, num_warps=nw))
         if (p, mb) in softcap_shapes:
-            fns["shipped softcap 50"] = lambda: dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, softcap=50.0)
+            fns["shipped softcap 50"] = lambda: dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
+                                                           softcap=50.0)
             for bm, bn, st, nw in CONFIGS:
                 fns[f"gluon {bm}/{bn}/{st}/{nw} softcap 50"] = (
                     lambda bm=bm, bn=bn, st=st, nw=nw: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
