@@ -28,7 +28,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,  # noqa: E402
+                                                              warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 # triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load (the old name raises)
@@ -80,12 +81,17 @@ def _masked(s, j, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N: gl.co
 
 
 @gluon.jit
-def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, stride_ot, stride_oh, T, H, GROUP,
-                     qk_scale, cap2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, num_warps: gl.constexpr, SOFTCAP: gl.constexpr = False):
+def gluon_fwd_kernel(Q, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, stride_qt, stride_qh, stride_ot, stride_oh, T,
+                     H, GROUP, qk_scale, cap2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr, PACK: gl.constexpr, num_warps: gl.constexpr, SOFTCAP: gl.constexpr = False):
+    """One program per (work entry, head unit). ``PACK == 1``: one query head, ``BLOCK_M`` tokens; ``PACK == GROUP``
+    (the GQA group, a power of two): the group's query heads share the tile, row ``r`` = head ``r // (BLOCK_M /
+    PACK)``, token ``r % (BLOCK_M / PACK)``, so each K/V block is loaded once for the group."""
+    TOK: gl.constexpr = BLOCK_M // PACK  # query tokens per tile
     pid = gl.program_id(0)
-    w = pid // H
-    h = pid % H
+    n_units = H // PACK
+    w = pid // n_units
+    u = pid % n_units
     seg = gl.load(WSEG + w)
     if seg >= 0:
         blk = gl.load(WBLK + w)
@@ -93,12 +99,12 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, s
         se = gl.load(CU + seg + 1)
         cs = gl.load(KLO + seg)
         ce = gl.load(KHI + seg)
-        hk = h // GROUP
-        q_start = ss + blk * BLOCK_M
-        q_end = gl.minimum(q_start + BLOCK_M, se)
+        hk = u if PACK > 1 else u // GROUP
+        q_start = ss + blk * TOK
+        q_end = gl.minimum(q_start + TOK, se)
         n_ctx = (ce - cs + BLOCK_N - 1) // BLOCK_N
         n = n_ctx + (q_end - ss + BLOCK_N - 1) // BLOCK_N
-        dtype: gl.constexpr = q_desc.dtype
+        dtype: gl.constexpr = k_desc.dtype
         e_scale = 1.0 if SOFTCAP else qk_scale  # the exponent's multiplier of the scores _logits returns
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -108,31 +114,36 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, s
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], k_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
 
         col = hk * HEAD_DIM
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_start, h * HEAD_DIM], q_bar, q_smem)
         for i in gl.static_range(STAGES):
             if i < n:
                 _issue(k_desc, k_smem, k_bars, i, n_ctx, cs, ss, col, BLOCK_N, STAGES)
                 _issue(v_desc, v_smem, v_bars, i, n_ctx, cs, ss, col, BLOCK_N, STAGES)
 
-        offs_m = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        # Q once per program, by pointer, into shared memory for the wgmma
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        r_ld = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+        tok_ld = q_start + r_ld % TOK
+        head_ld = (hk * GROUP + r_ld // TOK) if PACK > 1 else (u + r_ld * 0)
+        d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+        q_ptrs = Q + (tok_ld.to(gl.int64) * stride_qt + head_ld.to(gl.int64) * stride_qh)[:, None] + d_ld[None, :]
+        q_smem.store(gl.load(q_ptrs, mask=(tok_ld < se)[:, None], other=0.0))
+        fence_async_shared()
+        _cta_barrier()
+        offs_m = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) % TOK
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
         # block 0: Q K^T, then its softmax
-        mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_bars.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -177,80 +188,80 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, s
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc = warpgroup_mma(p_op, v_smem.index(lst), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-        mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
 
         l_o = gl.convert_layout(l_i, o_rows)
         out = acc / l_o[:, None]
-        rows = q_start + gl.arange(0, BLOCK_M, layout=o_rows)
+        r_o = gl.arange(0, BLOCK_M, layout=o_rows)
+        rows = q_start + r_o % TOK
+        head = (hk * GROUP + r_o // TOK) if PACK > 1 else (u + r_o * 0)
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        ptrs = O + (rows.to(gl.int64) * stride_ot + h * stride_oh)[:, None] + offs_d[None, :]
+        ptrs = O + (rows.to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh)[:, None] + offs_d[None, :]
         gl.store(ptrs, out.to(dtype), mask=(rows < se)[:, None])
         lse = (gl.convert_layout(m_i, o_rows) * e_scale + gl.log2(l_o)) * 0.6931471805599453
-        gl.store(LSE + h.to(gl.int64) * T + rows, lse, mask=rows < se)
+        gl.store(LSE + head.to(gl.int64) * T + rows, lse, mask=rows < se)
 
 
-# BLOCK_M, BLOCK_N, stages, warps
-CONFIGS = ((128, 128, 2, 8), (128, 64, 2, 8), (128, 64, 3, 8), (64, 128, 2, 4), (64, 64, 3, 4), (64, 64, 2, 4))
+# BLOCK_M (rows: tokens x packed heads), BLOCK_N, stages, warps, GQA heads packed into a tile
+CONFIGS = ((128, 64, 3, 8, True), (128, 64, 2, 8, True), (128, 128, 2, 8, True), (64, 64, 3, 4, True),
+           (64, 128, 2, 4, True), (64, 64, 3, 4, False))
 
 
 def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
-def descriptors(q, k, v, block_m: int, block_n: int):
-    """TMA descriptors of Q (blocks ``(block_m, D)``) and K, V (``(block_n, D)``) as 2-D ``(T, heads * D)`` views."""
-    t, h, d = q.shape
-    dt = _gl_dtype(q.dtype)
-    out = []
-    for x, rows in ((q, block_m), (k, block_n), (v, block_n)):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], dt)
-        out.append(TensorDescriptor.from_tensor(x.reshape(t, x.shape[1] * d), [rows, d], layout))
-    return out
+def descriptors(k, v, block_n: int):
+    """TMA descriptors of K and V (blocks ``(block_n, D)``) as 2-D ``(T, H_kv * D)`` views."""
+    t, h_kv, d = k.shape
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], _gl_dtype(k.dtype))
+    return [TensorDescriptor.from_tensor(x.reshape(t, h_kv * d), [block_n, d], layout) for x in (k, v)]
 
 
 def gluon_fwd(q, k, v, cu_seqlens, segment_prefix, scale, block_m=128, block_n=128, stages=2, num_warps=8,
-              softcap=None):
-    """``(out, lse)`` as ``kernels.dualkv.dualkv_fwd`` (plain variant; q ``(T, H, 128)`` bf16/fp16 contiguous)."""
+              softcap=None, pack=True):
+    """``(out, lse)`` as ``kernels.dualkv.dualkv_fwd`` (plain or soft-capped; q ``(T, H, 128)`` bf16/fp16
+    contiguous). ``pack``: the GQA group's query heads share a tile (the group must be a power of two)."""
     from kvtransform.kernels.dualkv import _dualkv_plan
     t, h, d = q.shape
+    group = h // k.shape[1]
+    pk = group if pack and group > 1 else 1
     cub, ctx, plan = _dualkv_plan(cu_seqlens, segment_prefix, t, False)
-    wseg, wblk, w = plan(block_m, +1)
+    wseg, wblk, w = plan(block_m // pk, +1)
     out = torch.empty_like(q)
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
-    qd, kd, vd = descriptors(q, k, v, block_m, block_n)
-    gluon_fwd_kernel[(w * h,)](qd, kd, vd, out, lse, cub, ctx[0], ctx[1], wseg, wblk, out.stride(0), out.stride(1), t,
-                               h, h // k.shape[1], scale / softcap if softcap else scale * LOG2E,
-                               (softcap or 1.0) * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-                               num_warps=num_warps, SOFTCAP=bool(softcap))
+    kd, vd = descriptors(k, v, block_n)
+    gluon_fwd_kernel[(w * (h // pk),)](q, kd, vd, out, lse, cub, ctx[0], ctx[1], wseg, wblk, q.stride(0), q.stride(1),
+                                       out.stride(0), out.stride(1), t, h, group,
+                                       scale / softcap if softcap else scale * LOG2E, (softcap or 1.0) * LOG2E,
+                                       BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, PACK=pk,
+                                       num_warps=num_warps, SOFTCAP=bool(softcap))
     return out, lse
 
 
 # ---------------------------------------------------------------------------------------------------- compile only
-def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=False):
+def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=False, pack=4):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     dt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    ql = gl.NVMMASharedLayout.get_default_for([block_m, 128], dt)
     kl = gl.NVMMASharedLayout.get_default_for([block_n, 128], dt)
-    sig = {"q_desc": f"tensordesc<{dtype}[{block_m},128],{ql!r}>",
-           "k_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>",
+    sig = {"Q": f"*{dtype}", "k_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>",
            "v_desc": f"tensordesc<{dtype}[{block_n},128],{kl!r}>", "O": f"*{dtype}", "LSE": "*fp32", "CU": "*i32",
-           "KLO": "*i32", "KHI": "*i32", "WSEG": "*i32", "WBLK": "*i32", "stride_ot": "i32", "stride_oh": "i32",
-           "T": "i32", "H": "i32", "GROUP": "i32", "qk_scale": "fp32", "cap2": "fp32", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "HEAD_DIM": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr",
-           "SOFTCAP": "constexpr"}
+           "KLO": "*i32", "KHI": "*i32", "WSEG": "*i32", "WBLK": "*i32", "stride_qt": "i32", "stride_qh": "i32",
+           "stride_ot": "i32", "stride_oh": "i32", "T": "i32", "H": "i32", "GROUP": "i32", "qk_scale": "fp32",
+           "cap2": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HEAD_DIM": "constexpr",
+           "STAGES": "constexpr", "PACK": "constexpr", "num_warps": "constexpr", "SOFTCAP": "constexpr"}
     consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": 128, "STAGES": stages, "num_warps": num_warps,
-              "SOFTCAP": softcap}
+              "SOFTCAP": softcap, "PACK": pack}
     src = GluonASTSource(gluon_fwd_kernel, sig, constexprs=consts)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kernel_resources import resources
     r = resources(ck)
     ptx = ck.asm["ptx"]
-    print(f"{block_m}/{block_n}/{stages}/{num_warps}: {r} wgmma {ptx.count('wgmma.mma_async')} "
+    print(f"{block_m}/{block_n}/{stages}/{num_warps} pack {pack} softcap {softcap}: {r} wgmma {ptx.count('wgmma.mma_async')} "
           f"wait_group {ptx.count('wgmma.wait_group')}", flush=True)
     return ck
 
@@ -303,18 +314,19 @@ def timing(device, dtype, shapes, reps, softcap_shapes=()):
         flops = 4.0 * 128 * 32 * lay.visible_pairs()
         res = {}
         fns = {"shipped": lambda: dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)}
-        for bm, bn, st, nw in CONFIGS:
-            fns[f"gluon {bm}/{bn}/{st}/{nw}"] = (
-                lambda bm=bm, bn=bn, st=st, nw=nw: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
-                                                             block_m=bm, block_n=bn, stages=st, num_warps=nw))
+        for bm, bn, st, nw, pk in CONFIGS:
+            fns[f"gluon {bm}/{bn}/{st}/{nw}{' packed' if pk else ''}"] = (
+                lambda bm=bm, bn=bn, st=st, nw=nw, pk=pk: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
+                                                                    block_m=bm, block_n=bn, stages=st, num_warps=nw,
+                                                                    pack=pk))
         if (p, mb) in softcap_shapes:
             fns["shipped softcap 50"] = lambda: dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
                                                            softcap=50.0)
-            for bm, bn, st, nw in CONFIGS:
-                fns[f"gluon {bm}/{bn}/{st}/{nw} softcap 50"] = (
-                    lambda bm=bm, bn=bn, st=st, nw=nw: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
-                                                                 block_m=bm, block_n=bn, stages=st, num_warps=nw,
-                                                                 softcap=50.0))
+            for bm, bn, st, nw, pk in CONFIGS:
+                fns[f"gluon {bm}/{bn}/{st}/{nw}{' packed' if pk else ''} softcap 50"] = (
+                    lambda bm=bm, bn=bn, st=st, nw=nw, pk=pk: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix,
+                                                                        sc, block_m=bm, block_n=bn, stages=st,
+                                                                        num_warps=nw, softcap=50.0, pack=pk))
         for name, fn in fns.items():
             try:
                 ms = triton.testing.do_bench(fn, warmup=25, rep=reps)
@@ -338,8 +350,9 @@ def main(argv=None):
     if a.compile_only:
         for cfg in CONFIGS:
             try:
-                compile_only(*cfg)
-                compile_only(*cfg, softcap=True)
+                bm, bn, st, nw, pk = cfg
+                compile_only(bm, bn, st, nw, pack=4 if pk else 1)
+                compile_only(bm, bn, st, nw, softcap=True, pack=4 if pk else 1)
             except Exception as e:  # noqa: BLE001
                 print(f"{cfg}: {type(e).__name__}: {e}")
         return
