@@ -88,7 +88,7 @@ def test_small_request_needs_no_offload_and_too_large_batch_is_refused():
         plan_memory(mm, HeadMemory(), gpu_bytes=10 ** 10, batch=8, input_len=2048, output_len=4096, budget=2048)
 
 
-def test_plan_memory_cli(tmp_path):
+def test_plan_memory_cli(tmp_path, capsys):
     cfg = dict(LLAMA3_8B, architectures=["LlamaForCausalLM"], model_type="llama")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     # GiB, as the decode suite's gpu_gb: the hand calculation's 80 GiB GPU, 1 GiB head, 4 GiB reserve
@@ -98,12 +98,24 @@ def test_plan_memory_cli(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "| 1 | 31 | 14906 |" in p.stdout and "| 21 | 11 | 34686 |" in p.stdout
     assert "largest batch 13 resident, 156 with offload" in p.stdout and "GPU 80.0 GiB" in p.stdout
-    p = subprocess.run(cmd[:5] + ["batch=9000"], capture_output=True, text=True)
-    assert p.returncode == 2 and p.stderr.count("error:") == 1 and "lower the batch" in p.stderr
-    for arg, msg in (("head_gb=79", "raise gpu_gb (or lower head_gb, reserve_gb"),  # the head alone fills the GPU
+    # the refusals through the same entry point in process (a fresh interpreter per call costs ~6 s of imports)
+    for arg, msg in (("batch=9000", "lower the batch"),
+                     ("head_gb=79", "raise gpu_gb (or lower head_gb, reserve_gb"),  # the head alone fills the GPU
                      ("head_resident_layers=33", "head_resident_layers=33 is more than the model's 32 layers")):
-        p = subprocess.run(cmd[:5] + [arg], capture_output=True, text=True)
-        assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr
+        rc, err = _main_in_process(cmd[3:5] + [arg], capsys)
+        assert rc == 2 and err.count("error:") == 1 and msg in err and "Traceback" not in err, err
+
+
+def _main_in_process(args, capsys) -> tuple:
+    """``(exit status, stderr)`` of ``kvtransform <args>`` run through :func:`kvtransform.cli.main` in this process."""
+    from kvtransform.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(args)
+    except SystemExit as e:
+        rc = e.code
+    return (0 if rc is None else rc), capsys.readouterr().err
 
 
 def test_plan_memory_defaults_fit_the_default_model(capsys):
@@ -128,13 +140,12 @@ def test_plan_memory_defaults_fit_the_default_model(capsys):
                                      ("head_resident_layers=-1", "head_resident_layers=-1 must be an integer >= 0"),
                                      ("batch=0", "batch=0 must be an integer >= 1"),
                                      ("input_len=-5", "input_len=-5 must be an integer >= 1")])
-def test_plan_memory_cli_bad_values(tmp_path, arg, msg):
+def test_plan_memory_cli_bad_values(tmp_path, capsys, arg, msg):
     """One error line and exit 2 (no OverflowError traceback for inf or 1e300 GiB), checked before the model is
-    read."""
-    cmd = [sys.executable, "-m", "kvtransform.cli", "plan-memory", str(tmp_path / "no-model"), arg]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    assert p.returncode == 2 and p.stderr.count("error:") == 1 and msg in p.stderr, p.stderr
-    assert "Traceback" not in p.stderr
+    read (in process: the subprocess path is ``test_plan_memory_cli``'s)."""
+    rc, err = _main_in_process(["plan-memory", str(tmp_path / "no-model"), arg], capsys)
+    assert rc == 2 and err.count("error:") == 1 and msg in err, err
+    assert "Traceback" not in err
 
 
 def test_plan_memory_cli_throughput(tmp_path, capsys):
