@@ -141,15 +141,23 @@ def test_offload_refuses_heads_that_read_every_layer():
         sp.generate(torch.randint(3, 100, (1, 12)), max_new_tokens=2)
 
 
+@pytest.fixture(scope="module")
+def sp_recent():
+    """One SpeContext transform of a tiny Llama (head=recent) for the settings checks below (each sets its settings
+    with monkeypatch, undone after the test)."""
+    return kvt.transform(tiny_model("llama"), kvt.SpeContextConfig(budget=8, head="recent"), progress=False)
+
+
 @pytest.mark.parametrize("key,value,msg", [("gpu_memory_bytes", float("nan"), r"gpu_memory_bytes=nan must be an "),
                                            ("gpu_memory_bytes", True, r"gpu_memory_bytes=True must be an integer"),
                                            ("gpu_memory_bytes", "1e9", r"gpu_memory_bytes='1e9' must be an integer"),
                                            ("offload_chunk", 0, r"offload_chunk=0 must be an integer >= 1")])
-def test_offload_settings_are_checked(key, value, msg):
+def test_offload_settings_are_checked(sp_recent, monkeypatch, key, value, msg):
     """The runtime's offload settings from Python: one line naming the attribute (they were int() errors)."""
-    sp = kvt.transform(tiny_model("llama"), kvt.SpeContextConfig(budget=8, head="recent"), progress=False)
-    sp.runtime.offload, sp.runtime.gpu_memory_bytes = True, 10 ** 9
-    setattr(sp.runtime, key, value)
+    sp = sp_recent
+    monkeypatch.setattr(sp.runtime, "offload", True)  # monkeypatch: the module's transform is shared, settings not
+    monkeypatch.setattr(sp.runtime, "gpu_memory_bytes", 10 ** 9)
+    monkeypatch.setattr(sp.runtime, key, value)
     with pytest.raises(ValueError, match="runtime." + msg):
         sp.generate(torch.randint(3, 100, (1, 12)), max_new_tokens=2)
 
