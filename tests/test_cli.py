@@ -33,6 +33,30 @@ def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture
+def reload_in_process(monkeypatch):
+    """optimize's reload check (``kvtransform.cli.optimize.reload_check``: probe file, tolerance, verdict) with its
+    child ``python -m kvtransform.cli.reload_check`` run in this process, for tests about other steps (a fresh
+    interpreter costs ~6 s of imports; test_optimize_tiny_model and tests/test_transforms.py run it for real)."""
+    import contextlib
+    import importlib
+    import io
+
+    child = importlib.import_module("kvtransform.cli.reload_check")  # the module (the package exports a function)
+
+    real_run = subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if list(cmd[1:3]) != ["-m", "kvtransform.cli.reload_check"]:
+            return real_run(cmd, *args, **kwargs)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = child.main(list(cmd[3:]))
+        return subprocess.CompletedProcess(cmd, rc, stdout=out.getvalue(), stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+
+
 def _cwd_is_empty():
     return os.listdir(".") == []
 
@@ -200,7 +224,7 @@ def test_optimize_tiny_model(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["artifact", "tiny-llama"]  # Hydra wrote nothing else in cwd
 
 
-def test_optimize_keeps_no_artifact_that_does_not_reload(tmp_path, capsys, monkeypatch):
+def test_optimize_keeps_no_artifact_that_does_not_reload(tmp_path, capsys, reload_in_process, monkeypatch):
     """A reload-check failure is one `error:` line; the artifact that failed it is not left on disk, and with
     overwrite=true the artifact that was there stays as it was (the new one is checked before it moves in)."""
     from kvtransform.cli import optimize
@@ -226,7 +250,7 @@ def test_optimize_keeps_no_artifact_that_does_not_reload(tmp_path, capsys, monke
     assert sorted(os.listdir(tmp_path)) == ["artifact", "tiny-llama"]  # no staging directory left behind
 
 
-def test_optimize_moves_in_only_what_out_still_allows(tmp_path, capsys, monkeypatch):
+def test_optimize_moves_in_only_what_out_still_allows(tmp_path, capsys, reload_in_process, monkeypatch):
     """`out` is checked again right before the move: what appeared there during the run (another run's artifact, a
     user's files) is never replaced without overwrite=true; a failed ONNX step leaves the previous artifact as it
     was; a symlinked `out` is written through; `out=.` is refused before loading."""
@@ -385,7 +409,7 @@ def test_bench_error_has_no_exception_class(capsys):
     assert rc == 2 and err.startswith("error: invalid value for 'P'") and "Exception" not in err
 
 
-def test_optimize_dualkv_demo_time_is_labelled(tmp_path, capsys):
+def test_optimize_dualkv_demo_time_is_labelled(tmp_path, capsys, reload_in_process):
     """The DualKV demo announces itself (and how to skip it) and its time is not counted as save."""
     from kvtransform.models import tiny_model
 
