@@ -1,7 +1,11 @@
 """Every ```python block of README.md runs as written, in order, in one fresh interpreter on the default model
 (SmolLM2-135M), in a temporary working directory (the snippets write out/, out_sp/, model.onnx there).
 
-A block right after a ``<!-- readme-test: skip -->`` line is not run (the README says why at that block)."""
+A block right after a ``<!-- readme-test: skip -->`` line is not run (the README says why at that block). After the
+blocks, ``_CHECKS`` asserts the real-model canonical claims on the objects they made (30 sites rewritten and verified,
+the saved artifact reloads with the model's logits); the README's ``export_onnx`` call is the real-model ONNX test
+(``export_onnx`` checks the file in onnxruntime before writing it; dynamic shapes are tested on tiny models in
+``tests/test_onnx.py``)."""
 import os
 import re
 import subprocess
@@ -49,6 +53,29 @@ _DRIVER = textwrap.dedent('''
             print("README_BLOCK_FAILED at README.md line %d" % line, flush=True)
             sys.exit(1)
         print("README_BLOCK_OK line %d %.1f s" % (line, time.perf_counter() - t0), flush=True)
+    try:
+        exec(compile({checks!r}, "test_readme.py:_CHECKS", "exec"), ns)
+    except BaseException:
+        traceback.print_exc()
+        print("README_CHECKS_FAILED", flush=True)
+        sys.exit(1)
+    print("README_CHECKS_OK", flush=True)
+''')
+
+# Run after the blocks, in their namespace: the real-model canonical claims on the README's own objects (`model`,
+# `tok`, `opt`, `opt2`), so no other test captures and verifies SmolLM2 a second time for them. Every site rewritten and
+# verified, and the artifact the README saved and reloaded gives the model's logits. (The last README block enables
+# and disables the HF integration on `model`: disable() restores the model's own attention.) A README that renames
+# these objects fails here with a NameError: rename them here too.
+_CHECKS = textwrap.dedent('''
+    import torch
+    r = opt.report
+    assert len(r.sites) == 30 and r.count("canonical") == 30 and r.verification.passed, r.to_dict()["verification"]
+    assert {(s.q_heads, s.kv_heads, s.head_dim) for s in r.sites} == {(9, 3, 64)}
+    assert r.verification.max_rel_error < 1e-5, r.verification.max_rel_error
+    probe = tok("The library on the hill keeps its oldest maps", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(opt2(probe), model(input_ids=probe, use_cache=False).logits, rtol=1e-4, atol=1e-4)
 ''')
 
 
@@ -56,7 +83,7 @@ _DRIVER = textwrap.dedent('''
 def test_readme_python_blocks_run_in_order(tmp_path):
     blocks = [(line, code) for line, code, skip in readme_blocks(README.read_text()) if not skip]
     driver = tmp_path / "readme_driver.py"
-    driver.write_text(_DRIVER.format(blocks=blocks))
+    driver.write_text(_DRIVER.format(blocks=blocks, checks=_CHECKS))
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # as a user runs it: the CPU path is the PyTorch references
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -68,7 +95,7 @@ def test_readme_python_blocks_run_in_order(tmp_path):
     assert p.returncode == 0, (f"a README block failed after {wall:.0f} s:\n" + "\n".join(timings)
                                + f"\n--- stdout (tail) ---\n{p.stdout[-4000:]}\n--- stderr (tail) ---\n"
                                f"{p.stderr[-6000:]}")
-    assert len(timings) == len(blocks)
+    assert len(timings) == len(blocks) and "README_CHECKS_OK" in p.stdout, p.stdout[-4000:]
     for name in ("out", "out_sp", "model.onnx"):
         assert (tmp_path / name).exists(), name
     print(f"README blocks: {wall:.0f} s\n" + "\n".join(timings))
