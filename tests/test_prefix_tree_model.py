@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvtransform as kvt
-from kvtransform.config import DualKVConfig, VerifyConfig
+from kvtransform.config import DualKVConfig
 from kvtransform.integrations.transformers import packed_inputs
 from kvtransform.models import tiny_model
 from kvtransform.report import Report
@@ -226,11 +226,8 @@ def test_gate_refuses_a_wrong_tree_program(tiny):
 
 # ------------------------------------------------------------------------------------------------ SmolLM2 (slow)
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        model, tok = kvt.load_model("smollm2-135m")
-    except (FileNotFoundError, ValueError) as e:  # pragma: no cover - environment without the model wheel
-        pytest.skip(f"smollm2-135m not available: {e}")
+def smollm2(smollm2_dualkv):
+    model, tok, _ = smollm2_dualkv
     from kvtransform.verify import text_token_ids
 
     ids = text_token_ids(tok, model.config.vocab_size, 600)
@@ -253,16 +250,12 @@ def _check_real(model, run, batch, gen):
     assert res["grad_global_rel_opt"] <= 2 * res["grad_global_rel_original"] + 1e-5, res["worst"]
 
 
-@pytest.fixture(scope="module")
-def smollm2_opt(smollm2):
-    model, _, _ = smollm2
-    # the gate (both programs) runs in test_dualkv_transform.py's SmolLM2 fixture; the rule below is stricter
-    return kvt.transform(model, DualKVConfig(verify=VerifyConfig(enabled=False)), progress=False)
-
-
 @pytest.mark.slow
+@pytest.mark.xdist_group("smollm2-dualkv")  # the worker that transformed SmolLM2 for test_dualkv_transform.py
 @pytest.mark.parametrize("case", SLOW_CASES)
-def test_real_smollm2_transform(smollm2, smollm2_opt, case):
+def test_real_smollm2_transform(smollm2, smollm2_dualkv, case):
+    """The transform's prefix-tree program (conftest's ``smollm2_dualkv``: its gate checked both programs; the rule
+    below is stricter)."""
     model, piece, gen = smollm2
-    _check_real(model, smollm2_opt, case_batch(case, piece), gen)
+    _check_real(model, smollm2_dualkv[2], case_batch(case, piece), gen)
 
