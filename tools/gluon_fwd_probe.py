@@ -241,8 +241,167 @@ def gluon_fwd(q, k, v, cu_seqlens, segment_prefix, scale, block_m=128, block_n=1
     return out, lse
 
 
+# ---------------------------------------------------------------------------------------------------- warp-specialized
+@gluon.jit
+def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx, cs, ss, col,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: K and V blocks into the ring, each stage refilled once both consumers released it."""
+    for j in range(n):
+        st = j % STAGES
+        mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase 1 at once
+        _issue(k_desc, k_smem, k_ready, j, n_ctx, cs, ss, col, BLOCK_N, STAGES)
+        _issue(v_desc, v_smem, v_ready, j, n_ctx, cs, ss, col, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _ws_consumer(c, Q, O, LSE, q_smem, k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx, cs, ce, ss, se, q_start, hk,
+                 u, stride_qt, stride_qh, stride_ot, stride_oh, T, GROUP, qk_scale, cap2, ROWS: gl.constexpr,
+                 TOK: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 PACK: gl.constexpr, SOFTCAP: gl.constexpr):
+    """One warpgroup: tile rows ``[c * ROWS, (c + 1) * ROWS)`` (of the packed ``PACK * TOK`` rows) against every key
+    block, with the intra-warpgroup overlap of :func:`gluon_fwd_kernel`."""
+    if n > 0:
+        dtype: gl.constexpr = k_smem.dtype
+        e_scale = 1.0 if SOFTCAP else qk_scale
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        r_ld = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+        tok_ld = q_start + r_ld % TOK
+        head_ld = (hk * GROUP + r_ld // TOK) if PACK > 1 else (u + r_ld * 0)
+        d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+        q_ptrs = Q + (tok_ld.to(gl.int64) * stride_qt + head_ld.to(gl.int64) * stride_qh)[:, None] + d_ld[None, :]
+        q_smem.store(gl.load(q_ptrs, mask=(tok_ld < se)[:, None], other=0.0))
+        fence_async_shared()
+        _cta_barrier()
+        offs_m = q_start + (c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))) % TOK
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = _masked(_logits(s, qk_scale, cap2, SOFTCAP), 0, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n, BLOCK_N)
+        m_i = gl.max(s, axis=1)
+        p = gl.exp2(s * e_scale - (m_i * e_scale)[:, None])
+        l_i = gl.sum(p, axis=1)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        for j in range(1, n):
+            st = j % STAGES
+            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            pst = (j - 1) % STAGES
+            mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_smem.index(pst), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            s = _masked(_logits(s, qk_scale, cap2, SOFTCAP), j, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n,
+                        BLOCK_N)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2((m_i - m_new) * e_scale)
+            p = gl.exp2(s * e_scale - (m_new * e_scale)[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            mbarrier.arrive(empty.index(pst), count=1)  # this warpgroup is done with K_{j-1} and V_{j-1}
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        lst = (n - 1) % STAGES
+        mbarrier.wait(v_ready.index(lst), ((n - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(lst), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+        mbarrier.arrive(empty.index(lst), count=1)
+
+        l_o = gl.convert_layout(l_i, o_rows)
+        out = acc / l_o[:, None]
+        r_o = c * ROWS + gl.arange(0, ROWS, layout=o_rows)
+        rows = q_start + r_o % TOK
+        head = (hk * GROUP + r_o // TOK) if PACK > 1 else (u + r_o * 0)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = O + (rows.to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh)[:, None] + offs_d[None, :]
+        gl.store(ptrs, out.to(dtype), mask=(rows < se)[:, None])
+        lse = (gl.convert_layout(m_i, o_rows) * e_scale + gl.log2(l_o)) * 0.6931471805599453
+        gl.store(LSE + head.to(gl.int64) * T + rows, lse, mask=rows < se)
+
+
+@gluon.jit
+def gluon_ws_fwd_kernel(Q, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, stride_qt, stride_qh, stride_ot,
+                        stride_oh, T, H, GROUP, qk_scale, cap2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PACK: gl.constexpr, num_warps: gl.constexpr,
+                        SOFTCAP: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 232):
+    """FlashAttention-3's warp specialisation (arXiv 2407.08608, §3.1): a loader warp fills the K/V ring through TMA,
+    two consumer warpgroups (``num_warps`` = 4 each) take half of the ``BLOCK_M`` tile rows each; stages are
+    released through mbarriers (two arrivals), so no CTA-wide barrier runs in the loop."""
+    TOK: gl.constexpr = BLOCK_M // PACK
+    ROWS: gl.constexpr = BLOCK_M // 2
+    pid = gl.program_id(0)
+    n_units = H // PACK
+    w = pid // n_units
+    u = pid % n_units
+    seg_raw = gl.load(WSEG + w)
+    seg = gl.maximum(seg_raw, 0)
+    blk = gl.load(WBLK + w)
+    ss = gl.load(CU + seg)
+    se = gl.load(CU + seg + 1)
+    cs = gl.load(KLO + seg)
+    ce = gl.load(KHI + seg)
+    hk = u if PACK > 1 else u // GROUP
+    q_start = ss + blk * TOK
+    q_end = gl.minimum(q_start + TOK, se)
+    n_ctx = (ce - cs + BLOCK_N - 1) // BLOCK_N
+    n = gl.where(seg_raw >= 0, n_ctx + (q_end - ss + BLOCK_N - 1) // BLOCK_N, 0)
+    dtype: gl.constexpr = k_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], k_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    col = hk * HEAD_DIM
+    gl.warp_specialize([
+        (_ws_consumer, (0, Q, O, LSE, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx, cs, ce, ss,
+                        se, q_start, hk, u, stride_qt, stride_qh, stride_ot, stride_oh, T, GROUP, qk_scale, cap2,
+                        ROWS, TOK, BLOCK_N, HEAD_DIM, STAGES, PACK, SOFTCAP)),
+        (_ws_consumer, (1, Q, O, LSE, q_smem.index(1), k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx, cs, ce, ss,
+                        se, q_start, hk, u, stride_qt, stride_qh, stride_ot, stride_oh, T, GROUP, qk_scale, cap2,
+                        ROWS, TOK, BLOCK_N, HEAD_DIM, STAGES, PACK, SOFTCAP)),
+        (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx, cs, ss, col, BLOCK_N,
+                      STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def gluon_ws_fwd(q, k, v, cu_seqlens, segment_prefix, scale, block_m=128, block_n=128, stages=2, softcap=None,
+                 pack=True, consumer_regs=232, maxnreg=168):
+    """:func:`gluon_fwd` with :func:`gluon_ws_fwd_kernel` (two consumer warpgroups and a loader warp)."""
+    from kvtransform.kernels.dualkv import _dualkv_plan
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    pk = group if pack and group > 1 else 1
+    cub, ctx, plan = _dualkv_plan(cu_seqlens, segment_prefix, t, False)
+    wseg, wblk, w = plan(block_m // pk, +1)
+    out = torch.empty_like(q)
+    lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
+    kd, vd = descriptors(k, v, block_n)
+    gluon_ws_fwd_kernel[(w * (h // pk),)](q, kd, vd, out, lse, cub, ctx[0], ctx[1], wseg, wblk, q.stride(0),
+                                          q.stride(1), out.stride(0), out.stride(1), t, h, group,
+                                          scale / softcap if softcap else scale * LOG2E, (softcap or 1.0) * LOG2E,
+                                          BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, PACK=pk,
+                                          num_warps=4, SOFTCAP=bool(softcap), CONSUMER_REGS=consumer_regs,
+                                          maxnreg=maxnreg)
+    return out, lse
+
+
 # ---------------------------------------------------------------------------------------------------- compile only
-def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=False, pack=4):
+def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=False, pack=4, ws=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     dt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
@@ -255,13 +414,19 @@ def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=Fals
            "STAGES": "constexpr", "PACK": "constexpr", "num_warps": "constexpr", "SOFTCAP": "constexpr"}
     consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": 128, "STAGES": stages, "num_warps": num_warps,
               "SOFTCAP": softcap, "PACK": pack}
-    src = GluonASTSource(gluon_fwd_kernel, sig, constexprs=consts)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    opts = {"num_warps": num_warps}
+    if ws:
+        sig["CONSUMER_REGS"] = "constexpr"
+        consts["CONSUMER_REGS"] = 232
+        opts["maxnreg"] = 168
+    src = GluonASTSource(gluon_ws_fwd_kernel if ws else gluon_fwd_kernel, sig, constexprs=consts)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kernel_resources import resources
     r = resources(ck)
     ptx = ck.asm["ptx"]
-    print(f"{block_m}/{block_n}/{stages}/{num_warps} pack {pack} softcap {softcap}: {r} wgmma {ptx.count('wgmma.mma_async')} "
+    print(f"{'ws ' if ws else ''}{block_m}/{block_n}/{stages}/{num_warps} pack {pack} softcap {softcap}: {r} "
+          f"wgmma {ptx.count('wgmma.mma_async')} "
           f"wait_group {ptx.count('wgmma.wait_group')}", flush=True)
     return ck
 
@@ -273,7 +438,7 @@ def _layout(p, rs, device):
     return lay
 
 
-def check(device, dtype, softcap=None):
+def check(device, dtype, softcap=None, fwd=None):
     """Worst error against float64 divided by the shipped kernel's, over odd layouts (GQA 32/8)."""
     from kvtransform.kernels.dualkv import dualkv_fwd
     from kvtransform.kernels.dualkv_reference import dualkv_attention_reference
@@ -289,7 +454,7 @@ def check(device, dtype, softcap=None):
         ref, ref_lse = dualkv_attention_reference(q.double(), k.double(), v.double(), lay.cu_seqlens,
                                                   lay.segment_prefix, sc, softcap=softcap)
         o1, l1 = dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, softcap=softcap)
-        o2, l2 = gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, softcap=softcap)
+        o2, l2 = (fwd or gluon_fwd)(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, softcap=softcap)
         e1 = (o1.double() - ref).abs().max().item()
         e2 = (o2.double() - ref).abs().max().item()
         le = (l2.double() - ref_lse.reshape(l2.shape)).abs().max().item() if ref_lse is not None else float("nan")
@@ -300,7 +465,10 @@ def check(device, dtype, softcap=None):
     return worst
 
 
-def timing(device, dtype, shapes, reps, softcap_shapes=()):
+WS_CONFIGS = ((128, 128, 2), (128, 64, 3), (128, 64, 4))  # BLOCK_M, BLOCK_N, stages
+
+
+def timing(device, dtype, shapes, reps, softcap_shapes=(), ws=False):
     from kvtransform.kernels.dualkv import dualkv_fwd
     from kvtransform.bench.runner import response_lengths
     for p, mb in shapes:
@@ -314,7 +482,13 @@ def timing(device, dtype, shapes, reps, softcap_shapes=()):
         flops = 4.0 * 128 * 32 * lay.visible_pairs()
         res = {}
         fns = {"shipped": lambda: dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)}
-        for bm, bn, st, nw, pk in CONFIGS:
+        for bm, bn, st in (WS_CONFIGS if ws else ()):
+            fns[f"gluon ws {bm}/{bn}/{st}"] = (lambda bm=bm, bn=bn, st=st: gluon_ws_fwd(
+                q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, block_m=bm, block_n=bn, stages=st))
+            if (p, mb) in softcap_shapes:
+                fns[f"gluon ws {bm}/{bn}/{st} softcap 50"] = (lambda bm=bm, bn=bn, st=st: gluon_ws_fwd(
+                    q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, block_m=bm, block_n=bn, stages=st, softcap=50.0))
+        for bm, bn, st, nw, pk in (() if ws else CONFIGS):
             fns[f"gluon {bm}/{bn}/{st}/{nw}{' packed' if pk else ''}"] = (
                 lambda bm=bm, bn=bn, st=st, nw=nw, pk=pk: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
                                                                     block_m=bm, block_n=bn, stages=st, num_warps=nw,
@@ -322,7 +496,7 @@ def timing(device, dtype, shapes, reps, softcap_shapes=()):
         if (p, mb) in softcap_shapes:
             fns["shipped softcap 50"] = lambda: dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
                                                            softcap=50.0)
-            for bm, bn, st, nw, pk in CONFIGS:
+            for bm, bn, st, nw, pk in (() if ws else CONFIGS):
                 fns[f"gluon {bm}/{bn}/{st}/{nw}{' packed' if pk else ''} softcap 50"] = (
                     lambda bm=bm, bn=bn, st=st, nw=nw, pk=pk: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix,
                                                                         sc, block_m=bm, block_n=bn, stages=st,
@@ -336,7 +510,7 @@ def timing(device, dtype, shapes, reps, softcap_shapes=()):
             res[name] = ms
             print(f"P={p} mb={mb} T={t} {name}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         o1, _ = fns["shipped"]()
-        o2, _ = gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)
+        o2, _ = (gluon_ws_fwd if ws else gluon_fwd)(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)
         print(f"P={p} mb={mb}: max |gluon - shipped| {(o1.float() - o2.float()).abs().max().item():.3e}", flush=True)
 
 
@@ -345,6 +519,7 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--shapes", default="8192:16,32768:4,5059:4,16384:16")
     ap.add_argument("--softcap-shapes", default="32768:4", help="shapes also timed soft-capped (50)")
+    ap.add_argument("--ws", action="store_true", help="the warp-specialized kernel (gluon_ws_fwd_kernel)")
     ap.add_argument("--reps", type=int, default=300, help="do_bench rep time, ms")
     a = ap.parse_args(argv)
     if a.compile_only:
@@ -357,12 +532,13 @@ def main(argv=None):
                 print(f"{cfg}: {type(e).__name__}: {e}")
         return
     dev = torch.device("cuda")
-    worst = max(check(dev, torch.bfloat16), check(dev, torch.bfloat16, softcap=50.0))
+    fwd = gluon_ws_fwd if a.ws else gluon_fwd
+    worst = max(check(dev, torch.bfloat16, fwd=fwd), check(dev, torch.bfloat16, softcap=50.0, fwd=fwd))
     print(f"checks: worst gluon/shipped error ratio {worst:.2f}", flush=True)
 
     def parse(text):
         return [tuple(int(x) for x in s.split(":")) for s in text.split(",") if s]
-    timing(dev, torch.bfloat16, parse(a.shapes), a.reps, parse(a.softcap_shapes))
+    timing(dev, torch.bfloat16, parse(a.shapes), a.reps, parse(a.softcap_shapes), a.ws)
 
 
 if __name__ == "__main__":
