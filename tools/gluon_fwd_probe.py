@@ -254,12 +254,14 @@ def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx
 
 
 @gluon.jit
-def _ws_consumer(c, Q, O, LSE, q_smem, k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx, cs, ce, ss, se, q_start, hk,
-                 u, stride_qt, stride_qh, stride_ot, stride_oh, T, GROUP, qk_scale, cap2, ROWS: gl.constexpr,
-                 TOK: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                 PACK: gl.constexpr, SOFTCAP: gl.constexpr):
+def _ws_consumer(c, Q, O, LSE, q_smem, k_smem, v_smem, k_ready, v_ready, empty, turn, n, n_ctx, cs, ce, ss, se,
+                 q_start, hk, u, stride_qt, stride_qh, stride_ot, stride_oh, T, GROUP, qk_scale, cap2,
+                 ROWS: gl.constexpr, TOK: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 STAGES: gl.constexpr, PACK: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup: tile rows ``[c * ROWS, (c + 1) * ROWS)`` (of the packed ``PACK * TOK`` rows) against every key
-    block, with the intra-warpgroup overlap of :func:`gluon_fwd_kernel`."""
+    block, with the intra-warpgroup overlap of :func:`gluon_fwd_kernel`. ``PINGPONG`` (FlashAttention-3's
+    inter-warpgroup schedule, §3.1): the two warpgroups take turns issuing their products (mbarriers ``turn``), so
+    one's softmax runs while the other's products are on the tensor cores."""
     if n > 0:
         dtype: gl.constexpr = k_smem.dtype
         e_scale = 1.0 if SOFTCAP else qk_scale
@@ -292,12 +294,16 @@ def _ws_consumer(c, Q, O, LSE, q_smem, k_smem, v_smem, k_ready, v_ready, empty, 
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         for j in range(1, n):
             st = j % STAGES
-            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             pst = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
             mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
+            if PINGPONG:  # warpgroup 0 goes first: a fresh mbarrier passes phase 1 at once
+                mbarrier.wait(turn.index(c), ((j - 1) & 1) ^ (1 - c))
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(pst), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - c), count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             s = _masked(_logits(s, qk_scale, cap2, SOFTCAP), j, n_ctx, cs, ce, ss, se, q_start, offs_m, offs_n,
                         BLOCK_N)
@@ -332,7 +338,8 @@ def _ws_consumer(c, Q, O, LSE, q_smem, k_smem, v_smem, k_ready, v_ready, empty, 
 def gluon_ws_fwd_kernel(Q, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, stride_qt, stride_qh, stride_ot,
                         stride_oh, T, H, GROUP, qk_scale, cap2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PACK: gl.constexpr, num_warps: gl.constexpr,
-                        SOFTCAP: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 232):
+                        SOFTCAP: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 232,
+                        PINGPONG: gl.constexpr = False):
     """FlashAttention-3's warp specialisation (arXiv 2407.08608, §3.1): a loader warp fills the K/V ring through TMA,
     two consumer warpgroups (``num_warps`` = 4 each) take half of the ``BLOCK_M`` tile rows each; stages are
     released through mbarriers (two arrivals), so no CTA-wide barrier runs in the loop."""
@@ -362,25 +369,28 @@ def gluon_ws_fwd_kernel(Q, k_desc, v_desc, O, LSE, CU, KLO, KHI, WSEG, WBLK, str
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     col = hk * HEAD_DIM
     gl.warp_specialize([
-        (_ws_consumer, (0, Q, O, LSE, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx, cs, ce, ss,
-                        se, q_start, hk, u, stride_qt, stride_qh, stride_ot, stride_oh, T, GROUP, qk_scale, cap2,
-                        ROWS, TOK, BLOCK_N, HEAD_DIM, STAGES, PACK, SOFTCAP)),
-        (_ws_consumer, (1, Q, O, LSE, q_smem.index(1), k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx, cs, ce, ss,
-                        se, q_start, hk, u, stride_qt, stride_qh, stride_ot, stride_oh, T, GROUP, qk_scale, cap2,
-                        ROWS, TOK, BLOCK_N, HEAD_DIM, STAGES, PACK, SOFTCAP)),
+        (_ws_consumer, (0, Q, O, LSE, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, empty, turn, n, n_ctx, cs,
+                        ce, ss, se, q_start, hk, u, stride_qt, stride_qh, stride_ot, stride_oh, T, GROUP, qk_scale,
+                        cap2, ROWS, TOK, BLOCK_N, HEAD_DIM, STAGES, PACK, SOFTCAP, PINGPONG)),
+        (_ws_consumer, (1, Q, O, LSE, q_smem.index(1), k_smem, v_smem, k_ready, v_ready, empty, turn, n, n_ctx, cs,
+                        ce, ss, se, q_start, hk, u, stride_qt, stride_qh, stride_ot, stride_oh, T, GROUP, qk_scale,
+                        cap2, ROWS, TOK, BLOCK_N, HEAD_DIM, STAGES, PACK, SOFTCAP, PINGPONG)),
         (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, n, n_ctx, cs, ss, col, BLOCK_N,
                       STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def gluon_ws_fwd(q, k, v, cu_seqlens, segment_prefix, scale, block_m=128, block_n=128, stages=2, softcap=None,
-                 pack=True, consumer_regs=232, maxnreg=168):
+                 pack=True, consumer_regs=232, maxnreg=168, pingpong=False):
     """:func:`gluon_fwd` with :func:`gluon_ws_fwd_kernel` (two consumer warpgroups and a loader warp)."""
     from kvtransform.kernels.dualkv import _dualkv_plan
     t, h, d = q.shape
@@ -396,12 +406,13 @@ def gluon_ws_fwd(q, k, v, cu_seqlens, segment_prefix, scale, block_m=128, block_
                                           scale / softcap if softcap else scale * LOG2E, (softcap or 1.0) * LOG2E,
                                           BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, PACK=pk,
                                           num_warps=4, SOFTCAP=bool(softcap), CONSUMER_REGS=consumer_regs,
-                                          maxnreg=maxnreg)
+                                          PINGPONG=pingpong, maxnreg=maxnreg)
     return out, lse
 
 
 # ---------------------------------------------------------------------------------------------------- compile only
-def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=False, pack=4, ws=False):
+def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=False, pack=4, ws=False,
+                 pingpong=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     dt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
@@ -416,8 +427,9 @@ def compile_only(block_m, block_n, stages, num_warps, dtype="bf16", softcap=Fals
               "SOFTCAP": softcap, "PACK": pack}
     opts = {"num_warps": num_warps}
     if ws:
-        sig["CONSUMER_REGS"] = "constexpr"
+        sig["CONSUMER_REGS"] = sig["PINGPONG"] = "constexpr"
         consts["CONSUMER_REGS"] = 232
+        consts["PINGPONG"] = pingpong
         opts["maxnreg"] = 168
     src = GluonASTSource(gluon_ws_fwd_kernel if ws else gluon_fwd_kernel, sig, constexprs=consts)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -465,7 +477,8 @@ def check(device, dtype, softcap=None, fwd=None):
     return worst
 
 
-WS_CONFIGS = ((128, 128, 2), (128, 64, 3), (128, 64, 4))  # BLOCK_M, BLOCK_N, stages
+# BLOCK_M, BLOCK_N, stages, ping-pong
+WS_CONFIGS = ((128, 64, 4, False), (128, 64, 4, True), (128, 64, 5, True), (128, 128, 2, True))
 
 
 def timing(device, dtype, shapes, reps, softcap_shapes=(), ws=False):
@@ -482,12 +495,14 @@ def timing(device, dtype, shapes, reps, softcap_shapes=(), ws=False):
         flops = 4.0 * 128 * 32 * lay.visible_pairs()
         res = {}
         fns = {"shipped": lambda: dualkv_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc)}
-        for bm, bn, st in (WS_CONFIGS if ws else ()):
-            fns[f"gluon ws {bm}/{bn}/{st}"] = (lambda bm=bm, bn=bn, st=st: gluon_ws_fwd(
-                q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, block_m=bm, block_n=bn, stages=st))
+        for bm, bn, st, pp in (WS_CONFIGS if ws else ()):
+            name = f"gluon ws {bm}/{bn}/{st}{' ping-pong' if pp else ''}"
+            fns[name] = (lambda bm=bm, bn=bn, st=st, pp=pp: gluon_ws_fwd(
+                q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, block_m=bm, block_n=bn, stages=st, pingpong=pp))
             if (p, mb) in softcap_shapes:
-                fns[f"gluon ws {bm}/{bn}/{st} softcap 50"] = (lambda bm=bm, bn=bn, st=st: gluon_ws_fwd(
-                    q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, block_m=bm, block_n=bn, stages=st, softcap=50.0))
+                fns[name + " softcap 50"] = (lambda bm=bm, bn=bn, st=st, pp=pp: gluon_ws_fwd(
+                    q, k, v, lay.cu_seqlens, lay.segment_prefix, sc, block_m=bm, block_n=bn, stages=st, softcap=50.0,
+                    pingpong=pp))
         for bm, bn, st, nw, pk in (() if ws else CONFIGS):
             fns[f"gluon {bm}/{bn}/{st}/{nw}{' packed' if pk else ''}"] = (
                 lambda bm=bm, bn=bn, st=st, nw=nw, pk=pk: gluon_fwd(q, k, v, lay.cu_seqlens, lay.segment_prefix, sc,
@@ -532,7 +547,7 @@ def main(argv=None):
                 print(f"{cfg}: {type(e).__name__}: {e}")
         return
     dev = torch.device("cuda")
-    fwd = gluon_ws_fwd if a.ws else gluon_fwd
+    fwd = (lambda *args, **kw: gluon_ws_fwd(*args, block_n=64, stages=4, pingpong=True, **kw)) if a.ws else gluon_fwd
     worst = max(check(dev, torch.bfloat16, fwd=fwd), check(dev, torch.bfloat16, softcap=50.0, fwd=fwd))
     print(f"checks: worst gluon/shipped error ratio {worst:.2f}", flush=True)
 
