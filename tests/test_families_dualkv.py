@@ -226,3 +226,19 @@ def test_enable_refuses_a_config_window_or_softcap_the_ops_refuse(override, matc
         enable(_tiny("gemma2", **override))
     assert "Gemma2ForCausalLM's config (sliding_window / attn_logit_softcapping)" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_enable_takes_a_gemma3_config_whose_unused_softcap_is_zero():
+    """Gemma 3 keeps ``attn_logit_softcapping`` in its config but never applies it: a value the ops would refuse (0)
+    does not stop ``enable()``, and the packed log-probs still equal the separate sequences'."""
+    from kvtransform.integrations.transformers import enable
+
+    model = _tiny("gemma3", attn_logit_softcapping=0.0)
+    seqs = [torch.tensor([5, 9, 13, 2, 7, 11, 3]), torch.tensor([5, 9, 13, 4, 8])]
+    with torch.no_grad():
+        want = [torch.log_softmax(model(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None])[:, 0]
+                for s in seqs]
+        enable(model)
+        batch = kvt.pack_trajectories(seqs)
+        got = batch.trajectory_logprobs(model(**packed_inputs(batch)).logits)
+    assert all(torch.allclose(g, w, rtol=0, atol=1e-5) for g, w in zip(got, want))

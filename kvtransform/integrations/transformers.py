@@ -427,6 +427,11 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     return model
 
 
+# Families whose config carries ``attn_logit_softcapping`` but whose attention never applies it (HF's Gemma 3 attention
+# passes no ``softcap``): their value is not checked at enable()
+_SOFTCAP_NOT_APPLIED = frozenset({"gemma3", "gemma3_text"})
+
+
 def _model_variants(model) -> dict:
     """``{"window" | "softcap" | "sinks": where}`` for the variants some attention layer of ``model`` uses (from its
     config: ``layer_types`` with sliding layers, or ``sliding_window`` switched on; ``attn_logit_softcapping``; a
@@ -438,7 +443,8 @@ def _model_variants(model) -> dict:
     if any("sliding" in str(t) for t in layer_types) or (getattr(cfg, "use_sliding_window", True) and
                                                          getattr(cfg, "sliding_window", None)):
         out["window"] = getattr(cfg, "sliding_window", None)
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+    if (getattr(cfg, "attn_logit_softcapping", None) is not None
+            and getattr(cfg, "model_type", None) not in _SOFTCAP_NOT_APPLIED):
         out["softcap"] = cfg.attn_logit_softcapping
     if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
         out["sinks"] = "per-head parameters"
