@@ -54,6 +54,38 @@ from .attention_tiles import (LOG2E, LN2, _bwd_delta_kernel, _dkdv_desc_range, _
 
 # ====================================================================================================== kernels
 @triton.jit
+def _work_entry(WSEG, H, GROUP, PACK: tl.constexpr):
+    """``(w, u, seg)`` of this program of the forward or dQ kernel: its work-table entry, head unit and segment
+    (``seg < 0``: a padding entry, nothing to do)."""
+    pid = tl.program_id(0)
+    n_units = H // GROUP if PACK > 1 else H
+    w = pid // n_units
+    return w, pid % n_units, tl.load(WSEG + w)
+
+
+@triton.jit
+def _query_tile(Q, WBLK, CU, POS, w, u, seg, stride_qt, stride_qh, GROUP, D: tl.constexpr, D_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, EVEN_D: tl.constexpr,
+                WINDOW: tl.constexpr):
+    """The query tile of work entry ``w`` (segment ``seg``, head unit ``u``) as the forward and dQ kernels take it:
+    the segment's bounds, :func:`_query_rows`' rows, the key and head-dim offsets, the rows' load mask, int64 token
+    rows and query heads, the Q tile and :func:`_row_positions`' positions."""
+    blk = tl.load(WBLK + w)
+    ss = tl.load(CU + seg)
+    se = tl.load(CU + seg + 1)
+    hk, q_start, offs_m, head, rm = _query_rows(u, blk, ss, se, GROUP, BLOCK_M, PACK)
+    offs_d = tl.arange(0, D_PAD)
+    qm = rm[:, None]
+    if not EVEN_D:
+        qm = qm & (offs_d[None, :] < D)
+    row = offs_m.to(tl.int64)
+    hrow = head.to(tl.int64)
+    q = tl.load(Q + (row * stride_qt + hrow * stride_qh)[:, None] + offs_d[None, :], mask=qm, other=0.0)
+    qpos, qmin, qmax = _row_positions(POS, offs_m, rm, q_start, se, BLOCK_M, WINDOW)
+    return ss, se, hk, q_start, offs_m, head, rm, tl.arange(0, BLOCK_N), offs_d, qm, row, hrow, q, qpos, qmin, qmax
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 T, H, GROUP, qk_scale,
@@ -69,25 +101,12 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, KCTX_LO, KCTX_HI, WSEG, WBLK,
     ``KD``/``VD`` (2-D ``(T, H_kv*D)`` views, blocks ``(BLOCK_N, D)``). Context keys: the one range ``[KCTX_LO[s],
     KCTX_HI[s])`` of segment ``s``, or with ``CSR`` (the prefix tree) the ranges ``KPTR[s]..KPTR[s+1]`` of
     ``KCTX_LO``/``KCTX_HI``. The variants (``WINDOW``, ``SOFTCAP``, ``HAS_SINKS``): ``kernels/attention_tiles.py``."""
-    pid = tl.program_id(0)
-    n_units = H // GROUP if PACK > 1 else H
-    w = pid // n_units
-    u = pid % n_units
-    seg = tl.load(WSEG + w)
+    w, u, seg = _work_entry(WSEG, H, GROUP, PACK)
     if seg < 0:
         return
-    blk = tl.load(WBLK + w)
-    ss = tl.load(CU + seg)
-    se = tl.load(CU + seg + 1)
-    hk, q_start, offs_m, head, rm = _query_rows(u, blk, ss, se, GROUP, BLOCK_M, PACK)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    qm = rm[:, None]
-    if not EVEN_D:
-        qm = qm & (offs_d[None, :] < D)
-    q_row = offs_m.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-    q = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=qm, other=0.0)
-    qpos, qmin, qmax = _row_positions(POS, offs_m, rm, q_start, se, BLOCK_M, WINDOW)
+    (ss, se, hk, q_start, offs_m, head, rm, offs_n, offs_d, qm, row, hrow, q, qpos, qmin,
+     qmax) = _query_tile(Q, WBLK, CU, POS, w, u, seg, stride_qt, stride_qh, GROUP, D, D_PAD, BLOCK_M, BLOCK_N, PACK,
+                         EVEN_D, WINDOW)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
     m_i = tl.full([PACK * BLOCK_M], float("-inf"), tl.float32)
@@ -131,29 +150,15 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, KCTX_LO, KCTX_HI, WSEG, WBLK
     them through tensor descriptors; ``CSR`` the tree's context ranges). Each dQ row has one owner program: no
     atomics. ``HAS_SINKS``: each row's fp32 ``rowsum(P * dP)`` is also stored in ``RSUM`` ``(H, T)`` (the sinks'
     gradient, ``attention_tiles.sinks_grad``)."""
-    pid = tl.program_id(0)
-    n_units = H // GROUP if PACK > 1 else H
-    w = pid // n_units
-    u = pid % n_units
-    seg = tl.load(WSEG + w)
+    w, u, seg = _work_entry(WSEG, H, GROUP, PACK)
     if seg < 0:
         return
-    blk = tl.load(WBLK + w)
-    ss = tl.load(CU + seg)
-    se = tl.load(CU + seg + 1)
-    hk, q_start, offs_m, head, rm = _query_rows(u, blk, ss, se, GROUP, BLOCK_M, PACK)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    qm = rm[:, None]
-    if not EVEN_D:
-        qm = qm & (offs_d[None, :] < D)
-    row = offs_m.to(tl.int64)
-    hrow = head.to(tl.int64)
-    q = tl.load(Q + (row * stride_qt + hrow * stride_qh)[:, None] + offs_d[None, :], mask=qm, other=0.0)
+    (ss, se, hk, q_start, offs_m, head, rm, offs_n, offs_d, qm, row, hrow, q, qpos, qmin,
+     qmax) = _query_tile(Q, WBLK, CU, POS, w, u, seg, stride_qt, stride_qh, GROUP, D, D_PAD, BLOCK_M, BLOCK_N, PACK,
+                         EVEN_D, WINDOW)
     do = tl.load(DO + (row * stride_dot + hrow * stride_doh)[:, None] + offs_d[None, :], mask=qm, other=0.0)
     lse2 = tl.load(LSE + hrow * T + offs_m, mask=rm, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + hrow * T + offs_m, mask=rm, other=0.0)
-    qpos, qmin, qmax = _row_positions(POS, offs_m, rm, q_start, se, BLOCK_M, WINDOW)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
     kcol = hk * D
