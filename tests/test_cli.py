@@ -42,7 +42,11 @@ def reload_in_process(monkeypatch):
     import importlib
     import io
 
-    child = importlib.import_module("kvtransform.cli.reload_check")  # the module (the package exports a function)
+    import kvtransform.cli as cli
+
+    exported = cli.reload_check  # the package exports optimize's function under the submodule's name:
+    child = importlib.import_module("kvtransform.cli.reload_check")  # importing the submodule rebinds it,
+    cli.reload_check = exported  # so the function is put back for everything imported later
 
     real_run = subprocess.run
 
