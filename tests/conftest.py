@@ -66,8 +66,31 @@ def pytest_runtest_makereport(item, call):
             item.add_report_section("call", "seed", f"rerun with KVT_TEST_SEED={seed}")
 
 
+def _group_suffix(config, items):
+    """``xdist_group`` under ``--dist loadgroup``: pytest-xdist's worker names a grouped test ``<nodeid>@<group>`` by
+    assigning ``item._nodeid``, and its scheduler sends every test of one suffix to one worker. pytest 9 keeps a
+    node's id in ``item._id`` (a ``NodeId``), so that assignment is lost and every group is scattered over the
+    workers (each worker then repeats the group's module or session fixture, e.g. a SmolLM2 transform). Put the
+    suffix where this pytest reads it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not config.getvalue("loadgroup"):
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix):
+            new = item.nodeid + suffix
+            if isinstance(getattr(item, "_id", None), str) or not hasattr(item, "_id"):
+                item._nodeid = new
+            else:
+                item._id = type(item._id).parse(new)
+            assert item.nodeid == new, "xdist_group: this pytest stores node ids another way (tests/conftest.py)"
+
+
 def pytest_collection_modifyitems(config, items):
     """The slow (real-model) tests first: with pytest-xdist's load scheduling, a minutes-long test collected last
     (the README snippet test) would run alone at the end while the other worker idles; longest-first keeps both
-    workers busy (stable sort: the order within each kind is the collection order)."""
+    workers busy (stable sort: the order within each kind is the collection order). Grouped tests get their
+    ``@group`` suffix (:func:`_group_suffix`)."""
+    _group_suffix(config, items)
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
