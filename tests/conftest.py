@@ -1,6 +1,7 @@
 """Test setup. TRITON_INTERPRET must be set before any @triton.jit kernel is defined, so it is set here, before
 kvtransform is imported by any test module: kernels then run on CPU tensors through Triton's interpreter."""
 import os
+import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,7 +85,10 @@ def _group_suffix(config, items):
                 item._nodeid = new
             else:
                 item._id = type(item._id).parse(new)
-            assert item.nodeid == new, "xdist_group: this pytest stores node ids another way (tests/conftest.py)"
+            if item.nodeid != new:  # only the schedule suffers (groups scattered again): say so, do not fail
+                warnings.warn("xdist_group: this pytest stores node ids another way; groups are not kept on one "
+                              "worker (tests/conftest.py)")
+                return
 
 
 def pytest_collection_modifyitems(config, items):
