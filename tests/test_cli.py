@@ -36,22 +36,18 @@ def _in_tmp(tmp_path, monkeypatch):
 @pytest.fixture
 def reload_in_process(monkeypatch):
     """optimize's reload check (``kvtransform.cli.optimize.reload_check``: probe file, tolerance, verdict) with its
-    child ``python -m kvtransform.cli.reload_check`` run in this process, for tests about other steps (a fresh
+    child ``python -m kvtransform.cli.reload_child`` run in this process, for tests about other steps (a fresh
     interpreter costs ~6 s of imports; test_optimize_tiny_model and tests/test_transforms.py run it for real)."""
     import contextlib
     import importlib
     import io
 
-    import kvtransform.cli as cli
-
-    exported = cli.reload_check  # the package exports optimize's function under the submodule's name:
-    child = importlib.import_module("kvtransform.cli.reload_check")  # importing the submodule rebinds it,
-    cli.reload_check = exported  # so the function is put back for everything imported later
+    child = importlib.import_module("kvtransform.cli.reload_child")
 
     real_run = subprocess.run
 
     def run(cmd, *args, **kwargs):
-        if list(cmd[1:3]) != ["-m", "kvtransform.cli.reload_check"]:
+        if list(cmd[1:3]) != ["-m", "kvtransform.cli.reload_child"]:
             return real_run(cmd, *args, **kwargs)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -301,6 +297,18 @@ def test_optimize_moves_in_only_what_out_still_allows(tmp_path, capsys, reload_i
     (tmp_path / "raced" / "notes.txt").unlink()
     rc, _, err = _run(["optimize", "smollm3-135m", "out=."], capsys)  # an empty current directory too
     assert rc == 2 and "is the current directory" in err, err
+
+
+def test_reload_child_module_leaves_the_exported_function():
+    """The fresh-process child is its own module name: importing it does not rebind ``kvtransform.cli.reload_check``
+    (optimize's function, exported by the package)."""
+    import importlib
+
+    import kvtransform.cli as cli
+    from kvtransform.cli.optimize import reload_check
+
+    importlib.import_module("kvtransform.cli.reload_child")
+    assert cli.reload_check is reload_check
 
 
 def test_reload_check_names_a_killed_check(tmp_path, monkeypatch):

@@ -55,7 +55,7 @@ def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
     with tempfile.TemporaryDirectory(prefix="kvt-reload-") as tmp:
         probe_file = Path(tmp) / "probe.pt"
         torch.save({"inputs": inputs, "outputs": want, "tolerance": tol}, probe_file)
-        proc = subprocess.run([sys.executable, "-m", "kvtransform.cli.reload_check", str(out), str(probe_file)],
+        proc = subprocess.run([sys.executable, "-m", "kvtransform.cli.reload_child", str(out), str(probe_file)],
                               capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode < 0:

@@ -1,4 +1,4 @@
-"""Reload check in a fresh interpreter: ``python -m kvtransform.cli.reload_check ARTIFACT_DIR PROBE_FILE``.
+"""Reload check in a fresh interpreter: ``python -m kvtransform.cli.reload_child ARTIFACT_DIR PROBE_FILE``.
 
 ``kvtransform optimize`` saves the artifact, writes the probe inputs and the writer's outputs to ``PROBE_FILE``
 (``torch.save``), and runs this module in a new process, so the check sees what a user's ``kvt.load(dir)`` sees: only
