@@ -133,8 +133,9 @@ class Report:
         inspecting = self.transform == "inspect"
         if self.passes and not inspecting:
             t = Table(title="passes", title_justify="left")
-            for col in ("pass", "matched", "rewritten", "skipped", "nodes removed", "notes"):
+            for col in ("pass", "matched", "rewritten", "skipped", "nodes removed"):
                 t.add_column(col)
+            t.add_column("notes", max_width=72, overflow="fold")  # wrapped in its cell: a log keeps ~140 columns
             for p in self.passes:
                 reasons = "; ".join(sorted({s["reason"] for s in p.skipped}))
                 t.add_row(p.name, str(p.matched), str(p.rewritten),

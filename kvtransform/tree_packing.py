@@ -189,7 +189,8 @@ def _as_device(device) -> Optional[torch.device]:
 
 
 def _as_mask(m, n: int, i: int) -> torch.Tensor:
-    """Trajectory ``i``'s loss mask as a bool ``(n,)`` CPU tensor; ValueError on a wrong length or non-bool values."""
+    """Trajectory ``i``'s loss mask as a bool ``(n,)`` CPU tensor (bools, or 0/1 integers or floats); ValueError on a
+    wrong length or another value."""
     if isinstance(m, (Mapping, Set)):
         raise ValueError(f"loss_masks[{i}] is a {type(m).__name__} (unordered): pass a list or 1-D tensor of bools, "
                          f"one per token")
@@ -199,9 +200,10 @@ def _as_mask(m, n: int, i: int) -> torch.Tensor:
         if m.dim() != 1:
             raise ValueError(f"loss_masks[{i}] must be 1-D over the trajectory's {n} tokens; got shape "
                              f"{tuple(m.shape)}")
-        if m.dtype != torch.bool:
-            if m.dtype.is_floating_point or m.dtype.is_complex or not bool(((m == 0) | (m == 1)).all()):
-                raise ValueError(f"loss_masks[{i}] must hold bools (or 0/1 integers); got dtype {m.dtype}")
+        if m.dtype != torch.bool:  # 0/1 integers or floats (TRL keeps int masks, many RL loops float ones)
+            if m.dtype.is_complex or not bool(((m == 0) | (m == 1)).all()):
+                raise ValueError(f"loss_masks[{i}] must hold bools or 0/1 values (a weighted loss multiplies the "
+                                 f"log-probs instead); got a value other than 0/1 in its {m.dtype} entries")
         t = m.detach().to("cpu", torch.bool)
     else:
         try:
@@ -211,9 +213,10 @@ def _as_mask(m, n: int, i: int) -> torch.Tensor:
                              f"{type(m).__name__}") from None
         for j, x in enumerate(vals):
             ok = isinstance(x, bool) or (type(x).__name__ in ("bool_", "bool")) or \
-                (not isinstance(x, float) and hasattr(x, "__index__") and operator.index(x) in (0, 1))
+                (hasattr(x, "__index__") and operator.index(x) in (0, 1)) or (isinstance(x, float) and x in (0.0, 1.0))
             if not ok:
-                raise ValueError(f"loss_masks[{i}][{j}] = {x!r}: loss masks hold bools (or 0/1)")
+                raise ValueError(f"loss_masks[{i}][{j}] = {x!r}: loss masks hold bools or 0/1 values (a weighted loss "
+                                 f"multiplies the log-probs instead)")
         t = torch.tensor([bool(x) for x in vals], dtype=torch.bool)
     if t.numel() != n:
         raise ValueError(f"loss_masks[{i}] has {t.numel()} entries but trajectory {i} has {n} tokens: give one bool "
@@ -301,8 +304,8 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
             tensor or a 1-D integer NumPy array, >= 1 token. A list, a tuple, a generator (materialised) or the
             rows of a 2-D tensor / NumPy array.
         loss_masks: optional, per trajectory a bool ``(len(seq_i),)`` over its tokens (True: trained, e.g.
-            assistant turns; False: prompt and tool output), a tensor or a list of bools / 0-1 ints; or the rows
-            of a 2-D tensor / NumPy array.
+            assistant turns; False: prompt and tool output), a tensor or a list of bools or 0/1 integers or floats;
+            or the rows of a 2-D tensor / NumPy array.
         min_shared: a run shared by several trajectories shorter than this many tokens is duplicated into each
             branch instead of becoming its own node (fewer, longer nodes; 1 = always share). Default 1. Counted on
             CPU with the kernels' tile structure (every node costs whole ``BLOCK_M``-row query tiles, each reading

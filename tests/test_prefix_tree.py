@@ -248,7 +248,9 @@ def test_loss_masks():
     (dict(seqs=[[1, 99]], vocab_size=50), "outside the vocabulary"),
     (dict(seqs=[[1, 2]], loss_masks=[[True]]), "loss_masks\\[0\\] has 1 entries but trajectory 0 has 2"),
     (dict(seqs=[[1, 2]], loss_masks=[[True, 2]]), "loss masks hold bools"),
-    (dict(seqs=[[1, 2]], loss_masks=[torch.tensor([0.0, 1.0])]), "must hold bools"),
+    (dict(seqs=[[1, 2]], loss_masks=[torch.tensor([0.5, 1.0])]), "must hold bools or 0/1 values"),
+    (dict(seqs=[[1, 2]], loss_masks=[torch.tensor([float("nan"), 1.0])]), "must hold bools or 0/1 values"),
+    (dict(seqs=[[1, 2]], loss_masks=[[1.0, 0.25]]), "loss masks hold bools or 0/1 values"),
     (dict(seqs=[[1, 2], [3]], loss_masks=[[True, True]]), "one mask per trajectory \\(2\\)"),
     (dict(seqs=[[1, 2]], min_shared=0), "min_shared must be an integer >= 1"),
     *[(dict(seqs=[[1, 2]], vocab_size=v), "vocab_size must be a positive integer") for v in (2.5, 0, -5, "100", True)],
@@ -262,6 +264,14 @@ def test_loss_masks():
 ])
 def test_pack_refuses_malformed_input_in_one_line(kwargs, match):
     one_line_error(lambda: kvt.pack_trajectories(**kwargs), match)
+
+
+def test_pack_takes_float_and_integer_01_loss_masks():
+    """RL loops keep masks as 0/1 floats or integers: the same trained tokens as bools."""
+    seqs, want = [[1, 2, 3], [1, 2, 4]], [[True, False], [True, True]]
+    for masks in ([torch.tensor([0.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0])], [[0.0, 1.0, 0.0], [1, 1, 1]],
+                  torch.tensor([[0, 1, 0], [1, 1, 1]], dtype=torch.int32)):
+        assert [m.tolist() for m in kvt.pack_trajectories(seqs, loss_masks=masks).loss_mask_tensors()] == want
 
 
 def test_pack_takes_rows_of_a_2d_tensor_or_array_and_generators():

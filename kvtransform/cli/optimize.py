@@ -192,7 +192,7 @@ def run_optimize(cfg: DictConfig) -> dict:
         if "onnx" in emit:
             staged.mkdir(exist_ok=True)
             with stage(True, "exporting ONNX and checking it in onnxruntime"):
-                opt.export_onnx(staged / "model.onnx", tokenizer=tok)
+                opt.export_onnx(staged / "model.onnx", tokenizer=tok, progress=False)
             t5 = time.perf_counter()
         check_output_dir(out, cfg.overwrite)  # again: a run beside this one may have written there meanwhile
         replace_directory(staged, out)

@@ -146,7 +146,7 @@ class OptimizedModule(torch.nn.Module):
         return inputs, torch.ones_like(inputs)
 
     def export_onnx(self, path: str | os.PathLike, verify: bool = True, tokenizer=None,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, progress: bool = True) -> Path:
         """Write ``core`` as one ONNX file (opset 23, every ``kvt`` op translated into standard ONNX: ``Attention``
         with the mask built in the graph; :mod:`kvtransform.onnx_export`), with the dynamic dims of
         :meth:`export_example` (batch and sequence; the packed token and segment axes for DualKV). Inputs are named
@@ -158,6 +158,7 @@ class OptimizedModule(torch.nn.Module):
                 this module (relative tolerance ``config.verify.tolerance``; fp32 default 1e-4).
             tokenizer: for a real-text probe.
             overwrite: replace an existing ``path`` (default false).
+            progress: say on stderr what runs (the export and the check take seconds to minutes), as :meth:`save`.
 
         Returns:
             the path written.
@@ -174,19 +175,20 @@ class OptimizedModule(torch.nn.Module):
         from kvtransform.verify import default_tolerance
 
         path = onnx_export.check_onnx_target(path, overwrite)  # before the export, which takes seconds
-        args, dyn = self.export_example()
-        ep = export_dynamic(_ExportWrapper(self.core), tuple(args), None, {"args": tuple(dyn)},
-                            "the transformed module")
-        check = None
-        if verify:
-            feeds = dict(zip(self.core_input_names, self.core_inputs(self.probe_inputs(tokenizer))))
-            dtype = next(self.core.parameters()).dtype
-            tol = default_tolerance(dtype, self.config.verify.tolerance)
+        with stage(progress, onnx_stage_text(path, verify)):
+            args, dyn = self.export_example()
+            ep = export_dynamic(_ExportWrapper(self.core), tuple(args), None, {"args": tuple(dyn)},
+                                "the transformed module")
+            check = None
+            if verify:
+                feeds = dict(zip(self.core_input_names, self.core_inputs(self.probe_inputs(tokenizer))))
+                dtype = next(self.core.parameters()).dtype
+                tol = default_tolerance(dtype, self.config.verify.tolerance)
 
-            def check(tmp_path):
-                onnx_export.compare_onnx(tmp_path, self.core, feeds, tolerance=tol)
+                def check(tmp_path):
+                    onnx_export.compare_onnx(tmp_path, self.core, feeds, tolerance=tol)
 
-        return onnx_export.export_onnx(ep, path, self.core_input_names, check=check, overwrite=overwrite)
+            return onnx_export.export_onnx(ep, path, self.core_input_names, check=check, overwrite=overwrite)
 
     def export_example(self):
         """``(args, dynamic_shapes)`` for exporting ``core`` as ``.pt2``: example positional inputs of ``core`` and
@@ -331,6 +333,11 @@ def _check_writable(path: Path) -> None:
     if why is not None:
         raise PermissionError(f"cannot write the artifact {str(path)!r}: {str(holder)!r} is not writable ({why}); "
                               f"choose an output directory you can write to (out=...)")
+
+
+def onnx_stage_text(path: Path, verify: bool) -> str:
+    """The progress line of an ONNX export (:meth:`OptimizedModule.export_onnx`)."""
+    return f"exporting {path}" + (" and checking it in onnxruntime" if verify else "")
 
 
 class _ExportWrapper(torch.nn.Module):

@@ -42,11 +42,11 @@ from kvtransform.passes.prefix_tree import prefix_tree_program
 from kvtransform.report import Report
 from kvtransform.tree_layout import PrefixTreeLayout
 from kvtransform.tree_packing import TreeBatch, pack_trajectories
-from kvtransform.utils import device_of
+from kvtransform.utils import device_of, stage
 from kvtransform.verify import verify_packed
 
 from . import register_transform
-from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report
+from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report, onnx_stage_text
 
 __all__ = ["DualKVModule", "dualkv_transform"]
 
@@ -185,7 +185,7 @@ class DualKVModule(OptimizedModule):
                         "query_range_ptr", "query_ranges")
 
     def export_onnx(self, path: Union[str, os.PathLike], verify: bool = True, tokenizer=None, overwrite: bool = False,
-                    tree: bool = False) -> Path:
+                    tree: bool = False, progress: bool = True) -> Path:
         """Write one program as one ONNX file (opset 23, masks built in the graph; :mod:`kvtransform.onnx_export`).
 
         ``tree=False`` (default): the one-level program :attr:`core`, inputs :attr:`core_input_names`
@@ -200,7 +200,7 @@ class DualKVModule(OptimizedModule):
         nodes and ranges. One file per program: export both for both batch kinds.
 
         Args:
-            path, verify, tokenizer, overwrite: as :meth:`OptimizedModule.export_onnx`; with ``tree=True`` the
+            path, verify, tokenizer, overwrite, progress: as :meth:`OptimizedModule.export_onnx`; with ``tree=True`` the
                 onnxruntime check runs on a depth-3 tree cut from the probe sentence.
             tree: export the prefix-tree program instead of the one-level one.
 
@@ -210,31 +210,32 @@ class DualKVModule(OptimizedModule):
         if not isinstance(tree, bool):
             raise ValueError(f"tree must be True or False; got {tree!r}")
         if not tree:
-            return super().export_onnx(path, verify=verify, tokenizer=tokenizer, overwrite=overwrite)
+            return super().export_onnx(path, verify=verify, tokenizer=tokenizer, overwrite=overwrite, progress=progress)
         from kvtransform import onnx_export
         from kvtransform.capture import export_dynamic
         from kvtransform.verify import default_tolerance
 
         path = onnx_export.check_onnx_target(path, overwrite)
-        dev = device_of(self)
-        ex = pack_trajectories([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 7, 9, 10, 11], [12, 13]], device=dev)
-        tok, nod = Dim("tokens", min=2, max=self.max_seq_len), Dim("nodes", min=2, max=self.max_seq_len)
-        rk, rq = Dim("key_ranges", min=1, max=self.max_seq_len), Dim("query_ranges", min=1, max=self.max_seq_len)
-        args = (ex.input_ids, ex.position_ids, *ex.layout.kernel_tensors())
-        dyn = ({1: tok}, {1: tok}, {0: nod + 1}, {0: nod}, {0: nod + 1}, {0: rk}, {0: nod + 1}, {0: rq})
-        ep = export_dynamic(_ExportWrapper(self.tree_core), args, None, {"args": dyn}, "the prefix-tree program")
-        check = None
-        if verify:
-            (prompt, (r1, r2)), = self.probe_inputs(tokenizer).groups  # a depth-3 tree of the probe sentence
-            seqs = [torch.cat([prompt, r1]), torch.cat([prompt, r2]), torch.cat([prompt, r1[:1], r2[-2:]])]
-            b = pack_trajectories(seqs, device=dev)
-            feeds = dict(zip(self.tree_input_names, (b.input_ids, b.position_ids, *b.layout.kernel_tensors())))
-            tol = default_tolerance(next(self.core.parameters()).dtype, self.config.verify.tolerance)
+        with stage(progress, onnx_stage_text(path, verify)):
+            dev = device_of(self)
+            ex = pack_trajectories([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 7, 9, 10, 11], [12, 13]], device=dev)
+            tok, nod = Dim("tokens", min=2, max=self.max_seq_len), Dim("nodes", min=2, max=self.max_seq_len)
+            rk, rq = Dim("key_ranges", min=1, max=self.max_seq_len), Dim("query_ranges", min=1, max=self.max_seq_len)
+            args = (ex.input_ids, ex.position_ids, *ex.layout.kernel_tensors())
+            dyn = ({1: tok}, {1: tok}, {0: nod + 1}, {0: nod}, {0: nod + 1}, {0: rk}, {0: nod + 1}, {0: rq})
+            ep = export_dynamic(_ExportWrapper(self.tree_core), args, None, {"args": dyn}, "the prefix-tree program")
+            check = None
+            if verify:
+                (prompt, (r1, r2)), = self.probe_inputs(tokenizer).groups  # a depth-3 tree of the probe sentence
+                seqs = [torch.cat([prompt, r1]), torch.cat([prompt, r2]), torch.cat([prompt, r1[:1], r2[-2:]])]
+                b = pack_trajectories(seqs, device=dev)
+                feeds = dict(zip(self.tree_input_names, (b.input_ids, b.position_ids, *b.layout.kernel_tensors())))
+                tol = default_tolerance(next(self.core.parameters()).dtype, self.config.verify.tolerance)
 
-            def check(tmp_path):
-                onnx_export.compare_onnx(tmp_path, self.tree_core, feeds, tolerance=tol)
+                def check(tmp_path):
+                    onnx_export.compare_onnx(tmp_path, self.tree_core, feeds, tolerance=tol)
 
-        return onnx_export.export_onnx(ep, path, self.tree_input_names, check=check, overwrite=overwrite)
+            return onnx_export.export_onnx(ep, path, self.tree_input_names, check=check, overwrite=overwrite)
 
 
 @register_transform(DualKVConfig, module_type=DualKVModule)
