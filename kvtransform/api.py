@@ -47,7 +47,10 @@ def transform(model: torch.nn.Module, config="canonical", tokenizer=None, progre
 
     check_causal_lm(model)
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "kvt_tokenizer", None)
-    return spec.handler(model, cfg, tokenizer=tokenizer, progress=progress)
+    from .integrations.transformers import suspended
+
+    with suspended(model):  # a model under enable(): captured and verified with its own attention, enabled again after
+        return spec.handler(model, cfg, tokenizer=tokenizer, progress=progress)
 
 
 def check_available(cfg: TransformConfig):
@@ -67,8 +70,11 @@ def inspect(model: torch.nn.Module, progress: bool = True) -> Report:
     """
     from .utils import model_name
 
+    from .integrations.transformers import suspended
+
     report = Report(model=model_name(model), transform="inspect")
-    capture_and_rewrite(model, capture, [lambda ctx: AttentionPass(ctx, rewrite=False)], report, progress)
+    with suspended(model):
+        capture_and_rewrite(model, capture, [lambda ctx: AttentionPass(ctx, rewrite=False)], report, progress)
     return report
 
 

@@ -149,8 +149,9 @@ class DualKVConfig(TransformConfig):
         verify_groups: (prompt length, response lengths) used by the exactness check against the replicated batch.
         verify_backward: the gate also compares every parameter gradient of ``Σ advantage_i · Σ logprobs_i``.
         verify_grad_tolerance: maximum ``‖g − g_ref‖₂ / ‖g_ref‖₂`` over all parameters; ``None`` picks by dtype
-            (fp32: 1e-4, fp16/bf16: 5e-2: on the H200, a 4-layer Qwen3-8B-shaped bf16 model's own gradients differ
-            from fp32 by 2.3e-2, so two equal bf16 computations can differ by more than fp16's 2e-2 logits tolerance).
+            (fp64: 1e-6, as transformers' norms run in fp32 there; fp32: 1e-4, fp16/bf16: 5e-2: on the H200, a
+            4-layer Qwen3-8B-shaped bf16 model's own gradients differ from fp32 by 2.3e-2, so two equal bf16
+            computations can differ by more than fp16's 2e-2 logits tolerance).
         demo: the demo ``kvtransform optimize transform=dualkv`` runs (not used by ``kvt.transform``).
     """
 

@@ -283,6 +283,21 @@ def test_gate_rejects_wrong_module(llama, monkeypatch):
             check_numerics_rule(model, opt, b, **kw)
 
 
+def test_gate_names_the_gradient_tolerance_when_the_gradient_fails():
+    """A failing gradient check names its own tolerance and key, not the log-prob tolerance; float64's default
+    gradient tolerance holds for a float64 HF model (whose norms run in float32: ~5e-8 between packed and replicated
+    gradients, log-probs equal to ~2e-16)."""
+    from kvtransform.verify import VerificationError
+
+    model = kvt.tiny_model("llama").double()
+    kvt.transform(model, "dualkv", progress=False)
+    cfg = DualKVConfig(verify_grad_tolerance=1e-12, verify=kvt.VerifyConfig(tolerance=1e-6))
+    with pytest.raises(VerificationError, match=r"> tolerance=1e-12 \(case grad, all .* raise "
+                                                 r"transform\.verify_grad_tolerance;") as e:
+        kvt.transform(model, cfg, progress=False)
+    assert "informational" not in str(e.value)
+
+
 # ------------------------------------------------------------------------------------------------ real SmolLM2
 def _real_batch(tok, vocab, spec, gen):
     from kvtransform.verify import text_token_ids

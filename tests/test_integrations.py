@@ -185,4 +185,34 @@ def test_packed_calls_are_checked_before_the_model_runs():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         small(**kw)
     kvt.integrations.transformers.disable(model)
-    assert not model._forward_pre_hooks and not model.model._forward_pre_hooks and not model._forward_hooks
+    assert not model._forward_hooks and len(model._forward_pre_hooks) == len(model.model._forward_pre_hooks) == 1
+    with pytest.raises(ValueError, match=r"packed attention is disabled .*: call kvt\.integrations\.transformers\."
+                                         r"enable\(model, 'dualkv'\)"):  # its own attention would ignore the layout
+        model(**packed_inputs(tree))
+    with pytest.raises(ValueError, match="packed attention is disabled"):
+        model.model(**packed_inputs(packed))
+    with torch.no_grad():
+        model(kw["input_ids"])  # an unpacked call runs
+    kvt.integrations.transformers.enable(model, "dualkv")  # the guard goes with enable(), the checks come back
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    with torch.no_grad():
+        model(**packed_inputs(tree))
+    kvt.integrations.transformers.disable(model)
+
+
+def test_transform_of_an_enabled_model_captures_its_own_attention():
+    """kvt.transform / kvt.inspect of a model under enable() (the TRL trainer's policy when it re-transforms for
+    rollouts) capture the model's own attention, then leave it enabled; a disabled model keeps its guard."""
+    from kvtransform.integrations.transformers import packed_inputs
+
+    model = kvt.integrations.transformers.enable(kvt.tiny_model("llama"), "dualkv")
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=8), progress=False)
+    assert sp.report.verification.passed and len(kvt.inspect(model, progress=False).sites) == 2
+    assert model.config._attn_implementation == "kvt_dualkv" and len(model._forward_pre_hooks) == 1
+    tree = kvt.pack_trajectories([[1, 2, 3, 4], [1, 2, 5]])
+    with torch.no_grad():
+        model(**packed_inputs(tree))
+    kvt.integrations.transformers.disable(model)
+    kvt.transform(model, "canonical", progress=False)
+    with pytest.raises(ValueError, match="packed attention is disabled"):
+        model(**packed_inputs(tree))

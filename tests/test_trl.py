@@ -239,7 +239,7 @@ def test_trainer_refusals(tiny_dir, monkeypatch):
                             "window 8 is not causal attention over the cache")
 
 
-def test_specontext_rollout_lora_greedy_equals_stock_and_follows_live_weights(tiny_dir, monkeypatch):
+def test_specontext_rollout_lora_greedy_equals_stock_and_follows_live_weights(tiny_dir):
     """rollout='specontext' with a budget >= every sequence, greedy, LoRA: the completions are the stock trainer's
     (HF generate on the same model), the importance weights TRL computes are 1, and an in-place update of the
     adapters reaches the next rollout (no copy); a replaced parameter makes the trainer transform again."""
@@ -284,11 +284,12 @@ def test_specontext_rollout_lora_greedy_equals_stock_and_follows_live_weights(ti
     tr.train()  # one whole TRL step: accelerate's prepare, the rollout, packed passes, the correction, the update
     logged = tr.state.log_history[0]
     assert abs(logged["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4 and logged["rollout/decode_tokens_per_s"] > 0
-    built = []
-    monkeypatch.setattr(tr, "_build_rollout", lambda: built.append(1) or tr._kvt_rollout)
+    old = tr._kvt_rollout
     tr._kvt_base().lm_head.weight = torch.nn.Parameter(tr._kvt_base().lm_head.weight.detach().clone())
-    tr._rollout_module()
-    assert built == [1]
+    tr._rollout_module()  # transformed for real again, the policy under enable() (shared_prefix) included
+    assert tr._kvt_rollout is not old and tr._kvt_base().config._attn_implementation == "kvt_dualkv"
+    (again, _), (stock_again, _) = both()
+    assert again == stock_again == after
 
 
 def test_sampler_logprobs_are_those_of_the_drawn_distribution():

@@ -42,6 +42,7 @@ packed path the mask is ignored (the layout defines the attention); transformers
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
@@ -412,6 +413,9 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     for op, what in ((dualkv_attention, "packed DualKV"), (prefix_tree_attention, "packed prefix-tree")):
         _op_variant_kwargs(op, needed, what)
     _register()
+    for hook in getattr(model, "_kvt_disabled_guard", None) or ():
+        hook.remove()
+    model.__dict__.pop("_kvt_disabled_guard", None)
     if not hasattr(model, "_kvt_previous_attn"):
         model._kvt_previous_attn = cfg._attn_implementation
     if hasattr(model, "set_attn_implementation"):
@@ -451,8 +455,10 @@ def _model_variants(model) -> dict:
     return out
 
 
-def disable(model: torch.nn.Module) -> torch.nn.Module:
-    """Switch ``model`` back to the attention implementation it had before :func:`enable`."""
+def _lift(model: torch.nn.Module) -> bool:
+    """Undo :func:`enable` on ``model`` (its previous attention implementation, the hooks removed); whether it was
+    enabled."""
+    enabled = False
     prev = getattr(model, "_kvt_previous_attn", None)
     if prev is not None:
         if hasattr(model, "set_attn_implementation"):
@@ -460,9 +466,52 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
         else:  # pragma: no cover
             model.config._attn_implementation = prev
         del model._kvt_previous_attn
-    hooks = getattr(model, "_kvt_packed_hook", None)
-    if hooks is not None:
-        for hook in hooks:
-            hook.remove()
-        del model._kvt_packed_hook
+        enabled = True
+    for attr in ("_kvt_packed_hook", "_kvt_disabled_guard"):
+        hooks = getattr(model, attr, None)
+        if hooks is not None:
+            for hook in hooks:
+                hook.remove()
+            delattr(model, attr)
+            enabled = enabled or attr == "_kvt_packed_hook"
+    return enabled
+
+
+def _refuse_layout_while_disabled(model, args, kwargs):
+    """Forward pre-hook that :func:`disable` leaves: transformers' own attention ignores a packed layout (it passes
+    unknown keywords through), which would cut every branch off its prefix without an error."""
+    if {"prefix_tree_layout", "cu_seqlens", "segment_prefix"} & set(kwargs):
+        raise ValueError("this model's packed attention is disabled (kvt.integrations.transformers.disable): call "
+                         "kvt.integrations.transformers.enable(model, 'dualkv') before a packed batch")
+
+
+def disable(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch ``model`` back to the attention implementation it had before :func:`enable`. A packed batch's layout
+    keywords are then refused in one line (the model's own attention would ignore them, a silently wrong answer)
+    until :func:`enable` again. A model never enabled ignores them too: call :func:`enable` before
+    ``model(**packed_inputs(batch))``."""
+    if _lift(model):
+        _guard(model)
     return model
+
+
+def _guard(model: torch.nn.Module) -> None:
+    from transformers import PreTrainedModel
+
+    model._kvt_disabled_guard = [m.register_forward_pre_hook(_refuse_layout_while_disabled, with_kwargs=True)
+                                 for m in model.modules() if m is model or isinstance(m, PreTrainedModel)]
+
+
+@contextlib.contextmanager
+def suspended(model: torch.nn.Module):
+    """The block runs ``model`` as it was before :func:`enable` (its own attention, no hooks: what ``torch.export``
+    captures in :func:`kvtransform.transform`); an enabled model is enabled again afterwards."""
+    guarded = getattr(model, "_kvt_disabled_guard", None) is not None
+    enabled = _lift(model)
+    try:
+        yield model
+    finally:
+        if enabled:
+            enable(model)
+        elif guarded:
+            _guard(model)
