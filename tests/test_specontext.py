@@ -98,6 +98,17 @@ def test_recent_differs_from_dense_below_context(llama, sp_llama):
     assert not torch.equal(sp.generate(ids, max_new_tokens=12, eos_token_id=None), dense)
 
 
+@pytest.mark.parametrize("head", ["quest", "recent", "oracle"])
+def test_a_budget_beyond_the_cache_selects_what_the_cache_holds(llama, sp_llama, head):
+    """A budget above prompt + new tokens is used as that length for the call (a budget of 10**9 once allocated
+    tens of GB of -1 padding): the same tokens as a budget covering the context; the configured budget stays."""
+    sp = _transform(llama, budget=10 ** 9, head=head)
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(5))
+    out = sp.generate(ids, max_new_tokens=5, eos_token_id=None, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, sp_llama.generate(ids, max_new_tokens=5, eos_token_id=None))
+    assert out.stats.budget == 15 and sp.head.budget == 10 ** 9
+
+
 def test_quest_and_oracle_select_within_budget(llama):
     for head in ("quest", "oracle"):
         sp = _transform(llama, budget=32, head=head)

@@ -314,6 +314,16 @@ class SpeContextRuntime:
         if not isinstance(output_logprobs, bool):
             raise ValueError(f"output_logprobs must be True or False; got {output_logprobs!r}")
         sample = _sampler(do_sample, temperature, top_k, top_p, seed, device, logprobs=output_logprobs)
+        longest = max(int(r.numel()) for r in rows)
+        # a row never holds more tokens than its cache: a larger budget would only pad each selection and every
+        # buffer sized by it with -1 (a budget of 10**9 for a 10-token prompt allocated tens of GB)
+        cap = longest + max_new_tokens if self.offload else self.cache_length(longest + max_new_tokens, device)
+        with self.head.budget_at_most(cap):
+            return self._generate(rows, input_ids, max_new_tokens, sample, eos, pad, device, progress,
+                                  output_logprobs)
+
+    def _generate(self, rows, input_ids, max_new_tokens, sample, eos, pad, device, progress, output_logprobs):
+        """:meth:`generate` after its checks: prefill, decode loop, statistics."""
         batch = len(rows)
         stats = GenerationStats(batch=batch, prompt_tokens=sum(int(r.numel()) for r in rows), head=self.head.name,
                                 budget=self.head.budget)

@@ -28,6 +28,7 @@ query exists yet). Heads that score from token embeddings (``self``, ``distilled
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Optional
 
@@ -119,6 +120,18 @@ class RetrievalHead:
 
     def select(self, cache: KVCache, queries: Optional[torch.Tensor]) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def budget_at_most(self, tokens: int):
+        """Within the block :attr:`budget` is at most ``tokens`` (the cache's length): a selection never needs more
+        positions than a row can hold, and a larger budget only pads every selection, and every buffer sized by
+        it, with ``-1``. The configured budget is back afterwards."""
+        configured = self.budget
+        self.budget = min(configured, int(tokens))
+        try:
+            yield self
+        finally:
+            self.budget = configured
 
     def release(self) -> None:
         """Drop the per-request state :meth:`prefill` built (its memory returns to the allocator; the next
