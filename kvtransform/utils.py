@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,6 +26,25 @@ def console(stderr: bool = False):
     if not c.is_terminal and "COLUMNS" not in os.environ:
         c = Console(stderr=stderr, highlight=False, width=REDIRECTED_WIDTH)
     return c
+
+
+def check_writable(path: Path, what: str, key: str) -> None:
+    """Raise ``PermissionError`` unless directory ``path`` can be made or replaced: its nearest existing ancestor
+    (the parent once ``path`` exists: a replaced directory is renamed inside it) is writable and searchable.
+    ``what`` / ``key`` name the output and the setting that chooses it in the message (``"the artifact"``,
+    ``"out=..."``)."""
+    holder = path.parent
+    while not holder.exists() and holder != holder.parent:
+        holder = holder.parent
+    why = None if os.access(holder, os.W_OK | os.X_OK) else "permission denied"
+    if why is None:  # a real probe: root passes os.access on read-only mounts and on /proc or /sys
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".kvt-write-probe-", dir=holder))
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+    if why is not None:
+        raise PermissionError(f"cannot write {what} {str(path)!r}: {str(holder)!r} is not writable ({why}); "
+                              f"choose an output directory you can write to ({key})")
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

@@ -414,3 +414,17 @@ def test_csv_keeps_counts_whole(tmp_path):
     cells = [dict(zip(header, line.split(","))) for line in lines[1:]]
     assert sorted((c["requests"], c["offloaded_layers"], c["ms_p50"]) for c in cells) == [("12", "", "1.5"),
                                                                                             ("14", "4", "2.0")]
+
+
+def test_an_out_dir_that_cannot_hold_the_results_fails_before_any_job(tmp_path, monkeypatch):
+    """A file, a path inside a file, or an unwritable place: one line before the first job runs (the results of a
+    whole run were lost after it); nothing is created."""
+    (tmp_path / "afile").write_text("x")
+    ran = []
+    monkeypatch.setattr(runner, "run_job", lambda cfg, on_row: ran.append(1) or [])
+    for out_dir, msg in ((tmp_path / "afile", "is a file; give a directory"),
+                         (tmp_path / "afile" / "x", "is a file; give a directory"),
+                         ("/proc/kvt-bench-x", "is not writable")):
+        with pytest.raises(ValueError, match=msg):
+            run("dualkv-layer", [f"out_dir={out_dir}", "device=cpu"])
+    assert ran == [] and sorted(os.listdir(tmp_path)) == ["afile"]

@@ -23,7 +23,7 @@ from kvtransform.capture import Captured, export_dynamic, tie_aliased_parameters
 from kvtransform.config import TransformConfig
 from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_args_all, run_passes
 from kvtransform.report import Report
-from kvtransform.utils import device_of, model_name, stage, timed
+from kvtransform.utils import check_writable, device_of, model_name, stage, timed
 
 
 
@@ -297,7 +297,7 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
         if parent.exists() and not parent.is_dir():
             raise FileExistsError(f"{str(parent)!r} is a file: the artifact directory {str(path)!r} cannot be inside "
                                   f"it; choose a directory path")
-    _check_writable(path)
+    check_writable(path, "the artifact", "out=...")
     if not path.exists():
         return path
     if not path.is_dir():
@@ -315,24 +315,6 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
         raise FileExistsError(f"{str(path)!r} is a non-empty directory but not a kvtransform artifact (no meta.json "
                               f"or config.yaml): overwrite replaces only artifacts; choose another directory")
     return path
-
-
-def _check_writable(path: Path) -> None:
-    """Raise ``PermissionError`` unless the artifact's directory can be made or replaced: its nearest existing
-    ancestor (the parent once ``path`` exists: a replaced artifact is renamed inside it) is writable and
-    searchable."""
-    holder = path.parent
-    while not holder.exists() and holder != holder.parent:
-        holder = holder.parent
-    why = None if os.access(holder, os.W_OK | os.X_OK) else "permission denied"
-    if why is None:  # a real probe: root passes os.access on read-only mounts and on /proc or /sys
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".kvt-write-probe-", dir=holder))
-        except OSError as e:
-            why = e.strerror or type(e).__name__
-    if why is not None:
-        raise PermissionError(f"cannot write the artifact {str(path)!r}: {str(holder)!r} is not writable ({why}); "
-                              f"choose an output directory you can write to (out=...)")
 
 
 def onnx_stage_text(path: Path, verify: bool) -> str:
