@@ -12,6 +12,7 @@ response continues its prompt's positions) and the :class:`~kvtransform.layout.D
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -66,6 +67,8 @@ def _as_ids(x: TokenIds, what: str, vocab_size: Optional[int]) -> torch.Tensor:
             raise ValueError(f"{what} must hold integer token ids; got dtype {x.dtype}")
         t = x.detach().to("cpu", torch.long)
     else:
+        if isinstance(x, (Mapping, Set)):  # no token order to keep
+            raise ValueError(f"{what} is a {type(x).__name__} (unordered): pass a list or 1-D tensor of token ids")
         try:
             seq = list(x)
         except TypeError:
@@ -226,7 +229,7 @@ def pack_shared_prefix_groups(groups: Sequence[tuple], vocab_size: Optional[int]
         if device is None and isinstance(prompt, torch.Tensor):
             device = _as_device(prompt.device)
         p = _as_ids(prompt, f"group {g}: prompt", vocab_size)
-        if isinstance(responses, torch.Tensor) or not hasattr(responses, "__len__"):
+        if isinstance(responses, (torch.Tensor, Mapping, Set)) or not hasattr(responses, "__len__"):
             raise ValueError(f"group {g}: responses must be a list of token-id sequences, got "
                              f"{type(responses).__name__}")
         if len(responses) == 0:

@@ -16,6 +16,7 @@ autograd sums its gradient over those trajectories: the loss and gradients equal
 """
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
@@ -212,8 +213,10 @@ def _as_mask(m, n: int, i: int) -> torch.Tensor:
             raise ValueError(f"loss_masks[{i}] must be a 1-D bool tensor or a list of bools; got "
                              f"{type(m).__name__}") from None
         for j, x in enumerate(vals):
+            if isinstance(x, torch.Tensor) and x.numel() == 1:  # a list of 0-d tensors (iterating a mask tensor)
+                x = x.item()
             ok = isinstance(x, bool) or (type(x).__name__ in ("bool_", "bool")) or \
-                (hasattr(x, "__index__") and operator.index(x) in (0, 1)) or (isinstance(x, float) and x in (0.0, 1.0))
+                (hasattr(x, "__index__") and operator.index(x) in (0, 1)) or (isinstance(x, numbers.Real) and x in (0.0, 1.0))
             if not ok:
                 raise ValueError(f"loss_masks[{i}][{j}] = {x!r}: loss masks hold bools or 0/1 values (a weighted loss "
                                  f"multiplies the log-probs instead)")

@@ -225,6 +225,7 @@ def _one_line(fn, match):
     (dict(softcap=0.0), "softcap must be a finite float > 0"),
     (dict(softcap=math.inf), "softcap must be a finite float > 0"),
     (dict(softcap=-1.0), "softcap must be a finite float > 0"),
+    (dict(softcap=1e39), "softcap must be a finite float > 0 and <= 3.403e"),  # beyond fp32: all-NaN output
     (dict(sinks=torch.zeros(H + 1)), r"sinks must be \(H,\) = \(4,\)"),
     (dict(sinks=torch.zeros(H, dtype=torch.int64)), r"sinks must be \(H,\) = \(4,\)"),
 ])

@@ -194,6 +194,7 @@ def test_tree_errors(args, kwargs, match):
     ({"trees": True, "pair_weight": float("nan")}, r"pair_weight must be a finite number >= 0 .*; got nan"),
     ({"trees": True, "pair_weight": -0.5}, r"pair_weight must be a finite number >= 0 .*; got -0.5"),
     ({"trees": True, "pair_weight": "0.1"}, r"pair_weight must be a finite number >= 0"),
+    ({"trees": True, "pair_weight": __import__("numpy").bool_(True)}, r"pair_weight must be a finite number >= 0"),
     ({"trees": "no"}, r"trees must be True .* or False .*; got 'no'"),
     ({"trees": 1}, r"trees must be True"),
     ({"pair_weight": 0.1}, r"pair_weight applies to prefix trees only: pass trees=True"),

@@ -86,6 +86,10 @@ def test_response_logprobs_indexing():
     (lambda: kvt.pack_shared_prefix([1, 2], [[3]], device="bogus"), "must be a torch device"),
     (lambda: kvt.pack_shared_prefix([1, 2], [[3]]).to("meta"), "holds no data"),
     (lambda: kvt.pack_trajectories([[1, 2], [1, 3]]).to("meta"), "holds no data"),
+    (lambda: kvt.pack_shared_prefix({100, 1, 50}, [[3]]), r"prompt is a set \(unordered\)"),  # was reordered
+    (lambda: kvt.pack_shared_prefix({1: 2}, [[3]]), r"prompt is a dict \(unordered\)"),
+    (lambda: kvt.pack_shared_prefix([1, 2], {(3,), (4,)}), "responses must be a list of token-id sequences"),
+    (lambda: kvt.pack_trajectories([{1, 2, 3}]), r"trajectory 0 is a set \(unordered\)"),
 ])
 def test_pack_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):

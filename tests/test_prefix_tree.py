@@ -269,7 +269,9 @@ def test_pack_refuses_malformed_input_in_one_line(kwargs, match):
 def test_pack_takes_float_and_integer_01_loss_masks():
     """RL loops keep masks as 0/1 floats or integers: the same trained tokens as bools."""
     seqs, want = [[1, 2, 3], [1, 2, 4]], [[True, False], [True, True]]
+    np = __import__("numpy")
     for masks in ([torch.tensor([0.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0])], [[0.0, 1.0, 0.0], [1, 1, 1]],
+                  [list(torch.tensor([0.0, 1.0, 0.0])), [np.float32(1), np.int8(1), torch.tensor(True)]],
                   torch.tensor([[0, 1, 0], [1, 1, 1]], dtype=torch.int32)):
         assert [m.tolist() for m in kvt.pack_trajectories(seqs, loss_masks=masks).loss_mask_tensors()] == want
 

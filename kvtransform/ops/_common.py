@@ -102,6 +102,9 @@ def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     return tuple(x.to(dt) if x.is_floating_point() and x.dtype != torch.float64 else x for x in (q, k, v))
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def check_attention_variants(window, softcap, sinks, num_heads: int, device=None):
     """The three optional attention-variant arguments of every kvt attention op, checked and normalised; each bad
     value raises a one-line ValueError naming the fix.
@@ -133,9 +136,9 @@ def check_attention_variants(window, softcap, sinks, num_heads: int, device=None
             c = float(softcap) if ok else None
         except (TypeError, ValueError):
             c = None
-        if c is None or not math.isfinite(c) or c <= 0:
-            raise ValueError(f"softcap must be a finite float > 0 (Gemma 2's attn_logit_softcapping, e.g. 50.0); got "
-                             f"{softcap!r}")
+        if c is None or not math.isfinite(c) or c <= 0 or c > _FLOAT32_MAX:  # (the kernels divide in fp32)
+            raise ValueError(f"softcap must be a finite float > 0 and <= {_FLOAT32_MAX:.4g} (Gemma 2's "
+                             f"attn_logit_softcapping, e.g. 50.0); got {softcap!r}")
         softcap = c
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (int(num_heads),) \

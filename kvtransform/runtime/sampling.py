@@ -27,6 +27,8 @@ def _sampler(do_sample: bool, temperature: float, top_k, top_p, seed, device, lo
     """
     if not do_sample:
         return _greedy_logprobs if logprobs else _greedy
+    if seed is not None and (isinstance(seed, bool) or not hasattr(seed, "__index__") or not 0 <= int(seed) < 2 ** 64):
+        raise ValueError(f"seed must be an integer in [0, 2**64) (or None: a random one); got {seed!r}")
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
 
