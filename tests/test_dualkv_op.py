@@ -259,7 +259,6 @@ def _i32(x):
     (lambda q, k, v, cu, sp: (q[..., :0], k[..., :0], v[..., :0], cu, sp), "unsupported head_dim 0"),
     (lambda q, k, v, cu, sp: (torch.randn(6, 4, 264), torch.randn(6, 2, 264), torch.randn(6, 2, 264), cu, sp),
      r"unsupported head_dim 264: supported are 1 to 256"),
-    (lambda q, k, v, cu, sp: (q.double(), k.double(), v.double(), cu, sp), "unsupported dtype"),
     (lambda q, k, v, cu, sp: (q, k.half(), v, cu, sp), "share one dtype"),
     (lambda q, k, v, cu, sp: (q[:, :3], k, v, cu, sp), "divisible"),
     (lambda q, k, v, cu, sp: (q, k, v[:, :1], cu, sp), "same shape"),
@@ -270,6 +269,18 @@ def test_bad_inputs(mutate, msg):
     args = mutate(*_good())
     with pytest.raises(ValueError, match=msg):
         dualkv_attention(*args)
+
+
+def test_float64_runs_the_cpu_reference_and_the_kernels_refuse_it(monkeypatch):
+    """float64 CPU tensors (a float64 model under enable()) run the reference, as the prefix-tree op does; the
+    kernels (CUDA, or the interpreter) take fp16/bf16/fp32 and say how to get there."""
+    layout = DualKVLayout.from_lengths([(7, [5, 3]), (4, [2])])
+    q, k, v = make_inputs(layout, 4, 2, 24, torch.float64)
+    out = dualkv_attention(q, k, v, layout.cu_seqlens, layout.segment_prefix, softmax_scale=0.3)
+    assert maxerr(out, replicated_reference(q, k, v, layout, 0.3)[0]) < 1e-12
+    monkeypatch.setattr(dualkv_ops, "USE_TRITON_ON_CPU", True)
+    with pytest.raises(ValueError, match="unsupported dtype torch.float64: .*cast the model or its inputs"):
+        dualkv_attention(q, k, v, layout.cu_seqlens, layout.segment_prefix)
 
 
 def test_bad_layout_arguments():

@@ -170,7 +170,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                  segment_prefix: torch.Tensor, check_data: bool = True) -> None:
     """Validate DualKV inputs; raises ValueError naming the problem (see :func:`dualkv_attention`)."""
     check_shapes(q, k, v, cu_seqlens, segment_prefix)
-    check_kernel_support(q)
+    if q.dtype != torch.float64 or q.is_cuda:  # float64 on CPU: the reference (as the prefix-tree op)
+        check_kernel_support(q)
+    elif q.shape[-1] == 0:
+        raise ValueError("unsupported head_dim 0: q, k, v need head_dim >= 1")
     if check_data:
         _check_layout_values(cu_seqlens, segment_prefix, q.shape[0])
 
@@ -183,7 +186,8 @@ def _check_layout_values(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor,
 def check_kernel_support(q: torch.Tensor) -> None:
     """ValueError unless the kernels support q's dtype (fp16/bf16/fp32) and head_dim (1..256)."""
     if q.dtype not in _k.SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported dtype {q.dtype}: DualKV attention takes float16, bfloat16 or float32")
+        raise ValueError(f"unsupported dtype {q.dtype}: DualKV attention takes float16, bfloat16 or float32 (float64 "
+                         f"on CPU tensors, the reference): cast the model or its inputs")
     check_head_dim(q.shape[-1])
 
 
@@ -227,7 +231,7 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """DualKV attention over the packed shared-prefix layout (validating wrapper of ``torch.ops.kvt.dualkv_attention``).
 
     Args:
-        q: ``(T, H, D)`` float16/bfloat16/float32.
+        q: ``(T, H, D)`` float16/bfloat16/float32 (float64 on CPU tensors: the reference).
         k, v: ``(T, H_kv, D)``, same dtype and device; ``H % H_kv == 0`` (under ``torch.autocast`` all three are
             cast to the autocast dtype first, as SDPA's are).
         layout: a :class:`DualKVLayout` (moved to q's device if needed), or the int32 ``cu_seqlens`` ``(S+1,)``

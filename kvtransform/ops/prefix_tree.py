@@ -90,7 +90,8 @@ def check_shapes(q, k, v, cu_seqlens, parent, key_range_ptr, key_ranges, query_r
 def check_kernel_support(q: torch.Tensor) -> None:
     """ValueError unless the kernels support q's dtype (fp16/bf16/fp32) and head_dim (1..256)."""
     if q.dtype not in _k.SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported dtype {q.dtype}: prefix-tree attention takes float16, bfloat16 or float32")
+        raise ValueError(f"unsupported dtype {q.dtype}: prefix-tree attention takes float16, bfloat16 or float32 "
+                         f"(float64 on CPU tensors, the reference): cast the model or its inputs")
     if not 1 <= q.shape[-1] <= _k.MAX_HEAD_DIM:
         raise ValueError(f"unsupported head_dim {q.shape[-1]}: supported are 1 to {_k.MAX_HEAD_DIM} (padded to the "
                          f"next power of two)")
