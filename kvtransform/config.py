@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
 @dataclass
@@ -176,9 +176,24 @@ class DualKVConfig(TransformConfig):
         if self.verify.enabled and not list(self.verify_groups):
             raise ValueError("verify_groups is empty: give at least one [prompt_length, [response_lengths...]] "
                              "group, or set verify.enabled=false")
+        for g in self.verify_groups:  # here, not when the gate packs them after the model has loaded
+            ok = isinstance(g, (list, tuple, ListConfig)) and len(g) == 2 and _positive_int(g[0]) and isinstance(
+                g[1], (list, tuple, ListConfig)) and len(g[1]) >= 1 and all(_positive_int(r) for r in g[1])
+            if not ok:
+                raise ValueError(f"verify_groups entries must be [prompt_length, [response_lengths...]] with "
+                                 f"integers >= 1 (tokens) and at least one response; got {_plain(g)!r}")
         g = self.verify_grad_tolerance
         if g is not None and not (math.isfinite(g) and g > 0):
             raise ValueError(f"verify_grad_tolerance must be a finite number > 0 (or null); got {g!r}")
+
+
+def _positive_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
+
+
+def _plain(v):
+    """``v`` without OmegaConf containers (for messages)."""
+    return OmegaConf.to_container(v) if isinstance(v, (ListConfig, DictConfig)) else v
 
 
 #: The retrieval heads kvtransform ships (``kvtransform.runtime`` registers one class per name;

@@ -166,3 +166,10 @@ def test_runtime_settings_are_one_dataclass():
     assert SpeContextConfig().runtime == RuntimeConfig()  # the same defaults
     with pytest.raises(ValueError, match="offload must be true or false"):
         RuntimeConfig(offload=1)
+
+
+@pytest.mark.parametrize("groups", [[[0, [1]]], [[3, []]], [[3, [2, 0]]], [[3, 2]], [[3, [True]]], [[2.5, [1]]]])
+def test_malformed_verify_groups_are_refused_by_the_config(groups):
+    """Refused when the config is checked (before optimize loads the model), not when the gate packs them."""
+    with pytest.raises(ValueError, match=r"verify_groups entries must be \[prompt_length, \[response_lengths...\]\]"):
+        config_from_dict({"name": "dualkv", "verify_groups": groups})
