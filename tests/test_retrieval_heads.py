@@ -423,6 +423,18 @@ def test_copy_sources_cap_and_lengths():
     assert capped[0].tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1, 0]
 
 
+def test_copy_sources_continue_a_repeated_bigram():
+    """Where the previous token matches too (a repeated bigram), the two tokens after the occurrence's successor are
+    marked as well; an occurrence after another token keeps its successor only; the current position (7) has no
+    cached successors."""
+    from kvtransform.runtime.embedding_heads import copy_sources
+
+    ids = torch.tensor([[1, 5, 7, 8, 9, 0, 1, 5], [2, 5, 7, 8, 9, 0, 1, 5]])
+    got = copy_sources(ids, torch.tensor([5, 5]), lengths=torch.tensor([7, 7]))
+    assert got[:, :7].tolist() == [[0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0, 0]]
+    assert copy_sources(ids[:, :2], torch.tensor([5, 5]), lengths=torch.tensor([1, 1]))[:, :1].tolist() == [[0], [0]]
+
+
 def test_self_head_needs_the_models_own_query_projection():
     """Phi-3 fuses q/k/v into ``qkv_proj``: ``head="self"`` is refused in one line before any capture, naming the
     head that needs no model parameter, and ``head="auto"`` picks it."""

@@ -149,18 +149,23 @@ def current_tokens(cache) -> tuple[torch.Tensor, torch.Tensor]:
 def copy_sources(token_ids: torch.Tensor, tok: torch.Tensor, lengths: Optional[torch.Tensor] = None,
                  max_occurrences: int = 0) -> torch.Tensor:
     """The positions a copy (induction) step reads: every earlier occurrence ``i`` of the current token and the
-    token after it, ``i + 1`` (what an induction head attends to when the model continues a repeated span).
+    token after it, ``i + 1`` (what an induction head attends to when the model continues a repeated span); where
+    the previous token matches too (``token_ids[i - 1]`` is the token before the current one: a repeated bigram),
+    also ``i + 2`` and ``i + 3``, the rest of a phrase the model may be copying across a line break (``conflict
+    of`` / ``law``; docs/specontext_heads.md, "Held-out kind").
 
     Args:
         token_ids: int64 ``(batch, S)`` the row's ids; tok: int64 ``(batch,)`` the token being decoded.
-        lengths: ``(batch,)`` valid positions per row: occurrences at ``>= lengths[b]`` do not count towards
-            ``max_occurrences`` (without a cap they are marked, and the caller's mask drops them); None: all.
+        lengths: ``(batch,)`` valid positions per row, the current token's position (its predecessor is at
+            ``lengths - 1``): occurrences at ``>= lengths[b]`` do not count towards ``max_occurrences`` (without a
+            cap they are marked, and the caller's mask drops them); None: all, and no bigram matches.
         max_occurrences: keep only the most recent this many occurrences (0: all). A frequent current token (a
             newline in 32K tokens of code) would otherwise mark thousands of positions and crowd the budget.
 
     Returns:
-        fp32 ``(batch, S)``: 1 at ``i`` and ``i + 1`` for every kept ``i`` with ``token_ids[b, i] == tok[b]``, else 0
-        (the current position itself is among them; callers mask positions ``>= cache_seqlens``).
+        fp32 ``(batch, S)``: 1 at ``i`` and ``i + 1`` for every kept ``i`` with ``token_ids[b, i] == tok[b]`` (and at
+        ``i + 2``, ``i + 3`` for those that follow the previous token), else 0 (the current position itself is among
+        them; callers mask positions ``>= cache_seqlens``).
     """
     eq = token_ids == tok[:, None]
     if max_occurrences > 0:  # occurrences at or after i, counted from the row's end: static shapes, no sync
@@ -168,8 +173,19 @@ def copy_sources(token_ids: torch.Tensor, tok: torch.Tensor, lengths: Optional[t
             eq = eq & (torch.arange(token_ids.shape[1], device=token_ids.device)[None] < lengths.long()[:, None])
         later = eq.flip(-1).to(torch.int32).cumsum(-1).flip(-1)
         eq = eq & (later <= max_occurrences)
-    eq = eq.float()
-    return torch.maximum(eq, torch.nn.functional.pad(eq[:, :-1], (1, 0)))
+    marks = eq | _shifted(eq, 1)
+    if lengths is not None:
+        lengths = lengths.long()
+        prev = token_ids.gather(1, (lengths - 1).clamp(min=0)[:, None])
+        bigram = eq & _shifted(token_ids == prev, 1) & (lengths > 0)[:, None]
+        marks = marks | _shifted(bigram, 2) | _shifted(bigram, 3)
+    return marks.float()
+
+
+def _shifted(x: torch.Tensor, s: int) -> torch.Tensor:
+    """``x`` ``(batch, S)`` moved ``s`` positions right along the last axis, ``False`` shifted in."""
+    n = x.shape[-1]
+    return torch.nn.functional.pad(x[:, :max(n - s, 0)], (min(s, n), 0))
 
 
 def _forced_windows(budget: int, sink: int, recent: int) -> tuple[int, int]:
