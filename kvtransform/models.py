@@ -34,6 +34,7 @@ __all__ = [
     "RegistryEntry",
     "load_model",
     "check_causal_lm",
+    "config_attention_variants",
     "tiny_model",
     "TINY_FAMILIES",
     "TINY_WINDOW",
@@ -391,3 +392,27 @@ def _load(name: str, dt, attn_implementation: str):
             ) from None
         tok = _load_tokenizer(name, local_files_only=True)
     return model, tok
+
+
+#: Families whose config carries ``attn_logit_softcapping`` but whose attention never applies it (HF's Gemma 3
+#: attention passes no ``softcap``): their value is not checked at ``enable()``
+SOFTCAP_NOT_APPLIED = frozenset({"gemma3", "gemma3_text"})
+
+
+def config_attention_variants(model) -> dict:
+    """``{"window" | "softcap" | "sinks": where}`` for the variants some attention layer of ``model`` uses (from its
+    config: ``layer_types`` with sliding layers, or ``sliding_window`` switched on; ``attn_logit_softcapping``; a
+    ``sinks`` parameter in a module)."""
+    cfg = model.config
+    out = {}
+    layer_types = getattr(cfg, "layer_types", None) or []
+    # Mistral has no use_sliding_window: its sliding_window alone turns the window on
+    if any("sliding" in str(t) for t in layer_types) or (getattr(cfg, "use_sliding_window", True) and
+                                                         getattr(cfg, "sliding_window", None)):
+        out["window"] = getattr(cfg, "sliding_window", None)
+    if (getattr(cfg, "attn_logit_softcapping", None) is not None
+            and getattr(cfg, "model_type", None) not in SOFTCAP_NOT_APPLIED):
+        out["softcap"] = cfg.attn_logit_softcapping
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        out["sinks"] = "per-head parameters"
+    return out

@@ -108,10 +108,8 @@ def verify(original: Callable, rewritten: Callable, cases, tolerance: float) -> 
 
 
 def check(v: Verification, failed: Optional[tuple] = None) -> None:
-    """Raise :class:`VerificationError` if ``v`` did not pass, naming the case, its tolerance and the key that sets
-    it. ``failed``: ``(case, tolerance, key)`` of the failed case where cases have their own tolerances (the DualKV
-    gate's gradient, ``transform.verify_grad_tolerance``); default: the worst case against ``v.tolerance``
-    (``transform.verify.tolerance``)."""
+    """Raise :class:`VerificationError` if ``v`` did not pass, naming the case, its tolerance and its config key:
+    ``failed`` = ``(case, tolerance, key)``, default the worst case, ``v.tolerance``, ``transform.verify.tolerance``."""
     if v.passed is False:
         if failed is None:
             worst = max(v.cases, key=lambda c: (c["max_rel_error"] != c["max_rel_error"], c["max_rel_error"]))
@@ -460,8 +458,7 @@ def verify_packed(model, opt, cfg: DualKVConfig, tokenizer, report: Report, prog
     tol = default_tolerance(param.dtype, cfg.verify.tolerance)
     gtol = cfg.verify_grad_tolerance
     if gtol is None:
-        # float64: transformers' norms compute in float32 even in a float64 model, so a shared row's gradient summed
-        # once (packed) or N times (replicated) differs by ~5e-8 (tiny Llama / Qwen3) while the log-probs agree to 2e-16
+        # float64: transformers' norms run in float32 even there; packed vs replicated gradients differ by ~5e-8
         gtol = {torch.float32: 1e-4, torch.float64: 1e-6}.get(param.dtype, 5e-2)
     batch = _verify_batch(cfg, tokenizer, model.config.vocab_size, param.device)
     runs = [("", batch)] + ([("tree ", _verify_tree(batch))] if getattr(opt, "tree_core", None) is not None else [])

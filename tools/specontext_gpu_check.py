@@ -2,7 +2,7 @@
 changing the SpeContext runtime, a retrieval head or a decode kernel (bf16, greedy), from the repository root (on a
 GPU machine without network access, ``tools/device_env.sh`` installs the checkout first):
 
-    source tools/device_env.sh && python3 -P tools/specontext_gpu_check.py [--quick] [--skip-default] [--compile]
+    source tools/device_env.sh && python3 -P tools/specontext_gpu_check.py [--quick] [--skip-default] [--compile | --compile-only]
 
 1. **Graph == eager** for the default model (SmolLM2-135M via ``kvt.load_model``; a random-weight model of the same
    shape, ``kvtransform.bench.decode.build_model("smollm2-135m")``, when the GGUF loader is unavailable) and
@@ -91,9 +91,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller shapes (a fast smoke of the script itself)")
     ap.add_argument("--skip-default", action="store_true")
+    ap.add_argument("--compile-only", action="store_true", help="[3] alone (implies --compile --skip-default)")
     ap.add_argument("--compile", action="store_true", help="also [3]: compile=True with the distilled head (random "
                     "weights), whose step runs through torch.compile")
     args = ap.parse_args()
+    if args.compile_only:
+        args.compile = args.skip_default = True
     if not torch.cuda.is_available():
         sys.exit("specontext_gpu_check needs CUDA")
     t_start = time.perf_counter()
@@ -116,14 +119,14 @@ def main():
     shape = dict(layers=4, hidden=1024, heads=8, kv_heads=2, inter=2048, vocab=32000) if args.quick else {}
     model = build_model("llama-8b", DT, DEV, **shape)
     sp = transform(model, budget=budget, head="quest")
-    ok &= graph_vs_eager(sp, "llama-8b-shape", batch, prompt, new)
-    log(f"  elapsed {time.perf_counter() - t_start:.0f} s")
-
-    ok &= graph_vs_eager(with_head(sp, "dense"), "llama-8b-shape dense", batch, prompt, new)
+    if not args.compile_only:
+        ok &= graph_vs_eager(sp, "llama-8b-shape", batch, prompt, new)
+        log(f"  elapsed {time.perf_counter() - t_start:.0f} s")
+        ok &= graph_vs_eager(with_head(sp, "dense"), "llama-8b-shape dense", batch, prompt, new)
     if args.compile:  # the compiled decode program and the compiled head step (SpeContextRuntime.head_step)
-        from kvtransform.bench.decode import _distilled_state
+        from kvtransform.bench.decode_ours import distilled_state
 
-        state, note = _distilled_state(model)
+        state, note = distilled_state(model)
         log(f"[3] compile=True, distilled head ({note}): CUDA graph vs eager")
         ok &= graph_vs_eager(with_head(sp, "distilled", model, state, compile=True), "llama-8b-shape distilled "
                              "compiled", batch, prompt, new)

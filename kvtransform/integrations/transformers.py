@@ -393,10 +393,10 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "_attn_implementation"):
         raise ValueError(f"enable() takes a transformers model; got {type(model).__name__}")
-    from kvtransform.models import check_causal_lm
+    from kvtransform.models import check_causal_lm, config_attention_variants
 
     check_causal_lm(model)  # packed attention is causal: a bidirectional model (EmbeddingGemma) would silently change
-    needed = _model_variants(model)
+    needed = config_attention_variants(model)
     from kvtransform.ops._common import check_attention_variants
     from kvtransform.ops.dualkv import check_head_dim, dualkv_attention
 
@@ -429,30 +429,6 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
         model._kvt_packed_hook = ([m.register_forward_pre_hook(_check_packed_call, with_kwargs=True) for m in hooked]
                                   + [m.register_forward_hook(_leave_call, always_call=True) for m in hooked])
     return model
-
-
-# Families whose config carries ``attn_logit_softcapping`` but whose attention never applies it (HF's Gemma 3 attention
-# passes no ``softcap``): their value is not checked at enable()
-_SOFTCAP_NOT_APPLIED = frozenset({"gemma3", "gemma3_text"})
-
-
-def _model_variants(model) -> dict:
-    """``{"window" | "softcap" | "sinks": where}`` for the variants some attention layer of ``model`` uses (from its
-    config: ``layer_types`` with sliding layers, or ``sliding_window`` switched on; ``attn_logit_softcapping``; a
-    ``sinks`` parameter in a module)."""
-    cfg = model.config
-    out = {}
-    layer_types = getattr(cfg, "layer_types", None) or []
-    # Mistral has no use_sliding_window: its sliding_window alone turns the window on
-    if any("sliding" in str(t) for t in layer_types) or (getattr(cfg, "use_sliding_window", True) and
-                                                         getattr(cfg, "sliding_window", None)):
-        out["window"] = getattr(cfg, "sliding_window", None)
-    if (getattr(cfg, "attn_logit_softcapping", None) is not None
-            and getattr(cfg, "model_type", None) not in _SOFTCAP_NOT_APPLIED):
-        out["softcap"] = cfg.attn_logit_softcapping
-    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
-        out["sinks"] = "per-head parameters"
-    return out
 
 
 def _lift(model: torch.nn.Module) -> bool:

@@ -106,3 +106,32 @@ def _check_request(rows, max_new_tokens, temperature, top_k, top_p, max_position
         raise ValueError(f"top_k must be an integer >= 0 (0 or None = off); got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1 or None = off); got {top_p!r}")
+
+
+def _check_decode_from(info, cache, tokens, max_new_tokens, engine) -> int:
+    """:meth:`~.generate.SpeContextRuntime.decode_from`'s checks (its docstring lists the errors); returns
+    ``max_new_tokens`` as an int."""
+    if engine is not None and getattr(engine, "cache", None) is not cache:
+        raise ValueError("engine must be the OffloadEngine of this cache (engine.cache is cache), or None")
+    if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != (cache.batch,) or \
+            tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer ids of shape ({cache.batch},), one per cache row; got "
+                         f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= info.vocab_size:
+        raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {info.vocab_size})")
+    max_new_tokens = int(max_new_tokens) if isinstance(max_new_tokens, torch.Tensor) and \
+        max_new_tokens.dim() == 0 and not max_new_tokens.dtype.is_floating_point else max_new_tokens
+    _check_steps(max_new_tokens)
+    want = (info.num_layers, cache.batch, info.num_kv_heads, cache.max_length, info.head_dim)
+    if tuple(cache.k.shape) != want or tuple(cache.v.shape) != want:
+        raise ValueError(f"the cache is (layers, batch, H_kv, max_length, head_dim) = {tuple(cache.k.shape)} but "
+                         f"this model needs ({info.num_layers}, batch, {info.num_kv_heads}, max_length, "
+                         f"{info.head_dim}): allocate it with KVCache.allocate for this model")
+    if int(cache.cache_seqlens.min()) < 0:
+        raise ValueError("cache_seqlens has a negative entry: every row holds >= 0 tokens")
+    longest = int(cache.cache_seqlens.max())
+    if longest + max_new_tokens > cache.max_length:
+        raise ValueError(f"a row holds {longest} tokens; {max_new_tokens} more do not fit the cache of "
+                         f"{cache.max_length}: allocate a longer cache or decode fewer steps")
+    return max_new_tokens
