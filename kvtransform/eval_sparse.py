@@ -287,7 +287,8 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
     ``cfg.out``. Returns the pandas DataFrame of this run's rows.
 
     Raises:
-        ValueError: an unknown head, a bad budget or length, a document shorter than prefix + continuation.
+        ValueError: an unknown head, a bad budget or length, a document shorter than prefix + continuation, an
+            ``out`` that cannot be written (checked before the model loads).
         FileNotFoundError: a document missing from this Python installation.
     """
     import pandas as pd
@@ -316,6 +317,9 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
 
     for d in docs:  # a missing document fails before the model loads and before any run
         stdlib_path(d)
+    from .utils import check_results_dir
+
+    check_results_dir(cfg.out)  # as the output path: not after the run
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     name = cfg.model.name if hasattr(cfg.model, "name") else str(cfg.model)

@@ -55,7 +55,7 @@ import torch
 from .attention_probe import probing
 from .eval_sparse import _as_list, markdown
 from .runtime.cache import KVCache
-from .utils import cache_kwarg
+from .utils import cache_kwarg, check_results_dir
 
 __all__ = ["Rollouts", "token_kl_logw", "summarize_tokens", "sample_rollouts", "decode_sparse", "score_dense",
            "counted", "table", "RolloutMismatchConfig", "run_rollout_mismatch", "write_results", "TIS_CAP"]
@@ -379,21 +379,6 @@ def _check(cfg) -> tuple:
     return heads, budgets, sorted(set(lengths))
 
 
-def _check_out(out) -> None:
-    """ValueError, before the model loads, unless ``out`` is (or can be made) a writable directory: a run of hours
-    must not fail at its end on its output path. Probes the deepest existing ancestor with a removed temp dir."""
-    import tempfile
-
-    path = Path(str(out)).expanduser().absolute()
-    at = next(a for a in (path, *path.parents) if a.exists())
-    try:
-        if not at.is_dir():
-            raise OSError(f"{at} is not a directory")
-        tempfile.TemporaryDirectory(dir=at).cleanup()
-    except OSError as e:
-        raise ValueError(f"out={out} cannot be written ({e}): choose another out=<directory>") from None
-
-
 #: decoded tokens above which a CPU run is told it is GPU-sized (the CPU example of docs/ROLLOUT_MISMATCH.md decodes
 #: 4 x 256 tokens in ~2 minutes on 2 cores; the default grid decodes 24 x 4096)
 CPU_TOKENS_HINT = 16384
@@ -410,7 +395,7 @@ def run_rollout_mismatch(cfg, model=None, tokenizer=None, log=print):
     from .textdata import stdlib_path, token_chunks
 
     heads, budgets, lengths = _check(cfg)
-    _check_out(cfg.out)
+    check_results_dir(cfg.out)
     docs = _as_list(cfg.documents, str, "documents")
     for d in docs:  # fail before the model loads
         stdlib_path(d)

@@ -28,23 +28,46 @@ def console(stderr: bool = False):
     return c
 
 
+def _unwritable(path: Path) -> tuple:
+    """``(holder, why)``: the nearest existing ancestor of ``path`` (its parent once ``path`` exists) and why a
+    directory cannot be made there (None: it can). A real probe: root passes ``os.access`` on read-only mounts and
+    on /proc or /sys, so an empty directory is made and removed."""
+    holder = path.parent
+    while not holder.exists() and holder != holder.parent:
+        holder = holder.parent
+    why = None if os.access(holder, os.W_OK | os.X_OK) else "permission denied"
+    if why is None:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".kvt-write-probe-", dir=holder))
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+    return holder, why
+
+
 def check_writable(path: Path, what: str, key: str) -> None:
     """Raise ``PermissionError`` unless directory ``path`` can be made or replaced: its nearest existing ancestor
     (the parent once ``path`` exists: a replaced directory is renamed inside it) is writable and searchable.
     ``what`` / ``key`` name the output and the setting that chooses it in the message (``"the artifact"``,
     ``"out=..."``)."""
-    holder = path.parent
-    while not holder.exists() and holder != holder.parent:
-        holder = holder.parent
-    why = None if os.access(holder, os.W_OK | os.X_OK) else "permission denied"
-    if why is None:  # a real probe: root passes os.access on read-only mounts and on /proc or /sys
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".kvt-write-probe-", dir=holder))
-        except OSError as e:
-            why = e.strerror or type(e).__name__
+    holder, why = _unwritable(path)
     if why is not None:
         raise PermissionError(f"cannot write {what} {str(path)!r}: {str(holder)!r} is not writable ({why}); "
                               f"choose an output directory you can write to ({key})")
+
+
+def check_results_dir(out, key: str = "out") -> None:
+    """ValueError (one line) unless ``out`` is, or can become, a directory this process writes results into (a
+    benchmark's or an evaluation's CSV, markdown, plot): not a file, not inside one, writable (probed). Checked
+    before a long run, which must not fail at its end on its output path; nothing is created. ``key``: the setting
+    that names it (``out``, ``out_dir``)."""
+    path = Path(str(out)).expanduser().absolute()
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"{key}={out} cannot be written ({p} is a file): choose another {key}=<directory>")
+    holder, why = _unwritable(path / "results" if path.is_dir() else path)
+    if why is not None:
+        raise ValueError(f"{key}={out} cannot be written ({holder} is not writable: {why}): choose another "
+                         f"{key}=<directory>")
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

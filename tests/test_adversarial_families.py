@@ -175,7 +175,8 @@ def test_rollout_mismatch_refuses_an_unwritable_out_before_the_run(tmp_path):
     nothing is created by the check."""
     from omegaconf import OmegaConf
 
-    from kvtransform.rollout_mismatch import RolloutMismatchConfig, _check_out, run_rollout_mismatch
+    from kvtransform.rollout_mismatch import RolloutMismatchConfig, run_rollout_mismatch
+    from kvtransform.utils import check_results_dir
 
     f = tmp_path / "a_file"
     f.write_text("x")
@@ -186,7 +187,7 @@ def test_rollout_mismatch_refuses_an_unwritable_out_before_the_run(tmp_path):
         with pytest.raises(ValueError, match="choose another out=") as e:
             run_rollout_mismatch(cfg)
         assert "\n" not in str(e.value)
-    _check_out(tmp_path / "new" / "deep")
+    check_results_dir(tmp_path / "new" / "deep")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 

@@ -422,9 +422,8 @@ def test_an_out_dir_that_cannot_hold_the_results_fails_before_any_job(tmp_path, 
     (tmp_path / "afile").write_text("x")
     ran = []
     monkeypatch.setattr(runner, "run_job", lambda cfg, on_row: ran.append(1) or [])
-    for out_dir, msg in ((tmp_path / "afile", "is a file; give a directory"),
-                         (tmp_path / "afile" / "x", "is a file; give a directory"),
-                         ("/proc/kvt-bench-x", "is not writable")):
+    for out_dir, msg in ((tmp_path / "afile", r"is a file\): choose another out_dir=<directory>"),
+                         (tmp_path / "afile" / "x", "is a file"), ("/proc/kvt-bench-x", "is not writable")):
         with pytest.raises(ValueError, match=msg):
             run("dualkv-layer", [f"out_dir={out_dir}", "device=cpu"])
     assert ran == [] and sorted(os.listdir(tmp_path)) == ["afile"]

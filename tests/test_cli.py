@@ -657,3 +657,15 @@ def test_output_dir_the_os_refuses_is_found_by_a_real_probe(tmp_path):
         tb.check_output_dir(None, overwrite=False)
     assert list(tmp_path.iterdir()) == [] and tb.check_output_dir(tmp_path / "a", False) == tmp_path / "a"
     assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+
+
+def test_eval_sparse_refuses_an_unwritable_out_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """The evaluation takes 15-40 minutes: an `out` that is a file is refused first, in one line."""
+    import kvtransform.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    f = tmp_path / "afile"
+    f.write_text("x")
+    rc, _, err = _run(["eval-sparse", f"out={f}", "head=recent", "budget=8", "prefix=16", "continuation=4",
+                       "generate=2", "documents=[argparse.py]"], capsys)
+    assert rc == 2 and "choose another out=<directory>" in err and len(err.strip().splitlines()) == 1, err

@@ -148,6 +148,8 @@ def run(suite: str, argv: List[str]) -> list:
     """
     from omegaconf import OmegaConf
 
+    from kvtransform.utils import check_results_dir
+
     from . import report
     from .device import resolve_device
 
@@ -183,7 +185,7 @@ def run(suite: str, argv: List[str]) -> list:
     for ov, cfg in jobs:  # a device that is not there, an out_dir that cannot be written: before the first job
         if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={cfg.device} but CUDA is not available here; use device=cpu or device=auto")
-        check_out_dir(cfg.out_dir)
+        check_results_dir(cfg.out_dir, "out_dir")
     commit = git_commit()
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     all_rows, by_dir = [], {}
@@ -242,27 +244,6 @@ def suite_help(suite: str) -> str:
     return "\n".join([f"kvtransform bench {suite} [key=value ...] [-m]   (-m: sweep comma lists, e.g. method=a,b)", "",
                       doc, "", "Choices:", *choices, "", "Defaults:",
                       OmegaConf.to_yaml(OmegaConf.structured(cls)).rstrip()])
-
-
-def check_out_dir(out_dir) -> None:
-    """ValueError (one line) unless ``out_dir`` is, or can become, a directory this process writes
-    (``results.csv``, ``.md``, ``.png`` go inside): not a file, not inside one, its nearest existing ancestor
-    writable. Nothing is created."""
-    from pathlib import Path
-
-    from kvtransform.utils import check_writable
-
-    path = Path(str(out_dir)).expanduser()
-    for p in (path, *path.parents):
-        if p.exists() and not p.is_dir():
-            raise ValueError(f"out_dir={str(out_dir)!r}: {str(p)!r} is a file; give a directory for the results")
-    if not path.is_dir():
-        try:
-            check_writable(path, "the results", "out_dir=...")
-        except PermissionError as e:
-            raise ValueError(str(e)) from None
-    elif not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"out_dir={str(out_dir)!r} is not writable; choose another out_dir=...")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
