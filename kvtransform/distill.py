@@ -182,7 +182,9 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         ``{"out", "steps", "captured" (hard top-k teacher mass, last 20 steps), "loss", "seconds"}``.
 
     Raises:
-        ValueError: bad settings (the message names the key).
+        ValueError: bad settings (the message names the key), an ``out`` that cannot be written (before the model
+            loads).
+        FileNotFoundError: a training file missing from this Python installation (before the model loads).
     """
     for key in ("length", "positions", "steps", "checkpoint_every", "window", "dim"):
         v = getattr(cfg, key)
@@ -201,6 +203,16 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
             raise ValueError(f"{key} must be a finite number {'> 0' if low is not None else '>= 0'}; got {v!r}")
     if isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 0:
         raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
+    for key, low in (("chunks_per_file", 1), ("topics_chunks", 0)):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{key} must be an integer >= {low}; got {v!r}")
+    from .textdata import stdlib_path
+    from .utils import check_results_dir
+
+    for f in cfg.files:  # before the model loads, as the output directory
+        stdlib_path(f, "files")
+    check_results_dir(cfg.out)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     from tqdm.auto import tqdm
@@ -211,8 +223,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
 
         model, tokenizer = load_model(getattr(cfg.model, "name", cfg.model))
     model.eval()
-    out = Path(cfg.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.out).expanduser()  # made at its first file: a run that fails before leaves nothing
     mc = model.config
     h = mc.num_attention_heads
     h_kv = getattr(mc, "num_key_value_heads", None) or h
@@ -237,6 +248,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
             pos = torch.randperm(cfg.length - lo, generator=gen)[:cfg.positions].sort().values + lo
             tgt = teacher_targets(model, ids, pos, cfg.teacher)
             data["items"].append({"file": f, "ids": ids, "positions": pos, "target": tgt.half()})
+        out.mkdir(parents=True, exist_ok=True)
         torch.save(data, teacher_file)
     items = data["items"]
 

@@ -65,8 +65,9 @@ def html_text(html: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
-def stdlib_path(rel: str) -> Path:
-    """The absolute path of ``rel`` in the running Python's standard library.
+def stdlib_path(rel: str, key: str = "documents") -> Path:
+    """The absolute path of ``rel`` in the running Python's standard library (``key``: the setting that listed it,
+    named in the error).
 
     Raises:
         FileNotFoundError: the file is not there (a stripped Python installation); the message names it.
@@ -74,7 +75,7 @@ def stdlib_path(rel: str) -> Path:
     p = Path(sysconfig.get_paths()["stdlib"]) / rel
     if not p.is_file():
         raise FileNotFoundError(f"{p} is missing from this Python installation: choose other documents "
-                                f"(documents=[...] with paths relative to {p.parent})")
+                                f"({key}=[...] with paths relative to {p.parent})")
     return p
 
 

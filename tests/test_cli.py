@@ -1,6 +1,7 @@
 """The ``kvtransform`` CLI: help, --cfg job, config typos, bad input, and optimize on a tiny model."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -669,3 +670,22 @@ def test_eval_sparse_refuses_an_unwritable_out_before_the_model_loads(tmp_path, 
     rc, _, err = _run(["eval-sparse", f"out={f}", "head=recent", "budget=8", "prefix=16", "continuation=4",
                        "generate=2", "documents=[argparse.py]"], capsys)
     assert rc == 2 and "choose another out=<directory>" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["files=[nope.py]"], r"nope.py is missing .* \(files=\[...\]"),
+    (["chunks_per_file=-1"], "chunks_per_file must be an integer >= 1"),
+    (["topics_chunks=-1"], "topics_chunks must be an integer >= 0"),
+    (["out=AFILE"], r"cannot be written \(.* is a file\): choose another out=<directory>"),
+])
+def test_distill_refuses_bad_settings_before_the_model_loads(tmp_path, capsys, monkeypatch, args, msg):
+    """Training files, chunk counts and the head directory are checked first; nothing is left on disk."""
+    import kvtransform.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "afile").write_text("x")
+    args = [a.replace("AFILE", str(tmp_path / "afile")) for a in args]
+    out = [] if any(a.startswith("out=") for a in args) else [f"out={tmp_path / 'head'}"]
+    rc, _, err = _run(["distill-retrieval-head", *args, *out, "steps=1", "length=64", "positions=8"], capsys)
+    assert rc == 2 and re.search(msg, err) and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
