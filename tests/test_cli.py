@@ -462,7 +462,9 @@ def test_capture_refusal_is_one_error_line(tmp_path, capsys):
 @pytest.mark.parametrize("arg,msg", [
     ("do_sample=maybe", "do_sample must be true or false"),
     ("chat=2", "chat must be true or false"),
-    ("seed=abc", "seed must be an integer >= 0"),
+    ("seed=abc", "seed must be an integer in [0, 2**64)"),
+    ("seed=99999999999999999999999", "seed must be an integer in [0, 2**64)"),
+    ("transform.name=dualkv", "runs transform=specontext only; got transform=dualkv"),  # was a traceback after it
     ("temperature=0", "temperature must be a number > 0"),
     ("temperature=.inf", "temperature must be a number > 0"),
     ("top_k=-1", "top_k must be an integer >= 0"),
@@ -506,10 +508,18 @@ def test_generate_threads_default_to_one_on_a_small_cpu(monkeypatch):
     assert choose_threads("auto")[0] == 2
 
 
-@pytest.mark.parametrize("arg", ["threads=0", "threads=many", "threads=1.5"])
+@pytest.mark.parametrize("arg", ["threads=0", "threads=many", "threads=1.5", "threads=100000"])
 def test_generate_bad_threads_before_loading(capsys, arg):
     rc, _, err = _run(["generate", "no-such-model", "prompt=hi", arg], capsys)
-    assert rc == 2 and "threads must be auto or an integer >= 1" in err, err
+    assert rc == 2 and "threads must be auto or an integer from 1 to this machine's" in err, err  # 100000 crashed
+
+
+def test_key_values_read_exponent_numbers_as_numbers():
+    """YAML 1.1 reads 1e-3 as a string; key=value commands read it as Hydra does, a number."""
+    from kvtransform.cli.keyvalue import _number
+
+    assert _number("1e-3") == 1e-3 and _number("2E5") == 2e5 and _number("abc") == "abc" and _number("nan") == "nan"
+    assert _number("12") == "12"  # (integers are YAML's already)
 
 
 def test_generate_threads_key_is_accepted(capsys):

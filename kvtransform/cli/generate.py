@@ -49,8 +49,10 @@ def parse_args(args: Sequence[str]) -> tuple[str, dict, dict]:
         UsageError: an unknown key, a transform other than specontext, a missing prompt, a second MODEL, a bad value.
     """
     model, opts, tcfg = parse_key_values(args, KEYS, raw_keys=("prompt",), prefixes=("transform.",), hint=_spec_hint)
-    if opts["transform"] != "specontext":
-        raise UsageError(f"kvtransform generate runs transform=specontext only; got transform={opts['transform']}")
+    name = tcfg.pop("name", None) or opts["transform"]  # transform.name=... names the transform too
+    if opts["transform"] != "specontext" or name != "specontext":
+        raise UsageError(f"kvtransform generate runs transform=specontext only; got transform="
+                         f"{name if name != 'specontext' else opts['transform']}")
     if not opts["prompt"]:
         raise UsageError('give the prompt: kvtransform generate MODEL prompt="..."')
     _check_options(opts)
@@ -77,11 +79,12 @@ def _check_options(opts: dict) -> None:
     p = opts["top_p"]
     if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
         raise UsageError(f"top_p must be a number in (0, 1] (1 or null = off); got {p!r}")
-    if opts["seed"] is not None and (not _is_int(opts["seed"]) or opts["seed"] < 0):
-        raise UsageError(f"seed must be an integer >= 0; got {opts['seed']!r}")
+    if opts["seed"] is not None and (not _is_int(opts["seed"]) or not 0 <= opts["seed"] < 2 ** 64):
+        raise UsageError(f"seed must be an integer in [0, 2**64); got {opts['seed']!r}")
     th = opts["threads"]
-    if th != "auto" and (not _is_int(th) or th < 1):
-        raise UsageError(f"threads must be auto or an integer >= 1; got {th!r}")
+    if th != "auto" and (not _is_int(th) or not 1 <= th <= (os.cpu_count() or 1)):
+        raise UsageError(f"threads must be auto or an integer from 1 to this machine's {os.cpu_count()} CPUs; "
+                         f"got {th!r}")
 
 
 def choose_threads(threads) -> tuple[int, str]:
@@ -137,8 +140,9 @@ def run(args: Sequence[str]) -> None:
     st = out.stats
     on_cpu = next(model.parameters()).device.type == "cpu"
     cpu = f", {threads} CPU thread{'s' if threads > 1 else ''}" if on_cpu else ""
+    whole = " (the whole cache)" if st.budget < tcfg.budget else ""
     _console(stderr=True).print(
-        f"[dim]{st.new_tokens} new tokens, head={st.head} budget={st.budget}{cpu}: prefill {st.prefill_s:.2f} s "
+        f"[dim]{st.new_tokens} new tokens, head={st.head} budget={st.budget}{whole}{cpu}: prefill {st.prefill_s:.2f} s "
         f"({st.prefill_tokens_per_s:.0f} tok/s), decode "
         f"{st.decode_s:.2f} s ({st.ms_per_step:.1f} ms/step), KV cache {st.kv_bytes / 2**20:.1f} MiB[/dim]")
 

@@ -4,6 +4,7 @@ and the same kind of error: an unknown key is one line naming the closest key an
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Callable, Optional, Sequence
 
 from .errors import UsageError, guard
@@ -44,7 +45,7 @@ def parse_key_values(args: Sequence[str], defaults: dict, raw_keys: Sequence[str
                 raise UsageError(f"unexpected argument {a!r}: give one MODEL, then key=value settings")
             model = a
             continue
-        value = raw if key in raw_keys else yaml.safe_load(raw) if raw else None
+        value = raw if key in raw_keys else _number(yaml.safe_load(raw)) if raw else None
         prefix = next((p for p in prefixes if key.startswith(p)), None)
         if key == "model.name":
             model = str(value)
@@ -68,3 +69,16 @@ def key_value_main(args: Sequence[str], help_text: str, run: Callable[[Sequence[
         return 0
     guard(run, args)
     return 0
+
+
+def _number(value):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string: a string that is a finite float literal becomes the float, as
+    Hydra's overrides read it."""
+    if isinstance(value, str):
+        try:
+            f = float(value)
+        except ValueError:
+            return value
+        if math.isfinite(f) and any(c in value for c in "eE.") and value.strip().lower() not in ("nan", "inf"):
+            return f
+    return value

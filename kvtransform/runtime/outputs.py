@@ -30,7 +30,8 @@ class GenerationStats:
         kv_bytes: bytes allocated for the KV cache (``2 * L * batch * H_kv * max_length * D * itemsize``).
         cache_max_length: ``max_length`` of the cache (longest prompt + ``max_new_tokens``; with ``compile`` on CUDA
             rounded up to its bucket, ``SpeContextRuntime.cache_length``).
-        head, budget: the retrieval head and the budget (tokens per KV head; ignored by ``dense``).
+        head, budget: the retrieval head and the budget it ran with (tokens per KV head; ignored by ``dense``; at
+            most the cache's length: a larger configured budget selects every cached token).
         cuda_graph: whether the decode steps replayed a CUDA graph.
         fused_weight_bytes: extra memory (on the model's device) of the decode program's fused projection weights:
             the groups kept as a copy of the model's (``fuse_projections``); 0 when nothing is fused or every group
