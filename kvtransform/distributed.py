@@ -32,6 +32,7 @@ the per-rank token counts.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional, Sequence
 
@@ -342,13 +343,19 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         ``(N,)`` float32 advantages (zeros when all rewards are equal).
 
     Raises:
-        ValueError: ``rewards`` is not a non-empty 1-D tensor.
+        ValueError: ``rewards`` is not a non-empty 1-D tensor of finite rewards, ``eps`` is not a finite number
+            >= 0.
     """
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-D tensor (one reward per response); got {rewards!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite number >= 0; got {eps!r}")
     r = rewards.float()
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError("rewards must be finite: a NaN or inf reward would make every advantage of the group NaN")
     std = r.std() if r.numel() > 1 else r.new_zeros(())
-    return (r - r.mean()) / (std + eps)
+    centred = r - r.mean()
+    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))  # equal rewards: 0, also at eps=0
 
 
 def token_level_loss(logprobs: Sequence[torch.Tensor], advantages: torch.Tensor, global_tokens: int,
@@ -369,14 +376,23 @@ def token_level_loss(logprobs: Sequence[torch.Tensor], advantages: torch.Tensor,
         0-d tensor in the log-probs' dtype.
 
     Raises:
-        ValueError: lengths that do not match, or ``global_tokens``/``world_size`` < 1.
+        ValueError: lengths that do not match, advantages that are not ``(N,)``, ``global_tokens``/``world_size``
+            not integers >= 1, or fewer ``global_tokens`` than this rank's own response tokens.
     """
+    if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1:
+        raise ValueError(f"advantages must be a 1-D tensor, one per response; got "
+                         f"{tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)}")
     if len(logprobs) != advantages.numel():
         raise ValueError(f"{len(logprobs)} responses but {advantages.numel()} advantages")
-    if global_tokens < 1 or world_size < 1:
-        raise ValueError(f"global_tokens and world_size must be >= 1; got {global_tokens}, {world_size}")
+    for key, v in (("global_tokens", global_tokens), ("world_size", world_size)):
+        if isinstance(v, bool) or not hasattr(v, "__index__") or int(v) < 1:
+            raise ValueError(f"{key} must be an integer >= 1; got {v!r}")
     if not logprobs:
         raise ValueError("token_level_loss needs at least one response")
+    local = sum(int(lp.numel()) for lp in logprobs)
+    if local > int(global_tokens):
+        raise ValueError(f"global_tokens={global_tokens} is below this rank's own {local} response tokens: pass the "
+                         f"all-reduced sum of every rank's response tokens")
     adv = advantages.to(logprobs[0].device, logprobs[0].dtype)
     total = torch.stack([adv[i] * lp.sum() for i, lp in enumerate(logprobs)]).sum()
     return -total * (world_size / global_tokens)

@@ -199,3 +199,25 @@ def test_example_check_grads_on_cpu(mode):
                         "cpu", "--tiny", "--check-grads", *mode], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "gradient check: PASS" in r.stdout and " nan " not in r.stdout  # (an elided row printed nan once)
+
+
+def test_advantages_and_loss_refuse_what_would_be_silently_wrong():
+    """Equal rewards give 0 advantages at eps=0 too (was NaN); NaN rewards, a negative eps, a global token count below
+    this rank's own tokens (an 8x loss), non-integer counts and 2-D advantages are refused in one line."""
+    from kvtransform.distributed import group_advantages
+
+    assert group_advantages(torch.tensor([1.0, 1.0, 1.0]), eps=0).tolist() == [0.0, 0.0, 0.0]
+    assert torch.allclose(group_advantages(torch.tensor([0.0, 2.0]), eps=0), torch.tensor([-0.7071, 0.7071]), atol=1e-4)
+    for rewards, eps, msg in ((torch.tensor([1.0, float("nan")]), 1e-6, "rewards must be finite"),
+                              (torch.tensor([1.0, 2.0]), -1.0, "eps must be a finite number >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            group_advantages(rewards, eps=eps)
+    lps, adv = [torch.randn(5), torch.randn(3)], torch.tensor([1.0, -1.0])
+    assert torch.isfinite(token_level_loss(lps, adv, 8))
+    for kw, msg in ((dict(global_tokens=1), "below this rank's own 8 response tokens"),
+                    (dict(global_tokens=8.7), "global_tokens must be an integer >= 1"),
+                    (dict(global_tokens=8, world_size=1.5), "world_size must be an integer >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            token_level_loss(lps, adv, **kw)
+    with pytest.raises(ValueError, match="advantages must be a 1-D tensor"):
+        token_level_loss(lps, adv[None], 8)
