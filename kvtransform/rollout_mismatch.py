@@ -44,6 +44,7 @@ hold for the prompt length used (a step whose cache fits in the budget is exact:
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,10 +368,11 @@ def _check(cfg) -> tuple:
         raise ValueError(f"budget and lengths must be integers >= 1; got budget={budgets} lengths={lengths}")
     for key in ("prompt", "samples", "threads", "seed"):
         v, lo = getattr(cfg, key), 1 if key in ("prompt", "samples") else 0
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{key} must be an integer >= {lo}; got {v!r}")
-    if not float(cfg.temperature) > 0 or float(cfg.max_seconds) < 0:
-        raise ValueError(f"temperature must be > 0 and max_seconds >= 0; got {cfg.temperature}, {cfg.max_seconds}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (key == "seed" and v >= 2 ** 63):
+            raise ValueError(f"{key} must be an integer >= {lo}{' and < 2**63' if key == 'seed' else ''}; got {v!r}")
+    if not 0 < float(cfg.temperature) < math.inf or not float(cfg.max_seconds) >= 0:
+        raise ValueError(f"temperature must be a finite number > 0 (inf makes both distributions uniform) and "
+                         f"max_seconds one >= 0; got {cfg.temperature}, {cfg.max_seconds}")
     ns = cfg.num_sink
     if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns <= min(budgets):
         raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")

@@ -131,7 +131,9 @@ def test_cli_help_and_bad_input(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("kvtransform rollout-mismatch [MODEL]") and "lengths=[n,...]" in out and "Examples:" in out
     for args, msg in [(["hed=self"], "unknown config key 'hed'"), (["lengths=[0]"], "lengths must be integers >= 1"),
-                      (["device=tpu"], "device must be cpu or cuda"), (["head=nope"], "unknown retrieval head 'nope'")]:
+                      (["device=tpu"], "device must be cpu or cuda"), (["head=nope"], "unknown retrieval head 'nope'"),
+                      (["temperature=inf"], "temperature must be a finite number > 0"),  # was a uniform, 0-KL table
+                      (["seed=100000000000000000000000"], "seed must be an integer >= 0 and < 2**63")]:
         with pytest.raises(SystemExit) as e:
             main(["rollout-mismatch", *args, f"out={tmp_path / 'o'}"])
         err = capsys.readouterr().err

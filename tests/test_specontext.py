@@ -305,6 +305,8 @@ def test_unknown_head_lists_valid_ones(llama):
     (dict(do_sample="yes"), "do_sample must be True or False; got 'yes'"),
     (dict(do_sample=1), "do_sample must be True or False"),
     (dict(do_sample=True, seed=1.5), r"seed must be an integer in \[0, 2\*\*64\)"),
+    (dict(eos_token_id="none"), "eos_token_id must be an id, a list of ids, None .* or 'default'"),  # was the default
+    (dict(do_sample=True, top_p=True), r"top_p must be in \(0, 1\]"),
     (dict(do_sample=True, seed=-1), r"seed must be an integer"),
     (dict(attention_mask=[[1] * 10] * 2), "attention_mask must be a 0/1 tensor"),  # was AttributeError
     (dict(pad_token_id=128), r"pad_token_id must be an id in \[0, 128\)"),  # was IndexError at a row's EOS

@@ -305,6 +305,9 @@ class SpeContextRuntime:
         info = self.info
         rows = self._rows(input_ids, attention_mask)
         _check_request(rows, max_new_tokens, temperature, top_k, top_p, info.max_positions, do_sample)
+        if isinstance(eos_token_id, str) and eos_token_id != "default":
+            raise ValueError(f"eos_token_id must be an id, a list of ids, None (never stop) or 'default'; got "
+                             f"{eos_token_id!r}")
         eos = _as_eos(info.eos_token_id if isinstance(eos_token_id, str) else eos_token_id, info.vocab_size)
         pad = pad_token_id if pad_token_id is not None else (
             info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0))

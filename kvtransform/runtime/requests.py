@@ -104,7 +104,7 @@ def _check_request(rows, max_new_tokens, temperature, top_k, top_p, max_position
         raise ValueError(f"temperature must be a number (ignored when do_sample=False) or None; got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 or None = off); got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    if top_p is not None and not (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1 or None = off); got {top_p!r}")
 
 
