@@ -92,13 +92,21 @@ def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a kvtransform artifact (expected config.yaml and the programs "
                                 f"written by OptimizedModule.save)")
-    config = config_from_yaml((path / "config.yaml").read_text())
+    config = load_artifact_file(path / "config.yaml", lambda f: config_from_yaml(f.read_text()))
+
     def read_json(name):
-        return load_artifact_file(path / name, lambda f: json.loads(f.read_text())) if (path / name).exists() else None
+        d = load_artifact_file(path / name, lambda f: json.loads(f.read_text())) if (path / name).exists() else None
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"{path / name} is damaged (a JSON {type(d).__name__}, not an object): save the artifact "
+                             f"again")
+        return d
 
     report_dict, meta = read_json("report.json"), read_json("meta.json")
     report = Report.from_dict(report_dict) if report_dict is not None else Report()
     meta = meta if meta is not None else {}
+    if meta.get("transform", config.name) != config.name:  # one of the two files was edited or swapped
+        raise ValueError(f"{path} is damaged: config.yaml is a {config.name!r} config but meta.json says transform "
+                         f"{meta['transform']!r}: save the artifact again")
     _register_transformers_ops()
     with stage(progress, f"loading the {config.name} artifact {path}"):
         return check_available(config).module_type.from_artifact(path, config, report, meta)

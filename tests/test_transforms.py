@@ -164,9 +164,15 @@ def test_load_names_a_damaged_file_in_one_line(tmp_path):
 
     art = kvt.transform(tiny_model("llama"), "canonical").save(tmp_path / "a", progress=False)
     data = (art / "model.pt2").read_bytes()
-    for name, damage in [("model.pt2", b"junk"), ("model.pt2", data[: len(data) // 2]), ("meta.json", b"{oops")]:
+    for name, damage in [("model.pt2", b"junk"), ("model.pt2", data[: len(data) // 2]), ("meta.json", b"{oops"),
+                         ("meta.json", b"[1, 2]"), ("config.yaml", b"name: [canonical\n  bad: {")]:
         bad = tmp_path / f"bad_{len(damage)}_{name}"
         shutil.copytree(art, bad)
         (bad / name).write_bytes(damage)
         with pytest.raises(ValueError, match=rf"{name} is damaged .*save the artifact again"):
             kvt.load(bad, progress=False)
+    swapped = tmp_path / "swapped"  # a config of another transform beside this program: not loaded as that module
+    shutil.copytree(art, swapped)
+    (swapped / "config.yaml").write_text((art / "config.yaml").read_text().replace("name: canonical", "name: dualkv"))
+    with pytest.raises(ValueError, match="is a 'dualkv' config but meta.json says transform 'canonical'"):
+        kvt.load(swapped, progress=False)

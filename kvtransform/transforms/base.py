@@ -34,6 +34,10 @@ def load_artifact_file(file: Path, load: Callable[[Path], Any]) -> Any:
         return load(file)
     except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, json.JSONDecodeError, UnicodeDecodeError) as e:
         err = e
+    except Exception as e:  # YAML that does not parse (yaml.YAMLError; the reader imports yaml lazily)
+        if type(e).__module__.split(".")[0] != "yaml":
+            raise
+        err = e
     except RuntimeError as e:  # torch's zip reader on a truncated archive
         if "zip" not in str(e).lower() and "PytorchStreamReader" not in str(e):
             raise
