@@ -90,8 +90,8 @@ def group_tokens(group: Any, index: int = 0) -> int:
 
 def _check_pair_weight(w) -> float:
     """``w`` as a finite float >= 0; ValueError (one line) otherwise (bools, NaN, inf, negatives, non-numbers)."""
-    if isinstance(w, bool) or type(w).__name__ == "bool_" or not isinstance(w, numbers.Real) \
-            or not 0 <= float(w) < math.inf:  # (NumPy scalars are numbers.Real)
+    if isinstance(w, bool) or not isinstance(w, numbers.Real) or not 0 <= float(w) < math.inf:  # (NumPy scalars
+        # are numbers.Real; NumPy's bool_ is not)
         raise ValueError(f"pair_weight must be a finite number >= 0 (token-equivalents per attention pair); got {w!r}")
     return float(w)
 

@@ -49,10 +49,9 @@ def parse_args(args: Sequence[str]) -> tuple[str, dict, dict]:
         UsageError: an unknown key, a transform other than specontext, a missing prompt, a second MODEL, a bad value.
     """
     model, opts, tcfg = parse_key_values(args, KEYS, raw_keys=("prompt",), prefixes=("transform.",), hint=_spec_hint)
-    name = tcfg.pop("name", None) or opts["transform"]  # transform.name=... names the transform too
-    if opts["transform"] != "specontext" or name != "specontext":
-        raise UsageError(f"kvtransform generate runs transform=specontext only; got transform="
-                         f"{name if name != 'specontext' else opts['transform']}")
+    for name in (opts["transform"], tcfg.pop("name", "specontext")):  # transform=... or transform.name=...
+        if name != "specontext":
+            raise UsageError(f"kvtransform generate runs transform=specontext only; got transform={name}")
     if not opts["prompt"]:
         raise UsageError('give the prompt: kvtransform generate MODEL prompt="..."')
     _check_options(opts)

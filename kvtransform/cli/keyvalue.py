@@ -79,6 +79,6 @@ def _number(value):
             f = float(value)
         except ValueError:
             return value
-        if math.isfinite(f) and any(c in value for c in "eE.") and value.strip().lower() not in ("nan", "inf"):
+        if math.isfinite(f) and any(c in value for c in "eE."):
             return f
     return value

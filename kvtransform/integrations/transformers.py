@@ -413,9 +413,7 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     for op, what in ((dualkv_attention, "packed DualKV"), (prefix_tree_attention, "packed prefix-tree")):
         _op_variant_kwargs(op, needed, what)
     _register()
-    for hook in getattr(model, "_kvt_disabled_guard", None) or ():
-        hook.remove()
-    model.__dict__.pop("_kvt_disabled_guard", None)
+    _remove_hooks(model, "_kvt_disabled_guard")
     if not hasattr(model, "_kvt_previous_attn"):
         model._kvt_previous_attn = cfg._attn_implementation
     if hasattr(model, "set_attn_implementation"):
@@ -443,14 +441,16 @@ def _lift(model: torch.nn.Module) -> bool:
             model.config._attn_implementation = prev
         del model._kvt_previous_attn
         enabled = True
-    for attr in ("_kvt_packed_hook", "_kvt_disabled_guard"):
-        hooks = getattr(model, attr, None)
-        if hooks is not None:
-            for hook in hooks:
-                hook.remove()
-            delattr(model, attr)
-            enabled = enabled or attr == "_kvt_packed_hook"
-    return enabled
+    _remove_hooks(model, "_kvt_disabled_guard")
+    return _remove_hooks(model, "_kvt_packed_hook") or enabled
+
+
+def _remove_hooks(model: torch.nn.Module, attr: str) -> bool:
+    """Remove the hook handles listed in ``model.<attr>`` and the attribute; whether there were any."""
+    hooks = model.__dict__.pop(attr, None)
+    for hook in hooks or ():
+        hook.remove()
+    return hooks is not None
 
 
 def _refuse_layout_while_disabled(model, args, kwargs):

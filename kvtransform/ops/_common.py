@@ -91,6 +91,15 @@ def kernel_path(t: torch.Tensor, on_cpu: bool) -> bool:
     return t.is_cuda or (on_cpu and interpreting())
 
 
+def check_dtype_path(q: torch.Tensor, check_kernel_support) -> None:
+    """The wrappers' dtype / head-dim check: float64 CPU tensors run the op's reference (any head_dim >= 1),
+    everything else must suit the kernels (``check_kernel_support(q)``, the op's own ValueError)."""
+    if q.dtype != torch.float64 or q.is_cuda:
+        check_kernel_support(q)
+    elif q.shape[-1] == 0:
+        raise ValueError("unsupported head_dim 0: q, k, v need head_dim >= 1")
+
+
 def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     """``(q, k, v)`` cast to the autocast dtype while ``torch.autocast`` is on for q's device, as SDPA's inputs are
     (mixed-precision training: fp32 weights' RoPE outputs q/k stay fp32 while the value projection is bf16); float64

@@ -43,8 +43,8 @@ import torch
 
 from ..kernels import dualkv as _k
 from ..layout import DualKVLayout, _check_structure, structure_ok
-from ._common import (as_scale, autocast_inputs, check_attention_variants, check_backward_shapes, is_tracing,
-                      kernel_path, no_sinks_grad, variant_kwargs)
+from ._common import (as_scale, autocast_inputs, check_attention_variants, check_backward_shapes, check_dtype_path,
+                      is_tracing, kernel_path, no_sinks_grad, variant_kwargs)
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 USE_TRITON_ON_CPU = False
@@ -170,10 +170,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                  segment_prefix: torch.Tensor, check_data: bool = True) -> None:
     """Validate DualKV inputs; raises ValueError naming the problem (see :func:`dualkv_attention`)."""
     check_shapes(q, k, v, cu_seqlens, segment_prefix)
-    if q.dtype != torch.float64 or q.is_cuda:  # float64 on CPU: the reference (as the prefix-tree op)
-        check_kernel_support(q)
-    elif q.shape[-1] == 0:
-        raise ValueError("unsupported head_dim 0: q, k, v need head_dim >= 1")
+    check_dtype_path(q, check_kernel_support)
     if check_data:
         _check_layout_values(cu_seqlens, segment_prefix, q.shape[0])
 

@@ -36,8 +36,8 @@ import torch
 from ..kernels import prefix_tree as _k
 from ..kernels.layout_memo import memo
 from ..tree_layout import PrefixTreeLayout
-from ._common import (as_scale, autocast_inputs, check_attention_variants, check_backward_shapes, kernel_path,
-                      no_sinks_grad, variant_kwargs)
+from ._common import (as_scale, autocast_inputs, check_attention_variants, check_backward_shapes, check_dtype_path,
+                      kernel_path, no_sinks_grad, variant_kwargs)
 
 __all__ = ["prefix_tree_attention", "check_shapes", "PrefixTreeLayout"]
 
@@ -256,10 +256,7 @@ def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         q, k, v = autocast_inputs(q, k, v)
     check_shapes(q, k, v, *tensors)
-    if q.dtype != torch.float64 or q.is_cuda:
-        check_kernel_support(q)
-    elif q.shape[-1] == 0:
-        raise ValueError("unsupported head_dim 0: q, k, v need head_dim >= 1")
+    check_dtype_path(q, check_kernel_support)
     window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale)
     out, lse = torch.ops.kvt.prefix_tree_attention(q, k, v, *tensors, scale, window, softcap, sinks)

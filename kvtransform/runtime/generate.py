@@ -319,9 +319,10 @@ class SpeContextRuntime:
         longest = max(int(r.numel()) for r in rows)
         cap = longest + max_new_tokens if self.offload else self.cache_length(longest + max_new_tokens, device)
         with self.head.budget_at_most(cap):  # a budget above the cache would only pad selections and buffers with -1
-            return self._generate(rows, input_ids, max_new_tokens, sample, eos, pad, device, progress, output_logprobs)
+            return self._generate(rows, longest, input_ids, max_new_tokens, sample, eos, pad, device, progress,
+                                  output_logprobs)
 
-    def _generate(self, rows, input_ids, max_new_tokens, sample, eos, pad, device, progress, output_logprobs):
+    def _generate(self, rows, longest, input_ids, max_new_tokens, sample, eos, pad, device, progress, output_logprobs):
         """:meth:`generate` after its checks: prefill, decode loop, statistics."""
         batch = len(rows)
         stats = GenerationStats(batch=batch, prompt_tokens=sum(int(r.numel()) for r in rows), head=self.head.name,
@@ -330,7 +331,6 @@ class SpeContextRuntime:
         sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
         plan = self._offload_engine(rows, max_new_tokens, device) if self.offload else None
-        longest = max(int(r.numel()) for r in rows)
         engine = None
         if plan is not None:
             from .offload import LayerReady, OffloadEngine, initial_capacity

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import yaml
 from torch.export import Dim
 
 from kvtransform.capture import Captured, export_dynamic, tie_aliased_parameters
@@ -32,11 +33,8 @@ def load_artifact_file(file: Path, load: Callable[[Path], Any]) -> Any:
     not JSON) raises ValueError with one line naming the file and the fix instead of the reader's traceback."""
     try:
         return load(file)
-    except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        err = e
-    except Exception as e:  # YAML that does not parse (yaml.YAMLError; the reader imports yaml lazily)
-        if type(e).__module__.split(".")[0] != "yaml":
-            raise
+    except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, json.JSONDecodeError, UnicodeDecodeError,
+            yaml.YAMLError) as e:
         err = e
     except RuntimeError as e:  # torch's zip reader on a truncated archive
         if "zip" not in str(e).lower() and "PytorchStreamReader" not in str(e):
