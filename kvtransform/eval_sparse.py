@@ -353,7 +353,8 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
 
 def write_results(df, out) -> None:
     """Merge ``df`` into ``out/results.csv`` (replacing rows of equal model, document, head, budget and settings:
-    ``cached`` prompt tokens, ``continuation``, ``generate``), then write ``results.md`` (mean over documents per
+    ``cached`` prompt tokens, ``continuation``, ``generate``; a row without settings, from an older kvtransform, by a
+    new row of its model, document, head and budget), then write ``results.md`` (mean over documents per
     head, budget and settings, plus the per-document rows) and ``results.png``. ``seconds``: the head's evaluation
     on one document (the dense teacher pass, shared by every head of a document, is not in it)."""
     import pandas as pd
@@ -365,7 +366,12 @@ def write_results(df, out) -> None:
     settings = [c for c in SETTINGS if c in df.columns or (old is not None and c in old.columns)]
     key = ["model", "document", "head", "budget"] + settings
     if old is not None:
-        df = pd.concat([old, df])
+        # a row written without its settings (an older kvtransform) is superseded by a new row of the same model,
+        # document, head and budget: its settings are unknown, so no other row can ever be its duplicate
+        unset = old[[c for c in settings if c in old.columns]].isna().all(axis=1) if settings else old["model"].isna()
+        ours = old[["model", "document", "head", "budget"]].apply(tuple, axis=1).isin(
+            set(df[["model", "document", "head", "budget"]].apply(tuple, axis=1)))
+        df = pd.concat([old[~(unset & ours)], df])
     for c in settings:   # integers; rows written without a setting (older runs) keep it empty, never 1024.0000
         df[c] = df[c].astype("Int64") if c in df.columns else pd.array([pd.NA] * len(df), dtype="Int64")
     df = df.drop_duplicates(subset=key, keep="last").sort_values(key).reset_index(drop=True)

@@ -228,3 +228,51 @@ def test_attention_op_refuses_inconsistent_shapes(mutate, msg):
 def test_attention_fake_shape_follows_v_head_dim():
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 4)
     torch.library.opcheck(torch.ops.kvt.attention.default, (q, k, v, None, None, 0.3, False))
+
+
+# ------------------------------------------------------------------------------------------- second derivatives
+def test_attention_op_second_derivatives_equal_the_math_reference():
+    """kvt.attention (the canonical transform's op) keeps second derivatives: a gradient penalty's gradient equals
+    plain PyTorch attention's in float64 (before, the first gradient was detached: the penalty's part was lost)."""
+    import math
+
+    import kvtransform as kvt
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 7, 5, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    k2, v2 = k[:, :2], v[:, :2]  # GQA 4 / 2
+
+    def reference(q, k, v, sinks):
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        s = (q @ k.transpose(-1, -2)) * 0.4
+        s = torch.tanh(s / 3.0) * 3.0
+        s = s.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), -math.inf)
+        s = torch.cat([s, sinks[None, :, None, None].expand(1, 4, 7, 1)], -1)
+        return s.softmax(-1)[..., :-1] @ v
+
+    results = []
+    for f in (lambda *a: kvt.attention(*a[:3], softmax_scale=0.4, causal=True, softcap=3.0, sinks=a[3]), reference):
+        out = f(q, k2, v2, sinks)
+        g = torch.autograd.grad((out ** 2).sum(), (q, k, sinks), create_graph=True)
+        penalty = sum(x.pow(2).sum() for x in g) + out.sum()
+        results.append(torch.autograd.grad(penalty, (q, k, v, sinks)))
+    for ours, ref in zip(*results):
+        torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("op", ["dualkv", "tree"])
+def test_fused_backward_ops_refuse_second_derivatives_in_one_line(op):
+    import kvtransform as kvt
+
+    torch.manual_seed(0)
+    q = torch.randn(6, 2, 4, requires_grad=True)
+    k, v = torch.randn(6, 1, 4), torch.randn(6, 1, 4)
+    if op == "dualkv":
+        out = kvt.dualkv_attention(q, k, v, _i32([0, 2, 4, 6]), _i32([-1, 0, 0]))
+    else:
+        batch = kvt.pack_trajectories([[1, 2, 3, 4], [1, 2, 5, 6]])
+        out = kvt.prefix_tree_attention(q, k, v, batch.layout)
+    (g,) = torch.autograd.grad((out ** 2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"kvt::.*_backward has no second derivatives.*kvt.attention"):
+        g.pow(2).sum().backward()

@@ -340,13 +340,16 @@ def test_eval_results_keep_other_settings_apart(tmp_path):
     assert sorted(zip(df.cached, df.recall_mean)) == [(1024, 0.9), (4096, 0.6)]
     md = (tmp_path / "results.md").read_text().split("## Per document")[0]
     assert "| m | self | 64 | 1024 | 32 | 16 | 1 | 0.9000 |" in md and "| m | self | 64 | 4096 | 256 | 16 | 1 | 0.6000 |" in md
-    # an older results.csv without the settings columns: its rows stay apart (empty settings), integers stay integers
+    # an older results.csv without the settings columns: a new row of the same head, document and budget supersedes
+    # its row (whose settings are unknown); its other rows stay apart (empty settings); integers stay integers
     old = {k: v for k, v in row.items() if k not in ("cached", "continuation", "generate")}
     (tmp_path / "old").mkdir()
-    pd.DataFrame([{**old, "recall_mean": 0.3}]).to_csv(tmp_path / "old" / "results.csv", index=False)
+    pd.DataFrame([{**old, "recall_mean": 0.3}, {**old, "head": "quest", "recall_mean": 0.2}]).to_csv(
+        tmp_path / "old" / "results.csv", index=False)
     write_results(pd.DataFrame([row]), tmp_path / "old")
     md = (tmp_path / "old" / "results.md").read_text().split("## Per document")[0]
-    assert "| m | self | 64 | 1024 | 32 | 16 | 1 | 0.9000 |" in md and "| m | self | 64 |  |  |  | 1 | 0.3000 |" in md
+    assert "| m | self | 64 | 1024 | 32 | 16 | 1 | 0.9000 |" in md and "| m | quest | 64 |  |  |  | 1 | 0.2000 |" in md
+    assert "0.3000" not in md and len(pd.read_csv(tmp_path / "old" / "results.csv")) == 2
 
 
 @pytest.mark.slow

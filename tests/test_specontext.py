@@ -259,6 +259,13 @@ def test_artifact_with_damaged_weight_list_is_refused(sp_llama, tmp_path):
             kvt.load(path)
 
 
+def test_artifact_missing_its_shared_prefill_program_names_that_file(sp_llama, tmp_path):
+    path = sp_llama.save(tmp_path / "sp")
+    (path / "prefill_shared.pt2").unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing \['prefill_shared.pt2'\]"):
+        kvt.load(path)
+
+
 def test_artifact_with_a_full_prefill_program_still_loads(sp_llama, tmp_path, monkeypatch):
     """Artifacts written before prefill_shared.pt2 hold prefill.pt2 with its own weights: they load, sharing the
     weights that are equal."""

@@ -182,3 +182,21 @@ def check_backward_shapes(op: str, q: torch.Tensor, grad_out, out, lse, grad_lse
                           ("lse", lse, (h, t)), ("grad_lse", grad_lse, (h, t))):
         if x is not None and tuple(x.shape) != want:
             raise ValueError(f"{op}: {name} must have shape {want}; got {tuple(x.shape)}")
+
+
+def refuse_double_backward(op) -> None:
+    """Register on a fused attention backward op (the DualKV / prefix-tree kernels' ``..._backward``) an autograd
+    formula that refuses second derivatives in one line: their backward is itself a kernel with no derivative.
+    Without it a backward through the gradients (``torch.autograd.grad(..., create_graph=True)``, then backward
+    again) fails in PyTorch with advice meant for op authors.
+
+    Raises (when a second derivative reaches the op):
+        RuntimeError: naming the op and where second derivatives can be taken."""
+    name = f"{op._namespace}::{op._name}"
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{name} has no second derivatives (a backward through gradients taken with "
+                           f"create_graph=True); take them through the original model or the canonical transform "
+                           f"(kvt.attention supports them)")
+
+    op.register_autograd(backward)

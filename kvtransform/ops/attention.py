@@ -161,14 +161,22 @@ def _setup_ctx(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out):
-    """Gradients by autograd through :func:`attention_reference` (dq, dk, dv; dsinks when sinks were given)."""
+    """Gradients by autograd through :func:`attention_reference` (dq, dk, dv; dsinks when sinks were given). Under
+    ``create_graph=True`` (grad mode on here) they are built differentiably from the saved inputs, so second
+    derivatives (a gradient penalty, a Hessian-vector product) are exact rather than silently dropped."""
     q, k, v, attn_mask, key_padding, sinks = ctx.saved_tensors
+    create_graph = torch.is_grad_enabled()
+
+    def leaf(t):  # the saved input itself where the gradients must stay connected to it
+        return t if create_graph and t.requires_grad else t.detach().requires_grad_(True)
+
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        sk = None if sinks is None else sinks.detach().requires_grad_(True)
+        leaves = [leaf(t) for t in (q, k, v)]
+        sk = None if sinks is None else leaf(sinks)
         out = attention_reference(*leaves, attn_mask, key_padding, ctx.softmax_scale, ctx.causal, ctx.window,
                                   ctx.softcap, sk)
-        grads = torch.autograd.grad(out, leaves + ([sk] if sk is not None else []), grad_out)
+        grads = torch.autograd.grad(out, leaves + ([sk] if sk is not None else []), grad_out,
+                                    create_graph=create_graph)
     dsinks = grads[3].to(sinks.dtype) if sk is not None else None
     return grads[0], grads[1], grads[2], None, None, None, None, None, None, dsinks
 

@@ -44,7 +44,7 @@ import torch
 from ..kernels import dualkv as _k
 from ..layout import DualKVLayout, _check_structure, structure_ok
 from ._common import (as_scale, autocast_inputs, check_attention_variants, check_backward_shapes, check_dtype_path,
-                      is_tracing, kernel_path, no_sinks_grad, variant_kwargs)
+                      is_tracing, kernel_path, no_sinks_grad, refuse_double_backward, variant_kwargs)
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 USE_TRITON_ON_CPU = False
@@ -163,6 +163,7 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 _dualkv_op.register_autograd(_backward, setup_context=_setup_ctx)
+refuse_double_backward(_dualkv_bwd_op)
 
 
 # ====================================================================================================== wrapper

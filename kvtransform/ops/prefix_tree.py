@@ -37,7 +37,7 @@ from ..kernels import prefix_tree as _k
 from ..kernels.layout_memo import memo
 from ..tree_layout import PrefixTreeLayout
 from ._common import (as_scale, autocast_inputs, check_attention_variants, check_backward_shapes, check_dtype_path,
-                      kernel_path, no_sinks_grad, variant_kwargs)
+                      kernel_path, no_sinks_grad, refuse_double_backward, variant_kwargs)
 
 __all__ = ["prefix_tree_attention", "check_shapes", "PrefixTreeLayout"]
 
@@ -212,6 +212,7 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 _tree_op.register_autograd(_backward, setup_context=_setup_ctx)
+refuse_double_backward(_tree_bwd_op)
 
 
 def prefix_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PrefixTreeLayout,

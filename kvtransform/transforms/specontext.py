@@ -247,7 +247,9 @@ class SpeContextModule(OptimizedModule):
 
     @classmethod
     def from_artifact(cls, path: Path, config: SpeContextConfig, report: Report, meta: dict) -> "SpeContextModule":
-        prefill_file = "prefill_shared.pt2" if (path / "prefill_shared.pt2").is_file() else "prefill.pt2"
+        # meta.json names the shared weights of a prefill_shared.pt2 artifact: a missing file is then that one
+        shared_file = (path / "prefill_shared.pt2").is_file() or bool(meta.get("prefill_weights_from_decode"))
+        prefill_file = "prefill_shared.pt2" if shared_file else "prefill.pt2"
         missing = [f for f in (prefill_file, "decode.pt2", "head.pt") if not (path / f).is_file()]
         if missing or "model_info" not in meta:
             raise FileNotFoundError(f"{str(path)!r} is not a complete specontext artifact (missing "
