@@ -240,7 +240,7 @@ def _ffd(sizes: Sequence[int], order: Sequence[int], cap: int) -> list:
 
 
 def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[int] = None, *, trees: bool = False,
-                   pair_weight: Optional[float] = None) -> GroupBalance:
+                   pair_weight: Optional[float] = None, min_shared: Optional[int] = None) -> GroupBalance:
     """Assign prompt groups (or prefix trees) to ``world_size`` ranks (and micro-batches) with balanced loads.
 
     Args:
@@ -259,6 +259,9 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
         pair_weight: trees only (refused with ``trees=False``), a finite number >= 0 of token-equivalents per
             visible (query, key) pair (default :data:`PAIR_WEIGHT`, derived for hidden size 4096; ``0`` balances
             packed tokens only).
+        min_shared: trees only (refused with ``trees=False``), the ``min_shared`` the ranks will pack with
+            (:func:`kvtransform.tree_packing.pack_trajectories`; default 1): a prefix shorter than it is stored
+            once per trajectory, so the plan must count it so for ``max_tokens`` to hold.
 
     Returns:
         :class:`GroupBalance`, a sequence of the ``world_size`` per-rank lists (``plan[r]``, ``for rank_groups in
@@ -266,12 +269,13 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
         Ranks: greedy longest-first (LPT), max load <= mean + largest item. Ranks may get no item when there are
         fewer items than ranks (they must still run a filler step). Pack a rank's (micro-batch's) trees with
         ``kvt.pack_trajectories([s for tree in mb for s in tree])``; trees that share a prefix (one system prompt)
-        merge there, so its packed tokens can only be fewer than the plan's.
+        merge there, so (packed with the same ``min_shared``) its packed tokens can only be fewer than the plan's.
 
     Raises:
         ValueError: ``world_size`` < 1 or not an int, no groups, a malformed group or tree (a tree without
             ``trees=True`` and a group with it name the keyword), ``max_tokens`` < 1, ``trees`` not a bool,
-            ``pair_weight`` negative / NaN / inf or given without ``trees=True``, or an
+            ``pair_weight`` negative / NaN / inf or given without ``trees=True``, ``min_shared`` given without
+            ``trees=True`` or not an integer >= 1, or an
             item larger than ``max_tokens`` (the message names it, its size and the fix).
     """
     world_size = as_int(world_size, "world_size", " >= 1 (the number of data-parallel ranks)")  # NumPy/torch too
@@ -291,6 +295,9 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
         raise ValueError("pair_weight applies to prefix trees only: pass trees=True, or drop pair_weight (groups are "
                          "balanced by packed tokens)")
     pair_weight = _check_pair_weight(pair_weight)
+    if min_shared is not None and not trees:
+        raise ValueError("min_shared applies to prefix trees only: pass trees=True, or drop min_shared (a group's "
+                         "prompt is always shared)")
     what = "tree" if trees else "group"
     if isinstance(groups, (str, bytes)) or not hasattr(groups, "__len__") or len(groups) == 0:
         raise ValueError("balance_groups needs a non-empty list of " + (
@@ -298,7 +305,7 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
     groups = list(groups)
     costs = None
     if trees:
-        tc = [tree_cost(g, i, pair_weight) for i, g in enumerate(groups)]
+        tc = [tree_cost(g, i, pair_weight, 1 if min_shared is None else min_shared) for i, g in enumerate(groups)]
         sizes, costs = [t[0] for t in tc], [t[2] for t in tc]
     else:
         sizes = [group_tokens(g, i) for i, g in enumerate(groups)]

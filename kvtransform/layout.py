@@ -147,6 +147,26 @@ def structure_ok(cu_seqlens: torch.Tensor, segment_prefix: torch.Tensor, total_t
             & (is_prefix | (sp == latest_prefix)).all())
 
 
+def _as_device(device) -> Optional[torch.device]:
+    """``device`` as a usable torch.device (None stays None); ValueError (one line) naming the fix."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0'; got {device!r}") from None
+    if dev.type == "meta":
+        raise ValueError("device='meta' holds no data: pack on 'cpu' or a GPU")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but no CUDA GPU is available here: pass device='cpu'")
+    try:
+        torch.empty(0, device=dev)
+    except Exception as e:  # an absent index or backend: one line instead of torch's traceback
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"device={device!r} is not usable here ({why}): pass 'cpu' or an available GPU") from None
+    return dev
+
+
 def _int32_on(values, device) -> torch.Tensor:
     """An int32 tensor of ``values`` (a list or a CPU integer tensor) on ``device``. For a CUDA device the copy goes
     through pinned memory without blocking (a pageable host-to-device copy waits for the stream: a per-step layout
@@ -189,6 +209,7 @@ class DualKVLayout:
             ValueError: no groups, a prompt or response of length <= 0, or a non-integer length (a float or a bool).
         """
         cu, sp, prefix_lens, response_lens = _lists_from_lengths(groups)
+        device = _as_device(device)
         return cls._trusted(_int32_on(cu, device), _int32_on(sp, device), prefix_lens, response_lens)
 
     @classmethod

@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .layout import _has_data, _int32_on
+from .layout import _as_device, _has_data, _int32_on
 
 __all__ = ["PrefixTreeLayout"]
 
@@ -180,7 +180,7 @@ class PrefixTreeLayout:
             raise ValueError(f"{t} tokens do not fit int32 offsets (at most 2**31 - 1 tokens per batch)")
         if total_tokens is not None and t != _as_index(total_tokens, "total_tokens"):
             raise ValueError(f"the node lengths sum to {t} tokens but there are {int(total_tokens)} tokens (T)")
-        return cls._build(lengths, parents, device)
+        return cls._build(lengths, parents, _as_device(device))
 
     @classmethod
     def from_tensors(cls, cu_seqlens: torch.Tensor, parent: torch.Tensor,
@@ -295,20 +295,25 @@ class PrefixTreeLayout:
         kernels plan their work tables on the GPU and are faster on that shape, so the frontends run one-level trees
         through them (BENCHMARKS.md, "Prefix-tree attention"). Cached; on this layout's device."""
         if "_dualkv" not in self.__dict__:
-            groups, ok = [], self.depth <= 2
-            for i, (n, p) in enumerate(zip(self.lengths, self.parents)):
-                if not ok:
-                    break
-                if p < 0:
-                    groups.append((n, []))
-                elif p == i - 1 - len(groups[-1][1]) and self.parents[p] < 0:  # children right after their root
-                    groups[-1][1].append(n)
-                else:
-                    ok = False
-            from .layout import DualKVLayout
-
-            self.__dict__["_dualkv"] = DualKVLayout.from_lengths(groups, device=self.device) if ok else None
+            self.__dict__["_dualkv"] = self._one_level()
         return self.__dict__["_dualkv"]
+
+    @torch.inference_mode(False)  # cached: built under inference_mode its tensors could not be saved for a backward
+    def _one_level(self):
+        """:meth:`as_dualkv`'s layout, built as normal tensors whatever the caller's inference mode."""
+        groups, ok = [], self.depth <= 2
+        for i, (n, p) in enumerate(zip(self.lengths, self.parents)):
+            if not ok:
+                break
+            if p < 0:
+                groups.append((n, []))
+            elif p == i - 1 - len(groups[-1][1]) and self.parents[p] < 0:  # children right after their root
+                groups[-1][1].append(n)
+            else:
+                ok = False
+        from .layout import DualKVLayout
+
+        return DualKVLayout.from_lengths(groups, device=self.device) if ok else None
 
     def kernel_tensors(self) -> tuple:
         """``(cu_seqlens, parent, key_range_ptr, key_ranges, query_range_ptr, query_ranges)``: the op's layout

@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .layout import _as_device
 from .ops._common import as_int
 from .packed_logits import packed_logits
 from .tree_layout import PrefixTreeLayout
@@ -95,18 +96,23 @@ class TreeBatch:
         its predecessor's packed position (for a node's first token: its parent's last token), and per trajectory the
         index into ``tgt`` of its tokens 1.. (int64 CPU)."""
         if "tgt" not in self._index:
-            lay = self.layout
-            cu = lay._cu
-            t = lay.total_tokens
-            pred = torch.arange(-1, t - 1)
-            for n, p in enumerate(lay.parents):
-                pred[cu[n]] = -1 if p < 0 else cu[p + 1] - 1
-            tgt = (pred >= 0).nonzero()[:, 0]
-            where = torch.full((t,), -1, dtype=torch.long)
-            where[tgt] = torch.arange(tgt.numel())
-            per = [where[self.token_index(i)[1:]] for i in range(self.num_trajectories)]
-            self._index.update(tgt=tgt, pred=pred[tgt], per=per)
+            self._index.update(self._build_targets())
         return self._index["tgt"], self._index["pred"], self._index["per"]
+
+    @torch.inference_mode(False)  # cached: built under inference_mode they could never be saved for a backward
+    def _build_targets(self) -> dict:
+        """What :meth:`_targets` caches, built as normal tensors whatever the caller's inference mode."""
+        lay = self.layout
+        cu = lay._cu
+        t = lay.total_tokens
+        pred = torch.arange(-1, t - 1)
+        for n, p in enumerate(lay.parents):
+            pred[cu[n]] = -1 if p < 0 else cu[p + 1] - 1
+        tgt = (pred >= 0).nonzero()[:, 0]
+        where = torch.full((t,), -1, dtype=torch.long)
+        where[tgt] = torch.arange(tgt.numel())
+        per = [where[self.token_index(i)[1:]] for i in range(self.num_trajectories)]
+        return dict(tgt=tgt, pred=pred[tgt], per=per)
 
     def trajectory_logprobs(self, logits: torch.Tensor) -> list:
         """Per-trajectory log-probabilities of tokens ``1..len-1`` given the tokens before them.
@@ -167,26 +173,6 @@ def _as_vocab(v) -> int:
     if not ok:
         raise ValueError(f"vocab_size must be a positive integer (the model's vocabulary size) or None; got {v!r}")
     return operator.index(v)
-
-
-def _as_device(device) -> Optional[torch.device]:
-    """``device`` as a usable torch.device (None stays None); ValueError (one line) naming the fix."""
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0'; got {device!r}") from None
-    if dev.type == "meta":
-        raise ValueError("device='meta' holds no data: pack on 'cpu' or a GPU")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but no CUDA GPU is available here: pass device='cpu'")
-    try:
-        torch.empty(0, device=dev)
-    except Exception as e:  # an absent index or backend: one line instead of torch's traceback
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"device={device!r} is not usable here ({why}): pass 'cpu' or an available GPU") from None
-    return dev
 
 
 def _as_mask(m, n: int, i: int) -> torch.Tensor:

@@ -199,6 +199,8 @@ def test_tree_errors(args, kwargs, match):
     ({"trees": 1}, r"trees must be True"),
     ({"pair_weight": 0.1}, r"pair_weight applies to prefix trees only: pass trees=True"),
     ({"trees": False, "pair_weight": 0}, r"pair_weight applies to prefix trees only"),
+    ({"min_shared": 4}, r"min_shared applies to prefix trees only: pass trees=True"),
+    ({"trees": True, "min_shared": 0}, r"min_shared"),
 ])
 def test_tree_flags_are_checked(kwargs, match):
     """pair_weight finite and >= 0, trees a bool, pair_weight refused without trees=True: one line each."""
@@ -219,3 +221,17 @@ def test_tree_batch_is_refused_with_the_fix():
         kvt.balance_groups([b], 2, trees=True)
     with pytest.raises(ValueError, match="pass trees=True"):
         kvt.balance_groups([b], 2)
+
+
+def test_tree_plan_holds_max_tokens_for_the_min_shared_the_ranks_pack_with():
+    """A prefix shorter than min_shared is stored once per trajectory: the plan counts it so, and every micro-batch
+    packed with that min_shared fits max_tokens (planned with the default 1 one packed to 480 > 420 tokens)."""
+    g = torch.Generator().manual_seed(0)
+    trees = [[torch.cat([torch.full((20,), t), torch.randint(10, 99, (60,), generator=g)]) for _ in range(3)]
+             for t in range(1, 5)]  # 4 trees: 3 trajectories sharing a 20-token prompt each
+    for min_shared, micro_batches in ((1, 2), (32, 4)):
+        plan = kvt.balance_groups(trees, 1, max_tokens=420, trees=True, min_shared=min_shared)
+        assert plan.num_micro_batches == micro_batches
+        for mb in plan[0]:
+            packed = kvt.pack_trajectories([s for tree in mb for s in tree], min_shared=min_shared)
+            assert packed.num_tokens <= 420, (min_shared, packed.num_tokens)

@@ -132,6 +132,9 @@ def test_packed_calls_are_checked_before_the_model_runs():
     # a tree batch's positions without its layout (the README once showed only the shared-prefix arguments)
     with pytest.raises(ValueError, match="position_ids fall back to 5 at token 6 without a packed layout"):
         model(tree.input_ids, position_ids=tree.position_ids, use_cache=False)
+    for none in ({"prefix_tree_layout": None}, {"cu_seqlens": None, "segment_prefix": None}):  # (`x if tree else None`)
+        with pytest.raises(ValueError, match="position_ids fall back to 5 at token 6 without a packed layout"):
+            model(tree.input_ids, position_ids=tree.position_ids, use_cache=False, **none)
     with torch.no_grad():  # positions that restart at 0 (transformers' own packing) and left padding pass
         model(torch.tensor([[1, 2, 3, 4]]), position_ids=torch.tensor([[0, 1, 0, 1]]))
         model(torch.tensor([[0, 0, 3, 4]]), attention_mask=torch.tensor([[0, 0, 1, 1]]),

@@ -266,6 +266,12 @@ def test_pack_refuses_malformed_input_in_one_line(kwargs, match):
     one_line_error(lambda: kvt.pack_trajectories(**kwargs), match)
 
 
+@pytest.mark.parametrize("device", ["foo", "meta", "cuda:99"])
+def test_layout_constructors_refuse_an_unusable_device_in_one_line(device):
+    one_line_error(lambda: PrefixTreeLayout.from_parents([2, 1], [-1, 0], device=device), "device")
+    one_line_error(lambda: kvt.DualKVLayout.from_lengths([(2, [1])], device=device), "device")
+
+
 def test_pack_takes_float_and_integer_01_loss_masks():
     """RL loops keep masks as 0/1 floats or integers: the same trained tokens as bools."""
     seqs, want = [[1, 2, 3], [1, 2, 4]], [[True, False], [True, True]]

@@ -182,6 +182,25 @@ def test_one_level_tree_runs_the_dualkv_program(tiny):
     assert calls == []
 
 
+@pytest.mark.parametrize("frontend", ["transform", "hf"])
+@pytest.mark.parametrize("shape", ["one level", "deep"])
+def test_a_batch_scored_under_inference_mode_still_trains(tiny, frontend, shape):
+    """Old-policy / reference log-probs under torch.inference_mode(), then the policy's with grad on the same batch
+    (a GRPO step): the batch's cached indices and one-level layout are normal tensors, so the second pass can be
+    saved for backward (they were inference tensors: "Inference tensors cannot be saved for backward")."""
+    model, opt = tiny
+    run = opt if frontend == "transform" else hf_logits(
+        kvt.integrations.transformers.enable(tiny_model("llama"), "dualkv"))
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 3, 7]] if shape == "one level" else \
+        [[1, 2, 3, 4, 8], [1, 2, 3, 4, 9], [1, 2, 5]]
+    batch = kvt.pack_trajectories(seqs)
+    with torch.inference_mode():
+        old = [x.clone() for x in batch.trajectory_logprobs(run(batch))]
+    new = batch.trajectory_logprobs(run(batch))
+    sum(x.sum() for x in new).backward()
+    assert all(torch.allclose(a, b.detach(), atol=1e-6) for a, b in zip(old, new))
+
+
 class _Boom(torch.nn.Module):
     def forward(self, *args):
         raise AssertionError("the tree program ran on a one-level tree")

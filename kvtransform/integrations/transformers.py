@@ -310,7 +310,8 @@ def _check_packed_call(model, args, kwargs):
         return None  # (a forward takes the layout through **kwargs only: by name)
     named = _call_arguments(model, args, kwargs)
     tree, cu, sp = (named.get(k) for k in ("prefix_tree_layout", "cu_seqlens", "segment_prefix"))
-    if tree is None and cu is None and sp is None:
+    if tree is None and cu is None and sp is None:  # layout keywords given as None: an unpacked call
+        _refuse_packed_positions_without_layout(model, args, kwargs)
         return None
     for key in ("past_key_values", "cache"):  # (the cache argument's two names across transformers 5.x)
         if named.get(key) is not None:
