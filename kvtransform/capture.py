@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch.export import Dim
 
-from kvtransform.capture_rewrites import KNOWN_BLOCKER_LINES, KNOWN_BLOCKERS, capturable
+from kvtransform.capture_rewrites import KNOWN_BLOCKER_LINES, KNOWN_BLOCKERS, capturable, no_fake_state_left
 from kvtransform.utils import cache_kwarg
 
 
@@ -127,7 +127,7 @@ def export_dynamic(module: torch.nn.Module, args: tuple, kwargs: Optional[dict],
     with capturable(module, max_positions, what):
         for spec in specs:
             try:
-                with torch.no_grad(), _quiet():
+                with torch.no_grad(), _quiet(), no_fake_state_left(module):  # (a retry must not meet the first's)
                     return torch.export.export(module, tuple(args), kwargs or {}, dynamic_shapes=spec, strict=False)
             except Exception as e:
                 err = e

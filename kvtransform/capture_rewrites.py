@@ -3,6 +3,8 @@
 
 * dynamic-NTK RoPE runs as plain RoPE with its original frequencies, which is what it computes up to the model's
   original maximum length (:func:`_capturable_rope`);
+* a tensor a forward caches on a module during the export (a fake tensor) is taken back out
+  (:func:`no_fake_state_left`, around each export attempt);
 * mixture-of-experts layers (Qwen3-MoE, gpt-oss) set to transformers' ``'eager'`` experts implementation, a Python
   loop over the experts the router hit (data-dependent control flow), run as ``'grouped_mm'`` (the same per-expert
   matmuls over tokens sorted by expert; transformers' default; on CPU the ``transformers::grouped_mm_fallback`` op,
@@ -18,7 +20,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["KNOWN_BLOCKER_LINES", "KNOWN_BLOCKERS", "capturable"]
+__all__ = ["KNOWN_BLOCKER_LINES", "KNOWN_BLOCKERS", "capturable", "no_fake_state_left"]
 
 _DYNAMIC_ROPE = "dynamic-NTK RoPE (config.rope_parameters['rope_type'] = 'dynamic')"
 _ROPE_FIX = ("if your inputs stay within config.max_position_embeddings, where dynamic RoPE equals plain RoPE, set "
@@ -108,10 +110,31 @@ def _capturable_experts(module: torch.nn.Module):
 
 @contextlib.contextmanager
 def capturable(module: torch.nn.Module, max_positions: Optional[int], what: str):
-    """Both rewrites of the module docstring, for one export of ``module`` (a model, or a wrapper holding one).
+    """The RoPE and experts rewrites of the module docstring, for one export of ``module`` (a model, or a wrapper holding one).
 
     Raises:
         kvtransform.capture.CaptureError: dynamic RoPE that cannot be captured for ``max_positions``.
     """
     with _capturable_rope(module, max_positions, what), _capturable_experts(module):
         yield
+
+
+@contextlib.contextmanager
+def no_fake_state_left(module: torch.nn.Module):
+    """torch.export runs the forward on fake tensors, so a forward that caches a tensor on a module (transformers'
+    longrope RoPE keeps ``long_inv_freq``: Phi-3-128k / 3.5) leaves a fake tensor in the user's model, and every later
+    export or forward fails ("fake mode ... doesn't match mode"). After the export each module attribute or buffer
+    that holds a fake tensor gets its value from before the export back (or is removed, when it is new)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    before = [(m, dict(m.__dict__), dict(m._buffers)) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, attrs, buffers in before:
+            for store, old in ((m.__dict__, attrs), (m._buffers, buffers)):
+                for name in [n for n, v in store.items() if isinstance(v, FakeTensor)]:
+                    if name in old and not isinstance(old[name], FakeTensor):
+                        store[name] = old[name]
+                    else:
+                        del store[name]

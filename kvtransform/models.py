@@ -407,8 +407,9 @@ def config_attention_variants(model) -> dict:
     out = {}
     layer_types = getattr(cfg, "layer_types", None) or []
     # Mistral has no use_sliding_window: its sliding_window alone turns the window on
+    # (a sliding_window of 0 is a window too, a degenerate one HF applies: reported, so that enable() refuses it)
     if any("sliding" in str(t) for t in layer_types) or (getattr(cfg, "use_sliding_window", True) and
-                                                         getattr(cfg, "sliding_window", None)):
+                                                         getattr(cfg, "sliding_window", None) is not None):
         out["window"] = getattr(cfg, "sliding_window", None)
     if (getattr(cfg, "attn_logit_softcapping", None) is not None
             and getattr(cfg, "model_type", None) not in SOFTCAP_NOT_APPLIED):

@@ -242,7 +242,7 @@ def _const_factor(node) -> Optional[tuple[torch.fx.Node, float]]:
 
 def _peel_softcap(node) -> tuple[object, Optional[float]]:
     """``c * tanh(x / c)`` (Gemma 2's attention soft-capping; ``x * (1/c)`` inside too) → ``(x, c)``; else
-    ``(node, None)``."""
+    ``(node, None)``; a negative ``c`` (the same function: tanh is odd) gives ``|c|``."""
     outer = _const_factor(_skip_passthrough_up(node))
     if outer is None:
         return node, None
@@ -251,9 +251,9 @@ def _peel_softcap(node) -> tuple[object, Optional[float]]:
     if not (isinstance(t, torch.fx.Node) and t.target is aten.tanh.default):
         return node, None
     inner = _const_factor(_skip_passthrough_up(t.args[0]))
-    if inner is None or c <= 0 or abs(inner[1] * c - 1.0) > 1e-6:
+    if inner is None or abs(inner[1] * c - 1.0) > 1e-6:
         return node, None
-    return inner[0], c
+    return inner[0], abs(c)  # tanh is odd: c · tanh(x / c) with c < 0 is the cap |c|
 
 
 def _find_scores(node) -> Optional[tuple[torch.fx.Node, float, Optional[float]]]:

@@ -1,10 +1,10 @@
 """The mask proof of the canonical attention pass (:mod:`.attention`): what a materialised attention mask computes.
 
 The mask subgraph (everything the mask node depends on) is extracted and evaluated over probe lengths (including
-every structural threshold the config declares: ``sliding_window``, ``sliding_window + 1``, ...) with random padding
-patterns (an unpadded row, a left-padded row, random holes), and compared with the plain causal mask, with causal ∧
-key-padding, and with both restricted to the config's sliding window (HF semantics: query ``i`` sees keys
-``i - window < j <= i``). A verdict holds only if it holds at every probe.
+the two past the config's ``sliding_window``, where its band first shows) with random padding patterns (an unpadded
+row, a left-padded row, random holes), and compared with the plain causal mask, with causal ∧ key-padding, and with
+both restricted to the config's sliding window (HF semantics: query ``i`` sees keys ``i - window < j <= i``). A
+verdict holds only if it holds at every probe.
 """
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def config_window(config) -> Optional[int]:
 def probe_lengths(ctx: PassContext) -> list[int]:
     lengths = {2, 3, 5, 17, 64}
     window = config_window(ctx.config)
-    if window:
-        lengths.update({int(window), int(window) + 1, int(window) + 2})
+    if window:  # (at window tokens a window mask is still causal: only longer probes see its band; O(s^2) each)
+        lengths.update({int(window) + 1, int(window) + 2})
     if ctx.max_seq_len <= 1024:
         lengths.add(ctx.max_seq_len)
     return sorted(s for s in lengths if 2 <= s <= ctx.max_seq_len)
@@ -112,10 +112,9 @@ def _probe(gm, mask, ctx) -> str:
         if not reads_padding and torch.equal(keep, causal[None, None].expand_as(keep)):
             verdicts.add("causal")
             continue
-        if window:
-            i = torch.arange(s)[:, None]
-            j = torch.arange(s)[None, :]
-            win = (padded if reads_padding else causal[None, None]) & ((i - j) < int(window))[None, None]
+        if window:  # query i sees keys i - window < j <= i (a bool band: no (s, s) integer temporaries)
+            band = causal.triu(-(int(window) - 1))
+            win = (padded & band[None, None]) if reads_padding else band[None, None]
             if torch.equal(keep, win.expand_as(keep)):
                 verdicts.add("sliding_window")
                 continue

@@ -218,3 +218,69 @@ def test_enable_refuses_what_the_packed_ops_cannot_compute():
     with pytest.raises(ValueError, match="unsupported head_dim 258") as e:  # at enable(), not the first packed call
         enable(tiny_model("gemma3", head_dim=258), "dualkv")
     assert "\n" not in str(e.value)
+
+
+_LONGROPE = dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                  "long_factor": [1.0 + 3 * i for i in range(8)],
+                                  "original_max_position_embeddings": 32})
+
+
+def test_longrope_capture_leaves_no_fake_tensor_in_the_model():
+    """transformers' longrope RoPE (Phi-3-128k / 3.5) caches ``long_inv_freq`` on the rotary module during the
+    forward: under torch.export that was a fake tensor left in the user's model, and the next export (SpeContext's
+    second capture, or any second transform) failed ("fake mode ... doesn't match"). SpeContext on a fresh model now
+    decodes HF's greedy tokens past the 32-token switch to the long factors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    m = kvt.tiny_model("phi3", **_LONGROPE)
+    sp = kvt.transform(m, kvt.SpeContextConfig(budget=128), progress=False)
+    assert not isinstance(getattr(m.model.rotary_emb, "long_inv_freq", None), FakeTensor)
+    kvt.transform(m, "canonical", progress=False)  # a second transform of the same model
+    row = torch.randint(3, m.config.vocab_size, (27,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = m.generate(row[None], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(sp.generate(row[None], max_new_tokens=12, eos_token_id=None), want)
+
+
+def test_canonical_with_nothing_rewritten_is_refused_in_one_line(monkeypatch):
+    """A canonical module that rewrote no attention would only re-run the model while its report claims a rewrite."""
+    import kvtransform.passes.attention as attention_pass
+
+    monkeypatch.setattr(attention_pass, "find_attention", lambda gm: [])
+    with pytest.raises(ValueError, match=r"the canonical transform rewrote no attention of LlamaForCausalLM: no "
+                                         r"attention found .*kvt.inspect\(model\)"):
+        kvt.transform(kvt.tiny_model("llama"), "canonical", progress=False)
+
+
+def test_a_negative_soft_cap_is_its_absolute_value():
+    """``c · tanh(s / c)`` with ``c < 0`` (a config HF accepts) is the cap ``|c|``: the matcher rewrites it (it used to
+    match nothing, and canonical returned an unrewritten module); enable() still refuses the config value by name."""
+    m = kvt.tiny_model("gemma2", attn_logit_softcapping=-5.0)
+    opt = kvt.transform(m, "canonical", progress=False)  # verified against the model by the gate
+    assert [s.softcap for s in opt.report.sites] == [5.0] * m.config.num_hidden_layers
+    with pytest.raises(ValueError, match="softcap must be a finite float > 0"):
+        kvt.integrations.transformers.enable(kvt.tiny_model("gemma2", attn_logit_softcapping=-5.0), "dualkv")
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_enable_refuses_a_zero_sliding_window(family):
+    """A ``sliding_window`` of 0 (a degenerate window HF applies) is refused at enable() as for Gemma 2 / gpt-oss,
+    not at the first packed forward."""
+    with pytest.raises(ValueError, match="window must be a pos"):
+        kvt.integrations.transformers.enable(kvt.tiny_model(family, sliding_window=0), "dualkv")
+
+
+def test_a_window_as_long_as_the_positions_is_not_probed_at_its_length():
+    """The mask proof probes a window past its length only (at ``window`` tokens a window mask is causal), so a
+    window equal to max_position_embeddings costs no (window, window) probe."""
+    from kvtransform.passes.manager import PassContext
+    from kvtransform.passes.mask_proof import probe_lengths
+
+    ctx = PassContext.__new__(PassContext)
+    ctx.config, ctx.max_seq_len = kvt.tiny_model("mistral", sliding_window=8).config, 4096
+    assert probe_lengths(ctx) == [2, 3, 5, 9, 10, 17, 64]
+    ctx.max_seq_len = 8  # (a short max_seq_len is probed itself)
+    assert probe_lengths(ctx) == [2, 3, 5, 8]
+    ctx.max_seq_len = 2048
+    ctx.config = kvt.tiny_model("mistral", sliding_window=2048).config
+    assert probe_lengths(ctx) == [2, 3, 5, 17, 64]

@@ -199,19 +199,65 @@ def test_shared_prefix_from_the_command_line(tmp_path, argv, want):
     assert cfg.shared_prefix == want and type(cfg.shared_prefix) is type(want)
 
 
-def test_sequence_level_correction_with_sparse_rollouts_is_warned(tmp_path, caplog):
-    """Sparse rollouts shorter than the budget would cover: TRL's sequence-level correction is warned about (it masks
-    most long sparse rollouts, docs/ROLLOUT_MISMATCH.md); token_truncate, or a budget covering every rollout, is not."""
-    def cfg(**kw):
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="kvtransform.integrations.trl"):
-            GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
-                       per_device_train_batch_size=2, rollout="specontext", max_completion_length=64, **kw)
-        return [r.getMessage() for r in caplog.records if "token_truncate" in r.getMessage()]
+def test_sequence_level_correction_with_sparse_rollouts_is_warned_once():
+    """A rollout whose prompt + new tokens pass the budget is sparse: TRL's sequence-level correction is warned about
+    once (it masks most long sparse rollouts, docs/ROLLOUT_MISMATCH.md); token_truncate, the correction switched
+    off, or a context within the budget is not (the check once read TRL's absent max_prompt_length and warned for
+    every budget)."""
+    from types import SimpleNamespace
 
-    assert cfg(rollout_budget=16, vllm_importance_sampling_mode="sequence_mask")
-    assert not cfg(rollout_budget=16, vllm_importance_sampling_mode="token_truncate")
-    assert not cfg(rollout_budget=10 ** 9, vllm_importance_sampling_mode="sequence_mask")
+    def warned(context, **kw):
+        said = []
+        args = SimpleNamespace(**{"rollout_budget": 64, "vllm_importance_sampling_mode": "sequence_mask",
+                                  "vllm_importance_sampling_correction": True, **kw})
+        me = SimpleNamespace(args=args, _say_once=lambda m: said.append(m) if m not in said else None)
+        for _ in range(2):
+            GRPOTrainer._warn_sequence_weights(me, context)
+        return said
+
+    (msg,) = warned(65)
+    assert "rollouts of up to 65 tokens pass rollout_budget=64" in msg and "token_truncate" in msg
+    assert not warned(64) and not warned(10 ** 6, rollout_budget=10 ** 6)
+    assert not warned(65, vllm_importance_sampling_mode="token_truncate")
+    assert not warned(65, vllm_importance_sampling_correction=False)
+
+
+def test_models_packing_cannot_match_are_refused_or_run_unpacked():
+    """Three families TRL trains that the packed passes would silently change: a model whose attention bypasses
+    transformers' interface (Falcon: each packed row attended across its segments) is refused by enable(); attention
+    dropout in training is refused at construction (it failed mid-step); learned absolute positions that TRL numbers
+    from the first left pad (GPT-2; log-probs off by 0.26) make left-padded batches run TRL's own pass."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvtransform.integrations.transformers import enable
+    from kvtransform.integrations.trl import _check_no_attention_dropout, _pads_shift_positions
+    from kvtransform.models import tiny_model
+
+    def hf(family, **kw):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, vocab_size=64, **kw))
+
+    falcon = hf("falcon", num_hidden_layers=1, hidden_size=32, num_attention_heads=4)
+    with pytest.raises(ValueError, match="FalconForCausalLM runs its own attention code"):
+        enable(falcon, "dualkv")
+    with pytest.raises(ValueError, match=r"applies attention dropout 0.1 .* load the model with attention_dropout=0"):
+        _check_no_attention_dropout(tiny_model("llama", attention_dropout=0.1))
+    gpt2 = hf("gpt2", n_layer=1, n_embd=32, n_head=4)
+    with pytest.raises(ValueError, match=r"attention dropout 0.1 .*disable_dropout=True"):
+        _check_no_attention_dropout(gpt2)
+    from trl.trainer.utils import disable_dropout_in_model
+
+    disable_dropout_in_model(gpt2)
+    _check_no_attention_dropout(gpt2)  # TRL's disable_dropout zeroes GPT-2's attention dropout
+    assert _pads_shift_positions(gpt2) and gpt2.training  # (the probe leaves the mode as it was)
+    assert not _pads_shift_positions(tiny_model("llama"))  # RoPE
+    assert not _pads_shift_positions(hf("opt", num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                        ffn_dim=64, word_embed_proj_dim=32))  # positions numbered by the mask
+    ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 9], [3, 5, 6, 7, 2]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert plan_packing(ids, mask, 2)[0] is not None
+    plan, why = plan_packing(ids, mask, 2, left_padding=False)
+    assert plan is None and "left padding moves this model's learned absolute positions" in why
+    assert plan_packing(ids[2:], mask[2:], 2, trees=True, left_padding=False)[0] is not None
 
 
 def test_trainer_refusals(tiny_dir, monkeypatch):

@@ -385,9 +385,10 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
 
     Raises:
         ValueError: another ``kind``, a model that is not a transformers model, one with non-causal (bidirectional)
-            attention, a head_dim the packed ops do not take (above 256), a config window or soft-cap the ops refuse
-            (a window below 1, a soft-cap of 0), or one whose attention variant (window, soft-cap, sinks) an
-            installed packed attention op does not take.
+            attention, one whose attention does not go through transformers' attention interface (Falcon), a head_dim
+            the packed ops do not take (above 256), a config window or soft-cap the ops refuse (a window below 1, a
+            soft-cap of 0), or one whose attention variant (window, soft-cap, sinks) an installed packed attention op
+            does not take.
     """
     if kind != "dualkv":
         raise ValueError(f"kvt.integrations.transformers.enable supports 'dualkv'; got {kind!r}")
@@ -397,6 +398,10 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     from kvtransform.models import check_causal_lm, config_attention_variants
 
     check_causal_lm(model)  # packed attention is causal: a bidirectional model (EmbeddingGemma) would silently change
+    if getattr(model, "_supports_attention_backend", True) is False:  # (its attention never calls the interface)
+        raise ValueError(f"{type(model).__name__} runs its own attention code, not transformers' attention "
+                         f"interface, so enable() cannot give it packed attention (each packed row would attend "
+                         f"across its segments): use kvt.transform(model, 'dualkv') or unpacked batches")
     needed = config_attention_variants(model)
     from kvtransform.ops._common import check_attention_variants
     from kvtransform.ops.dualkv import check_head_dim, dualkv_attention

@@ -146,19 +146,6 @@ class GRPOConfig(trl.GRPOConfig):
             # TRL's constructor refuses this for vLLM rollouts, but runs before the trainer turns use_vllm on
             raise ValueError(f"loss_type='vespo' needs token-level importance weights: set "
                              f"vllm_importance_sampling_mode='token_truncate' or 'token_mask' (got {mode!r})")
-        if mode.startswith("sequence") and self.rollout_budget < self._rollout_context_bound():
-            # docs/ROLLOUT_MISMATCH.md: the product of a sparse rollout's token weights reaches e^-100 and below
-            logger.warning("rollout='specontext' with vllm_importance_sampling_mode=%r: a sequence-level weight of a "
-                           "sparse rollout is the product of its token weights (measured e^-80 to e^-600 over 4K "
-                           "tokens, docs/ROLLOUT_MISMATCH.md) and masks or shrinks most long rollouts; "
-                           "vllm_importance_sampling_mode='token_truncate' keeps them", mode)
-
-    def _rollout_context_bound(self) -> int:
-        """Tokens a rollout can hold (prompt + completion) when TRL's config bounds them, else a large number: a
-        budget at least this long makes every step dense, and the weights 1."""
-        prompt = getattr(self, "max_prompt_length", None) or 10 ** 9
-        completion = getattr(self, "max_completion_length", None) or 10 ** 9
-        return min(10 ** 9, int(prompt) + int(completion))
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -168,7 +155,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     Raises:
         ValueError (one line), at construction: ``shared_prefix`` on a model whose attention the packed layout cannot
-            express (``kvt.integrations.transformers.enable`` names the feature) or a vision-language model;
+            express (``kvt.integrations.transformers.enable`` names the feature), one that applies attention dropout
+            in training, or a vision-language model;
             ``rollout="specontext"`` with tools, ``rollout_func``, ``environment_factory``, a vision-language model,
             DeepSpeed / FSDP sharded weights, greedy decoding at a temperature other than 1, a ``generation_kwargs``
             ``eos_token_id`` other than the trainer's EOS ids, or a model the
@@ -202,6 +190,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                                  "cannot be packed: set shared_prefix=False")
             from kvtransform.integrations.transformers import enable
 
+            _check_no_attention_dropout(self._kvt_base())
+            self._kvt_pads_shift = _pads_shift_positions(self._kvt_base())
             for m in self._kvt_models():
                 try:
                     enable(m, "dualkv")
@@ -241,7 +231,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 why = "an MoE load-balancing loss (it counts every row's prompt tokens)"
             else:
                 plan, why = plan_packing(input_ids, attention_mask, logits_to_keep, batch_size,
-                                         trees=self.shared_prefix == "tree")
+                                         trees=self.shared_prefix == "tree", left_padding=not self._kvt_pads_shift)
         if plan is None:
             if self.shared_prefix:
                 self._say_once(f"shared_prefix: a batch runs unpacked (TRL's own pass): {why}")
@@ -318,6 +308,20 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._kvt_rollout = self._build_rollout()
         return self._kvt_rollout
 
+    def _warn_sequence_weights(self, context: int) -> None:
+        """Once per run: a rollout whose ``context`` (prompt + new tokens) passes the budget is sparse, and a
+        sequence-level importance weight of a sparse rollout is the product of its token weights
+        (docs/ROLLOUT_MISMATCH.md: e^-80 to e^-600 over 4K tokens)."""
+        a = self.args
+        mode = str(getattr(a, "vllm_importance_sampling_mode", ""))
+        if mode.startswith("sequence") and getattr(a, "vllm_importance_sampling_correction", True) and \
+                context > int(a.rollout_budget):
+            self._say_once(f"rollout='specontext' with vllm_importance_sampling_mode={mode!r}: rollouts of up to "
+                           f"{context} tokens pass rollout_budget={a.rollout_budget}, and a sequence-level weight of "
+                           f"a sparse rollout is the product of its token weights (measured e^-80 to e^-600 over 4K "
+                           f"tokens, docs/ROLLOUT_MISMATCH.md): it masks or shrinks most long rollouts; "
+                           f"vllm_importance_sampling_mode='token_truncate' keeps them")
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """``rollout="specontext"``: ``(completion_ids, logprobs)`` as lists per row (each completion up to and
         including its first EOS; logprobs: each token's log-prob under the distribution it was sampled from), the
@@ -336,6 +340,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
         gc = self.generation_config
+        self._warn_sequence_weights(width + int(gc.max_new_tokens))
         seed = int(torch.randint(0, 2 ** 62, ()).item()) if gc.do_sample else None  # from the seeded global RNG
         with profiling_context(self, "specontext.generate"):
             out = sp.generate(ids.to(device), mask.to(device), max_new_tokens=gc.max_new_tokens,
@@ -349,3 +354,41 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._metrics[mode]["rollout/decode_tokens_per_s"].append(float(out.stats.decode_tokens_per_s))
         return ([new[i, :int(n)].tolist() for i, n in enumerate(ends)],
                 [lps[i, :int(n)].tolist() for i, n in enumerate(ends)])
+
+
+def _pads_shift_positions(model: torch.nn.Module) -> bool:
+    """Whether left padding moves this model's input positions when no ``position_ids`` are given, as TRL scores its
+    padded rows: learned absolute positions numbered by column (GPT-2, GPT-BigCode) do; RoPE models (positions enter
+    the attention only) and mask-numbered ones (OPT) do not. Packed prompts start at position 0, so such a model's
+    left-padded batches run TRL's own pass. Read from the embedding output (``hidden_states[0]``) of ``[x, y]`` and
+    ``[pad, x, y]``; a model that cannot report it counts as unshifted."""
+    dev = next(model.parameters()).device
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            run = lambda ids, mask: model(input_ids=torch.tensor([ids], device=dev),  # noqa: E731
+                                          attention_mask=torch.tensor([mask], device=dev), output_hidden_states=True,
+                                          use_cache=False).hidden_states[0][0, -2:]
+            return not torch.equal(run([1, 2], [1, 1]), run([0, 1, 2], [0, 1, 1]))
+    except Exception:  # (no hidden states, a vocabulary under 3 tokens: nothing to compare)
+        return False
+    finally:
+        model.train(was)
+
+
+def _check_no_attention_dropout(model: torch.nn.Module) -> None:
+    """Refuse (one line, at construction) attention dropout the training passes would apply: packed attention applies
+    none (it would fail at the first packed training forward). Read from each attention module's
+    ``attention_dropout`` (Llama-style, passed to the attention function) or its ``attn_dropout`` ``nn.Dropout``
+    (GPT-2-style; TRL's ``disable_dropout=True`` zeroes those)."""
+    for name, m in model.named_modules():
+        p = getattr(m, "attention_dropout", None)
+        p = p.p if isinstance(p, torch.nn.Dropout) else p
+        q = getattr(m, "attn_dropout", None)
+        p = q.p if isinstance(q, torch.nn.Dropout) and not p else p
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+            raise ValueError(f"shared_prefix: {type(model).__name__} applies attention dropout {p} in training "
+                             f"({name}), which packed attention does not: set disable_dropout=True (dropout "
+                             f"modules) and load the model with attention_dropout=0")
+

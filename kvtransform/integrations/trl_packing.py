@@ -38,7 +38,8 @@ class PackPlan:
 
 
 def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                 batch_size: Optional[int] = None, trees: bool = False) -> tuple[Optional[PackPlan], str]:
+                 batch_size: Optional[int] = None, trees: bool = False, left_padding: bool = True
+                 ) -> tuple[Optional[PackPlan], str]:
     """Group the rows of a TRL batch by prompt.
 
     Args:
@@ -47,9 +48,12 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
             split, a larger group is a chunk of its own); None: one forward.
         trees: the chunks are packed as prefix trees (:func:`pack_chunk_tree`), which share whatever prefix rows
             have in common and need neither equal prompts nor two-token prompts.
+        left_padding: whether a left-padded prompt packs; False for a model whose positions count the padding as
+            TRL runs it (learned absolute positions numbered by column, GPT-2): packed prompts start at position 0.
 
     Returns:
-        ``(plan, "")``, or ``(None, reason)`` when the batch does not pack: a prompt mask that is not left padding, a
+        ``(plan, "")``, or ``(None, reason)`` when the batch does not pack: a prompt mask that is not left padding (or
+        left padding without ``left_padding``), a
         completion mask that is not a prefix of ones, no completion token at all, and without ``trees`` no two rows
         sharing a prompt or a one-token prompt.
     """
@@ -61,6 +65,9 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
     n_p, n_c = pm.sum(1), cm.sum(1)
     if not torch.equal(pm, torch.arange(p)[None] >= (p - n_p)[:, None]):
         return None, "the prompt mask is not left padding"
+    if not left_padding and int(n_p.min()) < p:
+        return None, ("left padding moves this model's learned absolute positions as TRL numbers them (packed "
+                      "prompts start at position 0)")
     if not torch.equal(cm, torch.arange(c)[None] < n_c[:, None]):
         return None, "a completion mask is not a prefix of ones (tokens masked inside a completion)"
     if int(n_c.sum()) == 0:

@@ -22,11 +22,18 @@ def canonical_transform(model, cfg: CanonicalConfig, tokenizer=None, progress: b
     remove the dead mask construction, and verify the logits against the original model.
 
     Raises:
-        ValueError: not a decoder-only causal LM.
+        ValueError: not a decoder-only causal LM, or no attention rewritten (the message names each skipped site's
+            reason).
         kvtransform.verify.VerificationError: the rewritten module differs beyond tolerance.
     """
     report = new_report(model, cfg)
     gm, ctx, cap = capture_and_rewrite(model, capture, [AttentionPass, CleanupPass], report, progress)
+    rec = report.pass_record("attention")
+    if rec.rewritten == 0:  # a module that only re-runs the model would claim a rewrite that did not happen
+        reasons = "; ".join(sorted({f"site {s['site']}: {s['reason']}" for s in rec.skipped})) or \
+            "no attention found (no q·kᵀ → softmax → ·v chain or SDPA call the matcher recognises)"
+        raise ValueError(f"the canonical transform rewrote no attention of {type(model).__name__}: {reasons}; "
+                         f"kvt.inspect(model) shows what each layer computes")
     opt = OptimizedModule(Logits(gm), cfg, report, max_seq_len=cap.max_seq_len)
     verify_logits(model, opt, cfg, tokenizer, report, progress)
     return opt
