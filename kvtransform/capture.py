@@ -28,6 +28,9 @@ from torch.export import Dim
 from kvtransform.capture_rewrites import KNOWN_BLOCKER_LINES, KNOWN_BLOCKERS, capturable, no_fake_state_left
 from kvtransform.utils import cache_kwarg
 
+#: rows a captured program takes at most (its dynamic batch bound); the canonical module runs more in slices
+MAX_BATCH = 1024
+
 
 class CaptureError(RuntimeError):
     """torch.export could not capture a model. The message is one line: what stopped capture (the model feature,
@@ -85,7 +88,7 @@ def capture(model: torch.nn.Module, max_seq_len: Optional[int] = None) -> Captur
     max_len = max_seq_len or max_positions(model)
     ids, am = example_inputs(model)
     seq = Dim("seq", min=2, max=max_len)
-    batch = Dim("batch", min=1, max=1024)
+    batch = Dim("batch", min=1, max=MAX_BATCH)
     dyn = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}, "use_cache": None}
     was_training = model.training
     model.eval()
@@ -401,7 +404,7 @@ def capture_decode_step(model: torch.nn.Module, max_cache_len: Optional[int] = N
     """
     max_len = int(max_cache_len or max_positions(model))
     args = decode_example(model)
-    batch = Dim("batch", min=1, max=1024)
+    batch = Dim("batch", min=1, max=MAX_BATCH)
     s_max = Dim("s_max", min=4, max=max_len)
     budget = Dim("budget", min=2, max=max_len)
     dyn = {"input_ids": {0: batch}, "cache_seqlens": {0: batch}, "indices": {0: batch, 2: budget},

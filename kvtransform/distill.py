@@ -210,6 +210,9 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     from .textdata import stdlib_path
     from .utils import check_results_dir
 
+    if not any((cfg.topics_chunks if f == "pydoc_data/topics.py" else cfg.chunks_per_file) for f in cfg.files):
+        raise ValueError(f"files={list(cfg.files)} with topics_chunks={cfg.topics_chunks} gives no training chunk: "
+                         f"name at least one file (e.g. files=[argparse.py])")
     for f in cfg.files:  # before the model loads, as the output directory
         stdlib_path(f, "files")
     check_results_dir(cfg.out)
@@ -243,6 +246,9 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
             fingerprint_mismatch(data["fingerprint"], fp):
         data = {"key": key, "fingerprint": fp, "items": []}
         chunks = _chunks(tokenizer, cfg)
+        if not chunks:  # every file shorter than one chunk
+            raise ValueError(f"files={list(cfg.files)} hold no chunk of length={cfg.length} tokens: add longer files "
+                             f"or lower length")
         for f, ids in tqdm(chunks, desc="teacher attention", unit="chunk", disable=not cfg.progress):
             lo = cfg.length // 2
             pos = torch.randperm(cfg.length - lo, generator=gen)[:cfg.positions].sort().values + lo

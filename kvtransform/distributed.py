@@ -33,9 +33,11 @@ the per-rank token counts.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -131,6 +133,11 @@ def split_decoder_layers(gm: fx.GraphModule) -> fx.GraphModule:
     nparts = num_layers + 2
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "get_attr"]
     strip = "model." if targets and all(t.startswith("model.") for t in targets) else ""
+    # a tied weight (embedding = LM head) is one object under several names, and the graph may read it under
+    # either: each partition names it by its first name in the model (Hugging Face's: model.embed_tokens.weight)
+    first_name: dict = {}
+    for t, obj in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        first_name.setdefault(id(obj), t)
 
     graphs = [fx.Graph() for _ in range(nparts)]
     envs: list[dict] = [{} for _ in range(nparts)]
@@ -147,6 +154,7 @@ def split_decoder_layers(gm: fx.GraphModule) -> fx.GraphModule:
         elif a.op == "get_attr":
             t = str(a.target)
             obj = gm.get_submodule(t) if isinstance(_getattr(gm, t), torch.nn.Module) else _getattr(gm, t)
+            t = first_name.get(id(obj), t)
             name = t[len(strip):] if t.startswith(strip) else t
             attrs[p][name] = obj
             env[a] = graphs[p].get_attr(name)
@@ -346,16 +354,18 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         ValueError: ``rewards`` is not a non-empty 1-D tensor of finite rewards, ``eps`` is not a finite number
             >= 0.
     """
-    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.numel() == 0:
-        raise ValueError(f"rewards must be a non-empty 1-D tensor (one reward per response); got {rewards!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.numel() == 0 or \
+            rewards.is_complex() or rewards.dtype == torch.bool:
+        raise ValueError(f"rewards must be a non-empty 1-D real tensor (one reward per response); got {rewards!r}")
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real) or not 0 <= float(eps) < math.inf:
         raise ValueError(f"eps must be a finite number >= 0; got {eps!r}")
-    r = rewards.float()
+    eps = float(eps)
+    r = rewards.double()  # (float32 first would round rewards near 1e9 to equal values: all advantages 0)
     if not bool(torch.isfinite(r).all()):
         raise ValueError("rewards must be finite: a NaN or inf reward would make every advantage of the group NaN")
     std = r.std() if r.numel() > 1 else r.new_zeros(())
     centred = r - r.mean()
-    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))  # equal rewards: 0, also at eps=0
+    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred)).float()  # equal rewards: 0
 
 
 def token_level_loss(logprobs: Sequence[torch.Tensor], advantages: torch.Tensor, global_tokens: int,
@@ -376,7 +386,8 @@ def token_level_loss(logprobs: Sequence[torch.Tensor], advantages: torch.Tensor,
         0-d tensor in the log-probs' dtype.
 
     Raises:
-        ValueError: lengths that do not match, advantages that are not ``(N,)``, ``global_tokens``/``world_size``
+        ValueError: lengths that do not match, advantages that are not ``(N,)`` or not finite, log-probs that are
+            not 1-D, ``global_tokens``/``world_size``
             not integers >= 1, or fewer ``global_tokens`` than this rank's own response tokens.
     """
     if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1:
@@ -384,6 +395,13 @@ def token_level_loss(logprobs: Sequence[torch.Tensor], advantages: torch.Tensor,
                          f"{tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)}")
     if len(logprobs) != advantages.numel():
         raise ValueError(f"{len(logprobs)} responses but {advantages.numel()} advantages")
+    if not bool(torch.isfinite(advantages).all()):
+        raise ValueError("advantages must be finite: a NaN or inf advantage makes the loss and every gradient NaN")
+    bad = next((i for i, lp in enumerate(logprobs) if not isinstance(lp, torch.Tensor) or lp.dim() != 1), None)
+    if bad is not None:
+        lp = logprobs[bad]
+        raise ValueError(f"logprobs[{bad}] must be a 1-D tensor of one response's token log-probs; got "
+                         f"{tuple(lp.shape) if isinstance(lp, torch.Tensor) else type(lp).__name__}")
     for key, v in (("global_tokens", global_tokens), ("world_size", world_size)):
         if isinstance(v, bool) or not hasattr(v, "__index__") or int(v) < 1:
             raise ValueError(f"{key} must be an integer >= 1; got {v!r}")

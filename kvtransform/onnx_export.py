@@ -350,12 +350,23 @@ def check_onnx_target(path: str | os.PathLike, overwrite: bool = False, names: S
     returns ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        FileExistsError: ``path`` is a directory, or it (or one of ``names``) exists and ``overwrite`` is false.
+        FileExistsError: ``path`` is a directory or inside a file, or it (or one of ``names``) exists and
+            ``overwrite`` is false.
+        PermissionError: its directory cannot be written (or made).
+        ValueError: ``overwrite`` is not a bool.
     """
+    if not isinstance(overwrite, bool):  # (a string such as "false" is truthy: it would replace the file)
+        raise ValueError(f"overwrite must be True or False; got {overwrite!r}")
     path = Path(path).expanduser()
     if path.is_dir():
         raise FileExistsError(f"{str(path)!r} is a directory: give the ONNX file's path, e.g. "
                               f"{str(path / 'model.onnx')!r}")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise FileExistsError(f"{str(parent)!r} is a file: the ONNX file {str(path)!r} cannot be inside it")
+    from .utils import check_writable
+
+    check_writable(path, "the ONNX file", "path=...")  # its directory, probed before the export (seconds)
     if not overwrite:
         for p in [path, *(path.parent / n for n in names)]:
             if p.exists() or p.is_symlink():
@@ -392,7 +403,6 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str | os.PathLike, input
         raise ValueError(f"opset {opset}: the kvt translations need the Attention operator of opset {OPSET} or later")
     path = check_onnx_target(path, overwrite)
     _check_translatable(ep)
-    path.parent.mkdir(parents=True, exist_ok=True)
     import logging
 
     # torch's exporter warns once per torchvision op it cannot register when torchvision is absent: noise here
@@ -418,6 +428,7 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str | os.PathLike, input
     _drop_unused_attention_outputs(prog.model)
     size = sum(p.numel() * p.element_size() for p in ep.state_dict.values())
     external = size > (1 << 31) - (1 << 26)
+    path.parent.mkdir(parents=True, exist_ok=True)  # (after the export: a failed one leaves no directories behind)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         prog.save(tmp / path.name, external_data=external)

@@ -294,3 +294,19 @@ def test_a_window_as_long_as_the_positions_is_not_probed_at_its_length():
     ctx.max_seq_len = 2048
     ctx.config = kvt.tiny_model("mistral", sliding_window=2048).config
     assert probe_lengths(ctx) == [2, 3, 5, 17, 64]
+
+
+def test_auto_head_on_a_model_without_llama_embeddings_is_quest():
+    """head='auto' (TRL's rollout_head default) on GPT-2 (its embedding is wte, not embed_tokens): the packaged-head
+    lookup failed with "no parameter named '*embed_tokens.weight'"; it now picks quest, and decodes HF's greedy
+    tokens when the budget covers the context."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=64, n_layer=1, n_embd=32, n_head=4,
+                                                              bos_token_id=1, eos_token_id=1))
+    sp = kvt.transform(m, kvt.SpeContextConfig(budget=64), progress=False)
+    assert sp.runtime.head.name == "quest"
+    row = torch.randint(3, 60, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = m.generate(row, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(sp.generate(row, max_new_tokens=6, eos_token_id=None), want)

@@ -686,6 +686,8 @@ def test_eval_sparse_refuses_an_unwritable_out_before_the_model_loads(tmp_path, 
     (["files=[nope.py]"], r"nope.py is missing .* \(files=\[...\]"),
     (["chunks_per_file=-1"], "chunks_per_file must be an integer >= 1"),
     (["topics_chunks=-1"], "topics_chunks must be an integer >= 0"),
+    (["files=[]"], r"files=\[\] with topics_chunks=5 gives no training chunk: name at least one file"),
+    (["files=[pydoc_data/topics.py]", "topics_chunks=0"], "gives no training chunk"),
     (["out=AFILE"], r"cannot be written \(.* is a file\): choose another out=<directory>"),
 ])
 def test_distill_refuses_bad_settings_before_the_model_loads(tmp_path, capsys, monkeypatch, args, msg):

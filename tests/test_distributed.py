@@ -221,3 +221,31 @@ def test_advantages_and_loss_refuse_what_would_be_silently_wrong():
             token_level_loss(lps, adv, **kw)
     with pytest.raises(ValueError, match="advantages must be a 1-D tensor"):
         token_level_loss(lps, adv[None], 8)
+    with pytest.raises(ValueError, match="advantages must be finite"):
+        token_level_loss(lps, torch.tensor([1.0, float("nan")]), 8)
+    with pytest.raises(ValueError, match=r"logprobs\[0\] must be a 1-D tensor .*got \(5, 2\)"):
+        token_level_loss([torch.randn(5, 2), torch.randn(3)], adv, 13)
+    # NumPy scalars as eps; float64 rewards normalised in float64 (float32 first rounded 1e9 + 1, 2, 3 to equal)
+    import numpy as np
+
+    assert group_advantages(torch.tensor([0.0, 2.0]), eps=np.float32(1e-6)).dtype == torch.float32
+    big = group_advantages(torch.tensor([1e9 + 1, 1e9 + 2, 1e9 + 3], dtype=torch.float64))
+    assert torch.allclose(big, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5)
+    with pytest.raises(ValueError, match="rewards must be a non-empty 1-D real tensor"):
+        group_advantages(torch.tensor([1 + 1j, 2 + 0j]))
+
+
+def test_split_names_a_tied_embedding_as_hugging_face_does():
+    """A tied embedding / LM head is one Parameter the captured graph may read under the head's name: the split
+    (what shard_dualkv runs) names it model.embed_tokens.weight, as the model's named_parameters() does, so
+    full_gradients keys it so (it said lm_head.weight)."""
+    from kvtransform.distributed import full_gradients
+
+    model = kvt.tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=True)
+    opt = kvt.transform(model, "dualkv", progress=False)
+    opt.core.gm = split_decoder_layers(opt.core.gm)
+    batch = kvt.pack_shared_prefix([5, 6, 7], [[8, 9], [10]])
+    sum(lp.sum() for lp in batch.response_logprobs(opt(batch))).backward()
+    grads = full_gradients(opt)
+    assert set(grads) == {n for n, _ in model.named_parameters()}
+    assert torch.equal(grads["model.embed_tokens.weight"], model.model.embed_tokens.weight.grad)

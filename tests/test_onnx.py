@@ -361,6 +361,18 @@ def test_existing_file_is_replaced_only_with_overwrite(tmp_path, tiny, monkeypat
     with pytest.raises(FileExistsError, match="is a directory: give the ONNX file's path"):
         opt.export_onnx(tmp_path, verify=False, overwrite=True)
     assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    for kw, err, msg in ((dict(overwrite="false"), ValueError, "overwrite must be True or False"),  # ("false": truthy)
+                         (dict(verify="no"), ValueError, "verify must be True or False"),
+                         (dict(path=target / "x.onnx"), FileExistsError, "is a file: the ONNX file")):
+        with pytest.raises(err, match=msg):
+            opt.export_onnx(**{"path": target, "verify": False, **kw})
+    import kvtransform.utils as utils
+
+    monkeypatch.setattr(utils, "_unwritable", lambda path: (tmp_path, "read-only file system"))
+    with pytest.raises(PermissionError, match="cannot write the ONNX file .* not writable"):  # before exporting
+        opt.export_onnx(tmp_path / "sub" / "n.onnx", verify=False)
+    monkeypatch.undo()
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
     class Boom(RuntimeError):
         pass

@@ -171,8 +171,41 @@ def test_load_names_a_damaged_file_in_one_line(tmp_path):
         (bad / name).write_bytes(damage)
         with pytest.raises(ValueError, match=rf"{name} is damaged .*save the artifact again"):
             kvt.load(bad, progress=False)
+    flipped = tmp_path / "flipped"  # weight bytes changed in place: the zip CRCs catch it (torch's reader does not)
+    shutil.copytree(art, flipped)
+    import zipfile
+
+    with zipfile.ZipFile(art / "model.pt2") as z:
+        info = max((i for i in z.infolist() if "/data/weights/" in i.filename), key=lambda i: i.file_size)
+        start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    raw = bytearray(data)
+    raw[start:start + 64] = bytes(b ^ 0x80 for b in raw[start:start + 64])
+    (flipped / "model.pt2").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"model.pt2 is damaged \(BadZipFile: member .* fails its CRC check\)"):
+        kvt.load(flipped, progress=False)
+    opt = kvt.load(art, progress=False)
+    with pytest.raises(ValueError, match="overwrite must be True or False; got 'false'"):
+        opt.save(art, overwrite="false", progress=False)
+    assert kvt.load(art, progress=False) is not None
     swapped = tmp_path / "swapped"  # a config of another transform beside this program: not loaded as that module
     shutil.copytree(art, swapped)
     (swapped / "config.yaml").write_text((art / "config.yaml").read_text().replace("name: canonical", "name: dualkv"))
     with pytest.raises(ValueError, match="is a 'dualkv' config but meta.json says transform 'canonical'"):
         kvt.load(swapped, progress=False)
+
+
+def test_canonical_module_runs_large_batches_in_slices_and_refuses_a_cast():
+    """More rows than the captured batch bound run in slices (a raw export guard before); weights cast after the
+    transform are refused in one line (a dtype mismatch deep in the program before)."""
+    from kvtransform.capture import MAX_BATCH
+    from kvtransform.models import tiny_model
+
+    opt = kvt.transform(tiny_model("llama"), "canonical", progress=False)
+    ids = torch.randint(3, 100, (MAX_BATCH + 3, 2), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = opt(ids)
+        assert out.shape[0] == MAX_BATCH + 3 and torch.equal(out[-3:], opt(ids[-3:]))
+    opt.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"captured in torch.float32 and its weights are now torch.bfloat16: .*cast "
+                                         r"the model before kvt.transform"):
+        opt(ids[:2])

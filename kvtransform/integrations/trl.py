@@ -383,12 +383,13 @@ def _check_no_attention_dropout(model: torch.nn.Module) -> None:
     ``attention_dropout`` (Llama-style, passed to the attention function) or its ``attn_dropout`` ``nn.Dropout``
     (GPT-2-style; TRL's ``disable_dropout=True`` zeroes those)."""
     for name, m in model.named_modules():
-        p = getattr(m, "attention_dropout", None)
-        p = p.p if isinstance(p, torch.nn.Dropout) else p
-        q = getattr(m, "attn_dropout", None)
-        p = q.p if isinstance(q, torch.nn.Dropout) and not p else p
-        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
-            raise ValueError(f"shared_prefix: {type(model).__name__} applies attention dropout {p} in training "
-                             f"({name}), which packed attention does not: set disable_dropout=True (dropout "
-                             f"modules) and load the model with attention_dropout=0")
+        for attr in ("attention_dropout", "attn_dropout"):
+            p = getattr(m, attr, None)
+            module = isinstance(p, torch.nn.Dropout)
+            p = p.p if module else p
+            if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+                fix = "set disable_dropout=True (TRL zeroes dropout modules)" if module else \
+                    f"load the model with {attr}=0 in its config (disable_dropout=True does not reach it)"
+                raise ValueError(f"shared_prefix: {type(model).__name__} applies attention dropout {p} in training "
+                                 f"({name}.{attr}), which packed attention does not: {fix}")
 

@@ -78,7 +78,8 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
     for r in range(b):
         groups.setdefault(tuple(ids[r, p - int(n_p[r]):p].tolist()), []).append(r)
     if not trees and max(len(rows) for rows in groups.values()) < 2:
-        return None, "no two rows share a prompt"
+        return None, ("no two rows share a prompt (a micro-batch holds at most one completion of each: raise "
+                      "per_device_train_batch_size to num_generations or more, or use shared_prefix='tree')")
     chunks, cur, rows_in = [], [], 0
     for prompt, rows in groups.items():
         if cur and batch_size is not None and rows_in + len(rows) > batch_size:

@@ -199,7 +199,10 @@ def shipped_head_for(model) -> Optional[Path]:
     """The packaged head directory whose fingerprint matches ``model`` (None when there is none)."""
     if not SHIPPED_DIR.is_dir():
         return None
-    live = fingerprint(model)
+    try:
+        live = fingerprint(model)
+    except ValueError:  # no Llama-style embed_tokens (GPT-2's wte): no packaged head was trained on such a model
+        return None
     for meta_file in sorted(SHIPPED_DIR.glob("*/head.json")):
         try:
             stored = json.loads(meta_file.read_text()).get("fingerprint", {})

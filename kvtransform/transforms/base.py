@@ -20,7 +20,7 @@ import torch
 import yaml
 from torch.export import Dim
 
-from kvtransform.capture import Captured, export_dynamic, tie_aliased_parameters
+from kvtransform.capture import MAX_BATCH, Captured, export_dynamic, tie_aliased_parameters
 from kvtransform.config import TransformConfig
 from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_args_all, run_passes
 from kvtransform.report import Report
@@ -29,9 +29,10 @@ from kvtransform.utils import check_writable, device_of, model_name, stage, time
 
 
 def load_artifact_file(file: Path, load: Callable[[Path], Any]) -> Any:
-    """``load(file)`` for one file of a saved artifact; a damaged file (not a zip archive, truncated, not a pickle,
-    not JSON) raises ValueError with one line naming the file and the fix instead of the reader's traceback."""
+    """``load(file)`` for one file of a saved artifact; a damaged file (not a zip archive, truncated, a member whose
+    CRC does not match its bytes, not a pickle, not JSON) raises ValueError with one line naming the file and the fix instead of the reader's traceback."""
     try:
+        _check_zip_crcs(file)
         return load(file)
     except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, json.JSONDecodeError, UnicodeDecodeError,
             yaml.YAMLError) as e:
@@ -42,6 +43,18 @@ def load_artifact_file(file: Path, load: Callable[[Path], Any]) -> Any:
         err = e
     why = (str(err).splitlines() or [""])[0][:160]
     raise ValueError(f"{file} is damaged ({type(err).__name__}: {why}): save the artifact again") from None
+
+def _check_zip_crcs(file: Path) -> None:
+    """For a zip archive (``.pt2``, ``torch.save``'s ``.pt``): every member's CRC-32 against its bytes (one read of
+    the file; torch's readers do not check them, so flipped weight bytes loaded as other weights). BadZipFile
+    naming the first damaged member; other files are not looked at."""
+    if not zipfile.is_zipfile(file):
+        return
+    with zipfile.ZipFile(file) as z:
+        bad = z.testzip()
+    if bad is not None:
+        raise zipfile.BadZipFile(f"member {bad} fails its CRC check")
+
 
 class OptimizedModule(torch.nn.Module):
     """A transformed model: an ``nn.Module`` holding the rewritten graph, its config and its report.
@@ -65,6 +78,20 @@ class OptimizedModule(torch.nn.Module):
         self.config = config
         self.report = report
         self.max_seq_len = int(max_seq_len)
+        self._captured_dtype = self._weight_dtype()
+
+    def _weight_dtype(self) -> Optional[torch.dtype]:
+        return next((p.dtype for p in self.core.parameters() if p.is_floating_point()), None)
+
+    def refuse_recast(self) -> None:
+        """Raises ValueError (one line) when the module's weights were cast to another dtype after the transform
+        (``opt.to(torch.bfloat16)``): the captured program bakes its dtypes at capture, and would fail inside with a
+        dtype mismatch."""
+        now = self._weight_dtype()
+        if now != self._captured_dtype:
+            raise ValueError(f"this {type(self).__name__} was captured in {self._captured_dtype} and its weights are "
+                             f"now {now}: the program keeps the dtypes of its capture; cast the model before "
+                             f"kvt.transform (or transform the cast model)")
 
     def refuse_autocast(self, device_type: str, alternative: str = "") -> None:
         """Raises ValueError (one line) while ``torch.autocast`` is on for ``device_type``: the captured program
@@ -82,7 +109,8 @@ class OptimizedModule(torch.nn.Module):
         Raises:
             ValueError: ``input_ids`` not an integer ``(B, S)`` tensor with ``B >= 1`` and ``1 <= S <= max_seq_len``,
                 token ids outside the vocabulary, an ``attention_mask`` that is not 0/1 of the same shape, or a call
-                under ``torch.autocast`` (:meth:`refuse_autocast`).
+                under ``torch.autocast`` (:meth:`refuse_autocast`) or after a cast of the weights
+                (:meth:`refuse_recast`). More rows than the captured batch bound (``MAX_BATCH``) run in slices.
         """
         if not isinstance(input_ids, torch.Tensor):
             raise ValueError(f"{type(self).__name__} takes input_ids as an integer tensor (batch, seq); got "
@@ -93,6 +121,7 @@ class OptimizedModule(torch.nn.Module):
             raise ValueError(f"input_ids must be an integer tensor of shape (batch, seq); got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
         self.refuse_autocast(input_ids.device.type)
+        self.refuse_recast()
         b, s = input_ids.shape
         if b < 1 or not 1 <= s <= self.max_seq_len:
             raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: need batch >= 1 and 1 <= seq <= "
@@ -107,6 +136,9 @@ class OptimizedModule(torch.nn.Module):
                 not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError(f"attention_mask must be 0/1 (int or bool) of shape {(b, s)} like input_ids; got "
                              f"{attention_mask.dtype} {tuple(attention_mask.shape)}")
+        if b > MAX_BATCH:  # the captured program's batch bound: rows are independent, so run it in slices
+            return torch.cat([self.core(input_ids[i:i + MAX_BATCH], attention_mask[i:i + MAX_BATCH].to(torch.long))
+                              for i in range(0, b, MAX_BATCH)])
         return self.core(input_ids, attention_mask.to(torch.long))
 
     @property
@@ -176,6 +208,8 @@ class OptimizedModule(torch.nn.Module):
         from kvtransform import onnx_export
         from kvtransform.verify import default_tolerance
 
+        if not isinstance(verify, bool):
+            raise ValueError(f"verify must be True or False; got {verify!r}")
         path = onnx_export.check_onnx_target(path, overwrite)  # before the export, which takes seconds
         with stage(progress, onnx_stage_text(path, verify)):
             args, dyn = self.export_example()
@@ -287,9 +321,12 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
         PermissionError: the directory that would hold ``path`` (its nearest existing ancestor) is not writable (an
             empty directory made and removed there tells).
         TypeError: ``path`` is not a str or os.PathLike.
+        ValueError: ``overwrite`` is not a bool.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"the output directory must be a path (str or os.PathLike); got {type(path).__name__}")
+    if not isinstance(overwrite, bool):  # (a string such as "false" is truthy: it would replace the artifact)
+        raise ValueError(f"overwrite must be True or False; got {overwrite!r}")
     if not str(path).strip():
         raise FileExistsError("the output directory is empty: give a directory path (e.g. out=out/<name>)")
     path = Path(path).expanduser()

@@ -104,6 +104,7 @@ class DualKVModule(OptimizedModule):
                                                        segment_prefix)
         self.refuse_autocast(input_ids.device.type, "train through kvt.integrations.transformers.enable(model, "
                                                     "'dualkv'), which takes autocast")
+        self.refuse_recast()
         check_packed(input_ids, position_ids, lay, self.vocab_size)
         if isinstance(lay, PrefixTreeLayout):
             # One level deep: the DualKV program (its kernels are faster on that shape); it was captured for at
@@ -207,8 +208,9 @@ class DualKVModule(OptimizedModule):
         Raises:
             as :meth:`OptimizedModule.export_onnx` (``FileExistsError``, ``VerificationError``, ``RuntimeError``).
         """
-        if not isinstance(tree, bool):
-            raise ValueError(f"tree must be True or False; got {tree!r}")
+        for name, flag in (("tree", tree), ("verify", verify)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False; got {flag!r}")
         if not tree:
             return super().export_onnx(path, verify=verify, tokenizer=tokenizer, overwrite=overwrite, progress=progress)
         from kvtransform import onnx_export

@@ -112,8 +112,10 @@ class SpeContextModule(OptimizedModule):
         """Raise ``ValueError`` when a parameter of the transformed model is no longer the ``Parameter`` object the
         captured programs hold (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(new)``): the
         programs would silently go on with the old weights. In-place updates (optimizer steps, ``load_state_dict``
-        without ``assign``, ``p.data.copy_``) are followed and pass. Called by :meth:`generate` and :meth:`forward`;
-        a no-op for a reloaded artifact or once the model is gone."""
+        without ``assign``, ``p.data.copy_``) are followed and pass. Weights cast to another dtype since the
+        transform (``model.to(torch.bfloat16)``) are refused too (:meth:`refuse_recast`). Called by :meth:`generate`
+        and :meth:`forward`; for a reloaded artifact or once the model is gone only the cast is checked."""
+        self.refuse_recast()
         if self._source is None:
             return
         model, held = self._source.model(), self._source.held
