@@ -92,7 +92,7 @@ def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a kvtransform artifact (expected config.yaml and the programs "
                                 f"written by OptimizedModule.save)")
-    config = load_artifact_file(path / "config.yaml", lambda f: config_from_yaml(f.read_text()))
+    config = load_artifact_file(path / "config.yaml", lambda f: _artifact_config(f))
 
     def read_json(name):
         d = load_artifact_file(path / name, lambda f: json.loads(f.read_text())) if (path / name).exists() else None
@@ -102,14 +102,37 @@ def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
         return d
 
     report_dict, meta = read_json("report.json"), read_json("meta.json")
-    report = Report.from_dict(report_dict) if report_dict is not None else Report()
+    try:
+        report = Report.from_dict(report_dict) if report_dict is not None else Report()
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path / 'report.json'} is damaged ({type(e).__name__}: {e}): save the artifact "
+                         f"again") from None
     meta = meta if meta is not None else {}
+    msl = meta.get("max_seq_len", 1)
+    if isinstance(msl, bool) or not isinstance(msl, int) or msl < 1:
+        raise ValueError(f"{path / 'meta.json'} is damaged (max_seq_len {msl!r} is not a positive integer): save "
+                         f"the artifact again")
     if meta.get("transform", config.name) != config.name:  # one of the two files was edited or swapped
         raise ValueError(f"{path} is damaged: config.yaml is a {config.name!r} config but meta.json says transform "
                          f"{meta['transform']!r}: save the artifact again")
     _register_transformers_ops()
     with stage(progress, f"loading the {config.name} artifact {path}"):
         return check_available(config).module_type.from_artifact(path, config, report, meta)
+
+
+def _artifact_config(file: Path):
+    """The transform config of an artifact's ``config.yaml``: a mapping with the transform's ``name`` (an empty file or
+    a YAML list is a damaged artifact, not the default canonical config); ValueError naming the file otherwise."""
+    import yaml
+
+    data = yaml.safe_load(file.read_text())
+    if not isinstance(data, dict) or "name" not in data:
+        got = "empty" if data is None else f"a YAML {type(data).__name__} without a transform name"
+        raise ValueError(f"{file} is damaged ({got}): save the artifact again")
+    try:
+        return config_from_yaml(file.read_text())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: {e}") from None
 
 
 def _register_transformers_ops() -> None:

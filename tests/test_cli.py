@@ -398,6 +398,7 @@ def test_group_typos_suggest_the_group_choice(capsys):
         (["transform.verify.lengths=[0]"], "verify.lengths must be integers >= 2"),
         (["transform=specontext", "transform.head=nope"], "unknown retrieval head"),
         (["transform=specontext", "transform.budget=0"], "budget must be >= 1"),
+        (["threads=0"], "threads must be auto or an integer from 1"),
     ],
 )
 def test_transform_config_checked_before_loading(capsys, tmp_path, overrides, expected):

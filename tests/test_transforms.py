@@ -3,6 +3,7 @@ interpreter into the class that wrote them (docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import textwrap
@@ -164,9 +165,13 @@ def test_load_names_a_damaged_file_in_one_line(tmp_path):
 
     art = kvt.transform(tiny_model("llama"), "canonical").save(tmp_path / "a", progress=False)
     data = (art / "model.pt2").read_bytes()
-    for name, damage in [("model.pt2", b"junk"), ("model.pt2", data[: len(data) // 2]), ("meta.json", b"{oops"),
-                         ("meta.json", b"[1, 2]"), ("config.yaml", b"name: [canonical\n  bad: {")]:
-        bad = tmp_path / f"bad_{len(damage)}_{name}"
+    meta = json.loads((art / "meta.json").read_text())
+    for i, (name, damage) in enumerate([
+            ("model.pt2", b"junk"), ("model.pt2", data[: len(data) // 2]), ("meta.json", b"{oops"),
+            ("meta.json", b"[1, 2]"), ("config.yaml", b"name: [canonical\n  bad: {"), ("config.yaml", b""),
+            ("config.yaml", b"- 1\n- 2\n"), ("report.json", b'{"sites": 5}'),
+            ("meta.json", json.dumps({**meta, "max_seq_len": "abc"}).encode())]):
+        bad = tmp_path / f"bad_{i}_{name}"
         shutil.copytree(art, bad)
         (bad / name).write_bytes(damage)
         with pytest.raises(ValueError, match=rf"{name} is damaged .*save the artifact again"):

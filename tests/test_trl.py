@@ -163,6 +163,12 @@ def test_unpackable_batch_runs_trl_pass_and_says_so_once(tiny_dir, caplog):
         got = [tr._get_per_token_logps_and_entropies(tr.model, ids, mask, 4)[0] for _ in range(2)]
         want = trl.GRPOTrainer._get_per_token_logps_and_entropies(tr, tr.model, ids, mask, 4)[0]
     assert torch.equal(got[0], want)
+    fractions = lambda: [v for m in tr._metrics.values() for v in m.get("shared_prefix/token_fraction", [])]  # noqa
+    assert fractions() == [1.0, 1.0]  # logged: TRL's own pass, all of its padded tokens
+    with torch.no_grad():
+        tr._get_per_token_logps_and_entropies(tr.model, same, mask, 4)
+    # rows 0 and 2 share a 5-token prompt: its first 4 tokens + completion segments of 4 and 2; row 1: 2 + 4
+    assert fractions()[-1] == ((4 + 4 + 2) + (2 + 4)) / same.numel()
     (msg,) = [r.getMessage() for r in caplog.records if "unpacked" in r.getMessage()]
     assert msg.startswith("shared_prefix: a batch runs unpacked (TRL's own pass): no two rows share a prompt") and \
         "per_device_train_batch_size to num_generations or more" in msg

@@ -11,7 +11,7 @@ from ..utils import stage
 from .errors import UsageError, console as _console
 from .keyvalue import key_value_main, parse_key_values
 
-__all__ = ["main", "choose_threads"]
+__all__ = ["main", "choose_threads", "check_threads"]
 
 HELP = """usage: kvtransform generate [MODEL] prompt="..." [key=value ...]
 
@@ -80,7 +80,11 @@ def _check_options(opts: dict) -> None:
         raise UsageError(f"top_p must be a number in (0, 1] (1 or null = off); got {p!r}")
     if opts["seed"] is not None and (not _is_int(opts["seed"]) or not 0 <= opts["seed"] < 2 ** 64):
         raise UsageError(f"seed must be an integer in [0, 2**64); got {opts['seed']!r}")
-    th = opts["threads"]
+    check_threads(opts["threads"])
+
+
+def check_threads(th) -> None:
+    """UsageError (one line) unless ``threads=`` is ``auto`` or an integer from 1 to the CPU count."""
     if th != "auto" and (not _is_int(th) or not 1 <= th <= (os.cpu_count() or 1)):
         raise UsageError(f"threads must be auto or an integer from 1 to this machine's {os.cpu_count()} CPUs; "
                          f"got {th!r}")

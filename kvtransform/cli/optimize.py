@@ -140,8 +140,8 @@ def run_optimize(cfg: DictConfig) -> dict:
 
     Raises:
         FileExistsError: ``out`` exists and is not empty and ``overwrite`` is false (checked before loading).
-        UsageError: an invalid transform config value, a transform that is not built, or an ``emit`` list that is
-            empty or names something other than ``pt2`` / ``onnx``; checked before loading.
+        UsageError: an invalid transform config value, a transform that is not built, an ``emit`` list that is
+            empty or names something other than ``pt2`` / ``onnx``, or a bad ``threads``; checked before loading.
         ValueError / FileNotFoundError: from :func:`kvtransform.models.load_model` and the transform.
         RuntimeError: the reloaded artifact gives different logits.
     """
@@ -152,7 +152,16 @@ def run_optimize(cfg: DictConfig) -> dict:
     console = _console()
     tcfg = _transform_config(cfg)  # the settings first: a bad value is named even when the output exists
     emit = _emit_kinds(cfg)
+    from .generate import check_threads, choose_threads
+
+    check_threads(cfg.threads)
     out = check_output_dir(cfg.out, cfg.overwrite)  # before loading the model: never replace what is not an artifact
+    import torch
+
+    threads, why = choose_threads(cfg.threads)
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+        console.print(f"[dim]{threads} CPU thread{'s' if threads > 1 else ''} ({why}; threads=N to change)[/dim]")
 
     import transformers  # noqa: F401  (imported before the clock starts: startup is reported on its own)
 
@@ -217,3 +226,4 @@ def run_optimize(cfg: DictConfig) -> dict:
 def main(args: Sequence[str]) -> int:
     """``kvtransform optimize [MODEL] [key=value ...] [--cfg job] [--help]``."""
     return run_hydra(args, "config", "kvtransform optimize", run_optimize)
+

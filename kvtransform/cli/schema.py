@@ -45,6 +45,8 @@ class OptimizeConfig:
         overwrite: replace ``out`` when it exists and is not empty.
         emit: what to write into ``out``: ``pt2`` (the artifact directory: ``model.pt2``, config, report) and/or
             ``onnx`` (``model.onnx``, opset 23, checked in onnxruntime; :meth:`OptimizedModule.export_onnx`).
+        threads: torch CPU threads, ``auto`` (1 on a CPU-only machine of at most 4 cores unless OMP_NUM_THREADS is
+            set: the verification gates ran 4-6x slower with more threads on a shared 2-core CPU, README) or N.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -52,6 +54,7 @@ class OptimizeConfig:
     out: str = "outputs/${kvt_slug:${model.name}}-${transform.name}"
     overwrite: bool = False
     emit: List[str] = field(default_factory=lambda: ["pt2"])
+    threads: Any = "auto"
 
 
 def _slug(name: str) -> str:

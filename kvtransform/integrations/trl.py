@@ -232,26 +232,31 @@ class GRPOTrainer(trl.GRPOTrainer):
             else:
                 plan, why = plan_packing(input_ids, attention_mask, logits_to_keep, batch_size,
                                          trees=self.shared_prefix == "tree", left_padding=not self._kvt_pads_shift)
+        mode = "train" if self.model.training else "eval"
         if plan is None:
             if self.shared_prefix:
                 self._say_once(f"shared_prefix: a batch runs unpacked (TRL's own pass): {why}")
+                self._metrics[mode]["shared_prefix/token_fraction"].append(1.0)
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
         from kvtransform.integrations.transformers import packed_inputs
 
-        logps, ents = [], []
+        logps, ents, tokens = [], [], 0
         pack = pack_chunk_tree if self.shared_prefix == "tree" else pack_chunk
         for chunk in plan.chunks:
             packed = pack(plan, chunk, input_ids.device)
             if packed is None:
                 continue
             batch, labels, rows, cols, src = packed
+            tokens += batch.num_tokens
             with self.accelerator.autocast():
                 out = model(**packed_inputs(batch), shift_labels=labels, fused_lm_head=True)
             logps.append((out.log_probs, rows, cols, src))
             if compute_entropy:
                 ents.append((out.entropy, rows, cols, src))
+        # packed tokens / the padded rows' tokens TRL's own pass would run (logged as a mean per step)
+        self._metrics[mode]["shared_prefix/token_fraction"].append(tokens / max(1, input_ids.numel()))
         dtype, device = logps[0][0].dtype, logps[0][0].device
         return (scatter_back(logps, plan, dtype, device),
                 scatter_back(ents, plan, dtype, device) if compute_entropy else None, None)
