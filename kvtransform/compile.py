@@ -13,7 +13,10 @@ and key lengths are provably equal (SDPA's causal mask is top-left aligned, ``kv
 only then), GQA (``enable_gqa``) maps to the op's own head mapping, ``attn_mask`` is passed on unchanged, and
 ``scale=None`` becomes ``head_dim ** -0.5``. A call it cannot prove equivalent (attention dropout, a traced scale,
 causal with possibly different lengths) is left as SDPA and listed in :attr:`KVCompileBackend.skipped`.
-Subgraphs of higher-order ops (activation checkpointing) are rewritten too. The graph rewrite is a pass,
+Subgraphs of higher-order ops (activation checkpointing) are rewritten too; with transformers 5.25 or later, whose
+checkpointed layers set an output collector, only if dynamo's config
+``skip_fwd_side_effects_in_bwd_under_checkpoint`` is set (else dynamo runs those layers eagerly and there is nothing
+to rewrite; README). The graph rewrite is a pass,
 :func:`kvtransform.passes.torch_sdpa.rewrite_sdpa`; this module is the backend around it. The rewritten graph goes
 to the inner backend (Inductor by default), which treats ``kvt.attention`` as an opaque op with its registered
 autograd formula and fuses everything around it.
