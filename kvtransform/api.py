@@ -125,12 +125,13 @@ def _artifact_config(file: Path):
     a YAML list is a damaged artifact, not the default canonical config); ValueError naming the file otherwise."""
     import yaml
 
-    data = yaml.safe_load(file.read_text())
+    text = file.read_text()
+    data = yaml.safe_load(text)
     if not isinstance(data, dict) or "name" not in data:
         got = "empty" if data is None else f"a YAML {type(data).__name__} without a transform name"
         raise ValueError(f"{file} is damaged ({got}): save the artifact again")
     try:
-        return config_from_yaml(file.read_text())
+        return config_from_yaml(text)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{file}: {e}") from None
 

@@ -165,13 +165,17 @@ def loss_fn(scores: torch.Tensor, target: torch.Tensor, positions: torch.Tensor,
     return loss, captured
 
 
+def _chunks_of(cfg: DistillConfig, f: str) -> int:
+    """Training chunks asked of file ``f``: ``topics_chunks`` for pydoc's topics, ``chunks_per_file`` otherwise."""
+    return cfg.topics_chunks if f == "pydoc_data/topics.py" else cfg.chunks_per_file
+
+
 def _chunks(tok, cfg: DistillConfig) -> list:
     from .textdata import token_chunks
 
     out = []
     for f in cfg.files:
-        n = cfg.topics_chunks if f == "pydoc_data/topics.py" else cfg.chunks_per_file
-        out += [(f, c) for c in token_chunks(tok, f, cfg.length, n)]
+        out += [(f, c) for c in token_chunks(tok, f, cfg.length, _chunks_of(cfg, f))]
     return out
 
 
@@ -210,7 +214,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     from .textdata import stdlib_path
     from .utils import check_results_dir
 
-    if not any((cfg.topics_chunks if f == "pydoc_data/topics.py" else cfg.chunks_per_file) for f in cfg.files):
+    if not any(_chunks_of(cfg, f) for f in cfg.files):
         raise ValueError(f"files={list(cfg.files)} with topics_chunks={cfg.topics_chunks} gives no training chunk: "
                          f"name at least one file (e.g. files=[argparse.py])")
     for f in cfg.files:  # before the model loads, as the output directory
