@@ -239,6 +239,48 @@ def _ffd(sizes: Sequence[int], order: Sequence[int], cap: int) -> list:
     return bins
 
 
+def _micro_batches(sizes: Sequence[int], weight: Sequence[float], rank_items: list, max_tokens: int) -> list:
+    """Each rank's items in micro-batches of at most ``max_tokens`` (by ``sizes``), every rank the same number
+    (first-fit decreasing finds the count, longest-first by ``weight`` fills them), heaviest micro-batch first."""
+    per_rank_order = [sorted(r, key=lambda i: (-weight[i], i)) for r in rank_items]
+    ffd = [_ffd(sizes, sorted(r, key=lambda i: (-sizes[i], i)), max_tokens) for r in rank_items]
+    m = max(1, max(len(b) for b in ffd))
+    mbs = []
+    for o, packed in zip(per_rank_order, ffd):
+        lpt = _lpt(sizes, o, m, cap=max_tokens, weights=weight)
+        bins = lpt[0] if lpt is not None else packed + [[] for _ in range(m - len(packed))]
+        bins = [sorted(b) for b in bins]
+        bins.sort(key=lambda b: -sum(weight[i] for i in b))
+        mbs.append(bins)
+    return mbs
+
+
+def _micro_batches_counted(trees: list, sizes: Sequence[int], weight: Sequence[float], rank_items: list,
+                           max_tokens: int, min_shared: int, rounds: int = 4) -> tuple:
+    """:func:`_micro_batches` for trees packed with ``min_shared > 1``, where trees packed together can take more
+    tokens than apart (a run two trees share cuts a run of one of them, and a piece shorter than ``min_shared`` is
+    then copied into every branch): each micro-batch is packed to count it, and the trees of one over
+    ``max_tokens`` are planned again with their share of the excess; after ``rounds`` such plans they are planned
+    at ``max_tokens`` each (a micro-batch of their own, which fits: no tree alone is over). Returns
+    ``(micro-batches, their packed tokens)``."""
+    from .tree_packing import pack_trajectories
+
+    plan = list(sizes)
+    attempt = 0
+    while True:  # ends: from round ``rounds`` on, every over micro-batch caps one more tree (a capped tree is alone)
+        attempt += 1
+        mbs = _micro_batches(plan, weight, rank_items, max_tokens)
+        counted = [[pack_trajectories([s for i in b for s in trees[i]], min_shared=min_shared).num_tokens if b else 0
+                    for b in r] for r in mbs]
+        over = [(b, n) for r, c in zip(mbs, counted) for b, n in zip(r, c) if n > max_tokens]
+        if not over:
+            return mbs, counted
+        for b, n in over:
+            planned = sum(plan[i] for i in b)
+            for i in b:
+                plan[i] = max_tokens if attempt >= rounds else plan[i] + -(-(n - planned) * plan[i] // planned)
+
+
 def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[int] = None, *, trees: bool = False,
                    pair_weight: Optional[float] = None, min_shared: Optional[int] = None) -> GroupBalance:
     """Assign prompt groups (or prefix trees) to ``world_size`` ranks (and micro-batches) with balanced loads.
@@ -269,14 +311,16 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
         Ranks: greedy longest-first (LPT), max load <= mean + largest item. Ranks may get no item when there are
         fewer items than ranks (they must still run a filler step). Pack a rank's (micro-batch's) trees with
         ``kvt.pack_trajectories([s for tree in mb for s in tree])``; trees that share a prefix (one system prompt)
-        merge there, so (packed with the same ``min_shared``) its packed tokens can only be fewer than the plan's.
+        merge there, so with ``min_shared=1`` its packed tokens can only be fewer than the plan's; with a larger
+        ``min_shared`` merging can also add tokens, so each micro-batch is packed once to count it (and planned
+        again while one is over ``max_tokens``): ``micro_batch_tokens`` are then the packed counts.
 
     Raises:
         ValueError: ``world_size`` < 1 or not an int, no groups, a malformed group or tree (a tree without
             ``trees=True`` and a group with it name the keyword), ``max_tokens`` < 1, ``trees`` not a bool,
             ``pair_weight`` negative / NaN / inf or given without ``trees=True``, ``min_shared`` given without
-            ``trees=True`` or not an integer >= 1, or an
-            item larger than ``max_tokens`` (the message names it, its size and the fix).
+            ``trees=True`` or not an integer >= 1, an item larger than ``max_tokens`` (the message names it, its
+            size and the fix).
     """
     world_size = as_int(world_size, "world_size", " >= 1 (the number of data-parallel ranks)")  # NumPy/torch too
     if world_size < 1:
@@ -330,16 +374,10 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
         return GroupBalance([[groups[i] for i in r] for r in idx], idx, rank_tokens, None, None, sizes, rank_costs,
                             costs)
 
-    per_rank_order = [sorted(r, key=lambda i: (-weight[i], i)) for r in rank_items]
-    ffd = [_ffd(sizes, sorted(r, key=lambda i: (-sizes[i], i)), max_tokens) for r in rank_items]
-    m = max(1, max(len(b) for b in ffd))
-    mbs = []
-    for o, packed in zip(per_rank_order, ffd):
-        lpt = _lpt(sizes, o, m, cap=max_tokens, weights=weight)
-        bins = lpt[0] if lpt is not None else packed + [[] for _ in range(m - len(packed))]
-        bins = [sorted(b) for b in bins]
-        bins.sort(key=lambda b: -sum(weight[i] for i in b))
-        mbs.append(bins)
-    mb_tokens = [[sum(sizes[i] for i in b) for b in r] for r in mbs]
+    if not trees or min_shared in (None, 1):
+        mbs = _micro_batches(sizes, weight, rank_items, max_tokens)
+        mb_tokens = [[sum(sizes[i] for i in b) for b in r] for r in mbs]
+    else:
+        mbs, mb_tokens = _micro_batches_counted(groups, sizes, weight, rank_items, max_tokens, min_shared)
     return GroupBalance([[[groups[i] for i in b] for b in r] for r in mbs], mbs, rank_tokens, mb_tokens,
                         max_tokens, sizes, rank_costs, costs)

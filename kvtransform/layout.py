@@ -302,6 +302,11 @@ class DualKVLayout:
                                      list(self.prefix_lens), [list(r) for r in self.response_lens])
 
     # ------------------------------------------------------------------ checks
+    def trajectory_lengths(self) -> list:
+        """Python list: tokens of each trajectory (a prompt and one of its responses; a prompt without responses
+        alone), group by group."""
+        return [p + r for p, rs in zip(self.prefix_lens, self.response_lens) for r in (rs or [0])]
+
     def validate(self, total_tokens: Optional[int] = None) -> None:
         """Check the tensors against each other, the python lengths and ``total_tokens`` (T).
 

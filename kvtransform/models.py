@@ -35,6 +35,8 @@ __all__ = [
     "load_model",
     "check_causal_lm",
     "config_attention_variants",
+    "length_dependent_rope",
+    "check_attention_only_mixing",
     "tiny_model",
     "TINY_FAMILIES",
     "TINY_WINDOW",
@@ -417,3 +419,58 @@ def config_attention_variants(model) -> dict:
     if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
         out["sinks"] = "per-head parameters"
     return out
+
+
+def length_dependent_rope(model) -> dict:
+    """``{"dynamic" | "longrope": positions}`` for the rotary embeddings of ``model`` whose frequencies depend on
+    the largest position of a call (transformers' ``dynamic_rope_update``): dynamic-NTK RoPE rescales past
+    ``positions`` (``original_max_seq_len``), LongRoPE (Phi-3-128k / 3.5) switches to its long factors past
+    ``positions`` (``original_max_position_embeddings``). A packed batch is one call, so its longest trajectory
+    decides for all of them (:func:`kvtransform.packing.check_rope_lengths`). Empty for every other RoPE."""
+    out = {}
+    for m in model.modules():
+        rope_type = getattr(m, "rope_type", None)
+        types = rope_type if isinstance(rope_type, dict) else {None: rope_type}
+        for layer_type, kind in types.items():
+            if not isinstance(kind, str):
+                continue
+            if "dynamic" in kind and isinstance(getattr(m, "original_max_seq_len", None), int):
+                out["dynamic"] = min(out.get("dynamic", 1 << 62), m.original_max_seq_len)
+            elif kind == "longrope":
+                params = getattr(getattr(m, "config", None), "rope_parameters", None) or {}
+                params = params.get(layer_type, params) if layer_type is not None else params
+                limit = params.get("original_max_position_embeddings") if isinstance(params, dict) else None
+                limit = limit or getattr(getattr(m, "config", None), "original_max_position_embeddings", None)
+                if isinstance(limit, int):
+                    out["longrope"] = limit
+    return out
+
+
+#: ``config.layer_types`` entries (transformers' ``ALLOWED_LAYER_TYPES``) whose layers mix tokens only through
+#: causal attention (full or sliding window) or not at all (MLP kinds)
+ATTENTION_ONLY_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "sparse", "dense", "moe"})
+
+
+def check_attention_only_mixing(model, what: str) -> None:
+    """Refuse a model some of whose layers mix tokens other than through causal (full or sliding-window) attention:
+    convolutions or recurrent / linear-attention state (LFM2, MiniMax, Mamba hybrids: ``config.layer_types``),
+    chunked attention (Llama 4's ``attention_chunk_size``). A packed batch puts several sequences on one token axis
+    and only the attention layers are given its layout, so such a layer would mix the branches of a packed batch
+    (DualKV arXiv 2605.15422 and prefix trees need every cross-token operation to be attention).
+
+    Raises:
+        ValueError: one line naming the layer kind and ``what`` cannot take it.
+    """
+    cfg = getattr(model, "config", None)
+    cfgs = [cfg] + [getattr(cfg, k, None) for k in ("text_config",)]
+    for c in (c for c in cfgs if c is not None):
+        kinds = sorted({str(t) for t in (getattr(c, "layer_types", None) or [])} - ATTENTION_ONLY_LAYER_TYPES)
+        if kinds:
+            raise ValueError(f"{type(model).__name__} has {', '.join(repr(k) for k in kinds)} layers "
+                             f"(config.layer_types): {what} gives a packed batch's layout to causal full or "
+                             f"sliding-window attention only, so these layers would mix its sequences: train it on "
+                             f"unpacked batches")
+        if getattr(c, "attention_chunk_size", None) is not None:
+            raise ValueError(f"{type(model).__name__} uses chunked attention (config.attention_chunk_size="
+                             f"{c.attention_chunk_size}), which {what} does not express: train it on unpacked "
+                             f"batches")

@@ -23,7 +23,7 @@ from .packed_logits import packed_logits
 # prefix-tree packing (any depth of shared prefix) lives in its own module; exported here too
 from .tree_packing import TreeBatch, _as_device, _as_vocab, pack_trajectories  # noqa: F401
 
-__all__ = ["PackedBatch", "pack_shared_prefix", "pack_shared_prefix_groups", "check_packed"]
+__all__ = ["PackedBatch", "pack_shared_prefix", "pack_shared_prefix_groups", "check_packed", "check_rope_lengths"]
 
 TokenIds = Union[Sequence[int], torch.Tensor]
 
@@ -69,6 +69,8 @@ def _as_ids(x: TokenIds, what: str, vocab_size: Optional[int]) -> torch.Tensor:
     else:
         if isinstance(x, (Mapping, Set)):  # no token order to keep
             raise ValueError(f"{what} is a {type(x).__name__} (unordered): pass a list or 1-D tensor of token ids")
+        if isinstance(x, (str, bytes, bytearray)):  # characters or bytes are not token ids
+            raise ValueError(f"{what} is {type(x).__name__} text: tokenize it first (tokenizer(text).input_ids)")
         try:
             seq = list(x)
         except TypeError:
@@ -279,3 +281,35 @@ def check_packed(input_ids, position_ids, layout: DualKVLayout, vocab_size: Opti
         raise ValueError(f"token id {bad} at packed position {where} is outside the vocabulary "
                          f"[0, {vocab_size if vocab_size is not None else '?'})")
 
+
+
+def check_rope_lengths(limits: dict, layout) -> None:
+    """Refuse a packed batch whose trajectories a length-dependent RoPE would compute with another one's
+    frequencies (``limits``: :func:`kvtransform.models.length_dependent_rope`). transformers picks those
+    frequencies once per call from its largest position, so in a packed batch the longest trajectory decides for
+    every trajectory: dynamic-NTK RoPE is exact only while every trajectory stays within its limit (past it, each
+    length has its own scaling), LongRoPE while all trajectories are on one side of its limit. ``layout``: a
+    :class:`~kvtransform.layout.DualKVLayout` or :class:`~kvtransform.tree_layout.PrefixTreeLayout` (host lists,
+    no device read).
+
+    Raises:
+        ValueError: one line naming the limit and how to split the batch.
+    """
+    if not limits:
+        return
+    lengths = layout.trajectory_lengths()
+    if not lengths:
+        return
+    longest, shortest = max(lengths), min(lengths)
+    limit = limits.get("dynamic")
+    if limit is not None and longest > limit:
+        raise ValueError(f"this model's dynamic-NTK RoPE rescales its frequencies by the longest sequence of a call "
+                         f"once it passes {limit} positions, so in this packed batch every trajectory would get its "
+                         f"longest one's ({longest} tokens): pack trajectories of at most {limit} tokens (run longer "
+                         f"ones unpacked, one per call)")
+    limit = limits.get("longrope")
+    if limit is not None and shortest <= limit < longest:
+        raise ValueError(f"this model's LongRoPE uses its long factors for a whole call once its longest sequence "
+                         f"passes {limit} positions, and this packed batch mixes trajectories of {shortest} and "
+                         f"{longest} tokens: pack those of at most {limit} tokens and the longer ones in separate "
+                         f"batches")

@@ -148,6 +148,9 @@ class PrefixTreeLayout:
         ``(N+1,)``, descendants ``(A,)``, key_range_ptr ``(N+1,)``, key_ranges ``(RK, 2)``, query_range_ptr
         ``(N+1,)``, query_ranges ``(RQ, 2)``.
         lengths, parents: python lists (node lengths in tokens, parent indices).
+        trajectory_nodes: python list of the nodes the trajectories end in, when the packer knows them
+            (``kvt.pack_trajectories`` sets it: a trajectory can end inside the tree, as a prefix of another);
+            ``None``: the leaves.
 
     Build it with :meth:`from_parents` or :meth:`from_tensors`; both validate and raise ``ValueError`` with one
     line naming the problem: no nodes, a node of length <= 0, a parent that is not ``-1`` or an earlier node (a
@@ -214,6 +217,7 @@ class PrefixTreeLayout:
         d = _derive(lengths, parents)
         obj = cls.__new__(cls)
         obj.lengths, obj.parents = list(lengths), list(parents)
+        obj.trajectory_nodes = None
         obj._starts = d["start"]
         obj._anc = d["anc"]
         obj._cu = d["cu"]
@@ -269,6 +273,17 @@ class PrefixTreeLayout:
     def node_starts(self) -> list:
         """Python list: the position (in its root→node path) of each node's first token."""
         return list(self._starts)
+
+    def leaves(self) -> list:
+        """Python list of the nodes without children (one trajectory each, root→leaf), in packing order."""
+        has_child = {p for p in self.parents if p >= 0}
+        return [n for n in range(self.num_nodes) if n not in has_child]
+
+    def trajectory_lengths(self) -> list:
+        """Python list: tokens of each trajectory (root→node path of :attr:`trajectory_nodes`, else of each leaf in
+        :meth:`leaves` order)."""
+        nodes = self.trajectory_nodes if self.trajectory_nodes is not None else self.leaves()
+        return [self._starts[n] + self.lengths[n] for n in nodes]
 
     def _node(self, node) -> int:
         """``node`` as an index in ``0..N-1``: ValueError for a non-integer, IndexError (one line) outside."""

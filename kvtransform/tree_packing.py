@@ -354,6 +354,7 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
     nodes, end_node = _trie_nodes(seqs, min_shared)
     layout = PrefixTreeLayout.from_parents([e - s for _, s, e, _ in nodes], [p for *_, p in nodes],
                                            device=device)
+    layout.trajectory_nodes = sorted(set(end_node))
     ids = torch.cat([seqs[i][s:e] for i, s, e, _ in nodes])
     dev = torch.device(device) if device is not None else torch.device("cpu")
     batch = TreeBatch(ids[None].to(dev), layout.position_ids()[None].to(dev), layout, seqs, end_node, masks)

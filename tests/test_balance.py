@@ -235,3 +235,23 @@ def test_tree_plan_holds_max_tokens_for_the_min_shared_the_ranks_pack_with():
         for mb in plan[0]:
             packed = kvt.pack_trajectories([s for tree in mb for s in tree], min_shared=min_shared)
             assert packed.num_tokens <= 420, (min_shared, packed.num_tokens)
+
+
+def test_tree_plan_counts_micro_batches_where_merging_trees_adds_tokens():
+    """With min_shared > 1, trees packed together can take more tokens than apart: a run two trees share cuts a run
+    of one of them, and the piece below min_shared is copied into each branch (19 planned tokens packed to 29). The
+    plan packs each micro-batch to count it and plans again, so every micro-batch fits max_tokens."""
+    a = [[1, 2, 3, 4, 5, 6, 100 + i] for i in range(8)]  # 8 trajectories sharing 6 tokens: 14 tokens alone
+    b = [[1, 2, 3, 4, 50]]  # shares 4 of them: 5 tokens alone; together the 2-token rest is copied 8 times
+    assert kvt.pack_trajectories(a + b, min_shared=4).num_tokens == 29
+    plan = kvt.balance_groups([a, b], 1, max_tokens=19, trees=True, min_shared=4)
+    for mb, tokens in zip(plan[0], plan.micro_batch_tokens[0]):
+        packed = kvt.pack_trajectories([s for tree in mb for s in tree], min_shared=4).num_tokens
+        assert packed == tokens <= 19
+    assert plan.num_micro_batches == 2  # (planned by sizes alone: one micro-batch of 19)
+    many = [[[t, 2, 3, 4, 5, 6, 100 + i] for i in range(8)] for t in range(1, 4)] + [[[t, 2, 3, 4, 50]] for t in
+                                                                                    range(1, 4)]
+    plan = kvt.balance_groups(many, 2, max_tokens=20, trees=True, min_shared=4)
+    for rank, counts in zip(plan, plan.micro_batch_tokens):
+        for mb, tokens in zip(rank, counts):
+            assert kvt.pack_trajectories([s for t in mb for s in t], min_shared=4).num_tokens == tokens <= 20

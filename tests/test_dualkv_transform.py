@@ -189,6 +189,50 @@ def test_optimizer_on_model_parameters_trains_module(llama):
     assert sum(x.sum() for x in after) > sum(x.sum() for x in before)
 
 
+def test_replaced_parameters_are_refused_not_trained_stale():
+    """After load_state_dict(assign=True) the captured program would go on with the old Parameters (0.26 off the
+    model's log-probs, no gradient reaching the model): refused by name, in the DualKV and canonical modules; an
+    in-place load passes and is followed."""
+    model = tiny_model("llama")
+    opt = kvt.transform(model, FAST, progress=False)
+    canonical = kvt.transform(model, kvt.CanonicalConfig(verify=VerifyConfig(enabled=False)), progress=False)
+    b = kvt.pack_shared_prefix([5, 6, 7], [[8, 9], [10]])
+    other = tiny_model("llama", seed=3).state_dict()
+    model.load_state_dict(other)  # in place: followed
+    torch.testing.assert_close(b.response_logprobs(opt(b))[0], replicated_logprobs(model, b)[0], atol=1e-5,
+                               rtol=1e-5)
+    model.load_state_dict(other, assign=True)
+    with pytest.raises(ValueError, match="was replaced after the transform"):
+        opt(b)
+    with pytest.raises(ValueError, match="was replaced after the transform"):
+        canonical(torch.tensor([[5, 6, 7]]))
+
+
+def test_longrope_batches_are_refused_where_trajectories_would_share_frequencies(tmp_path):
+    """LongRoPE (Phi-3-128k) picks its long factors for a whole call from its largest position: a packed batch
+    mixing trajectories on both sides of the limit (5.5 off the separate log-probs) is refused by the module and by
+    its reloaded artifact; batches on one side stay exact."""
+    model = tiny_model("phi3", max_position_embeddings=256, original_max_position_embeddings=64,
+                       initializer_range=0.2, rope_parameters={
+                           "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                           "long_factor": [4.0] * 8, "original_max_position_embeddings": 64})
+    opt = kvt.transform(model, FAST, progress=False)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(2, 128, (120,), generator=g).tolist()
+    with torch.no_grad():
+        for seqs in ([base[:40], base[:30] + [5, 6]], [base[:110], base[:100] + [5, 6]]):
+            tree = kvt.pack_trajectories(seqs)
+            for got, s in zip(tree.trajectory_logprobs(opt(tree)), seqs):
+                want = model(torch.tensor([s])).logits[0, :-1].log_softmax(-1).gather(1, torch.tensor(s[1:])[:, None])
+                torch.testing.assert_close(got, want[:, 0], atol=1e-5, rtol=1e-5)
+    mixed = kvt.pack_trajectories([base[:110], base[:30], base[:30] + [5, 6]])  # one ends inside the tree
+    with pytest.raises(ValueError, match="LongRoPE .* trajectories of 30 and 110"):
+        opt(mixed)
+    loaded = kvt.load(opt.save(tmp_path / "art", progress=False))
+    with pytest.raises(ValueError, match="LongRoPE"):
+        loaded(mixed)
+
+
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_exact_logprobs_and_grads_tiny(family, attn):

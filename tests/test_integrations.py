@@ -219,3 +219,119 @@ def test_transform_of_an_enabled_model_captures_its_own_attention():
     kvt.transform(model, "canonical", progress=False)
     with pytest.raises(ValueError, match="packed attention is disabled"):
         model(**packed_inputs(tree))
+
+
+def _separate_logprobs(model, seqs):
+    with torch.no_grad():
+        return [model(torch.tensor([s])).logits[0, :-1].log_softmax(-1).gather(1, torch.tensor(s[1:])[:, None])[:, 0]
+                for s in seqs]
+
+
+def test_layout_is_refused_whenever_the_model_attends_without_it():
+    """A second disable() keeps the guard, and an attention implementation set after enable() (which would ignore
+    the layout) is named: both were silent wrong answers (0.063 off the separate log-probs)."""
+    from kvtransform.integrations.transformers import disable, enable, packed_inputs
+
+    seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12], [5, 6, 13]]
+    tree = kvt.pack_trajectories(seqs)
+    model = enable(kvt.tiny_model("llama"), "dualkv")
+    disable(disable(model))
+    with pytest.raises(ValueError, match="packed attention is disabled"):
+        model(**packed_inputs(tree))
+    enable(model, "dualkv")
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="attention implementation is 'sdpa', set after"):
+        model(**packed_inputs(tree))
+    enable(model, "dualkv")
+    with torch.no_grad():
+        got = tree.trajectory_logprobs(model(**packed_inputs(tree)).logits)
+    for a, b in zip(got, _separate_logprobs(kvt.tiny_model("llama"), seqs)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_enabled_model_runs_under_inference_mode():
+    """Inference tensors keep no version counter: packed and plain calls of an enabled model under
+    torch.inference_mode() run (they crashed in the call checks) and give the separate log-probs."""
+    from kvtransform.integrations.transformers import enable, packed_inputs
+
+    model = enable(kvt.tiny_model("llama"), "dualkv")
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8], [1, 2, 9]]
+    want = _separate_logprobs(kvt.tiny_model("llama"), seqs)
+    with torch.inference_mode():
+        for batch in (kvt.pack_trajectories(seqs), kvt.pack_trajectories(seqs[:2])):
+            got = batch.trajectory_logprobs(model(**packed_inputs(batch)).logits)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        model(torch.tensor([[1, 2, 3]]), position_ids=torch.tensor([[0, 1, 2]]))
+
+
+def test_length_dependent_rope_is_refused_where_trajectories_would_share_frequencies():
+    """transformers picks dynamic-NTK / LongRoPE frequencies from a call's largest position, so in a packed batch
+    the longest trajectory decides for all (short ones 0.47 / 3.9 off): refused in one line, while a batch the RoPE
+    treats alike stays exact."""
+    from kvtransform.integrations.transformers import enable, packed_inputs
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(2, 128, (60,), generator=g).tolist()
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [3.0] * 8,
+                "original_max_position_embeddings": 16}
+    for family, kw, ok, bad, match in (
+            ("llama", dict(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                         "rope_theta": 10000.0}),
+             [base[:14], base[:10] + [5]], [base[:50], base[:10]], "dynamic-NTK RoPE .* at most 16 tokens"),
+            ("phi3", dict(max_position_embeddings=64, original_max_position_embeddings=16, rope_parameters=longrope),
+             [base[:50], base[:40] + [5, 6]], [base[:50], base[:10]], "LongRoPE .* trajectories of 10 and 50")):
+        model = kvt.tiny_model(family, initializer_range=0.2, **kw)
+        want = _separate_logprobs(model, ok)
+        enable(model, "dualkv")
+        with pytest.raises(ValueError, match=match):
+            model(**packed_inputs(kvt.pack_trajectories(bad)))
+        with torch.no_grad():
+            tree = kvt.pack_trajectories(ok)
+            for a, b in zip(tree.trajectory_logprobs(model(**packed_inputs(tree)).logits), want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_enable_refuses_layers_that_mix_tokens_outside_attention():
+    """Convolution / linear-attention layers (LFM2, MiniMax) and chunked attention (Llama 4) would mix a packed
+    batch's sequences (1.98, 0.57, 0.63 off the separate log-probs): refused by name, at enable() and by the DualKV
+    transform."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                  num_key_value_heads=2)
+    for cfg, match in ((transformers.Lfm2Config(**common, layer_types=["conv", "full_attention"]), "'conv' layers"),
+                       (transformers.MiniMaxConfig(**common, num_local_experts=2,
+                                                   layer_types=["linear_attention", "full_attention"]),
+                        "'linear_attention' layers")):
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        with pytest.raises(ValueError, match=match):
+            kvt.integrations.transformers.enable(model, "dualkv")
+        with pytest.raises(ValueError, match=match):
+            kvt.transform(model, "dualkv", progress=False)
+    llama4 = kvt.tiny_model("llama")
+    llama4.config.attention_chunk_size = 6
+    with pytest.raises(ValueError, match="chunked attention"):
+        kvt.integrations.transformers.enable(llama4, "dualkv")
+
+
+def test_mla_value_head_size_runs_packed():
+    """DeepSeek-V2/V3 attention (MLA: value heads 16 wide, query/key heads 24): zero-padded values are exact, so the
+    packed log-probs equal the separate ones (it failed inside the op before)."""
+    import transformers
+    from kvtransform.integrations.transformers import enable, packed_inputs
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1, moe_intermediate_size=32,
+        n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    seqs = [[5, 6, 7, 8, 9], [5, 6, 9, 3], [5, 6, 9, 4, 4, 2], [7, 7]]
+    want = _separate_logprobs(model, seqs)
+    enable(model, "dualkv")
+    with torch.no_grad():
+        for batch in (kvt.pack_trajectories(seqs), kvt.pack_trajectories(seqs[:2])):  # tree, then one level
+            for a, b in zip(batch.trajectory_logprobs(model(**packed_inputs(batch)).logits), want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

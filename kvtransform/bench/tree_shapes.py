@@ -52,13 +52,12 @@ def one_level_tree(P: int, responses: Sequence[int], device=None) -> PrefixTreeL
 
 def leaves(layout) -> list:
     """Nodes without children (one trajectory each, root→leaf), in packing order."""
-    has_child = {p for p in layout.parents if p >= 0}
-    return [n for n in range(layout.num_nodes) if n not in has_child]
+    return layout.leaves()
 
 
 def trajectory_lengths(layout) -> list:
     """Tokens of each trajectory (root→leaf path), in :func:`leaves` order."""
-    return [layout.node_starts()[n] + layout.lengths[n] for n in leaves(layout)]
+    return layout.trajectory_lengths()
 
 
 def flat_index(layout) -> torch.Tensor:

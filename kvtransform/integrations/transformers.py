@@ -88,6 +88,12 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                          f"attention_dropout to 0)")
     variants = attention_variants(module, kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D)
+    dv = v.shape[-1]
+    if dv != k.shape[-1]:  # MLA (DeepSeek-V2/V3): a value head size other than the query/key one
+        # zero columns change neither q·k nor the kept output columns: exact, as HF pads V for FlashAttention
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        width = max(dv, k.shape[-1])
+        q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
     if tree is not None:
         from kvtransform.ops.prefix_tree import PrefixTreeLayout, prefix_tree_attention
 
@@ -98,13 +104,13 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         one_level = tree.as_dualkv() if q.dtype != torch.float64 else None
         if one_level is None:
             extra = _op_variant_kwargs(prefix_tree_attention, variants, what)
-            return prefix_tree_attention(q, k, v, tree, softmax_scale=scaling, **extra)[None], None
+            return prefix_tree_attention(q, k, v, tree, softmax_scale=scaling, **extra)[None, ..., :dv], None
         cu, sp = one_level.cu_seqlens, one_level.segment_prefix
     from kvtransform.ops.dualkv import dualkv_attention
 
     extra = _op_variant_kwargs(dualkv_attention, variants, what)
     out = dualkv_attention(q, k, v, cu.to(q.device), sp.to(q.device), softmax_scale=scaling, **extra)
-    return out[None], None
+    return out[None, ..., :dv], None
 
 
 def attention_variants(module: torch.nn.Module, kwargs: dict) -> dict:
@@ -233,12 +239,20 @@ def _ref(obj):
     return (lambda: None) if obj is None else weakref.ref(obj)
 
 
+def _version(obj):
+    """A tensor's version counter (None for anything else); inference-mode tensors keep none, so they get a fresh
+    object each time (never taken as checked)."""
+    if not isinstance(obj, torch.Tensor):
+        return None
+    return object() if obj.is_inference() else obj._version
+
+
 def _checked_already(objs, memo=None) -> bool:
     """Inside a hooked model's forward, ``objs`` are the very objects of ``memo`` (default :data:`_last_checked`),
     the tensors unmodified since; an outermost call is never taken as checked."""
     memo = _last_checked if memo is None else memo
     return _depth[0] > 1 and len(memo) == len(objs) and all(
-        ref() is o and ver == getattr(o, "_version", None) for (ref, ver), o in zip(memo, objs))
+        ref() is o and ver == _version(o) for (ref, ver), o in zip(memo, objs))
 
 
 def _leave_call(module, args, output):
@@ -269,7 +283,7 @@ def _refuse_packed_positions_without_layout(model, args, kwargs) -> None:
         raise ValueError(f"position_ids fall back to {drop[1]} at token {drop[0]} without a packed layout (a "
                          f"shared-prefix or tree batch?): call model(**kvt.integrations.transformers."
                          f"packed_inputs(batch)), which passes the layout")
-    _last_positions[:] = [(_ref(o), getattr(o, "_version", None)) for o in (pos, mask)]
+    _last_positions[:] = [(_ref(o), _version(o)) for o in (pos, mask)]
 
 
 def _position_drop(pos: torch.Tensor, mask=None):
@@ -301,7 +315,8 @@ def _check_packed_call(model, args, kwargs):
             ``output_attentions`` (no attention matrix is formed).
     """
     from kvtransform.layout import DualKVLayout
-    from kvtransform.packing import check_packed
+    from kvtransform.models import length_dependent_rope
+    from kvtransform.packing import check_packed, check_rope_lengths
     from kvtransform.tree_layout import PrefixTreeLayout
 
     _depth[0] += 1  # (first: :func:`_leave_call` runs even when this hook raises)
@@ -313,6 +328,11 @@ def _check_packed_call(model, args, kwargs):
     if tree is None and cu is None and sp is None:  # layout keywords given as None: an unpacked call
         _refuse_packed_positions_without_layout(model, args, kwargs)
         return None
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", ATTENTION_NAME)
+    if isinstance(impl, str) and impl != ATTENTION_NAME:  # its attention would ignore the layout
+        raise ValueError(f"this model's attention implementation is {impl!r}, set after kvt.integrations."
+                         f"transformers.enable(), and it ignores a packed layout: call enable(model, 'dualkv') again "
+                         f"before a packed batch")
     for key in ("past_key_values", "cache"):  # (the cache argument's two names across transformers 5.x)
         if named.get(key) is not None:
             raise ValueError(f"a packed batch runs without a KV cache: drop {key} (and use_cache)")
@@ -351,7 +371,8 @@ def _check_packed_call(model, args, kwargs):
         else:
             return None  # the attention function names what is wrong with the layout arguments
         check_packed(input_ids, position_ids, layout, getattr(model.config, "vocab_size", None))
-        _last_checked[:] = [(_ref(o), getattr(o, "_version", None)) for o in objs]
+        check_rope_lengths(length_dependent_rope(model), layout)
+        _last_checked[:] = [(_ref(o), _version(o)) for o in objs]
     return (), {**named, "use_cache": False}
 
 
@@ -395,9 +416,10 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "_attn_implementation"):
         raise ValueError(f"enable() takes a transformers model; got {type(model).__name__}")
-    from kvtransform.models import check_causal_lm, config_attention_variants
+    from kvtransform.models import check_attention_only_mixing, check_causal_lm, config_attention_variants
 
     check_causal_lm(model)  # packed attention is causal: a bidirectional model (EmbeddingGemma) would silently change
+    check_attention_only_mixing(model, "enable()")
     if getattr(model, "_supports_attention_backend", True) is False:  # (its attention never calls the interface)
         raise ValueError(f"{type(model).__name__} runs its own attention code, not transformers' attention "
                          f"interface, so enable() cannot give it packed attention (each packed row would attend "
@@ -472,7 +494,8 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
     keywords are then refused in one line (the model's own attention would ignore them, a silently wrong answer)
     until :func:`enable` again. A model never enabled ignores them too: call :func:`enable` before
     ``model(**packed_inputs(batch))``."""
-    if _lift(model):
+    guarded = getattr(model, "_kvt_disabled_guard", None) is not None
+    if _lift(model) or guarded:  # (a second disable() keeps the guard)
         _guard(model)
     return model
 

@@ -267,6 +267,9 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if layout.total_tokens != q.shape[0]:
             raise ValueError(f"the layout's segments sum to {layout.total_tokens} tokens but q has T={q.shape[0]} "
                              f"(cu_seqlens must end at T)")
+    elif type(layout).__name__ == "PrefixTreeLayout":
+        raise ValueError("a PrefixTreeLayout goes to kvt.prefix_tree_attention(q, k, v, layout); "
+                         "kvt.dualkv_attention takes a DualKVLayout (layout.as_dualkv() for a one-level tree)")
     else:
         cu_seqlens = layout
         if segment_prefix is None:

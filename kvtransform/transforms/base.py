@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import weakref
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -56,6 +57,21 @@ def _check_zip_crcs(file: Path) -> None:
         raise zipfile.BadZipFile(f"member {bad} fails its CRC check")
 
 
+class _SourceLink:
+    """What :meth:`OptimizedModule.check_source_parameters` compares: a weak reference to the transformed model and
+    ``{parameter name: the Parameter object the captured programs hold}``. A deep copy (or pickle) of the module
+    gets none: its programs hold copies that are not the model's, so there is nothing to check."""
+
+    def __init__(self, model, held: dict):
+        self.model, self.held = weakref.ref(model), held
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
+
+
 class OptimizedModule(torch.nn.Module):
     """A transformed model: an ``nn.Module`` holding the rewritten graph, its config and its report.
 
@@ -79,6 +95,37 @@ class OptimizedModule(torch.nn.Module):
         self.report = report
         self.max_seq_len = int(max_seq_len)
         self._captured_dtype = self._weight_dtype()
+        self._source = None  # _SourceLink (link_source): the model and the Parameters the program holds
+
+    def link_source(self, model: torch.nn.Module) -> None:
+        """Remember ``model``'s parameters that the captured program holds (by every name, so untying a tied
+        weight is seen), for :meth:`check_source_parameters`."""
+        held = {id(p): p for _, p in self.core.named_parameters(remove_duplicate=False)}
+        self._source = _SourceLink(model, {n: held[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+                                           if id(p) in held})
+
+    def check_source_parameters(self) -> None:
+        """Raise ``ValueError`` when a parameter of the transformed model is no longer the ``Parameter`` object the
+        captured program holds (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(new)``, a
+        PEFT adapter injected after the transform): the program would silently go on with the old weights and send
+        its gradients to them. In-place updates (optimizer steps, ``load_state_dict`` without ``assign``,
+        ``p.data.copy_``) are followed and pass. Weights cast to another dtype since the transform
+        (``model.to(torch.bfloat16)``) are refused too (:meth:`refuse_recast`). Called by every forward (and
+        ``generate``); for a reloaded artifact or once the model is gone only the cast is checked."""
+        self.refuse_recast()
+        if self._source is None:
+            return
+        model, held = self._source.model(), self._source.held
+        if model is None:
+            return
+        live = dict(model.named_parameters(remove_duplicate=False))
+        replaced = [n for n, p in held.items() if live.get(n) is not p]
+        if replaced:
+            more = f" (and {len(replaced) - 1} more)" if len(replaced) > 1 else ""
+            raise ValueError(f"the model's parameter {replaced[0]!r}{more} was replaced after the transform "
+                             f"(load_state_dict(assign=True)? module.weight = nn.Parameter(...)? a PEFT adapter?): "
+                             f"the transformed program still holds the old one. Update the weights in place instead "
+                             f"(load_state_dict without assign, p.data.copy_(new)), or transform the model again")
 
     def _weight_dtype(self) -> Optional[torch.dtype]:
         return next((p.dtype for p in self.core.parameters() if p.is_floating_point()), None)
@@ -121,7 +168,7 @@ class OptimizedModule(torch.nn.Module):
             raise ValueError(f"input_ids must be an integer tensor of shape (batch, seq); got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
         self.refuse_autocast(input_ids.device.type)
-        self.refuse_recast()
+        self.check_source_parameters()
         b, s = input_ids.shape
         if b < 1 or not 1 <= s <= self.max_seq_len:
             raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: need batch >= 1 and 1 <= seq <= "

@@ -35,5 +35,6 @@ def canonical_transform(model, cfg: CanonicalConfig, tokenizer=None, progress: b
         raise ValueError(f"the canonical transform rewrote no attention of {type(model).__name__}: {reasons}; "
                          f"kvt.inspect(model) shows what each layer computes")
     opt = OptimizedModule(Logits(gm), cfg, report, max_seq_len=cap.max_seq_len)
+    opt.link_source(model)
     verify_logits(model, opt, cfg, tokenizer, report, progress)
     return opt

@@ -33,7 +33,8 @@ from torch.export import Dim
 from kvtransform.capture import capture_packed
 from kvtransform.config import DualKVConfig
 from kvtransform.layout import DualKVLayout
-from kvtransform.packing import PackedBatch, check_packed, pack_shared_prefix
+from kvtransform.models import check_attention_only_mixing, length_dependent_rope
+from kvtransform.packing import PackedBatch, check_packed, check_rope_lengths, pack_shared_prefix
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.passes.dualkv import DualKVPass, count_square_tensors
@@ -89,6 +90,7 @@ class DualKVModule(OptimizedModule):
                  tree_core: Optional[torch.nn.Module] = None):
         super().__init__(core, config, report, max_seq_len=max_seq_len)
         self.__dict__["_tree_core"] = tree_core  # not registered: the same parameters as core
+        self.rope_limits: dict = {}  # length-dependent RoPE of the model (models.length_dependent_rope)
 
     @property
     def tree_core(self) -> torch.nn.Module:
@@ -104,8 +106,9 @@ class DualKVModule(OptimizedModule):
                                                        segment_prefix)
         self.refuse_autocast(input_ids.device.type, "train through kvt.integrations.transformers.enable(model, "
                                                     "'dualkv'), which takes autocast")
-        self.refuse_recast()
+        self.check_source_parameters()
         check_packed(input_ids, position_ids, lay, self.vocab_size)
+        check_rope_lengths(self.rope_limits, lay)
         if isinstance(lay, PrefixTreeLayout):
             # One level deep: the DualKV program (its kernels are faster on that shape); it was captured for at
             # least two segments, so a lone sequence stays on the tree program.
@@ -181,6 +184,18 @@ class DualKVModule(OptimizedModule):
         args = (b.input_ids, b.position_ids, b.cu_seqlens, b.segment_prefix)
         return args, ({1: tok}, {1: tok}, {0: seg1}, {0: seg})
 
+    def write_artifact(self, directory: Path) -> dict:
+        return {**super().write_artifact(directory), "rope_limits": self.rope_limits}
+
+    @classmethod
+    def from_artifact(cls, path: Path, config: DualKVConfig, report: Report, meta: dict) -> "DualKVModule":
+        opt = super().from_artifact(path, config, report, meta)
+        limits = meta.get("rope_limits") or {}
+        if not isinstance(limits, dict) or not all(isinstance(v, int) for v in limits.values()):
+            raise ValueError(f"{path / 'meta.json'} is damaged (rope_limits must map a RoPE type to a position "
+                             f"count): save the artifact again")
+        opt.rope_limits = dict(limits)
+        return opt
 
     tree_input_names = ("input_ids", "position_ids", "cu_seqlens", "parent", "key_range_ptr", "key_ranges",
                         "query_range_ptr", "query_ranges")
@@ -247,10 +262,13 @@ def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = 
     replicated batch for both.
 
     Raises:
-        ValueError: not a causal LM, or an attention the packed layout cannot express (a custom mask; a window,
-            soft-cap or sinks the installed op does not take): the message lists the refused sites.
+        ValueError: not a causal LM, a layer that mixes tokens outside attention (convolutions, recurrent state,
+            chunked attention: :func:`kvtransform.models.check_attention_only_mixing`), or an attention the packed
+            layout cannot express (a custom mask; a window, soft-cap or sinks the installed op does not take): the
+            message lists the refused sites.
         kvtransform.verify.VerificationError: the packed module differs from the original beyond tolerance.
     """
+    check_attention_only_mixing(model, "the DualKV transform")
     report = new_report(model, cfg)
     gm, ctx, cap = capture_and_rewrite(model, capture_packed, [AttentionPass, DualKVPass, CleanupPass], report,
                                        progress, what="capturing the model (packed, torch.export)")
@@ -269,5 +287,7 @@ def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = 
                      f"{count_square_tensors(gm)} (T,T) tensors left")
     tree = prefix_tree_program(gm, ctx)  # same capture, attention rewired to the tree layout (passes/prefix_tree.py)
     opt = DualKVModule(_PackedLogits(gm), cfg, report, max_seq_len=cap.max_seq_len, tree_core=tree)
+    opt.link_source(model)
+    opt.rope_limits = length_dependent_rope(model)
     verify_packed(model, opt, cfg, tokenizer, report, progress)  # the one-level program, then the tree program
     return opt

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-import weakref
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -52,21 +51,6 @@ from . import register_transform
 from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, load_artifact_file, new_report
 
 __all__ = ["SpeContextModule", "specontext_transform", "verify_decode"]
-
-
-class _SourceLink:
-    """What :meth:`SpeContextModule.check_source_parameters` compares: a weak reference to the transformed model and
-    ``{parameter name: the Parameter object the captured programs hold}``. A deep copy (or pickle) of the module
-    gets none: its programs hold copies that are not the model's, so there is nothing to check."""
-
-    def __init__(self, model, held: dict):
-        self.model, self.held = weakref.ref(model), held
-
-    def __deepcopy__(self, memo):
-        return None
-
-    def __reduce__(self):
-        return (type(None), ())
 
 
 class SpeContextModule(OptimizedModule):
@@ -101,34 +85,8 @@ class SpeContextModule(OptimizedModule):
         programs = DecodePrograms(decode, info.num_layers, rc.fuse_projections, rc.share_fused_weights)
         self.runtime = SpeContextRuntime(prefill, programs, self.head, info, cuda_graphs=rc.cuda_graphs,
                                           offload=rc.offload, compile=rc.compile)
-        self._source = None  # _SourceLink: the model and the Parameters the programs hold (a deep copy drops it)
         if model is not None:
-            held = {id(p): p for prog in (prefill, decode) if isinstance(prog, torch.nn.Module)
-                    for _, p in prog.named_parameters(remove_duplicate=False)}
-            self._source = _SourceLink(model, {n: held[id(p)] for n, p in model.named_parameters(
-                remove_duplicate=False) if id(p) in held})  # every name of a tied weight: untying it is seen
-
-    def check_source_parameters(self) -> None:
-        """Raise ``ValueError`` when a parameter of the transformed model is no longer the ``Parameter`` object the
-        captured programs hold (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(new)``): the
-        programs would silently go on with the old weights. In-place updates (optimizer steps, ``load_state_dict``
-        without ``assign``, ``p.data.copy_``) are followed and pass. Weights cast to another dtype since the
-        transform (``model.to(torch.bfloat16)``) are refused too (:meth:`refuse_recast`). Called by :meth:`generate`
-        and :meth:`forward`; for a reloaded artifact or once the model is gone only the cast is checked."""
-        self.refuse_recast()
-        if self._source is None:
-            return
-        model, held = self._source.model(), self._source.held
-        if model is None:
-            return
-        live = dict(model.named_parameters(remove_duplicate=False))
-        replaced = [n for n, p in held.items() if live.get(n) is not p]
-        if replaced:
-            more = f" (and {len(replaced) - 1} more)" if len(replaced) > 1 else ""
-            raise ValueError(f"the model's parameter {replaced[0]!r}{more} was replaced after the transform "
-                             f"(load_state_dict(assign=True)? module.weight = nn.Parameter(...)?): the transformed "
-                             f"programs still hold the old one. Update the weights in place instead (load_state_dict "
-                             f"without assign, p.data.copy_(new)), or transform the model again")
+            self.link_source(model)
 
     @property
     def vocab_size(self) -> int:
