@@ -37,6 +37,7 @@ __all__ = [
     "config_attention_variants",
     "length_dependent_rope",
     "check_attention_only_mixing",
+    "training_dropout",
     "tiny_model",
     "TINY_FAMILIES",
     "TINY_WINDOW",
@@ -474,3 +475,19 @@ def check_attention_only_mixing(model, what: str) -> None:
             raise ValueError(f"{type(model).__name__} uses chunked attention (config.attention_chunk_size="
                              f"{c.attention_chunk_size}), which {what} does not express: train it on unpacked "
                              f"batches")
+
+
+def training_dropout(model: torch.nn.Module, attention_only: bool = False):
+    """``(where, p, is_module)`` of the first dropout ``model`` would apply in training, or None: an attention
+    module's ``attention_dropout`` probability (Llama-style, passed to the attention function) or ``attn_dropout``
+    ``nn.Dropout`` (GPT-2-style), and unless ``attention_only`` any other ``nn.Dropout`` with ``p > 0``."""
+    for name, m in model.named_modules():
+        for attr in ("attention_dropout", "attn_dropout"):
+            p = getattr(m, attr, None)
+            module = isinstance(p, torch.nn.Dropout)
+            p = p.p if module else p
+            if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+                return f"{name}.{attr}", p, module
+        if not attention_only and isinstance(m, torch.nn.Dropout) and m.p > 0:
+            return name, m.p, True
+    return None

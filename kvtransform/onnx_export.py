@@ -43,7 +43,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["OPSET", "check_onnx_target", "export_onnx", "onnx_translations", "run_onnx", "UnsupportedOpError"]
+__all__ = ["OPSET", "check_onnx_target", "export_onnx", "onnx_translations", "refuse_ops", "run_onnx",
+           "UnsupportedOpError"]
 
 OPSET = 23  # the first opset with the standard Attention operator
 
@@ -333,16 +334,21 @@ _WHY_NOT = {
 }
 
 
+def refuse_ops(names: Sequence[str]) -> None:
+    """UnsupportedOpError naming why each ``kvt`` op of ``names`` (e.g. ``"sparse_decode_attention"``) has no ONNX
+    translation, and what does."""
+    why = "; ".join(f"kvt.{n}: {_WHY_NOT.get(n, 'no ONNX translation')}" for n in names)
+    raise UnsupportedOpError(f"cannot emit ONNX: {why}. Exportable: kvt.attention, kvt.dualkv_attention, "
+                             f"kvt.prefix_tree_attention")
+
+
 def _check_translatable(ep: torch.export.ExportedProgram) -> None:
     table = onnx_translations()
     bad = sorted({str(n.target) for n in ep.graph.nodes if n.op == "call_function"
                   and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "kvt"
                   and n.target not in table})
     if bad:
-        names = [b.split(".")[-2] if b.count(".") >= 2 else b for b in bad]
-        why = "; ".join(f"kvt.{n}: {_WHY_NOT.get(n, 'no ONNX translation')}" for n in names)
-        raise UnsupportedOpError(f"cannot emit ONNX: {why}. Exportable: kvt.attention, kvt.dualkv_attention, "
-                                f"kvt.prefix_tree_attention")
+        refuse_ops([b.split(".")[-2] if b.count(".") >= 2 else b for b in bad])
 
 
 def check_onnx_target(path: str | os.PathLike, overwrite: bool = False, names: Sequence[str] = ()) -> Path:

@@ -399,6 +399,7 @@ def test_group_typos_suggest_the_group_choice(capsys):
         (["transform=specontext", "transform.head=nope"], "unknown retrieval head"),
         (["transform=specontext", "transform.budget=0"], "budget must be >= 1"),
         (["threads=0"], "threads must be auto or an integer from 1"),
+        (["transform=specontext", "emit=[pt2,onnx]"], "emit=[...,onnx] with transform=specontext"),
     ],
 )
 def test_transform_config_checked_before_loading(capsys, tmp_path, overrides, expected):
@@ -702,3 +703,20 @@ def test_distill_refuses_bad_settings_before_the_model_loads(tmp_path, capsys, m
     rc, _, err = _run(["distill-retrieval-head", *args, *out, "steps=1", "length=64", "positions=8"], capsys)
     assert rc == 2 and re.search(msg, err) and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_multirun_jobs_get_their_own_out(tmp_path, capsys, reload_in_process):
+    """A -m sweep without out= writes each job's artifact to outputs/multirun/<job number> (one shared out would make
+    the second job refuse or replace the first's); an out= that every job would share is refused before any job."""
+    from kvtransform.models import tiny_model
+
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(model_dir)
+    rc, _, err = _run(["optimize", str(model_dir), "-m", f"out={tmp_path / 'same'}", "threads=1,2"], capsys)
+    assert rc == 2 and "same directory for every job" in err and "${hydra:job.num}" in err, err
+    assert not (tmp_path / "same").exists()
+    rc, _, err = _run(["optimize", str(model_dir), "-m", "transform.verify.lengths=[5]", "threads=1,2"], capsys)
+    assert rc == 0, err
+    for job in ("0", "1"):
+        meta = json.loads((tmp_path / "outputs" / "multirun" / job / "meta.json").read_text())
+        assert meta["transform"] == "canonical"

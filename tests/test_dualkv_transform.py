@@ -386,3 +386,12 @@ def test_exact_real_smollm2(smollm2_dualkv, spec):
     assert res["rows"][0][0] == "logprobs" and res["rows"][0][1] < 1e-5, res["rows"][0]
     # The whole gradient (all parameters as one vector, ~2e-5 for both runs) obeys the same form.
     assert res["grad_global_rel_opt"] <= 2 * res["grad_global_rel_original"] + 1e-5, res["worst"]
+
+
+def test_train_mode_dropout_is_refused_not_dropped():
+    """The packed capture runs in eval mode, so a train-mode model with dropout would train without it, silently
+    (enable() refuses the same model at its packed forward): refused in one line; model.eval() passes."""
+    model = tiny_model("llama", attention_dropout=0.5).train()
+    with pytest.raises(ValueError, match=r"train mode with dropout 0.5 .* call model.eval\(\)"):
+        kvt.transform(model, FAST, progress=False)
+    kvt.transform(model.eval(), FAST, progress=False)

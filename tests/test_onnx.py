@@ -411,8 +411,12 @@ def test_cli_emit_onnx(tmp_path, monkeypatch, capsys):
     rc = main(["optimize", str(tmp_path / "tiny"), f"out={tmp_path / 'o'}", "emit=[onnx]",
                "transform.verify.lengths=[6]"])
     assert rc in (0, None), capsys.readouterr().err
-    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["model.onnx"]
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["meta.json", "model.onnx"]
     assert "onnxruntime matches" in " ".join(capsys.readouterr().out.split())
+    rc = main(["optimize", str(tmp_path / "tiny"), f"out={tmp_path / 'o'}", "emit=[onnx]", "overwrite=true",
+               "transform.verify.lengths=[6]"])  # meta.json marks the ONNX-only output as an artifact to replace
+    assert rc in (0, None), capsys.readouterr().err
+    capsys.readouterr()
     try:
         rc = main(["optimize", str(tmp_path / "tiny"), f"out={tmp_path / 'p'}", "emit=[pt2,tflite]"])
     except SystemExit as e:

@@ -551,3 +551,13 @@ def test_a_longer_cache_changes_no_token_or_selection(head):
     assert out.stats.cache_max_length == 256 and ref.stats.cache_max_length == 32
     assert torch.equal(out.sequences, ref.sequences)
     assert out.stats.selection_checksums == ref.stats.selection_checksums
+
+
+def test_onnx_export_is_refused_before_any_work(sp_llama, tmp_path):
+    """The decode step's top-k and sparse attention run in the SpeContext runtime: export_onnx names them at once and
+    writes nothing."""
+    from kvtransform.onnx_export import UnsupportedOpError
+
+    with pytest.raises(UnsupportedOpError, match=r"kvt.retrieval_topk: .*kvt.sparse_decode_attention"):
+        sp_llama.export_onnx(tmp_path / "m.onnx", progress=False)
+    assert list(tmp_path.iterdir()) == []

@@ -119,6 +119,11 @@ def test_save_never_replaces_what_is_not_an_artifact(tmp_path, monkeypatch):
     with pytest.raises(FileExistsError, match="not a kvtransform artifact"):
         opt.save(user, overwrite=True)
     assert (user / "src" / "keep.py").read_text() == "x = 1\n"
+    for marker, text in (("config.yaml", "lr: 0.1\n"), ("meta.json", '{"transform": "canonical"}')):
+        (user / marker).write_text(text)  # a project holding a file of an artifact's name is still not one
+        with pytest.raises(FileExistsError, match="not a kvtransform artifact"):
+            opt.save(user, overwrite=True)
+        assert (user / "src" / "keep.py").read_text() == "x = 1\n"
     note = tmp_path / "notes.txt"
     note.write_text("mine")
     with pytest.raises(FileExistsError, match="is a file"):

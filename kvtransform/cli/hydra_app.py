@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 from omegaconf import DictConfig
 
-from .errors import guard
+from .errors import UsageError, guard
 from .overrides import check_overrides, split_args
 
 __all__ = ["run_hydra"]
@@ -29,6 +29,8 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
     import hydra
 
     argv, overrides, multirun = split_args(args)
+    if multirun and _has_out(config_name):
+        argv += _sweep_out(overrides)
     if any(a in ("--cfg", "-c") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # --cfg job shows out as the directory it will be, not ${kvt_slug:...}
     if not multirun and not any(a in _INFO_FLAGS for a in argv):
@@ -45,3 +47,24 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
     finally:
         sys.argv = saved
     return 0
+
+
+def _has_out(config_name: str) -> bool:
+    """Whether the command's config has an ``out`` directory (a top-level ``out:`` key)."""
+    from importlib.resources import files
+
+    text = files("kvtransform.conf").joinpath(f"{config_name}.yaml").read_text()
+    return any(line.startswith("out:") for line in text.splitlines())
+
+
+def _sweep_out(overrides: Sequence[str]) -> list:
+    """A ``-m`` sweep's jobs must not share ``out`` (each would refuse or replace the one before): without an
+    ``out=`` override each job writes to its own ``<hydra.sweep.dir>/<job number>`` (``outputs/multirun/<n>``);
+    an ``out=`` that neither sweeps nor interpolates (``${hydra:job.num}``) is refused in one line."""
+    given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "out" and "=" in o]
+    if not given:
+        return ["out=${hydra:sweep.dir}/${hydra:job.num}"]
+    if "${" not in given[-1] and "," not in given[-1]:
+        raise UsageError(f"out={given[-1]} is the same directory for every job of the -m sweep: give each its own, "
+                         f"e.g. 'out={given[-1]}/${{hydra:job.num}}', or leave out out= (outputs/multirun/<n>)")
+    return []

@@ -7,6 +7,7 @@ structured configs of :mod:`.schema`; see :mod:`kvtransform.cli` for the error c
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import socket
@@ -19,7 +20,7 @@ from typing import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from ..api import check_available
-from ..config import config_from_dict
+from ..config import SpeContextConfig, config_from_dict
 from ..utils import stage
 from .errors import UsageError, console as _console
 from .hydra_app import run_hydra
@@ -152,6 +153,13 @@ def run_optimize(cfg: DictConfig) -> dict:
     console = _console()
     tcfg = _transform_config(cfg)  # the settings first: a bad value is named even when the output exists
     emit = _emit_kinds(cfg)
+    if "onnx" in emit and isinstance(tcfg, SpeContextConfig):  # before the model loads (the export would refuse)
+        from kvtransform.onnx_export import UnsupportedOpError, refuse_ops
+
+        try:
+            refuse_ops(["retrieval_topk", "sparse_decode_attention"])
+        except UnsupportedOpError as e:
+            raise UsageError(f"emit=[...,onnx] with transform=specontext: {e}; use emit=[pt2]") from None
     from .generate import check_threads, choose_threads
 
     check_threads(cfg.threads)
@@ -202,15 +210,17 @@ def run_optimize(cfg: DictConfig) -> dict:
             staged.mkdir(exist_ok=True)
             with stage(True, "exporting ONNX and checking it in onnxruntime"):
                 opt.export_onnx(staged / "model.onnx", tokenizer=tok, progress=False)
+            if "pt2" not in emit:  # what marks `out` as an artifact that overwrite=true may replace
+                (staged / "meta.json").write_text(json.dumps({"transform": tcfg.name, "emit": ["onnx"]}, indent=2))
             t5 = time.perf_counter()
         check_output_dir(out, cfg.overwrite)  # again: a run beside this one may have written there meanwhile
         replace_directory(staged, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     t5 = max(t5, t4)
-    console.print(f"[bold]Saved[/bold] to {out}: " + ", ".join(
-        {"pt2": "the artifact (model.pt2, graph.py, config.yaml, report.json, meta.json)",
-         "onnx": "model.onnx (ONNX opset 23; onnxruntime matches the module on a probe)"}[e] for e in emit))
+    files = sorted(p.name for p in out.iterdir())
+    onnx_note = "; model.onnx is ONNX opset 23 and onnxruntime matches the module on a probe" if "onnx" in emit else ""
+    console.print(f"[bold]Saved[/bold] to {out}: {', '.join(files)}{onnx_note}")
     times = dict(startup=t0 - _T_START, load=t1 - t0, transform=t2 - t1, demo=demo_s, save=t3 - t_save,
                  reload=t4 - t3, onnx=t5 - t4, total=t5 - _T_START)
     demo = f", {tcfg.name} demo {times['demo']:.1f} s" if demo_s else ""

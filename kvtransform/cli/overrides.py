@@ -24,7 +24,9 @@ _INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searc
 
 
 def split_args(args: Sequence[str]) -> tuple[list[str], list[str], bool]:
-    """Turn ``[MODEL] [key=value ...] [hydra flags]`` into Hydra's argv; return (argv, overrides, multirun)."""
+    """Turn ``[MODEL] [key=value ...] [hydra flags]`` into Hydra's argv (flags first, then the overrides: argparse
+    takes the positional overrides in one run, so an override after ``-m`` would be left unrecognised); return
+    (argv, overrides, multirun)."""
     out: list[str] = []
     overrides: list[str] = []
     model: Optional[str] = None
@@ -43,7 +45,6 @@ def split_args(args: Sequence[str]) -> tuple[list[str], list[str], bool]:
                 out.append(args[i + 1])
                 i += 1
         elif "=" in a or a.startswith("~"):
-            out.append(a)
             overrides.append(a)
         elif model is None:
             model = a
@@ -57,9 +58,8 @@ def split_args(args: Sequence[str]) -> tuple[list[str], list[str], bool]:
             ov = f"model={model}"
         else:
             ov = "model.name='" + model.replace("\\", "\\\\").replace("'", "\\'") + "'"
-        out.insert(0, ov)
         overrides.insert(0, ov)
-    return out, overrides, multirun
+    return out + overrides, overrides, multirun
 
 
 def _leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:

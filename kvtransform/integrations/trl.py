@@ -384,17 +384,13 @@ def _pads_shift_positions(model: torch.nn.Module) -> bool:
 
 def _check_no_attention_dropout(model: torch.nn.Module) -> None:
     """Refuse (one line, at construction) attention dropout the training passes would apply: packed attention applies
-    none (it would fail at the first packed training forward). Read from each attention module's
-    ``attention_dropout`` (Llama-style, passed to the attention function) or its ``attn_dropout`` ``nn.Dropout``
-    (GPT-2-style; TRL's ``disable_dropout=True`` zeroes those)."""
-    for name, m in model.named_modules():
-        for attr in ("attention_dropout", "attn_dropout"):
-            p = getattr(m, attr, None)
-            module = isinstance(p, torch.nn.Dropout)
-            p = p.p if module else p
-            if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
-                fix = "set disable_dropout=True (TRL zeroes dropout modules)" if module else \
-                    f"load the model with {attr}=0 in its config (disable_dropout=True does not reach it)"
-                raise ValueError(f"shared_prefix: {type(model).__name__} applies attention dropout {p} in training "
-                                 f"({name}.{attr}), which packed attention does not: {fix}")
+    none (it would fail at the first packed training forward); :func:`kvtransform.models.training_dropout`."""
+    from kvtransform.models import training_dropout
 
+    found = training_dropout(model, attention_only=True)
+    if found is not None:
+        where, p, module = found
+        fix = "set disable_dropout=True (TRL zeroes dropout modules)" if module else \
+            f"load the model with {where.rsplit('.', 1)[-1]}=0 in its config (disable_dropout=True does not reach it)"
+        raise ValueError(f"shared_prefix: {type(model).__name__} applies attention dropout {p} in training "
+                         f"({where}), which packed attention does not: {fix}")

@@ -358,9 +358,9 @@ def replace_directory(src: Path, dst: Path) -> None:
 def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
     """Check that an artifact may be written to directory ``path``; returns it as a ``Path``.
 
-    A new or empty directory is fine. An existing artifact (a directory holding ``meta.json`` or ``config.yaml``) is
-    replaced only with ``overwrite``. Anything else is never replaced. A symbolic link is written through: the
-    returned path is the directory it names.
+    A new or empty directory is fine. An existing artifact (a ``meta.json`` naming its transform, and only the files
+    an artifact has: :func:`_not_artifact`) is replaced only with ``overwrite``. Anything else is never replaced. A
+    symbolic link is written through: the returned path is the directory it names.
 
     Raises:
         FileExistsError: ``path`` is empty, a file or inside a file; the current directory or one of its parents; a
@@ -397,10 +397,33 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
     if not overwrite:
         raise FileExistsError(f"output directory {str(path)!r} exists and is not empty; choose another directory or "
                               f"pass overwrite=True (on the command line: overwrite=true)")
-    if not ((path / "meta.json").is_file() or (path / "config.yaml").is_file()):
-        raise FileExistsError(f"{str(path)!r} is a non-empty directory but not a kvtransform artifact (no meta.json "
-                              f"or config.yaml): overwrite replaces only artifacts; choose another directory")
+    foreign = _not_artifact(path)
+    if foreign:
+        raise FileExistsError(f"{str(path)!r} is a non-empty directory but not a kvtransform artifact ({foreign}): "
+                              f"overwrite replaces only artifacts; choose another directory")
     return path
+
+
+#: what an artifact directory holds (``save``, ``kvtransform optimize``'s ``emit``): programs, graph code, configs,
+#: reports, the retrieval head, the ONNX file and its external weights
+ARTIFACT_SUFFIXES = (".pt2", ".pt", ".py", ".yaml", ".json", ".onnx", ".onnx.data", ".data")
+
+
+def _not_artifact(path: Path) -> str:
+    """Why the non-empty directory ``path`` is not a kvtransform artifact ('' when it is one): an artifact has a
+    ``meta.json`` naming its transform and holds only files of :data:`ARTIFACT_SUFFIXES`, no subdirectory (so a
+    project directory that merely holds a ``config.yaml`` is never replaced)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or "transform" not in meta:
+        return "no meta.json naming a transform"
+    other = sorted(p.name for p in path.iterdir() if p.is_dir() or not p.name.endswith(ARTIFACT_SUFFIXES))
+    if other:
+        return f"it holds {other[0]!r}" + (f" and {len(other) - 1} more entries" if len(other) > 1 else "") + \
+            ", which no artifact has"
+    return ""
 
 
 def onnx_stage_text(path: Path, verify: bool) -> str:
@@ -430,6 +453,19 @@ class Logits(torch.nn.Module):
     def forward(self, input_ids, attention_mask):
         out = self.gm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits if hasattr(out, "logits") else out[0]
+
+
+def refuse_training_dropout(model: torch.nn.Module) -> None:
+    """A model in train mode with a dropout above 0 is refused in one line by the transform built for training
+    (DualKV): the capture runs the model in eval mode, so the program would silently never apply it (the canonical
+    module is verified in eval semantics and says so in its report)."""
+    from kvtransform.models import training_dropout
+
+    found = training_dropout(model) if model.training else None
+    if found is not None:
+        raise ValueError(f"{type(model).__name__} is in train mode with dropout {found[1]} ({found[0]}), and the "
+                         f"transformed program applies no dropout: call model.eval() before kvt.transform (or set the "
+                         f"dropout to 0 in the model's config)")
 
 
 def capture_and_rewrite(model: torch.nn.Module, capture_fn: Callable[[torch.nn.Module], Captured],

@@ -47,7 +47,8 @@ from kvtransform.utils import device_of, stage
 from kvtransform.verify import verify_packed
 
 from . import register_transform
-from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report, onnx_stage_text
+from .base import (OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report, onnx_stage_text,
+                   refuse_training_dropout)
 
 __all__ = ["DualKVModule", "dualkv_transform"]
 
@@ -268,6 +269,7 @@ def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = 
             message lists the refused sites.
         kvtransform.verify.VerificationError: the packed module differs from the original beyond tolerance.
     """
+    refuse_training_dropout(model)
     check_attention_only_mixing(model, "the DualKV transform")
     report = new_report(model, cfg)
     gm, ctx, cap = capture_and_rewrite(model, capture_packed, [AttentionPass, DualKVPass, CleanupPass], report,

@@ -88,6 +88,17 @@ class SpeContextModule(OptimizedModule):
         if model is not None:
             self.link_source(model)
 
+    def export_onnx(self, path, verify: bool = True, tokenizer=None, overwrite: bool = False,
+                    progress: bool = True):
+        """Not available: the decode step's retrieval top-k and sparse attention run in the SpeContext runtime.
+
+        Raises:
+            kvtransform.onnx_export.UnsupportedOpError: always, naming those ops (before any work).
+        """
+        from kvtransform.onnx_export import refuse_ops
+
+        refuse_ops(["retrieval_topk", "sparse_decode_attention"])
+
     @property
     def vocab_size(self) -> int:
         return self.info.vocab_size
