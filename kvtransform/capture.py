@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from kvtransform.capture_rewrites import KNOWN_BLOCKER_LINES, KNOWN_BLOCKERS, capturable, no_fake_state_left
 from kvtransform.utils import cache_kwarg
@@ -97,7 +98,7 @@ def capture(model: torch.nn.Module, max_seq_len: Optional[int] = None) -> Captur
                             type(model).__name__, max_positions=max_len)
     finally:
         model.train(was_training)
-    _require_dynamic(ep, "input_ids", 1)
+    _require_dynamic(ep, "input_ids", 1, type(model).__name__)
     gm = ep.module()
     _share_parameters(gm, model)
     return Captured(gm, ep, max_len, ("input_ids", "attention_mask"))
@@ -161,11 +162,19 @@ def _blocker(err: BaseException) -> str:
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _THIS_FILE = str(Path(__file__).resolve())
-def _require_dynamic(ep: torch.export.ExportedProgram, placeholder: str, dim: int) -> None:
+
+
+def _require_dynamic(ep: torch.export.ExportedProgram, placeholder: str, dim: int, what: str) -> None:
+    """CaptureError (one line) when the exporter fixed dimension ``dim`` of ``placeholder``: the module would take
+    one length only (e.g. a recurrent or convolution layer whose code branches on the length, as in RecurrentGemma
+    and Jamba)."""
     for node in ep.graph.nodes:
-        if node.op == "placeholder" and node.name == placeholder and isinstance(node.meta["val"].shape[dim], int):
-            raise CaptureError(f"torch.export specialised dimension {dim} of {placeholder} (the model's code depends "
-                               f"on its exact size); cannot build a module for every length")
+        # a size the exporter fixed by a guard (e.g. ``size == 8``) stays a SymInt whose expression is a number
+        if node.op == "placeholder" and node.name == placeholder and is_concrete_int(node.meta["val"].shape[dim]):
+            raise CaptureError(f"torch.export specialised dimension {dim} of {placeholder} for {what} (the model's "
+                               f"code depends on its exact size, e.g. a recurrent or convolution layer): cannot build "
+                               f"a module for every length; kvtransform rewrites attention LMs (Llama, Qwen, "
+                               f"Mistral, Gemma, gpt-oss families, ...)")
 
 
 def _share_parameters(gm: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -238,7 +247,7 @@ def export_wrapped(model: torch.nn.Module, wrapper: torch.nn.Module, args: tuple
                             force_auto_dims=force_auto_dims)
     finally:
         model.train(was_training)
-    _require_dynamic(ep, *must_stay_dynamic)
+    _require_dynamic(ep, *must_stay_dynamic, type(model).__name__)
     gm = ep.module()
     _share_parameters(gm.model, model)
     return ep, gm

@@ -16,6 +16,7 @@ one family in ``TINY_FAMILIES`` for tests.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import os
@@ -36,6 +37,7 @@ __all__ = [
     "check_causal_lm",
     "config_attention_variants",
     "length_dependent_rope",
+    "position_limits",
     "check_attention_only_mixing",
     "training_dropout",
     "tiny_model",
@@ -167,6 +169,10 @@ def check_causal_lm(model: torch.nn.Module) -> None:
         raise ValueError(f"{kind} is an encoder-decoder model; {_CAUSAL_HINT}")
     attn = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
     if not attn:
+        own = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
+        if own:  # BLOOM, MPT (ALiBi), XGLM: their attention modules declare no causal mask for the interface
+            raise ValueError(f"{kind} computes attention inside {own[0]} (its own masking, e.g. an ALiBi bias), which "
+                             f"declares no causal mask that kvtransform can prove and rewrite; {_CAUSAL_HINT}")
         raise ValueError(f"{kind} has no causal self-attention modules; {_CAUSAL_HINT}")
     non_causal = [type(m).__name__ for m in attn if not bool(getattr(m, "is_causal"))]
     if non_causal:
@@ -378,8 +384,10 @@ def _load(name: str, dt, attn_implementation: str):
         raise FileNotFoundError(f"{name}: no such file or directory; {_accepted()}")
     if "/" not in name:
         known = ", ".join(f"{k} ({v.description})" for k, v in sorted(REGISTRY.items()))
+        close = difflib.get_close_matches(name.lower(), list(REGISTRY), n=1, cutoff=0.6)
         raise ValueError(
-            f"unknown model {name!r}. Known registry names: {known}. Otherwise pass a local model directory, "
+            f"unknown model {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "") +
+            f". Known registry names: {known}. Otherwise pass a local model directory, "
             "a .gguf file, or a hub id (org/name) already in the local Hugging Face cache"
         )
     # A hub id: only what is already cached (no network here, and no surprise downloads anywhere).
@@ -445,6 +453,20 @@ def length_dependent_rope(model) -> dict:
                 if isinstance(limit, int):
                     out["longrope"] = limit
     return out
+
+
+def position_limits(model) -> dict:
+    """:func:`length_dependent_rope` plus ``{"learned": positions}`` when ``model`` has a learned absolute position
+    table (GPT-2's ``wpe``, OPT's ``embed_positions`` less its offset): a trajectory longer than that indexes past
+    it. Read by :func:`kvtransform.packing.check_rope_lengths` for every packed batch."""
+    out = length_dependent_rope(model)
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _LEARNED_POSITION_TABLES:
+            out["learned"] = min(out.get("learned", 1 << 62), m.num_embeddings - int(getattr(m, "offset", 0)))
+    return out
+
+
+_LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
 #: ``config.layer_types`` entries (transformers' ``ALLOWED_LAYER_TYPES``) whose layers mix tokens only through

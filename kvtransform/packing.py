@@ -285,9 +285,9 @@ def check_packed(input_ids, position_ids, layout: DualKVLayout, vocab_size: Opti
 
 def check_rope_lengths(limits: dict, layout) -> None:
     """Refuse a packed batch whose trajectories a length-dependent RoPE would compute with another one's
-    frequencies (``limits``: :func:`kvtransform.models.length_dependent_rope`). transformers picks those
-    frequencies once per call from its largest position, so in a packed batch the longest trajectory decides for
-    every trajectory: dynamic-NTK RoPE is exact only while every trajectory stays within its limit (past it, each
+    frequencies, or one longer than a learned position table (``limits``: :func:`kvtransform.models.position_limits`).
+    transformers picks RoPE frequencies once per call from its largest position, so in a packed batch the longest
+    trajectory decides for every trajectory: dynamic-NTK RoPE is exact only while every trajectory stays within its limit (past it, each
     length has its own scaling), LongRoPE while all trajectories are on one side of its limit. ``layout``: a
     :class:`~kvtransform.layout.DualKVLayout` or :class:`~kvtransform.tree_layout.PrefixTreeLayout` (host lists,
     no device read).
@@ -307,6 +307,11 @@ def check_rope_lengths(limits: dict, layout) -> None:
                          f"once it passes {limit} positions, so in this packed batch every trajectory would get its "
                          f"longest one's ({longest} tokens): pack trajectories of at most {limit} tokens (run longer "
                          f"ones unpacked, one per call)")
+    limit = limits.get("learned")
+    if limit is not None and longest > limit:
+        raise ValueError(f"this model has {limit} learned positions and a trajectory of this packed batch has "
+                         f"{longest} tokens (positions past the table do not exist, packed or not): pack "
+                         f"trajectories of at most {limit} tokens")
     limit = limits.get("longrope")
     if limit is not None and shortest <= limit < longest:
         raise ValueError(f"this model's LongRoPE uses its long factors for a whole call once its longest sequence "

@@ -311,3 +311,40 @@ def test_auto_head_on_a_model_without_llama_embeddings_is_quest():
     with torch.no_grad():
         want = m.generate(row, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(sp.generate(row, max_new_tokens=6, eos_token_id=None), want)
+
+
+def test_a_model_whose_capture_fixes_the_length_is_one_line():
+    """RecurrentGemma's recurrent blocks make torch.export fix the sequence length by a guard (the size stays a
+    SymInt equal to a number): refused at capture in one line, not a 'Guard failed' assertion at the first call."""
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    cfg = RecurrentGemmaConfig(num_hidden_layers=2, vocab_size=128, hidden_size=64, intermediate_size=128,
+                               num_attention_heads=4, lru_width=64, attention_window_size=16,
+                               block_types=["recurrent", "attention"])
+    torch.manual_seed(0)
+    model = RecurrentGemmaForCausalLM(cfg).eval()
+    with pytest.raises(RuntimeError, match="specialised dimension 1 of input_ids for RecurrentGemmaForCausalLM"):
+        kvt.transform(model, "canonical", progress=False)
+
+
+def test_a_trajectory_past_learned_positions_is_one_line():
+    """GPT-2 has a learned position table (config.n_positions): a packed trajectory longer than it is refused in
+    one line by the DualKV module and by enable(), not an IndexError from inside the embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, attn_pdrop=0,
+                                       resid_pdrop=0, embd_pdrop=0, bos_token_id=0, eos_token_id=0)).eval()
+    opt = kvt.transform(model, kvt.DualKVConfig(verify=kvt.VerifyConfig(enabled=False)), progress=False)
+    g = torch.Generator().manual_seed(0)
+    fits = kvt.pack_shared_prefix(torch.randint(0, 64, (10,), generator=g),
+                                  [torch.randint(0, 64, (n,), generator=g) for n in (6, 3)])
+    past = kvt.pack_shared_prefix(fits.input_ids[0, :10], [torch.randint(0, 64, (n,), generator=g) for n in (7, 3)])
+    opt(fits)
+    kvt.integrations.transformers.enable(model, "dualkv")
+    try:
+        for run in (opt, lambda b: model(**kvt.integrations.transformers.packed_inputs(b))):
+            with pytest.raises(ValueError, match="16 learned positions and a trajectory of this packed batch has 17"):
+                run(past)
+    finally:
+        kvt.integrations.transformers.disable(model)

@@ -140,6 +140,18 @@ def test_unknown_name_lists_registry():
     assert "unknown model 'smollm3-135m'" in msg
     assert all(name in msg for name in REGISTRY)
     assert "local model directory" in msg and ".gguf" in msg and "hub id" in msg
+    with pytest.raises(ValueError, match="did you mean 'smollm2-135m'"):
+        load_model("SmolLM2-135M")  # suggested, not loaded: the registry's model is the Instruct one
+
+
+def test_attention_computed_inside_the_module_is_named():
+    """BLOOM / MPT (ALiBi) and XGLM compute attention inside their own modules, declaring no causal mask to prove:
+    the refusal names that module instead of calling the decoder-only LM 'not causal'."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = BloomForCausalLM(BloomConfig(n_layer=1, vocab_size=64, hidden_size=32, n_head=2)).eval()
+    with pytest.raises(ValueError, match="computes attention inside BloomAttention"):
+        check_causal_lm(model)
 
 
 def test_missing_path():

@@ -315,7 +315,7 @@ def _check_packed_call(model, args, kwargs):
             ``output_attentions`` (no attention matrix is formed).
     """
     from kvtransform.layout import DualKVLayout
-    from kvtransform.models import length_dependent_rope
+    from kvtransform.models import position_limits
     from kvtransform.packing import check_packed, check_rope_lengths
     from kvtransform.tree_layout import PrefixTreeLayout
 
@@ -371,7 +371,7 @@ def _check_packed_call(model, args, kwargs):
         else:
             return None  # the attention function names what is wrong with the layout arguments
         check_packed(input_ids, position_ids, layout, getattr(model.config, "vocab_size", None))
-        check_rope_lengths(length_dependent_rope(model), layout)
+        check_rope_lengths(position_limits(model), layout)
         _last_checked[:] = [(_ref(o), _version(o)) for o in objs]
     return (), {**named, "use_cache": False}
 

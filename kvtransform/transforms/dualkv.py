@@ -33,7 +33,7 @@ from torch.export import Dim
 from kvtransform.capture import capture_packed
 from kvtransform.config import DualKVConfig
 from kvtransform.layout import DualKVLayout
-from kvtransform.models import check_attention_only_mixing, length_dependent_rope
+from kvtransform.models import check_attention_only_mixing, position_limits
 from kvtransform.packing import PackedBatch, check_packed, check_rope_lengths, pack_shared_prefix
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
@@ -91,7 +91,7 @@ class DualKVModule(OptimizedModule):
                  tree_core: Optional[torch.nn.Module] = None):
         super().__init__(core, config, report, max_seq_len=max_seq_len)
         self.__dict__["_tree_core"] = tree_core  # not registered: the same parameters as core
-        self.rope_limits: dict = {}  # length-dependent RoPE of the model (models.length_dependent_rope)
+        self.rope_limits: dict = {}  # RoPE / learned position limits (models.position_limits)
 
     @property
     def tree_core(self) -> torch.nn.Module:
@@ -290,6 +290,6 @@ def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = 
     tree = prefix_tree_program(gm, ctx)  # same capture, attention rewired to the tree layout (passes/prefix_tree.py)
     opt = DualKVModule(_PackedLogits(gm), cfg, report, max_seq_len=cap.max_seq_len, tree_core=tree)
     opt.link_source(model)
-    opt.rope_limits = length_dependent_rope(model)
+    opt.rope_limits = position_limits(model)
     verify_packed(model, opt, cfg, tokenizer, report, progress)  # the one-level program, then the tree program
     return opt
