@@ -66,13 +66,28 @@ def grads_of(model, loss) -> list[torch.Tensor]:
             for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
 
 
+def add_threads_option(ap: argparse.ArgumentParser) -> None:
+    """``--threads auto|N`` (``kvtransform generate``'s rule: auto is 1 thread on a CPU-only machine of at most 4
+    cores, where more OpenMP threads spin on the sampling loop's small ops, 4-6x slower on 2 cores)."""
+    ap.add_argument("--threads", default="auto", type=lambda s: s if s == "auto" else int(s),
+                    help="torch CPU threads: auto (1 on a small CPU-only machine) or N")
+
+
+def set_threads(threads) -> None:
+    from kvtransform.cli.generate import choose_threads
+
+    torch.set_num_threads(choose_threads(threads)[0])
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--group", type=int, default=4, help="responses sampled per prompt (G)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--lr", type=float, default=1e-5)
+    add_threads_option(ap)
     args = ap.parse_args(argv)
+    set_threads(args.threads)
     t_start = time.perf_counter()
     model, tok = kvt.load_model("smollm2-135m")
     kvt.integrations.transformers.enable(model, "dualkv")  # calls without a layout (generate) still run SDPA

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import kvtransform as kvt
 from kvtransform.verify import replicated_logprobs
 
-from grpo_step import grads_of, group_advantages, token_level_loss
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example also under `python -P` / from elsewhere
+from grpo_step import add_threads_option, grads_of, group_advantages, set_threads, token_level_loss  # noqa: E402
 
 SYSTEM_AND_TASK = ("System: You are a careful assistant. Answer in one short sentence.\n"
                    "User: A shop sells apples at 3 coins each. How much do 4 apples cost?\nAssistant:")
@@ -70,7 +73,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--branch", type=int, default=2, help="samples per assistant turn (trajectories: branch**2)")
     ap.add_argument("--turn-tokens", type=int, default=12, help="max new tokens per assistant turn")
     ap.add_argument("--lr", type=float, default=1e-5)
+    add_threads_option(ap)
     args = ap.parse_args(argv)
+    set_threads(args.threads)
     t_start = time.perf_counter()
     model, tok = kvt.load_model("smollm2-135m")
     t0 = time.perf_counter()

@@ -18,7 +18,8 @@ from .config import TransformConfig, config_from_yaml, resolve_config
 from .passes.attention import AttentionPass
 from .report import Report
 from .transforms import spec_for
-from .transforms.base import OptimizedModule, capture_and_rewrite, load_artifact_file
+from .transforms.artifact_files import load_artifact_file
+from .transforms.base import OptimizedModule, capture_and_rewrite
 from .utils import stage
 
 

@@ -22,8 +22,11 @@ head over ``[0, t)``, max over the group: exactly what ``kvt::retrieval_topk`` r
 * ``kl``: ``KL(a ‖ softmax(s))`` over ``[0, t)``, a dense surrogate.
 
 Checkpoints (``checkpoint.pt``: block, optimizer, step, RNG) every ``checkpoint_every`` steps; a run with the same
-``out`` resumes from it. The result is a head directory (``head.safetensors`` + ``head.json`` with the target's
-fingerprint), :func:`kvtransform.runtime.distilled.save_head_dir`.
+``out`` resumes from it. Both files are written atomically (a run killed while writing leaves the previous file); a
+damaged ``teacher.pt`` (a cache of what the model computes again) is recomputed with a note, a damaged
+``checkpoint.pt`` (the training done so far) is an error (:func:`distill`). The result is a head directory
+(``head.safetensors`` + ``head.json`` with the target's fingerprint),
+:func:`kvtransform.runtime.distilled.save_head_dir`.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ from .attention_probe import cache_probs, probing
 from .runtime.distilled import DistilledBlock, fingerprint, fingerprint_mismatch, save_head_dir
 from .runtime.embedding_heads import find_param
 from .textdata import TRAIN_FILES
+from .transforms.artifact_files import load_artifact_file
+from .utils import atomic_write
 
 __all__ = ["DistillConfig", "TEACHERS", "teacher_targets", "loss_fn", "head_scores", "distill"]
 
@@ -179,6 +184,31 @@ def _chunks(tok, cfg: DistillConfig) -> list:
     return out
 
 
+def _load_pt(file: Path, fix: str):
+    """``torch.load`` of one of our own files (``teacher.pt``, ``checkpoint.pt``) that must hold a dict.
+
+    Raises:
+        ValueError: the file is damaged (:func:`~kvtransform.transforms.artifact_files.load_artifact_file`: truncated, a
+            failed CRC, not a pickle) or holds no dict: one line naming it and ``fix``.
+    """
+    data = load_artifact_file(file, lambda f: torch.load(f, weights_only=False), fix)
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} is damaged (a {type(data).__name__}, not a dict): {fix}")
+    return data
+
+
+def _cached_teacher(file: Path, log) -> Optional[dict]:
+    """The teacher cache ``file``; None when there is none, or when it is damaged (said through ``log``): the cache
+    is the model's attention on the training text, computed again as when the settings or the model change."""
+    if not file.is_file():
+        return None
+    try:
+        return _load_pt(file, "computing the teacher targets again")
+    except ValueError as e:
+        log(str(e))
+        return None
+
+
 def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     """Train (or resume) the head of ``cfg``; write the head directory ``cfg.out``.
 
@@ -189,6 +219,10 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         ValueError: bad settings (the message names the key), an ``out`` that cannot be written (before the model
             loads).
         FileNotFoundError: a training file missing from this Python installation (before the model loads).
+        ValueError: a damaged ``checkpoint.pt`` in ``out`` (truncated, a failed CRC, entries missing or not this
+            block's): one line saying to delete it. It holds the training done so far, so it is not replaced
+            silently: the user may have a good copy, and a checkpoint written atomically that is damaged points at
+            the disk or a copy. A damaged ``teacher.pt`` is only a cache: it is computed again, with a note.
     """
     for key in ("length", "positions", "steps", "checkpoint_every", "window", "dim"):
         v = getattr(cfg, key)
@@ -243,7 +277,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     key = {"length": cfg.length, "positions": cfg.positions, "files": list(cfg.files),
            "chunks_per_file": cfg.chunks_per_file, "topics_chunks": cfg.topics_chunks, "teacher": cfg.teacher}
     fp = fingerprint(model)
-    data = torch.load(teacher_file, weights_only=False) if teacher_file.is_file() else None
+    data = _cached_teacher(teacher_file, log)
     # the teacher targets are this model's attention on these chunks: another model (fingerprint beyond the bf16
     # tolerance of fingerprint_mismatch) or other data recomputes them
     if data is None or data.get("key") != key or "fingerprint" not in data or \
@@ -259,7 +293,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
             tgt = teacher_targets(model, ids, pos, cfg.teacher)
             data["items"].append({"file": f, "ids": ids, "positions": pos, "target": tgt.half()})
         out.mkdir(parents=True, exist_ok=True)
-        torch.save(data, teacher_file)
+        with atomic_write(teacher_file) as tmp:
+            torch.save(data, tmp)
     items = data["items"]
 
     torch.manual_seed(cfg.seed)
@@ -277,8 +312,9 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     # tolerance: a bf16 copy is the same model); anything else trains from scratch, so head.json never describes
     # training the weights did not get
     resume_key = {**key, **train_key}
+    fix = "delete it to train from scratch"
     if ckpt.is_file():
-        st = torch.load(ckpt, weights_only=False)
+        st = _load_pt(ckpt, fix)
         old = st.get("key") or {}
         changed = sorted(k for k in set(old) & set(resume_key) if old[k] != resume_key[k])
         missing = sorted(set(resume_key) - set(old)) + ([] if "fingerprint" in st else ["fingerprint"])
@@ -289,11 +325,15 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
                    f"it was written by an older kvtransform (no {', '.join(missing)})")
             log(f"{ckpt} is from other settings ({why}): training from scratch")
         else:
-            block.load_state_dict(st["block"])
-            opt.load_state_dict(st["opt"])
-            sched.load_state_dict(st["sched"])
-            step, hist = st["step"], st["hist"]
-            gen.set_state(st["gen"])
+            try:
+                block.load_state_dict(st["block"])
+                opt.load_state_dict(st["opt"])
+                sched.load_state_dict(st["sched"])
+                step, hist = int(st["step"]), list(st["hist"])
+                gen.set_state(st["gen"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:  # entries missing or not this block's
+                why = " ".join(str(e).split())[:160]
+                raise ValueError(f"{ckpt} is damaged ({type(e).__name__}: {why}): {fix}") from None
             log(f"resumed from {ckpt} at step {step}")
     bar = tqdm(total=cfg.steps, initial=step, desc=f"distill ({cfg.loss})", unit="step", disable=not cfg.progress)
     while step < cfg.steps:
@@ -311,8 +351,10 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", captured=f"{sum(c for _, c in hist[-20:]) / len(hist[-20:]):.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            torch.save({"key": resume_key, "fingerprint": fp, "block": block.state_dict(), "opt": opt.state_dict(),
-                        "sched": sched.state_dict(), "step": step, "hist": hist, "gen": gen.get_state()}, ckpt)
+            with atomic_write(ckpt) as tmp:
+                torch.save({"key": resume_key, "fingerprint": fp, "block": block.state_dict(),
+                            "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step, "hist": hist,
+                            "gen": gen.get_state()}, tmp)
     bar.close()
     last = hist[-20:]
     res = {"out": str(out), "steps": step, "loss": sum(l for l, _ in last) / len(last),

@@ -33,10 +33,11 @@ import torch
 
 from .attention_probe import cache_probs, probing
 from .runtime.cache import KVCache
-from .utils import cache_kwarg
+from .utils import atomic_write, cache_kwarg
 
 __all__ = ["Trace", "DocumentTeacher", "run_head", "keep_mask", "recall_per_layer", "nll",
-           "evaluate_head", "EvalSparseConfig", "run_eval", "write_results", "summarize", "markdown"]
+           "evaluate_head", "EvalSparseConfig", "run_eval", "read_results", "write_results", "summarize",
+           "markdown"]
 
 
 @dataclass
@@ -215,8 +216,6 @@ def evaluate_head(teacher: DocumentTeacher, head, trace: Trace, greedy_trace: Tr
             "recall_layers": [round(float(x), 4) for x in rec]}
 
 
-
-
 # ---- the eval-sparse job -------------------------------------------------------------------------------------------
 
 DEFAULT_HEADS = ("oracle", "quest", "recent", "self", "distilled")
@@ -236,7 +235,8 @@ class EvalSparseConfig:
         num_sink: ``SpeContextConfig.num_sink`` of every head (0, the runtime's default; ``self``, ``distilled``
             and ``eagle3`` keep 4 sink tokens on their own).
         out: directory of ``results.csv``, ``results.md``, ``results.png`` (rows of earlier runs with other
-            heads/budgets are kept, the same (document, head, budget) replaced).
+            heads/budgets are kept, the same (document, head, budget) replaced; a damaged ``results.csv`` is refused
+            before the model loads, :func:`read_results`).
         threads: torch CPU threads (0: default).
 
     The defaults (2 documents, 4096 + 256 tokens, 128 greedy tokens, 5 heads × 2 budgets) fit in ≈ 15 minutes on
@@ -288,7 +288,8 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
 
     Raises:
         ValueError: an unknown head, a bad budget or length, a document shorter than prefix + continuation, an
-            ``out`` that cannot be written (checked before the model loads).
+            ``out`` that cannot be written or whose ``results.csv`` cannot be merged (:func:`read_results`; both
+            checked before the model loads).
         FileNotFoundError: a document missing from this Python installation.
     """
     import pandas as pd
@@ -320,6 +321,7 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
     from .utils import check_results_dir
 
     check_results_dir(cfg.out)  # as the output path: not after the run
+    read_results(cfg.out)  # an earlier results.csv this run would merge into: refused now, not after the run
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     name = cfg.model.name if hasattr(cfg.model, "name") else str(cfg.model)
@@ -351,18 +353,77 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
     return df
 
 
+#: the columns every kvtransform's results.csv has held: the merge's key and the summary's measurements
+RESULT_COLUMNS = ("model", "document", "head", "budget", "recall_mean", "recall_worst", "nll_increase", "agreement",
+                  "select_ms")
+
+
+def read_results(out):
+    """The rows of ``out/results.csv`` (a pandas DataFrame) that :func:`write_results` merges with, None where there
+    is no such file. The whole file is checked, so that a damaged one is refused before an evaluation, never merged.
+
+    Raises:
+        ValueError: one line naming the file and the fix (move it away, or choose another ``out=``): not a regular
+            file; not UTF-8 CSV; empty; its last line without a newline or a row with fewer or more fields than the
+            header (cut short, as by a run killed while writing it); a column of :data:`RESULT_COLUMNS` missing;
+            a row without a value there, or a non-number where a number belongs.
+    """
+    import csv
+    import io
+
+    import pandas as pd
+
+    path = Path(str(out)).expanduser() / "results.csv"
+    if not path.exists():
+        return None
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{path} cannot be merged with this run's rows ({why}): move it away or choose another "
+                          f"out=<directory>")
+
+    if not path.is_file():
+        raise bad("not a regular file")
+    try:
+        text = path.read_text(encoding="utf-8")
+        rows = list(csv.reader(io.StringIO(text, newline="")))
+        if not text.strip() or not text.endswith("\n"):
+            raise bad(f"{'empty' if not text.strip() else 'its last line has no newline'}: cut short, as by a run "
+                      f"killed while writing it")
+        missing = [c for c in RESULT_COLUMNS if c not in rows[0]]
+        if missing:
+            raise bad(f"no {', '.join(missing)} column: not eval-sparse results, or cut short")
+        for line, row in enumerate(rows[1:], start=2):
+            if row and len(row) != len(rows[0]):
+                raise bad(f"line {line} has {len(row)} fields, the header {len(rows[0])}: cut short or edited")
+            empty = [c for c in RESULT_COLUMNS if row and not row[rows[0].index(c)].strip()]
+            if empty:
+                raise bad(f"line {line} has no {empty[0]}")
+        old = pd.read_csv(io.StringIO(text))
+    except (UnicodeDecodeError, csv.Error, pd.errors.ParserError) as e:
+        raise bad(f"not a UTF-8 CSV file: {str(e).strip().splitlines()[0]}") from None
+    for c in RESULT_COLUMNS[3:]:
+        if len(old) and not pd.api.types.is_numeric_dtype(old[c]):
+            raise bad(f"column {c} holds a value that is not a number")
+    return old
+
+
 def write_results(df, out) -> None:
     """Merge ``df`` into ``out/results.csv`` (replacing rows of equal model, document, head, budget and settings:
     ``cached`` prompt tokens, ``continuation``, ``generate``; a row without settings, from an older kvtransform, by a
     new row of its model, document, head and budget), then write ``results.md`` (mean over documents per
     head, budget and settings, plus the per-document rows) and ``results.png``. ``seconds``: the head's evaluation
-    on one document (the dense teacher pass, shared by every head of a document, is not in it)."""
+    on one document (the dense teacher pass, shared by every head of a document, is not in it). Each file is
+    written atomically (:func:`kvtransform.utils.atomic_write`): a run killed meanwhile leaves the earlier one.
+
+    Raises:
+        ValueError: an existing ``results.csv`` that cannot be merged (:func:`read_results`; nothing written).
+    """
     import pandas as pd
 
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     csv = out / "results.csv"
-    old = pd.read_csv(csv) if csv.is_file() else None
+    old = read_results(out)
     settings = [c for c in SETTINGS if c in df.columns or (old is not None and c in old.columns)]
     key = ["model", "document", "head", "budget"] + settings
     if old is not None:
@@ -375,11 +436,14 @@ def write_results(df, out) -> None:
     for c in settings:   # integers; rows written without a setting (older runs) keep it empty, never 1024.0000
         df[c] = df[c].astype("Int64") if c in df.columns else pd.array([pd.NA] * len(df), dtype="Int64")
     df = df.drop_duplicates(subset=key, keep="last").sort_values(key).reset_index(drop=True)
-    df.to_csv(csv, index=False)
+    with atomic_write(csv) as tmp:
+        df.to_csv(tmp, index=False)
     summary = summarize(df)
-    (out / "results.md").write_text("## Mean over documents\n\n" + markdown(summary) + "\n\n## Per document\n\n"
-                                    + markdown(df) + "\n")
-    _plot(summary, out / "results.png")
+    with atomic_write(out / "results.md") as tmp:
+        tmp.write_text("## Mean over documents\n\n" + markdown(summary) + "\n\n## Per document\n\n"
+                       + markdown(df) + "\n")
+    with atomic_write(out / "results.png") as tmp:
+        _plot(summary, tmp)
 
 
 def markdown(df) -> str:

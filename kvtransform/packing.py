@@ -285,7 +285,7 @@ def check_packed(input_ids, position_ids, layout: DualKVLayout, vocab_size: Opti
 
 def check_rope_lengths(limits: dict, layout) -> None:
     """Refuse a packed batch whose trajectories a length-dependent RoPE would compute with another one's
-    frequencies, or one longer than a learned position table (``limits``: :func:`kvtransform.models.position_limits`).
+    frequencies, or one longer than a learned position table (``limits``: :func:`kvtransform.model_features.position_limits`).
     transformers picks RoPE frequencies once per call from its largest position, so in a packed batch the longest
     trajectory decides for every trajectory: dynamic-NTK RoPE is exact only while every trajectory stays within its limit (past it, each
     length has its own scaling), LongRoPE while all trajectories are on one side of its limit. ``layout``: a

@@ -56,7 +56,7 @@ import torch
 from .attention_probe import probing
 from .eval_sparse import _as_list, markdown
 from .runtime.cache import KVCache
-from .utils import cache_kwarg, check_results_dir
+from .utils import atomic_write, cache_kwarg, check_results_dir
 
 __all__ = ["Rollouts", "token_kl_logw", "summarize_tokens", "sample_rollouts", "decode_sparse", "score_dense",
            "counted", "table", "RolloutMismatchConfig", "run_rollout_mismatch", "write_results", "TIS_CAP"]
@@ -469,10 +469,12 @@ def table(r: Rollouts, lengths: Sequence[int], eos=None, **settings):
 
 def write_results(df, r: Rollouts, out, meta: dict) -> None:
     """``results.csv`` (the table), ``results.md`` (the same as markdown, with the run's settings) and
-    ``tokens.pt`` (``tokens``, ``kl``, ``logw``, ``rows``, ``steps``) into ``out`` (replaced)."""
+    ``tokens.pt`` (``tokens``, ``kl``, ``logw``, ``rows``, ``steps``) into ``out`` (replaced), each atomically
+    (:func:`kvtransform.utils.atomic_write`: a run killed meanwhile leaves the earlier file, never a part)."""
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / "results.csv", index=False)
+    with atomic_write(out / "results.csv") as tmp:
+        df.to_csv(tmp, index=False)
     cols = ["head", "budget", "length", "reached", "tokens", "kl_mean", "kl_p50", "kl_p90", "kl_p99", "kl_max",
             "w_p1", "w_p5", "w_p50", "w_p95", "w_p99", "w_out", "tis_clipped", "tis_mass", "w_gt3", "w_mean",
             "seq_logw", "ended"]
@@ -480,6 +482,7 @@ def write_results(df, r: Rollouts, out, meta: dict) -> None:
     head = (f"model {first['model']} ({first['dtype']}, {first['device']}), prompt {first['prompt']} tokens, "
             f"temperature {first['temperature']}, {int(first['rollouts'])} rollouts per (head, budget); "
             f"{meta.get('seconds', '?')} s; documents {', '.join(meta.get('documents', []))}\n\n")
-    (out / "results.md").write_text(head + markdown(df[[c for c in cols if c in df.columns]]) + "\n")
-    torch.save({"tokens": r.tokens, "kl": r.kl, "logw": r.logw, "rows": r.rows, "steps": r.steps, **meta},
-               out / "tokens.pt")
+    with atomic_write(out / "results.md") as tmp:
+        tmp.write_text(head + markdown(df[[c for c in cols if c in df.columns]]) + "\n")
+    with atomic_write(out / "tokens.pt") as tmp:
+        torch.save({"tokens": r.tokens, "kl": r.kl, "logw": r.logw, "rows": r.rows, "steps": r.steps, **meta}, tmp)

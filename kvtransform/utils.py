@@ -1,5 +1,5 @@
 """Small helpers shared by the transforms, the verification gate and the CLI (progress stages, consoles, devices,
-names)."""
+names, output paths, atomic file writes)."""
 from __future__ import annotations
 
 import contextlib
@@ -68,6 +68,36 @@ def check_results_dir(out, key: str = "out") -> None:
     if why is not None:
         raise ValueError(f"{key}={out} cannot be written ({holder} is not writable: {why}): choose another "
                          f"{key}=<directory>")
+
+
+@contextlib.contextmanager
+def atomic_write(path):
+    """Yield a temporary path beside file ``path`` for the block to write; when the block ends normally it is
+    synced and renamed onto ``path`` (``os.replace``), so ``path`` is the old file or the whole new one, never a
+    part (a run killed while writing leaves it as it was). An exception in the block removes the temporary file.
+    The temporary name keeps ``path``'s extension (writers that infer the format from it, as matplotlib's
+    ``savefig``, see the same one); the file gets a new file's mode (the umask), not ``mkstemp``'s 0600.
+
+    Raises:
+        OSError: the directory cannot be written, or ``path`` is a directory (from the rename).
+    """
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

@@ -639,7 +639,7 @@ def test_optimize_staging_left_by_a_killed_run_is_removed(tmp_path):
 def test_output_dir_in_an_unwritable_directory_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     """An `out` whose directory cannot be written is refused in one line naming it, before the model loads (root
     bypasses permission bits, so the check is exercised through os.access)."""
-    import kvtransform.transforms.base as tb
+    import kvtransform.transforms.artifact_files as tb
 
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -655,7 +655,7 @@ def test_output_dir_in_an_unwritable_directory_is_refused_before_loading(tmp_pat
 def test_output_dir_the_os_refuses_is_found_by_a_real_probe(tmp_path):
     """A directory os.access calls writable that refuses new entries (root on /sys or a read-only mount) is found by
     making and removing an empty directory there; a path that is not a path is a TypeError in one line."""
-    import kvtransform.transforms.base as tb
+    import kvtransform.transforms.artifact_files as tb
 
     if not os.path.isdir("/sys") or os.access("/sys", os.W_OK) is False:
         pytest.skip("needs a /sys that os.access reports writable (Linux, as root)")
@@ -682,6 +682,28 @@ def test_eval_sparse_refuses_an_unwritable_out_before_the_model_loads(tmp_path, 
     rc, _, err = _run(["eval-sparse", f"out={f}", "head=recent", "budget=8", "prefix=16", "continuation=4",
                        "generate=2", "documents=[argparse.py]"], capsys)
     assert rc == 2 and "choose another out=<directory>" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("content, why", [
+    ("model,document,head,budget,recall_mean,recall_worst,nll_increase,agreement,select_ms\nm,a,self,64,0.9,0.",
+     "its last line has no newline"),
+    ("model,document,head,budget\nm,a,self,64\n", "no recall_mean, recall_worst, nll_increase, agreement, select_ms"),
+    (b"\x00\xff\xfe\x01", "not a UTF-8 CSV file"),
+], ids=["cut-short", "other-columns", "binary"])
+def test_eval_sparse_refuses_a_damaged_results_csv_before_the_model_loads(tmp_path, capsys, monkeypatch, content,
+                                                                          why):
+    """An earlier results.csv the run would merge into is checked first: one left cut short by a killed run, or not
+    eval-sparse's, is refused in one line naming it and the fix, not merged or failed on after the evaluation."""
+    import kvtransform.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "o").mkdir()
+    csv = tmp_path / "o" / "results.csv"
+    csv.write_bytes(content if isinstance(content, bytes) else content.encode())
+    rc, _, err = _run(["eval-sparse", f"out={tmp_path / 'o'}", "head=recent", "budget=8", "prefix=16",
+                       "continuation=4", "generate=2", "documents=[argparse.py]"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{csv} cannot be merged" in err and why in err and "move it away or choose another out=" in err, err
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -166,7 +166,7 @@ def test_packed_calls_are_checked_before_the_model_runs():
         model(**kw)
     pos.copy_(before)
     # without a layout, the positions are read once per forward too (the backbone's hook reuses the top's check)
-    import kvtransform.integrations.transformers as hf
+    import kvtransform.integrations.packed_call as hf
 
     reads = []
     real_drop = hf._position_drop

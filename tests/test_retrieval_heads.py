@@ -2,6 +2,7 @@
 hand-made case, the distilled head's training and its refusal of another model, the EAGLE-3 loader on a random
 checkpoint, the self/distilled heads through the real runtime, the CLI's bad input."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,6 +351,94 @@ def test_eval_results_keep_other_settings_apart(tmp_path):
     md = (tmp_path / "old" / "results.md").read_text().split("## Per document")[0]
     assert "| m | self | 64 | 1024 | 32 | 16 | 1 | 0.9000 |" in md and "| m | quest | 64 |  |  |  | 1 | 0.2000 |" in md
     assert "0.3000" not in md and len(pd.read_csv(tmp_path / "old" / "results.csv")) == 2
+
+
+_ROW = dict(model="m", document="a", head="self", budget=64, recall_mean=0.9, recall_worst=0.8, nll_increase=0.01,
+            agreement=1.0, select_ms=1.0, seconds=1.0, cached=1024, continuation=32, generate=16)
+
+
+def test_eval_results_killed_while_writing_keep_the_earlier_files(tmp_path, monkeypatch):
+    """results.csv / .png are written to a temporary file renamed into place: a run killed while writing one leaves
+    the earlier file whole (never a truncated one the next run would merge) and no temporary file behind."""
+    import matplotlib.figure
+    import pandas as pd
+
+    from kvtransform.eval_sparse import write_results
+
+    write_results(pd.DataFrame([_ROW]), tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_csv = pd.DataFrame.to_csv
+
+    def killed_csv(self, path, **kw):
+        Path(path).write_text(real_csv(self, None, **kw)[:30])
+        raise KeyboardInterrupt
+
+    def killed_png(self, path, **kw):
+        Path(path).write_bytes(b"\x89PNG")
+        raise KeyboardInterrupt
+
+    for cls, name, fake in ((pd.DataFrame, "to_csv", killed_csv), (matplotlib.figure.Figure, "savefig", killed_png)):
+        with monkeypatch.context() as m:
+            m.setattr(cls, name, fake)
+            with pytest.raises(KeyboardInterrupt):
+                write_results(pd.DataFrame([{**_ROW, "head": "quest"}]), tmp_path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "results.md", "results.png"]
+    assert (tmp_path / "results.png").read_bytes() == before["results.png"]
+    assert len(pd.read_csv(tmp_path / "results.csv")) == 2     # the csv of the second attempt, whole
+    write_results(pd.DataFrame([_ROW]), tmp_path / "new")      # written files get a new file's mode, not 0600
+    assert (tmp_path / "new" / "results.csv").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_HEADER = ",".join(_ROW) + "\n"
+_LINE = ",".join(str(v) for v in _ROW.values()) + "\n"
+
+
+@pytest.mark.parametrize("content, why", [
+    (_HEADER + _LINE + _LINE.replace("self", "quest")[:-12], "its last line has no newline"),
+    (_HEADER + _LINE + "m,a,quest,64,0.9\n", "line 3 has 5 fields, the header 13"),
+    (_HEADER + _LINE + _LINE.replace(",0.9,", ",,"), "line 3 has no recall_mean"),
+    (_HEADER.replace("agreement", "agree") + _LINE, "no agreement column"),
+    (_HEADER + _LINE.replace(",0.8,", ",high,"), "column recall_worst holds a value that is not a number"),
+    (_HEADER + _LINE + "m,a,self,64,1,2,3,4,5,6,7,8,9,10\n", "line 3 has 14 fields, the header 13"),
+    ("", "empty"),
+    (b"PK\x03\x04\xff\xfe\x00", "not a UTF-8 CSV file"),
+    (None, "not a regular file"),
+], ids=["cut-short", "short-row", "empty-field", "no-column", "not-a-number", "long-row", "empty", "binary",
+        "directory"])
+def test_a_damaged_results_csv_is_refused_not_merged(tmp_path, content, why):
+    """A results.csv cut short by a killed run, or not eval-sparse's, is refused in one line naming it and the fix,
+    before anything is written; it is never merged (a truncated row used to become a row with empty settings)."""
+    import pandas as pd
+
+    from kvtransform.eval_sparse import write_results
+
+    csv = tmp_path / "results.csv"
+    if content is None:
+        csv.mkdir()
+    else:
+        csv.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError) as e:
+        write_results(pd.DataFrame([{**_ROW, "head": "recent"}]), tmp_path)
+    msg = str(e.value)
+    assert msg.startswith(f"{csv} cannot be merged") and why in msg and "\n" not in msg, msg
+    assert msg.endswith("move it away or choose another out=<directory>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv"]          # nothing written
+    if content is not None:
+        assert csv.read_bytes() == (content if isinstance(content, bytes) else content.encode())
+    from kvtransform.eval_sparse import read_results
+
+    assert read_results(tmp_path / "none") is None
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "results.csv").write_text(_HEADER + _LINE + _LINE.replace("1024,32,16", ",,"))
+    assert len(read_results(tmp_path / "ok")) == 2       # an older row without settings is whole
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 hand-made distributions, and the sampled rollouts on a tiny random model checked against an independent dense
 forward and against eval-sparse's teacher-forced emulation of the same selections."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +140,41 @@ def test_cli_help_and_bad_input(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and err.count("error:") == 1 and "Traceback" not in err
     assert not (tmp_path / "o").exists()   # refused before anything is written
+
+
+def test_results_killed_while_writing_keep_the_earlier_files(tmp_path, monkeypatch):
+    """results.csv and tokens.pt are written to a temporary file renamed into place: a run killed while writing one
+    leaves the earlier file whole and loadable, and no temporary file behind."""
+    import pandas as pd
+
+    from kvtransform.rollout_mismatch import write_results
+
+    def result(kl):
+        r = Rollouts([{"head": "h", "budget": 1, "prompt": 0, "sample": 0}], torch.tensor([[5, 6, 7]]),
+                     torch.full((1, 3), kl, dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64), steps=3)
+        return r, table(r, [3], model="m", dtype="float32", device="cpu", prompt=8, temperature=1.0)
+
+    r1, df1 = result(0.5)
+    write_results(df1, r1, tmp_path, {"seconds": 1.0, "documents": ["a"]})
+    real_csv, real_save = pd.DataFrame.to_csv, torch.save
+
+    def killed_csv(self, path, **kw):
+        Path(path).write_text(real_csv(self, None, **kw)[:20])
+        raise KeyboardInterrupt
+
+    def killed_save(obj, path, **kw):
+        real_save(obj, path, **kw)
+        Path(path).write_bytes(Path(path).read_bytes()[:100])
+        raise KeyboardInterrupt
+
+    r2, df2 = result(0.25)
+    for cls, name, fake in ((pd.DataFrame, "to_csv", killed_csv), (torch, "save", killed_save)):
+        with monkeypatch.context() as m:
+            m.setattr(cls, name, fake)
+            with pytest.raises(KeyboardInterrupt):
+                write_results(df2, r2, tmp_path, {"seconds": 2.0, "documents": ["a"]})
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "results.md", "tokens.pt"]
+        if name == "to_csv":
+            assert pd.read_csv(tmp_path / "results.csv").kl_mean.tolist() == [0.5]   # the earlier table
+    assert pd.read_csv(tmp_path / "results.csv").kl_mean.tolist() == [0.25]          # the second attempt's, whole
+    assert torch.load(tmp_path / "tokens.pt")["kl"][0, 0].item() == 0.5               # the earlier tokens.pt

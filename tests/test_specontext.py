@@ -561,3 +561,19 @@ def test_onnx_export_is_refused_before_any_work(sp_llama, tmp_path):
     with pytest.raises(UnsupportedOpError, match=r"kvt.retrieval_topk: .*kvt.sparse_decode_attention"):
         sp_llama.export_onnx(tmp_path / "m.onnx", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_numpy_and_0d_tensor_arguments_are_their_numbers(sp_llama):
+    """Settings computed with NumPy or torch (np.int64(4), torch.tensor(0.9), np.True_) are the numbers they hold,
+    as in HF generate: the same tokens as the Python numbers, not an error calling 4 'not an integer'."""
+    np = pytest.importorskip("numpy")
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    plain = sp_llama.generate(ids, max_new_tokens=4, do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=3,
+                              eos_token_id=[2], pad_token_id=0, progress=False)
+    wrapped = sp_llama.generate(ids, max_new_tokens=np.int64(4), do_sample=np.True_, temperature=np.float32(0.7),
+                                top_k=torch.tensor(5), top_p=torch.tensor(0.9, dtype=torch.float64),
+                                seed=np.int64(3), eos_token_id=[np.int64(2)], pad_token_id=torch.tensor(0),
+                                progress=False)
+    assert torch.equal(plain, wrapped)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1; got 2.5"):
+        sp_llama.generate(ids, max_new_tokens=torch.tensor(2.5), progress=False)

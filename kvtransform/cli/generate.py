@@ -125,7 +125,9 @@ def run(args: Sequence[str]) -> None:
                                     f"threads=N to change)[/dim]")
     model, tok = load_model(name, dtype=opts["model.dtype"])
     if tok is None:
-        raise UsageError(f"{name} has no tokenizer: kvtransform generate needs one to encode the prompt")
+        raise UsageError(f"{name} has no tokenizer: kvtransform generate needs one to encode the prompt: "
+                         f"save the tokenizer into the model directory (tokenizer.save_pretrained(dir)), or call "
+                         f"kvt.transform(model, 'specontext').generate(input_ids) from Python with ids you encoded")
     sp = kvt.transform(model, tcfg, tokenizer=tok)
     chat = opts["chat"] if opts["chat"] is not None else bool(getattr(tok, "chat_template", None))
     if chat:

@@ -148,7 +148,7 @@ def run_optimize(cfg: DictConfig) -> dict:
     """
     import kvtransform as kvt
     from ..models import load_model
-    from ..transforms.base import check_output_dir, replace_directory
+    from ..transforms.artifact_files import check_output_dir, replace_directory
 
     console = _console()
     tcfg = _transform_config(cfg)  # the settings first: a bad value is named even when the output exists

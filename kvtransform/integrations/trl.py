@@ -384,8 +384,8 @@ def _pads_shift_positions(model: torch.nn.Module) -> bool:
 
 def _check_no_attention_dropout(model: torch.nn.Module) -> None:
     """Refuse (one line, at construction) attention dropout the training passes would apply: packed attention applies
-    none (it would fail at the first packed training forward); :func:`kvtransform.models.training_dropout`."""
-    from kvtransform.models import training_dropout
+    none (it would fail at the first packed training forward); :func:`kvtransform.model_features.training_dropout`."""
+    from kvtransform.model_features import training_dropout
 
     found = training_dropout(model, attention_only=True)
     if found is not None:

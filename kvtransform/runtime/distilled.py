@@ -17,12 +17,13 @@ length ``train_length`` YaRN (:func:`~.embedding_heads.yarn_inv_freq`) stretches
 ``max_new_tokens``; :func:`~.embedding_heads.row_lengths`): static per request, independent of the other rows.
 
 A trained head is a directory with ``head.safetensors`` (the block's weights, fp16) and ``head.json`` (architecture,
-training settings and the target's :func:`fingerprint`); :func:`load_head_dir` refuses a head whose fingerprint
-differs from the model's. Heads shipped with the package live in ``kvtransform/data/heads/<name>/``
-(:func:`shipped_head_for`).
+training settings, the target's :func:`fingerprint` and the weights file's SHA-256); :func:`load_head_dir` refuses a
+head whose fingerprint differs from the model's, and a damaged one. Heads shipped with the package live in
+``kvtransform/data/heads/<name>/`` (:func:`shipped_head_for`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Optional
@@ -128,47 +129,67 @@ def check_fingerprint(stored: dict, model, where: str) -> None:
 
 
 def save_head_dir(directory, block: DistilledBlock, fp: dict, extra: Optional[dict] = None) -> Path:
-    """Write ``head.safetensors`` (fp16 weights) and ``head.json`` (format, architecture, fingerprint, ``extra``).
+    """Write ``head.safetensors`` (fp16 weights) and ``head.json`` (format, architecture, fingerprint, the weights
+    file's SHA-256, ``extra``).
 
-    Both files are written under temporary names first (the metadata serialised before anything is written) and
-    then renamed into place, the weights first: a failure while writing leaves the previous head as it was and
-    never a half-written file (only a crash between the two renames pairs new weights with the old ``head.json``).
-    Modes follow the process umask (safetensors alone gives 0600).
+    Both files are written under temporary names first (:func:`~kvtransform.utils.atomic_write`; the metadata
+    serialised before anything is written) and then renamed into place, the weights first: a failure while writing
+    leaves the previous head as it was and never a half-written file. A crash between the two renames pairs new
+    weights with the old ``head.json``, which :func:`load_head_dir` refuses (the checksum differs).
 
     Raises:
         TypeError: ``extra`` not JSON-serialisable (nothing written). IsADirectoryError: a target is a directory.
     """
-    import os
-    import tempfile
+    from safetensors.torch import save
 
-    from safetensors.torch import save_file
+    from ..utils import atomic_write
 
     d = Path(directory)
-    meta = json.dumps({"format": FORMAT, "version": 1, "arch": block.arch, "fingerprint": fp, **(extra or {})},
-                      indent=1)
+    weights = save({k: v.detach().to(torch.float16).contiguous() for k, v in block.state_dict().items()})
+    meta = json.dumps({"format": FORMAT, "version": 1, "arch": block.arch, "fingerprint": fp,
+                       "weights_sha256": hashlib.sha256(weights).hexdigest(), **(extra or {})}, indent=1)
     for name in ("head.safetensors", "head.json"):
         if (d / name).is_dir():
             raise IsADirectoryError(f"{d / name} is a directory: remove it or choose another head directory")
     d.mkdir(parents=True, exist_ok=True)
-    umask = os.umask(0)
-    os.umask(umask)
-    tmps = {}
-    try:
-        for name in ("head.safetensors", "head.json"):
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=d)
-            os.close(fd)
-            tmps[name] = Path(tmp)
-        save_file({k: v.detach().to(torch.float16).contiguous() for k, v in block.state_dict().items()},
-                  str(tmps["head.safetensors"]))
-        tmps["head.json"].write_text(meta)
-        for name, tmp in tmps.items():
-            os.chmod(tmp, 0o666 & ~umask)
-        for name in ("head.safetensors", "head.json"):
-            os.replace(tmps.pop(name), d / name)
-    finally:
-        for tmp in tmps.values():
-            tmp.unlink(missing_ok=True)
+    with atomic_write(d / "head.json") as meta_tmp, atomic_write(d / "head.safetensors") as weights_tmp:
+        weights_tmp.write_bytes(weights)
+        meta_tmp.write_text(meta)
     return d
+
+
+def _damaged(file: Path, why: str) -> ValueError:
+    """The one-line error for a damaged file of a head directory: what is wrong and how to get a good head."""
+    d = file.parent
+    fix = ("reinstall kvtransform" if d.parent == SHIPPED_DIR else
+           f"write the head again with `kvtransform distill-retrieval-head MODEL out={d}`, or pass another head")
+    why = " ".join(why.split())
+    return ValueError(f"{file} is damaged ({why[:200]}): {fix}")
+
+
+def _read_meta(d: Path) -> dict:
+    """``head.json`` of head directory ``d``: a JSON object of :data:`FORMAT` with an ``arch`` and a fingerprint.
+
+    Raises:
+        ValueError: anything else (one line naming the file and the fix).
+    """
+    f = d / "head.json"
+    try:
+        meta = json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _damaged(f, f"not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise _damaged(f, f"a JSON {type(meta).__name__}, not an object")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{f} is not a {FORMAT} (format {meta.get('format')!r}): pass a head directory written by "
+                         f"`kvtransform distill-retrieval-head`")
+    bad = [k for k in ("arch", "fingerprint") if not isinstance(meta.get(k), dict)]
+    if bad:
+        raise _damaged(f, f"{' and '.join(bad)} missing or not a JSON object")
+    lacks = [k for k in ("embed_shape", "embed_sum", "embed_abs_sum") if k not in meta["fingerprint"]]
+    if lacks:  # what every fingerprint has: without them any model would match
+        raise _damaged(f, f"the fingerprint lacks {', '.join(lacks)}")
+    return meta
 
 
 def load_head_dir(directory, model=None) -> tuple[DistilledBlock, dict]:
@@ -176,22 +197,39 @@ def load_head_dir(directory, model=None) -> tuple[DistilledBlock, dict]:
 
     Raises:
         FileNotFoundError: no ``head.json`` / ``head.safetensors`` there.
-        ValueError: not a distilled head, or (with ``model``) a fingerprint mismatch.
+        ValueError: not a distilled head; a damaged file (``head.json`` not a JSON object with the format, ``arch``
+            and fingerprint of a head; ``head.safetensors`` truncated, not matching the checksum ``head.json``
+            records, unreadable, holding non-finite weights or not the weights ``arch`` describes): one line naming
+            the file and the fix; or (with ``model``) a fingerprint mismatch.
     """
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError
+    from safetensors.torch import load
 
     d = Path(directory)
     if not (d / "head.json").is_file() or not (d / "head.safetensors").is_file():
         raise FileNotFoundError(f"{d} is not a distilled retrieval head (needs head.json and head.safetensors): "
                                 f"train one with `kvtransform distill-retrieval-head MODEL out={d}`, or use "
                                 f"retrieval=self (the packaged head)")
-    meta = json.loads((d / "head.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{d / 'head.json'} is not a {FORMAT} (format {meta.get('format')!r})")
+    meta = _read_meta(d)
     if model is not None:
         check_fingerprint(meta["fingerprint"], model, str(d))
-    block = DistilledBlock(**meta["arch"])
-    block.load_state_dict({k: v.float() for k, v in load_file(str(d / "head.safetensors")).items()})
+    try:
+        block = DistilledBlock(**meta["arch"])
+    except (TypeError, ValueError, RuntimeError) as e:  # keys or values no DistilledBlock takes
+        raise _damaged(d / "head.json", f"arch: {e}") from None
+    w = d / "head.safetensors"
+    data = w.read_bytes()
+    digest = meta.get("weights_sha256")  # heads written before the checksum have none
+    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+        raise _damaged(w, "its SHA-256 differs from the one head.json records")
+    try:
+        state = {k: v.float() for k, v in load(data).items()}
+        block.load_state_dict(state)
+    except (SafetensorError, RuntimeError) as e:  # truncated or garbled; or not the weights arch describes
+        raise _damaged(w, str(e)) from None
+    bad = [k for k, v in state.items() if not v.isfinite().all()]
+    if bad:
+        raise _damaged(w, f"non-finite weights in {bad[0]}")
     return block.eval(), meta
 
 
@@ -205,10 +243,10 @@ def shipped_head_for(model) -> Optional[Path]:
         return None
     for meta_file in sorted(SHIPPED_DIR.glob("*/head.json")):
         try:
-            stored = json.loads(meta_file.read_text()).get("fingerprint", {})
+            stored = _read_meta(meta_file.parent)["fingerprint"]
         except (OSError, ValueError):
             continue
-        if not fingerprint_mismatch(stored, live) and "embed_shape" in stored:
+        if not fingerprint_mismatch(stored, live):
             return meta_file.parent
     return None
 

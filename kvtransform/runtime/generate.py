@@ -26,7 +26,7 @@ from .graph_step import _GraphStep
 from .heads import RetrievalHead
 from .outputs import GenerateOutput, GenerationStats, ModelInfo, _checksum, _count_new, _overlap, _trim
 from .programs import CallableDecode
-from .requests import _as_eos, _check_decode_from, _check_pad, _check_request, _prompt_rows
+from .requests import _as_eos, _check_decode_from, _check_pad, _check_request, _plain, _prompt_rows
 from .sampling import _greedy, _sampler
 
 __all__ = ["SpeContextRuntime", "GenerateOutput", "GenerationStats", "ModelInfo", "_GraphStep", "_sampler",
@@ -303,6 +303,8 @@ class SpeContextRuntime:
                 a bad sampling parameter.
         """
         info = self.info
+        max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, seed = _plain(
+            (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, seed))
         rows = self._rows(input_ids, attention_mask)
         _check_request(rows, max_new_tokens, temperature, top_k, top_p, info.max_positions, do_sample)
         if isinstance(eos_token_id, str) and eos_token_id != "default":
@@ -401,6 +403,7 @@ class SpeContextRuntime:
                 ``engine`` of another cache.
         """
         info = self.info
+        max_new_tokens, eos_token_id, pad_token_id = _plain((max_new_tokens, eos_token_id, pad_token_id))
         max_new_tokens = _check_decode_from(info, cache, tokens, max_new_tokens, engine)
         device = cache.k.device
         eos = _as_eos(eos_token_id, info.vocab_size)

@@ -6,7 +6,19 @@ import math
 
 import torch
 
-__all__ = ["_prompt_rows", "_check_request", "_check_steps", "_as_eos", "_check_pad"]
+__all__ = ["_prompt_rows", "_check_request", "_check_steps", "_as_eos", "_check_pad", "_plain"]
+
+
+def _plain(value):
+    """A NumPy scalar or a 0-d tensor as the Python number it holds (``np.int64(8)`` -> 8, ``torch.tensor(0.7)`` ->
+    0.7, ``np.True_`` -> True); a list or tuple element-wise; anything else unchanged (the checks then name it)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value
 
 
 def _check_steps(max_new_tokens) -> None:

@@ -9,52 +9,22 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import tempfile
 import weakref
-import zipfile
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
-import yaml
 from torch.export import Dim
 
 from kvtransform.capture import MAX_BATCH, Captured, export_dynamic, tie_aliased_parameters
 from kvtransform.config import TransformConfig
 from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_args_all, run_passes
 from kvtransform.report import Report
-from kvtransform.utils import check_writable, device_of, model_name, stage, timed
+from kvtransform.utils import device_of, model_name, stage, timed
 
-
-
-def load_artifact_file(file: Path, load: Callable[[Path], Any]) -> Any:
-    """``load(file)`` for one file of a saved artifact; a damaged file (not a zip archive, truncated, a member whose
-    CRC does not match its bytes, not a pickle, not JSON) raises ValueError with one line naming the file and the fix instead of the reader's traceback."""
-    try:
-        _check_zip_crcs(file)
-        return load(file)
-    except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, json.JSONDecodeError, UnicodeDecodeError,
-            yaml.YAMLError) as e:
-        err = e
-    except RuntimeError as e:  # torch's zip reader on a truncated archive
-        if "zip" not in str(e).lower() and "PytorchStreamReader" not in str(e):
-            raise
-        err = e
-    why = (str(err).splitlines() or [""])[0][:160]
-    raise ValueError(f"{file} is damaged ({type(err).__name__}: {why}): save the artifact again") from None
-
-def _check_zip_crcs(file: Path) -> None:
-    """For a zip archive (``.pt2``, ``torch.save``'s ``.pt``): every member's CRC-32 against its bytes (one read of
-    the file; torch's readers do not check them, so flipped weight bytes loaded as other weights). BadZipFile
-    naming the first damaged member; other files are not looked at."""
-    if not zipfile.is_zipfile(file):
-        return
-    with zipfile.ZipFile(file) as z:
-        bad = z.testzip()
-    if bad is not None:
-        raise zipfile.BadZipFile(f"member {bad} fails its CRC check")
+from .artifact_files import check_output_dir, load_artifact_file, replace_directory
 
 
 class _SourceLink:
@@ -337,95 +307,6 @@ class OptimizedModule(torch.nn.Module):
         return path
 
 
-def replace_directory(src: Path, dst: Path) -> None:
-    """Rename directory ``src`` to ``dst`` (a path on the same file system). What ``dst`` held (an empty directory,
-    or the artifact an ``overwrite`` replaces) is moved aside first, put back if the rename fails, and deleted only
-    after it succeeded."""
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-    os.replace(dst, old / "x")
-    try:
-        os.replace(src, dst)
-    except BaseException:
-        os.replace(old / "x", dst)  # put the previous contents back
-        raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
-    """Check that an artifact may be written to directory ``path``; returns it as a ``Path``.
-
-    A new or empty directory is fine. An existing artifact (a ``meta.json`` naming its transform, and only the files
-    an artifact has: :func:`_not_artifact`) is replaced only with ``overwrite``. Anything else is never replaced. A
-    symbolic link is written through: the returned path is the directory it names.
-
-    Raises:
-        FileExistsError: ``path`` is empty, a file or inside a file; the current directory or one of its parents; a
-            non-empty directory that is not a kvtransform artifact; or an artifact and ``overwrite`` is false.
-        PermissionError: the directory that would hold ``path`` (its nearest existing ancestor) is not writable (an
-            empty directory made and removed there tells).
-        TypeError: ``path`` is not a str or os.PathLike.
-        ValueError: ``overwrite`` is not a bool.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"the output directory must be a path (str or os.PathLike); got {type(path).__name__}")
-    if not isinstance(overwrite, bool):  # (a string such as "false" is truthy: it would replace the artifact)
-        raise ValueError(f"overwrite must be True or False; got {overwrite!r}")
-    if not str(path).strip():
-        raise FileExistsError("the output directory is empty: give a directory path (e.g. out=out/<name>)")
-    path = Path(path).expanduser()
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
-    for parent in path.parents:
-        if parent.exists() and not parent.is_dir():
-            raise FileExistsError(f"{str(parent)!r} is a file: the artifact directory {str(path)!r} cannot be inside "
-                                  f"it; choose a directory path")
-    check_writable(path, "the artifact", "out=...")
-    if not path.exists():
-        return path
-    if not path.is_dir():
-        raise FileExistsError(f"{str(path)!r} is a file, not an artifact directory: choose a directory path")
-    resolved, cwd = path.resolve(), Path.cwd().resolve()
-    if resolved == cwd or resolved in cwd.parents:
-        raise FileExistsError(f"{str(path)!r} is the current directory or one of its parents: write the artifact to "
-                              f"a new directory (e.g. out/<name>)")
-    if not any(path.iterdir()):
-        return path
-    if not overwrite:
-        raise FileExistsError(f"output directory {str(path)!r} exists and is not empty; choose another directory or "
-                              f"pass overwrite=True (on the command line: overwrite=true)")
-    foreign = _not_artifact(path)
-    if foreign:
-        raise FileExistsError(f"{str(path)!r} is a non-empty directory but not a kvtransform artifact ({foreign}): "
-                              f"overwrite replaces only artifacts; choose another directory")
-    return path
-
-
-#: what an artifact directory holds (``save``, ``kvtransform optimize``'s ``emit``): programs, graph code, configs,
-#: reports, the retrieval head, the ONNX file and its external weights
-ARTIFACT_SUFFIXES = (".pt2", ".pt", ".py", ".yaml", ".json", ".onnx", ".onnx.data", ".data")
-
-
-def _not_artifact(path: Path) -> str:
-    """Why the non-empty directory ``path`` is not a kvtransform artifact ('' when it is one): an artifact has a
-    ``meta.json`` naming its transform and holds only files of :data:`ARTIFACT_SUFFIXES`, no subdirectory (so a
-    project directory that merely holds a ``config.yaml`` is never replaced)."""
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
-        meta = None
-    if not isinstance(meta, dict) or "transform" not in meta:
-        return "no meta.json naming a transform"
-    other = sorted(p.name for p in path.iterdir() if p.is_dir() or not p.name.endswith(ARTIFACT_SUFFIXES))
-    if other:
-        return f"it holds {other[0]!r}" + (f" and {len(other) - 1} more entries" if len(other) > 1 else "") + \
-            ", which no artifact has"
-    return ""
-
-
 def onnx_stage_text(path: Path, verify: bool) -> str:
     """The progress line of an ONNX export (:meth:`OptimizedModule.export_onnx`)."""
     return f"exporting {path}" + (" and checking it in onnxruntime" if verify else "")
@@ -459,7 +340,7 @@ def refuse_training_dropout(model: torch.nn.Module) -> None:
     """A model in train mode with a dropout above 0 is refused in one line by the transform built for training
     (DualKV): the capture runs the model in eval mode, so the program would silently never apply it (the canonical
     module is verified in eval semantics and says so in its report)."""
-    from kvtransform.models import training_dropout
+    from kvtransform.model_features import training_dropout
 
     found = training_dropout(model) if model.training else None
     if found is not None:

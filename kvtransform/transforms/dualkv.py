@@ -33,7 +33,7 @@ from torch.export import Dim
 from kvtransform.capture import capture_packed
 from kvtransform.config import DualKVConfig
 from kvtransform.layout import DualKVLayout
-from kvtransform.models import check_attention_only_mixing, position_limits
+from kvtransform.model_features import check_attention_only_mixing, position_limits
 from kvtransform.packing import PackedBatch, check_packed, check_rope_lengths, pack_shared_prefix
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
@@ -91,7 +91,7 @@ class DualKVModule(OptimizedModule):
                  tree_core: Optional[torch.nn.Module] = None):
         super().__init__(core, config, report, max_seq_len=max_seq_len)
         self.__dict__["_tree_core"] = tree_core  # not registered: the same parameters as core
-        self.rope_limits: dict = {}  # RoPE / learned position limits (models.position_limits)
+        self.rope_limits: dict = {}  # RoPE / learned position limits (model_features.position_limits)
 
     @property
     def tree_core(self) -> torch.nn.Module:
@@ -264,7 +264,7 @@ def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = 
 
     Raises:
         ValueError: not a causal LM, a layer that mixes tokens outside attention (convolutions, recurrent state,
-            chunked attention: :func:`kvtransform.models.check_attention_only_mixing`), or an attention the packed
+            chunked attention: :func:`kvtransform.model_features.check_attention_only_mixing`), or an attention the packed
             layout cannot express (a custom mask; a window, soft-cap or sinks the installed op does not take): the
             message lists the refused sites.
         kvtransform.verify.VerificationError: the packed module differs from the original beyond tolerance.

@@ -48,7 +48,8 @@ from kvtransform.utils import device_of, stage, timed
 from kvtransform.verify import _input_kind, check, default_tolerance, text_token_ids
 
 from . import register_transform
-from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, load_artifact_file, new_report
+from .artifact_files import load_artifact_file
+from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report
 
 __all__ = ["SpeContextModule", "specontext_transform", "verify_decode"]
 
