@@ -2,8 +2,10 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -742,3 +744,31 @@ def test_multirun_jobs_get_their_own_out(tmp_path, capsys, reload_in_process):
     for job in ("0", "1"):
         meta = json.loads((tmp_path / "outputs" / "multirun" / job / "meta.json").read_text())
         assert meta["transform"] == "canonical"
+
+
+def test_sigterm_cleans_up_and_kills_the_child(tmp_path):
+    """SIGTERM during a command (here a child process like the reload check's) unwinds instead of ending the process
+    on the spot: the child is killed with it, not left running; one 'terminated' line, exit status 143."""
+    pid_file = tmp_path / "child.pid"
+    child_code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = (
+        "import subprocess, sys\n"
+        "from kvtransform.cli.errors import guard\n"
+        "def cmd():\n"
+        f"    subprocess.run([sys.executable, '-c', {child_code!r}])\n"
+        "guard(cmd)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    parent.send_signal(signal.SIGTERM)
+    _, err = parent.communicate(timeout=60)
+    assert parent.returncode == 143 and "terminated (SIGTERM)" in err and "Traceback" not in err, err
+    time.sleep(0.2)
+    try:
+        os.kill(child, 0)
+        alive = open(f"/proc/{child}/stat").read().split()[2] != "Z" if os.path.exists(f"/proc/{child}") else False
+    except ProcessLookupError:
+        alive = False
+    assert not alive

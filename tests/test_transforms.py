@@ -161,9 +161,9 @@ def test_loaded_artifact_keeps_a_tied_weight_one_parameter(tmp_path):
         assert grads[1][name] is not None and torch.allclose(grads[1][name], g, atol=1e-6), name
 
 
-def test_load_names_a_damaged_file_in_one_line(tmp_path):
+def test_load_names_a_damaged_file_in_one_line(tmp_path, capfd):
     """A truncated or overwritten program and a malformed meta.json: one ValueError line naming the file and the
-    fix, not the zip reader's or the JSON parser's traceback."""
+    fix, not the zip reader's or the JSON parser's traceback (nor torch.export's logged one)."""
     import shutil
 
     from kvtransform.models import tiny_model
@@ -181,10 +181,19 @@ def test_load_names_a_damaged_file_in_one_line(tmp_path):
         (bad / name).write_bytes(damage)
         with pytest.raises(ValueError, match=rf"{name} is damaged .*save the artifact again"):
             kvt.load(bad, progress=False)
-    flipped = tmp_path / "flipped"  # weight bytes changed in place: the zip CRCs catch it (torch's reader does not)
-    shutil.copytree(art, flipped)
     import zipfile
 
+    gutted = tmp_path / "gutted"  # a whole zip archive without the program's members
+    shutil.copytree(art, gutted)
+    with zipfile.ZipFile(art / "model.pt2") as zin, zipfile.ZipFile(gutted / "model.pt2", "w") as zout:
+        for member in zin.namelist():
+            if not member.endswith(".json"):
+                zout.writestr(member, zin.read(member))
+    with pytest.raises(ValueError, match=r"model.pt2 is damaged \(RuntimeError: the archive holds no exported"):
+        kvt.load(gutted, progress=False)
+    assert "Traceback" not in capfd.readouterr().err
+    flipped = tmp_path / "flipped"  # weight bytes changed in place: the zip CRCs catch it (torch's reader does not)
+    shutil.copytree(art, flipped)
     with zipfile.ZipFile(art / "model.pt2") as z:
         info = max((i for i in z.infolist() if "/data/weights/" in i.filename), key=lambda i: i.file_size)
         start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
@@ -219,3 +228,20 @@ def test_canonical_module_runs_large_batches_in_slices_and_refuses_a_cast():
     with pytest.raises(ValueError, match=r"captured in torch.float32 and its weights are now torch.bfloat16: .*cast "
                                          r"the model before kvt.transform"):
         opt(ids[:2])
+
+
+def test_save_refuses_a_disk_without_room_for_the_weights(tmp_path, monkeypatch):
+    """torch's archive writer aborts the process on a full disk: save checks the free space against the weights
+    first (one line naming the fix) and writes nothing."""
+    import collections
+
+    import kvtransform.transforms.artifact_files as af
+
+    opt = kvt.transform(kvt.tiny_model("llama"), "canonical", progress=False)
+    need = opt.weight_bytes()
+    assert need >= sum(p.numel() * p.element_size() for p in kvt.tiny_model("llama").parameters()) // 2
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(af.shutil, "disk_usage", lambda p: usage(1 << 40, 0, need))
+    with pytest.raises(OSError, match=r"needs at least .* GiB free: free some space or choose out= on another"):
+        opt.save(tmp_path / "a" / "art")
+    assert list(tmp_path.iterdir()) == []

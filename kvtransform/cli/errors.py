@@ -1,9 +1,12 @@
 """How the CLI reports bad input: one ``error:`` line naming the fix, exit status 2 (``KVT_DEBUG=1``: traceback)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 
-__all__ = ["USER_ERROR_EXIT", "INTERRUPTED_EXIT", "UsageError", "console", "fail", "guard"]
+__all__ = ["USER_ERROR_EXIT", "INTERRUPTED_EXIT", "TERMINATED_EXIT", "UsageError", "console", "fail", "guard"]
 
 USER_ERROR_EXIT = 2
 
@@ -51,15 +54,46 @@ def _message(e: BaseException) -> str:
 
 
 INTERRUPTED_EXIT = 130  # the shell's status for a process stopped by Ctrl-C (128 + SIGINT)
+TERMINATED_EXIT = 143  # 128 + SIGTERM
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived (a scheduler's or ``timeout``'s stop)."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While a command runs, SIGTERM raises :class:`_Terminated` in the main thread instead of ending the process on
+    the spot, so what the command holds is cleaned up: ``finally`` blocks remove staging directories, and
+    ``subprocess.run`` kills its child (the reload check's fresh Python process) rather than leaving it running.
+    A handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def guard(fn, *args, **kwargs):
     """Run ``fn``; a user error becomes one ``error:`` line and exit status 2, Ctrl-C one ``interrupted`` line and
-    exit status 130 (``KVT_DEBUG=1``: re-raise)."""
+    exit status 130, SIGTERM one ``terminated`` line and exit status 143 after cleaning up (``KVT_DEBUG=1``:
+    re-raise)."""
     try:
-        return fn(*args, **kwargs)
+        with _sigterm_unwinds():
+            return fn(*args, **kwargs)
     except SystemExit:
         raise
+    except _Terminated:
+        console(stderr=True).print("[bold red]terminated[/bold red] (SIGTERM)", soft_wrap=True)
+        raise SystemExit(TERMINATED_EXIT) from None
     except KeyboardInterrupt:
         if os.environ.get("KVT_DEBUG"):
             raise

@@ -4,7 +4,9 @@ step per token: retrieval head → ``indices`` → the rewritten LLM step (every
 
 Semantics follow Hugging Face ``generate``: a batch of prompts of different lengths (left padding, or any 0/1
 ``attention_mask``: the real tokens of each row are its prompt), greedy by default or sampling with
-``temperature``/``top_k``/``top_p`` (transformers' own logits warpers), per-row stop at EOS (finished rows are
+``temperature``/``top_k``/``top_p`` (transformers' own logits warpers; unlike HF's ``generate``, which fills what is
+not passed from the model's ``generation_config`` and else ``top_k=50``, what is not passed is off: the model's own
+distribution, which an RL trainer's log-probs assume; pass them to match HF), per-row stop at EOS (finished rows are
 filled with the pad id), ``(batch, prompt + new)`` ids returned. On CUDA with ``cuda_graphs`` the whole decode
 step -- retrieval head and LLM -- is captured once per batch and replayed (:mod:`.graph_step`).
 

@@ -3,49 +3,86 @@
 replacing what is not one), and moving a finished artifact into place (:func:`replace_directory`)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pickle
 import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import yaml
 
 from kvtransform.utils import check_writable
 
-__all__ = ["load_artifact_file", "check_output_dir", "replace_directory", "ARTIFACT_SUFFIXES"]
+__all__ = ["load_artifact_file", "check_output_dir", "check_free_space", "replace_directory", "ARTIFACT_SUFFIXES"]
 
 
 def load_artifact_file(file: Path, load: Callable[[Path], Any], fix: str = "save the artifact again") -> Any:
-    """``load(file)`` for one file of a saved artifact (or a training checkpoint); a damaged file (not a zip archive,
-    truncated, a member whose CRC does not match its bytes, not a pickle, not JSON) raises ValueError with one line
-    naming the file and ``fix`` instead of the reader's traceback."""
+    """``load(file)`` for one file of a saved artifact (or a training checkpoint); a damaged file (not a zip archive
+    where one belongs, truncated, a member whose CRC does not match its bytes or that is missing, not a pickle, not
+    JSON) raises ValueError with one line naming the file, the cause and ``fix`` instead of the reader's traceback
+    (torch.export's own warning with the traceback is kept off stderr; its cause goes into the line)."""
+    logged = _Collect()
     try:
         _check_zip_crcs(file)
-        return load(file)
+        with logged.of("torch.export"):
+            return load(file)
     except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, json.JSONDecodeError, UnicodeDecodeError,
             yaml.YAMLError) as e:
         err = e
-    except RuntimeError as e:  # torch's zip reader on a truncated archive
-        if "zip" not in str(e).lower() and "PytorchStreamReader" not in str(e):
+    except RuntimeError as e:  # torch's zip reader on a damaged archive, torch.export's deserializer
+        text = str(e)
+        if "zip" not in text.lower() and "PytorchStreamReader" not in text and "deserializ" not in text:
             raise
-        err = e
-    why = (str(err).splitlines() or [""])[0][:160]
+        err = logged.cause or (RuntimeError("the archive holds no exported program torch.export can read")
+                               if "warnings above" in text else e)  # (nothing was logged above)
+    why = (str(err).strip().splitlines() or [""])[0][:160]
     raise ValueError(f"{file} is damaged ({type(err).__name__}: {why}): {fix}") from None
+
+
+class _Collect(logging.Handler):
+    """The first exception a logger reports while :meth:`of` is active (torch.export logs the deserializer's error
+    with its traceback as a warning, then raises a RuntimeError that only says to look above)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.cause: Optional[BaseException] = None
+
+    def emit(self, record):
+        if self.cause is None and record.exc_info and record.exc_info[1] is not None:
+            self.cause = record.exc_info[1]
+
+    @contextlib.contextmanager
+    def of(self, name: str):
+        log = logging.getLogger(name)
+        log.addHandler(self)
+        propagate, log.propagate = log.propagate, False
+        try:
+            yield
+        finally:
+            log.removeHandler(self)
+            log.propagate = propagate
+
+
+#: files that are zip archives when whole (``torch.export.save``'s ``.pt2``, ``torch.save``'s ``.pt``)
+_ZIP_SUFFIXES = (".pt2", ".pt")
 
 
 def _check_zip_crcs(file: Path) -> None:
     """For a zip archive (``.pt2``, ``torch.save``'s ``.pt``): every member's CRC-32 against its bytes (one read of
     the file; torch's readers do not check them, so flipped weight bytes loaded as other weights). BadZipFile
-    naming the first damaged member, or a zip archive's start without its end (truncated: torch's reader says only
-    "Invalid argument"); other files are not looked at."""
+    naming the first damaged member, a zip archive's start without its end (truncated: torch's reader says only
+    "Invalid argument"), or a ``.pt2`` / ``.pt`` file that is no zip archive; other files are not looked at."""
     if not zipfile.is_zipfile(file):
         with open(file, "rb") as f:
             if f.read(4) == b"PK\x03\x04":
                 raise zipfile.BadZipFile("truncated zip archive (no end of central directory)")
+        if Path(file).suffix in _ZIP_SUFFIXES:
+            raise zipfile.BadZipFile(f"not a zip archive, which every {Path(file).suffix} file is")
         return
     with zipfile.ZipFile(file) as z:
         bad = z.testzip()
@@ -140,3 +177,14 @@ def _not_artifact(path: Path) -> str:
         return f"it holds {other[0]!r}" + (f" and {len(other) - 1} more entries" if len(other) > 1 else "") + \
             ", which no artifact has"
     return ""
+
+
+def check_free_space(path: Path, need: int, key: str = "out") -> None:
+    """OSError (one line) when the file system that would hold directory ``path`` (its nearest existing ancestor)
+    has less than ``need`` bytes free plus 64 MiB: checked before writing, since torch's archive writer aborts the
+    whole process (SIGABRT) when a write fails on a full disk."""
+    where = next(p for p in (path, *path.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if free < need + (64 << 20):
+        raise OSError(f"saving to {str(path)!r} needs at least {need / 2**30:.2f} GiB and {str(where)!r} has "
+                      f"{free / 2**30:.2f} GiB free: free some space or choose {key}= on another disk")

@@ -7,6 +7,7 @@ A transform is one file in this package (``canonical.py`` is the smallest to cop
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_arg
 from kvtransform.report import Report
 from kvtransform.utils import device_of, model_name, stage, timed
 
-from .artifact_files import check_output_dir, load_artifact_file, replace_directory
+from .artifact_files import check_free_space, check_output_dir, load_artifact_file, replace_directory
 
 
 class _SourceLink:
@@ -275,6 +276,17 @@ class OptimizedModule(torch.nn.Module):
         keyword_optional_args_all(gm)  # window/softcap/sinks by keyword, as the passes read them
         return cls(gm, config, report, max_seq_len=meta.get("max_seq_len", 4096))
 
+    def weight_bytes(self) -> int:
+        """Bytes of the distinct tensors (parameters and buffers, a shared storage once) the programs hold: what an
+        artifact stores at least."""
+        seen, total = set(), 0
+        for t in itertools.chain(self.parameters(), self.buffers()):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
     def save(self, path: str | os.PathLike, overwrite: bool = False, progress: bool = True) -> Path:
         """Write the artifact into directory ``path``, atomically (a temporary sibling directory renamed into
         place): :meth:`write_artifact`'s files, ``config.yaml`` (resolved config), ``report.json`` and ``meta.json``
@@ -285,8 +297,10 @@ class OptimizedModule(torch.nn.Module):
             FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is false; or ``path`` is a file, the
                 current directory or one of its parents, or a non-empty directory that is not a kvtransform artifact
                 (never replaced, whatever ``overwrite`` says).
+            OSError: the disk has less free space than the weights (:func:`.artifact_files.check_free_space`).
         """
         path = check_output_dir(path, overwrite)
+        check_free_space(path, self.weight_bytes())
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:

@@ -141,7 +141,9 @@ class SpeContextModule(OptimizedModule):
             input_ids: int64 ``(batch, seq)``, prompts of different lengths left-padded (any 0/1 mask works).
             attention_mask: 0/1 ``(batch, seq)``; default all ones.
             max_new_tokens: tokens to generate per row (>= 1).
-            do_sample, temperature, top_k, top_p, seed: sampling (greedy by default).
+            do_sample, temperature, top_k, top_p, seed: sampling (greedy by default). Unset ``top_k``/``top_p``
+                are off (HF's ``generate`` would apply the model's ``generation_config`` or ``top_k=50``): pass
+                them explicitly to sample as HF does.
             eos_token_id: stop id(s) per row; ``"default"`` = the model's generation config; None = never stop.
             pad_token_id: written after a row's EOS (default the model's pad id, else its EOS).
             return_dict_in_generate: return :class:`~kvtransform.runtime.generate.GenerateOutput` (``.sequences``,
