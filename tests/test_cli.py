@@ -744,6 +744,9 @@ def test_multirun_jobs_get_their_own_out(tmp_path, capsys, reload_in_process):
     for job in ("0", "1"):
         meta = json.loads((tmp_path / "outputs" / "multirun" / job / "meta.json").read_text())
         assert meta["transform"] == "canonical"
+    # eval-sparse's jobs merge their rows into one results table: a shared out= is what its sweep is for
+    rc, _, err = _run(["eval-sparse", "-m", f"out={tmp_path / 'table'}", "budget=0,-1"], capsys)
+    assert rc == 2 and "same directory" not in err and "budget" in err, err
 
 
 def test_sigterm_cleans_up_and_kills_the_child(tmp_path):

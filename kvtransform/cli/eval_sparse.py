@@ -21,4 +21,5 @@ def job(cfg: DictConfig) -> None:
 
 
 def main(args: Sequence[str]) -> int:
-    return run_hydra(args, "eval_sparse", "kvtransform eval-sparse", job)
+    # a sweep's jobs merge their rows into one results table (eval_sparse.write_results)
+    return run_hydra(args, "eval_sparse", "kvtransform eval-sparse", job, sweep_shares_out=True)

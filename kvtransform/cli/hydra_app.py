@@ -16,12 +16,14 @@ __all__ = ["run_hydra"]
 _INFO_FLAGS = ("--help", "-h", "--hydra-help", "--shell-completion", "-sc")
 
 
-def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[DictConfig], object]) -> int:
+def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[DictConfig], object],
+              sweep_shares_out: bool = False) -> int:
     """Run ``job(cfg)`` with ``cfg`` composed from ``kvtransform.conf/<config_name>.yaml`` and ``args``.
 
     ``--cfg job`` prints the composed config resolved (interpolations as the values they will be). Hydra writes no
     run directory, ``.hydra/`` folder or log file: every config sets ``hydra.run.dir=.`` and
-    ``output_subdir=null``.
+    ``output_subdir=null``. A ``-m`` sweep's jobs each get their own ``out`` (:func:`_sweep_out`) unless
+    ``sweep_shares_out`` (a command that merges its rows into the ``out`` of earlier runs: ``eval-sparse``).
 
     Returns:
         0; a user error exits with status 2 after one ``error:`` line.
@@ -29,7 +31,7 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
     import hydra
 
     argv, overrides, multirun = split_args(args)
-    if multirun and _has_out(config_name):
+    if multirun and not sweep_shares_out and _has_out(config_name):
         argv += _sweep_out(overrides)
     if any(a in ("--cfg", "-c") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # --cfg job shows out as the directory it will be, not ${kvt_slug:...}
