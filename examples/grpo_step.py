@@ -74,8 +74,9 @@ def add_threads_option(ap: argparse.ArgumentParser) -> None:
 
 
 def set_threads(threads) -> None:
-    from kvtransform.cli.generate import choose_threads
+    from kvtransform.cli.generate import check_threads, choose_threads
 
+    check_threads(threads)  # one line naming the range (torch.set_num_threads(0) is a traceback)
     torch.set_num_threads(choose_threads(threads)[0])
 
 

@@ -103,7 +103,10 @@ def main(argv=None) -> dict:
     t2 = time.perf_counter()
 
     d2 = sum(float(((a - b).double() ** 2).sum()) for a, b in zip(g_packed, g_ref))
-    grad_rel = math.sqrt(d2 / sum(float((b.double() ** 2).sum()) for b in g_ref))
+    ref2 = sum(float((b.double() ** 2).sum()) for b in g_ref)
+    if ref2 == 0:  # every trajectory got the same reward: zero advantages, no learning signal this step
+        print("all rewards equal (zero advantages): no gradient this step; compare absolute difference instead")
+    grad_rel = math.sqrt(d2 / ref2) if ref2 > 0 else math.sqrt(d2)
     print(f"loss packed {float(loss.detach()):+.6f}  flattened {float(loss_ref.detach()):+.6f}; "
           f"‖g_packed − g_flat‖/‖g_flat‖ = {grad_rel:.2e}")
     print(f"step (fwd+bwd): packed {t1 - t0:.2f} s, flattened (padded) {t2 - t1:.2f} s")

@@ -70,6 +70,18 @@ def check_results_dir(out, key: str = "out") -> None:
                          f"{key}=<directory>")
 
 
+def _read_umask() -> int:
+    """The process umask, read once at import (reading it means setting it, which is not thread-safe later)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: the permission bits a new file or directory of this process does not get (what ``mkstemp``/``mkdtemp`` files
+#: are opened up to: ``0o666 & ~UMASK`` for files, ``0o777 & ~UMASK`` for directories)
+UMASK = _read_umask()
+
+
 @contextlib.contextmanager
 def atomic_write(path):
     """Yield a temporary path beside file ``path`` for the block to write; when the block ends normally it is
@@ -92,9 +104,7 @@ def atomic_write(path):
             os.fsync(fd)
         finally:
             os.close(fd)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

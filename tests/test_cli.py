@@ -730,8 +730,9 @@ def test_distill_refuses_bad_settings_before_the_model_loads(tmp_path, capsys, m
 
 
 def test_multirun_jobs_get_their_own_out(tmp_path, capsys, reload_in_process):
-    """A -m sweep without out= writes each job's artifact to outputs/multirun/<job number> (one shared out would make
-    the second job refuse or replace the first's); an out= that every job would share is refused before any job."""
+    """A -m sweep without out= writes each job's artifact to outputs/multirun/<date_time>/<job number> (one shared out
+    would make the second job refuse or replace the first's); an out= that every job would share is refused before
+    any job."""
     from kvtransform.models import tiny_model
 
     model_dir = tmp_path / "tiny"
@@ -739,10 +740,15 @@ def test_multirun_jobs_get_their_own_out(tmp_path, capsys, reload_in_process):
     rc, _, err = _run(["optimize", str(model_dir), "-m", f"out={tmp_path / 'same'}", "threads=1,2"], capsys)
     assert rc == 2 and "same directory for every job" in err and "${hydra:job.num}" in err, err
     assert not (tmp_path / "same").exists()
+    rc, _, err = _run(["optimize", str(model_dir), "-m", f"out={tmp_path}/" + "${hydra:job.name}", "threads=1,2"],
+                      capsys)  # an interpolation every job resolves alike is refused too
+    assert rc == 2 and "same directory for every job" in err, err
     rc, _, err = _run(["optimize", str(model_dir), "-m", "transform.verify.lengths=[5]", "threads=1,2"], capsys)
     assert rc == 0, err
+    sweeps = list((tmp_path / "outputs" / "multirun").iterdir())  # one folder per sweep (a second never collides)
+    assert len(sweeps) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", sweeps[0].name), sweeps
     for job in ("0", "1"):
-        meta = json.loads((tmp_path / "outputs" / "multirun" / job / "meta.json").read_text())
+        meta = json.loads((sweeps[0] / job / "meta.json").read_text())
         assert meta["transform"] == "canonical"
     # eval-sparse's jobs merge their rows into one results table: a shared out= is what its sweep is for
     rc, _, err = _run(["eval-sparse", "-m", f"out={tmp_path / 'table'}", "budget=0,-1"], capsys)

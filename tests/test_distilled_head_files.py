@@ -130,7 +130,7 @@ def test_distill_names_a_damaged_checkpoint_and_recomputes_a_damaged_teacher(mod
     distill(_cfg(out), model, _CharTokenizer(), log=lambda m: None)
     ckpt, teacher = out / "checkpoint.pt", out / "teacher.pt"
     good, st = ckpt.read_bytes(), torch.load(ckpt, weights_only=False)
-    for bad, why in ((good[: len(good) // 2], "truncated zip archive"), (b"", "EOFError")):
+    for bad, why in ((good[: len(good) // 2], "truncated zip archive"), (b"", "not a zip archive")):
         ckpt.write_bytes(bad)
         with pytest.raises(ValueError, match=rf"^{ckpt} is damaged \(.*{why}.*\): delete it to train from scratch$"):
             distill(_cfg(out), model, _CharTokenizer(), log=lambda m: None)

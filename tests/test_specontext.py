@@ -575,5 +575,8 @@ def test_numpy_and_0d_tensor_arguments_are_their_numbers(sp_llama):
                                 seed=np.int64(3), eos_token_id=[np.int64(2)], pad_token_id=torch.tensor(0),
                                 progress=False)
     assert torch.equal(plain, wrapped)
+    array_eos = sp_llama.generate(ids, max_new_tokens=4, do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=3,
+                                  eos_token_id=np.array([2]), pad_token_id=0, progress=False)
+    assert torch.equal(plain, array_eos)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1; got 2.5"):
         sp_llama.generate(ids, max_new_tokens=torch.tensor(2.5), progress=False)

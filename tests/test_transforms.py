@@ -242,6 +242,6 @@ def test_save_refuses_a_disk_without_room_for_the_weights(tmp_path, monkeypatch)
     assert need >= sum(p.numel() * p.element_size() for p in kvt.tiny_model("llama").parameters()) // 2
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(af.shutil, "disk_usage", lambda p: usage(1 << 40, 0, need))
-    with pytest.raises(OSError, match=r"needs at least .* GiB free: free some space or choose out= on another"):
+    with pytest.raises(OSError, match=r"needs at least \d+ MiB \(the weights and 64 MiB of room\) and .* MiB free: free some space or choose out="):
         opt.save(tmp_path / "a" / "art")
     assert list(tmp_path.iterdir()) == []

@@ -73,6 +73,7 @@ def _sigterm_unwinds():
         return
 
     def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # cleanup runs once; a second SIGTERM ends the process
         raise _Terminated()
 
     signal.signal(signal.SIGTERM, stop)

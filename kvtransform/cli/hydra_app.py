@@ -61,12 +61,14 @@ def _has_out(config_name: str) -> bool:
 
 def _sweep_out(overrides: Sequence[str]) -> list:
     """A ``-m`` sweep's jobs must not share ``out`` (each would refuse or replace the one before): without an
-    ``out=`` override each job writes to its own ``<hydra.sweep.dir>/<job number>`` (``outputs/multirun/<n>``);
-    an ``out=`` that neither sweeps nor interpolates (``${hydra:job.num}``) is refused in one line."""
+    ``out=`` override each job writes to its own ``<hydra.sweep.dir>/<job number>``
+    (``outputs/multirun/<date_time>/<n>``, a new folder per sweep); an ``out=`` without a per-job part
+    (``${hydra:job.num}``, ``${hydra:job.id}``, ``${hydra:job.override_dirname}``) is refused in one line."""
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "out" and "=" in o]
     if not given:
         return ["out=${hydra:sweep.dir}/${hydra:job.num}"]
-    if "${" not in given[-1] and "," not in given[-1]:
+    if not any(f"${{hydra:job.{k}}}" in given[-1] for k in ("num", "id", "override_dirname")):
         raise UsageError(f"out={given[-1]} is the same directory for every job of the -m sweep: give each its own, "
-                         f"e.g. 'out={given[-1]}/${{hydra:job.num}}', or leave out out= (outputs/multirun/<n>)")
+                         f"e.g. 'out={given[-1]}/${{hydra:job.num}}', or leave out out= "
+                         f"(outputs/multirun/<date_time>/<n>)")
     return []

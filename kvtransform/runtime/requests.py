@@ -11,13 +11,14 @@ __all__ = ["_prompt_rows", "_check_request", "_check_steps", "_as_eos", "_check_
 
 def _plain(value):
     """A NumPy scalar or a 0-d tensor as the Python number it holds (``np.int64(8)`` -> 8, ``torch.tensor(0.7)`` ->
-    0.7, ``np.True_`` -> True); a list or tuple element-wise; anything else unchanged (the checks then name it)."""
+    0.7, ``np.True_`` -> True), a NumPy array as a list; a list or tuple element-wise; anything else unchanged (the
+    checks then name it)."""
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return value.item()
-    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
-        return value.item()
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):  # a scalar, or an array of ids
+        return value.tolist()
     return value
 
 

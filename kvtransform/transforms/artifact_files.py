@@ -18,7 +18,7 @@ import yaml
 
 from kvtransform.utils import check_writable
 
-__all__ = ["load_artifact_file", "check_output_dir", "check_free_space", "replace_directory", "ARTIFACT_SUFFIXES"]
+__all__ = ["load_artifact_file", "check_output_dir", "check_free_space", "replace_directory", "ARTIFACT_FILES"]
 
 
 def load_artifact_file(file: Path, load: Callable[[Path], Any], fix: str = "save the artifact again") -> Any:
@@ -44,28 +44,29 @@ def load_artifact_file(file: Path, load: Callable[[Path], Any], fix: str = "save
     raise ValueError(f"{file} is damaged ({type(err).__name__}: {why}): {fix}") from None
 
 
-class _Collect(logging.Handler):
-    """The first exception a logger reports while :meth:`of` is active (torch.export logs the deserializer's error
-    with its traceback as a warning, then raises a RuntimeError that only says to look above)."""
+class _Collect(logging.Filter):
+    """Keeps back the exception records a logger reports while :meth:`of` is active, the first one as ``cause``
+    (torch.export logs the deserializer's error with its traceback as a warning, then raises a RuntimeError that
+    only says to look above); its other records (e.g. deprecation warnings) pass as usual."""
 
     def __init__(self):
-        super().__init__(logging.WARNING)
+        super().__init__()
         self.cause: Optional[BaseException] = None
 
-    def emit(self, record):
-        if self.cause is None and record.exc_info and record.exc_info[1] is not None:
-            self.cause = record.exc_info[1]
+    def filter(self, record):
+        if record.exc_info and record.exc_info[1] is not None:
+            self.cause = self.cause or record.exc_info[1]
+            return False
+        return True
 
     @contextlib.contextmanager
     def of(self, name: str):
         log = logging.getLogger(name)
-        log.addHandler(self)
-        propagate, log.propagate = log.propagate, False
+        log.addFilter(self)
         try:
             yield
         finally:
-            log.removeHandler(self)
-            log.propagate = propagate
+            log.removeFilter(self)
 
 
 #: files that are zip archives when whole (``torch.export.save``'s ``.pt2``, ``torch.save``'s ``.pt``)
@@ -99,10 +100,13 @@ def replace_directory(src: Path, dst: Path) -> None:
         return
     old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
     os.replace(dst, old / "x")
+    moved = False
     try:
         os.replace(src, dst)
+        moved = True
     except BaseException:
-        os.replace(old / "x", dst)  # put the previous contents back
+        if not moved and not dst.exists():  # (an interrupt right after the rename leaves the new one in place)
+            os.replace(old / "x", dst)  # put the previous contents back
         raise
     finally:
         shutil.rmtree(old, ignore_errors=True)
@@ -157,22 +161,28 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
     return path
 
 
-#: what an artifact directory holds (``save``, ``kvtransform optimize``'s ``emit``): programs, graph code, configs,
-#: reports, the retrieval head, the ONNX file and its external weights
-ARTIFACT_SUFFIXES = (".pt2", ".pt", ".py", ".yaml", ".json", ".onnx", ".onnx.data", ".data")
+#: the files an artifact directory holds (``save`` of every transform, ``kvtransform optimize``'s ``emit``):
+#: programs, graph code, configs, reports, the retrieval head, the ONNX file and its external weights
+ARTIFACT_FILES = frozenset({"model.pt2", "graph.py", "prefill.pt2", "prefill_shared.pt2", "decode.pt2",
+                            "decode_graph.py", "head.pt", "config.yaml", "report.json", "meta.json", "model.onnx",
+                            "model.onnx.data"})
 
 
 def _not_artifact(path: Path) -> str:
     """Why the non-empty directory ``path`` is not a kvtransform artifact ('' when it is one): an artifact has a
-    ``meta.json`` naming its transform and holds only files of :data:`ARTIFACT_SUFFIXES`, no subdirectory (so a
-    project directory that merely holds a ``config.yaml`` is never replaced)."""
+    ``meta.json`` naming a registered transform and holds only files of :data:`ARTIFACT_FILES` (hidden files such as
+    ``.DS_Store`` aside), no subdirectory (so a project directory that merely holds a ``config.yaml`` or a
+    ``meta.json`` is never replaced)."""
+    from kvtransform.transforms import registered
+
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError):
         meta = None
-    if not isinstance(meta, dict) or "transform" not in meta:
-        return "no meta.json naming a transform"
-    other = sorted(p.name for p in path.iterdir() if p.is_dir() or not p.name.endswith(ARTIFACT_SUFFIXES))
+    if not isinstance(meta, dict) or meta.get("transform") not in registered():
+        return "no meta.json naming a kvtransform transform"
+    other = sorted(p.name for p in path.iterdir()
+                   if p.is_dir() or not (p.name in ARTIFACT_FILES or p.name.startswith(".")))
     if other:
         return f"it holds {other[0]!r}" + (f" and {len(other) - 1} more entries" if len(other) > 1 else "") + \
             ", which no artifact has"
@@ -186,5 +196,6 @@ def check_free_space(path: Path, need: int, key: str = "out") -> None:
     where = next(p for p in (path, *path.parents) if p.exists())
     free = shutil.disk_usage(where).free
     if free < need + (64 << 20):
-        raise OSError(f"saving to {str(path)!r} needs at least {need / 2**30:.2f} GiB and {str(where)!r} has "
-                      f"{free / 2**30:.2f} GiB free: free some space or choose {key}= on another disk")
+        raise OSError(f"saving to {str(path)!r} needs at least {(need >> 20) + 64} MiB (the weights and 64 MiB of "
+                      f"room) and {str(where)!r} has {free >> 20} MiB free: free some space or choose {key}= on "
+                      f"another disk")

@@ -23,7 +23,7 @@ from kvtransform.capture import MAX_BATCH, Captured, export_dynamic, tie_aliased
 from kvtransform.config import TransformConfig
 from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_args_all, run_passes
 from kvtransform.report import Report
-from kvtransform.utils import device_of, model_name, stage, timed
+from kvtransform.utils import UMASK, device_of, model_name, stage, timed
 
 from .artifact_files import check_free_space, check_output_dir, load_artifact_file, replace_directory
 
@@ -311,9 +311,7 @@ class OptimizedModule(torch.nn.Module):
             meta = {"transform": self.config.name, "max_seq_len": self.max_seq_len, "torch": torch.__version__,
                     **extra}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; an artifact is as readable as any new directory
+            os.chmod(tmp, 0o777 & ~UMASK)  # mkdtemp makes it 0700; an artifact is as readable as any new directory
             replace_directory(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
