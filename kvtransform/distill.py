@@ -43,7 +43,7 @@ from .runtime.distilled import DistilledBlock, fingerprint, fingerprint_mismatch
 from .runtime.embedding_heads import find_param
 from .textdata import TRAIN_FILES
 from .transforms.artifact_files import load_artifact_file
-from .utils import atomic_write
+from .utils import atomic_write, check_free_space
 
 __all__ = ["DistillConfig", "TEACHERS", "teacher_targets", "loss_fn", "head_scores", "distill"]
 
@@ -223,6 +223,9 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
             block's): one line saying to delete it. It holds the training done so far, so it is not replaced
             silently: the user may have a good copy, and a checkpoint written atomically that is damaged points at
             the disk or a copy. A damaged ``teacher.pt`` is only a cache: it is computed again, with a note.
+        OSError: the disk holding ``out`` has no room for the teacher targets or the checkpoint
+            (:func:`kvtransform.utils.check_free_space`, checked before each is first written: ``torch.save`` aborts
+            the process on a full disk).
     """
     for key in ("length", "positions", "steps", "checkpoint_every", "window", "dim"):
         v = getattr(cfg, key)
@@ -293,6 +296,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
             tgt = teacher_targets(model, ids, pos, cfg.teacher)
             data["items"].append({"file": f, "ids": ids, "positions": pos, "target": tgt.half()})
         out.mkdir(parents=True, exist_ok=True)
+        check_free_space(out, sum(t.nbytes for it in data["items"] for t in it.values() if torch.is_tensor(t)),
+                         what="the teacher targets")
         with atomic_write(teacher_file) as tmp:
             torch.save(data, tmp)
     items = data["items"]
@@ -335,6 +340,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
                 why = " ".join(str(e).split())[:160]
                 raise ValueError(f"{ckpt} is damaged ({type(e).__name__}: {why}): {fix}") from None
             log(f"resumed from {ckpt} at step {step}")
+    # the checkpoint holds the block's weights and AdamW's two moments of each (torch.save aborts on a full disk)
+    check_free_space(out, 3 * sum(p.numel() * p.element_size() for p in block.parameters()), what="the checkpoint")
     bar = tqdm(total=cfg.steps, initial=step, desc=f"distill ({cfg.loss})", unit="step", disable=not cfg.progress)
     while step < cfg.steps:
         it = items[int(torch.randint(len(items), (1,), generator=gen))]

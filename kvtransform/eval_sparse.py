@@ -366,7 +366,8 @@ def read_results(out):
         ValueError: one line naming the file and the fix (move it away, or choose another ``out=``): not a regular
             file; not UTF-8 CSV; empty; its last line without a newline or a row with fewer or more fields than the
             header (cut short, as by a run killed while writing it); a column of :data:`RESULT_COLUMNS` missing;
-            a row without a value there, or a non-number where a number belongs.
+            a row without a value there, or a non-number where a number belongs (a setting of :data:`SETTINGS`:
+            a non-integer).
     """
     import csv
     import io
@@ -404,6 +405,10 @@ def read_results(out):
     for c in RESULT_COLUMNS[3:]:
         if len(old) and not pd.api.types.is_numeric_dtype(old[c]):
             raise bad(f"column {c} holds a value that is not a number")
+    for c in (c for c in SETTINGS if c in old.columns):  # integers, or empty for a run that did not record them
+        v = old[c].dropna()
+        if len(v) and (not pd.api.types.is_numeric_dtype(v) or bool((v != v.round()).any())):
+            raise bad(f"column {c} holds a value that is not an integer")
     return old
 
 

@@ -13,6 +13,7 @@ __all__ = [
     "position_limits",
     "ATTENTION_ONLY_LAYER_TYPES",
     "check_attention_only_mixing",
+    "refuse_training_dropout",
     "training_dropout",
 ]
 
@@ -125,3 +126,14 @@ def training_dropout(model: torch.nn.Module, attention_only: bool = False):
         if not attention_only and isinstance(m, torch.nn.Dropout) and m.p > 0:
             return name, m.p, True
     return None
+
+
+def refuse_training_dropout(model: torch.nn.Module) -> None:
+    """A model in train mode with a dropout above 0 is refused in one line by the transform built for training
+    (DualKV): the capture runs the model in eval mode, so the program would silently never apply it (the canonical
+    module is verified in eval semantics and says so in its report)."""
+    found = training_dropout(model) if model.training else None
+    if found is not None:
+        raise ValueError(f"{type(model).__name__} is in train mode with dropout {found[1]} ({found[0]}), and the "
+                         f"transformed program applies no dropout: call model.eval() before kvt.transform (or set the "
+                         f"dropout to 0 in the model's config)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -80,6 +81,19 @@ def _read_umask() -> int:
 #: the permission bits a new file or directory of this process does not get (what ``mkstemp``/``mkdtemp`` files
 #: are opened up to: ``0o666 & ~UMASK`` for files, ``0o777 & ~UMASK`` for directories)
 UMASK = _read_umask()
+
+
+def check_free_space(path: Path, need: int, key: str = "out", what: str = "the weights") -> None:
+    """OSError (one line) when the file system that would hold directory ``path`` (its nearest existing ancestor)
+    has less than ``need`` bytes free plus 64 MiB: checked before writing, since torch's archive writer
+    (``torch.save``, ``torch.export.save``) aborts the whole process (SIGABRT) when a write fails on a full disk.
+    ``key``: the setting that chooses ``path`` (named in the fix); ``what``: what the ``need`` bytes are."""
+    where = next(p for p in (Path(path), *Path(path).parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if free < need + (64 << 20):
+        raise OSError(f"saving to {str(path)!r} needs at least {(need >> 20) + 64} MiB ({what} and 64 MiB of "
+                      f"room) and {str(where)!r} has {free >> 20} MiB free: free some space or choose {key}= on "
+                      f"another disk")
 
 
 @contextlib.contextmanager

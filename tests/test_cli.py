@@ -157,6 +157,21 @@ def test_config_typo_names_valid_keys(capsys, override, expected):
     assert "Traceback" not in err and _cwd_is_empty()
 
 
+@pytest.mark.parametrize("args,expected", [
+    (["-m", "transform.budgt=3,4"], "'transform.budget'"),                     # a typo'd key swept
+    (["-m", "ovrwrite=true", "threads=1,2"], "'overwrite'"),                   # a typo'd key beside a sweep
+    (["-m", "threads=1,2", "transform.budget=8,lots"], "invalid value for 'transform.budget'"),  # a later value
+    (["-m", "transform=canonical,dualk"], "unknown transform 'dualk'; did you mean 'dualkv'?"),
+])
+def test_sweep_typos_and_bad_values_are_named_before_any_job(capsys, args, expected):
+    """A -m sweep is checked as a single run is, each swept value once: a typo or a bad value in any job gives one
+    error line naming the fix before the first job runs (not Hydra's multi-line error, nor a failure mid-sweep)."""
+    pre = ["transform=specontext"] if "budg" in " ".join(args) else []
+    rc, out, err = _run(["optimize", *pre, *args], capsys)
+    assert rc == 2 and expected in err and err.count("error:") == 1, err
+    assert "Traceback" not in err and _cwd_is_empty()
+
+
 def test_unknown_transform_option(capsys):
     rc, _, err = _run(["optimize", "transform=dualkvv"], capsys)
     assert rc == 2 and "canonical" in err and "dualkv" in err and "specontext" in err

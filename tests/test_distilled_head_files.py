@@ -93,6 +93,10 @@ DAMAGE = {
     "no fingerprint": ("head.json", _edit_json(lambda m: m.pop("fingerprint"))),
     "fingerprint a list": ("head.json", _edit_json(lambda m: m.update(fingerprint=[]))),      # matched any model
     "fingerprint without the embedding": ("head.json", _edit_json(lambda m: m["fingerprint"].pop("embed_sum"))),
+    # NaN differs from every number in neither direction, so the fingerprint matched any model
+    "fingerprint sum NaN": ("head.json", _edit_json(lambda m: m["fingerprint"].update(embed_sum=float("nan")))),
+    "fingerprint sum a string": ("head.json", _edit_json(lambda m: m["fingerprint"].update(embed_abs_sum="1.0"))),
+    "fingerprint shape not 2-D": ("head.json", _edit_json(lambda m: m["fingerprint"].update(embed_shape=[4]))),
     "arch with a foreign key": ("head.json", _edit_json(lambda m: m["arch"].update(foo=1))),
     "arch not the weights'": ("head.safetensors", _edit_json(lambda m: m["arch"].update(dim=8))),
 }
@@ -179,3 +183,35 @@ def test_distill_writes_its_files_atomically(model, tmp_path, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             distill(cfg, model, _CharTokenizer(), log=lambda m: None)
         assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("room_for", ["nothing", "the teacher"])
+def test_distill_refuses_a_disk_without_room_before_torch_save(model, tmp_path, monkeypatch, capsys, room_for):
+    """torch.save aborts the process on a full disk: distill checks the free space for the teacher targets and for
+    the checkpoint before writing them (the CLI: one error line, exit status 2), and leaves no file half-written."""
+    import collections
+
+    import kvtransform.models as models
+    import kvtransform.utils as kvt_utils
+
+    usage = collections.namedtuple("usage", "total used free")
+    calls = []
+
+    def disk_usage(p):  # "the teacher": room at the first check only (the disk fills up while the teacher is written)
+        calls.append(p)
+        return usage(1 << 40, 0, 1 << 40 if room_for == "the teacher" and len(calls) == 1 else 0)
+
+    monkeypatch.setattr(kvt_utils.shutil, "disk_usage", disk_usage)
+    what = "the teacher targets" if room_for == "nothing" else "the checkpoint"
+    with pytest.raises(OSError, match=rf"needs at least \d+ MiB \({what} and 64 MiB of room\) .*choose out= on "):
+        distill(_cfg(tmp_path / "h"), model, _CharTokenizer(), log=lambda m: None)
+    left = sorted(f.name for f in (tmp_path / "h").iterdir())
+    assert left == ([] if room_for == "nothing" else ["teacher.pt"]), left
+    calls.clear()
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, _CharTokenizer()))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["distill-retrieval-head", f"out={tmp_path / 'h2'}", "files=[typing.py]", "topics_chunks=0",
+              "length=64", "positions=8", "steps=2", "checkpoint_every=1", "window=2", "dim=16", "progress=false"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and err.count("error:") == 1 and what in err, err

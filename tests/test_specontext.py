@@ -259,6 +259,28 @@ def test_artifact_with_damaged_weight_list_is_refused(sp_llama, tmp_path):
             kvt.load(path)
 
 
+def test_artifact_with_damaged_model_info_or_head_file_is_named_in_one_line(sp_llama, tmp_path):
+    """meta.json's model_info and head.pt, damaged: one ValueError line naming the file (before: a TypeError from
+    ModelInfo(**...), an AttributeError from a gutted head.pt)."""
+    path = sp_llama.save(tmp_path / "sp")
+    meta = json.loads((path / "meta.json").read_text())
+    info = meta["model_info"]
+    for bad, why in (([1, 2], "a JSON list, not an object"), ({**info, "extra": 1}, r"unknown \['extra'\]"),
+                     ({k: v for k, v in info.items() if k != "head_dim"}, r"missing \['head_dim'\]"),
+                     ({**info, "num_layers": "2"}, "num_layers is '2', not a positive int"),
+                     ({**info, "dtype": "float99"}, "dtype is 'float99', not a torch dtype's name"),
+                     ({**info, "eos_token_id": 2}, "eos_token_id is 2, not a list of ints")):
+        (path / "meta.json").write_text(json.dumps({**meta, "model_info": bad}))
+        with pytest.raises(ValueError, match=rf"^{path / 'meta.json'} is damaged \(model_info: {why}\): save the "
+                                             rf"artifact again$"):
+            kvt.load(path)
+    (path / "meta.json").write_text(json.dumps(meta))
+    for gutted in ([1, 2], {"state": {}}, {"name": "quest"}):
+        torch.save(gutted, path / "head.pt")
+        with pytest.raises(ValueError, match=r"head.pt is damaged \(not a retrieval head's name and state\)"):
+            kvt.load(path)
+
+
 def test_artifact_missing_its_shared_prefill_program_names_that_file(sp_llama, tmp_path):
     path = sp_llama.save(tmp_path / "sp")
     (path / "prefill_shared.pt2").unlink()

@@ -235,13 +235,13 @@ def test_save_refuses_a_disk_without_room_for_the_weights(tmp_path, monkeypatch)
     first (one line naming the fix) and writes nothing."""
     import collections
 
-    import kvtransform.transforms.artifact_files as af
+    import kvtransform.utils as kvt_utils
 
     opt = kvt.transform(kvt.tiny_model("llama"), "canonical", progress=False)
     need = opt.weight_bytes()
     assert need >= sum(p.numel() * p.element_size() for p in kvt.tiny_model("llama").parameters()) // 2
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(af.shutil, "disk_usage", lambda p: usage(1 << 40, 0, need))
+    monkeypatch.setattr(kvt_utils.shutil, "disk_usage", lambda p: usage(1 << 40, 0, need))
     with pytest.raises(OSError, match=r"needs at least \d+ MiB \(the weights and 64 MiB of room\) and .* MiB free: free some space or choose out="):
         opt.save(tmp_path / "a" / "art")
     assert list(tmp_path.iterdir()) == []

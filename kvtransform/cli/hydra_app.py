@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 from omegaconf import DictConfig
 
 from .errors import UsageError, guard
-from .overrides import check_overrides, split_args
+from .overrides import check_overrides, split_args, sweep_points
 
 __all__ = ["run_hydra"]
 
@@ -35,8 +35,9 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
         argv += _sweep_out(overrides)
     if any(a in ("--cfg", "-c") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # --cfg job shows out as the directory it will be, not ${kvt_slug:...}
-    if not multirun and not any(a in _INFO_FLAGS for a in argv):
-        check_overrides(overrides, config_name)
+    if not any(a in _INFO_FLAGS for a in argv):
+        for point in (sweep_points(overrides) if multirun else [overrides]):
+            check_overrides(point, config_name)
 
     @hydra.main(version_base="1.3", config_path="pkg://kvtransform.conf", config_name=config_name)
     def _task(cfg: DictConfig) -> None:

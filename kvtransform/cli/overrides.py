@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .errors import UsageError
 
-__all__ = ["check_overrides", "split_args", "group_choices"]
+__all__ = ["check_overrides", "split_args", "group_choices", "sweep_points"]
 
 
 _HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -145,6 +145,36 @@ def _node(cfg: DictConfig, key: str):
         return container._get_node(leaf) if isinstance(container, DictConfig) else None
     except Exception:
         return None
+
+
+def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
+    """The override lists :func:`check_overrides` checks for a ``-m`` sweep: each value of each sweep (``a,b``,
+    ``range(...)``) once, the other sweeps at their first value, so a typo'd key or a bad value in any job is named
+    before the first job runs. ``glob(...)`` and interval sweeps (which need Hydra's config loader or a sweeper)
+    are left to Hydra; overrides that do not parse come back as they are (:func:`check_overrides` names the
+    syntax error)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return [list(overrides)]
+    values = []  # per override: the override texts it contributes, one per value
+    for o in parsed:
+        if o.is_sweep_override() and isinstance(o.value(), (ChoiceSweep, RangeSweep)):
+            values.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] or [o.input_line])
+        elif o.is_sweep_override():
+            values.append([])  # glob / interval: Hydra expands them
+        else:
+            values.append([o.input_line])
+    first = [v[0] for v in values if v]
+    points = [first]
+    for i, vs in enumerate(values):
+        for v in vs[1:]:
+            points.append([v if j == i else w[0] for j, w in enumerate(values) if w])
+    return points
 
 
 def check_overrides(overrides: list[str], config_name: str = "config") -> None:

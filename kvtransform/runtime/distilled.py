@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -189,6 +190,14 @@ def _read_meta(d: Path) -> dict:
     lacks = [k for k in ("embed_shape", "embed_sum", "embed_abs_sum") if k not in meta["fingerprint"]]
     if lacks:  # what every fingerprint has: without them any model would match
         raise _damaged(f, f"the fingerprint lacks {', '.join(lacks)}")
+    fp = meta["fingerprint"]
+    for key in ("embed_sum", "embed_abs_sum"):  # NaN compares unequal to nothing in fingerprint_mismatch's test
+        if isinstance(fp[key], bool) or not isinstance(fp[key], (int, float)) or not math.isfinite(fp[key]):
+            raise _damaged(f, f"fingerprint {key} is {fp[key]!r}, not a finite number")
+    shape = fp["embed_shape"]
+    if not (isinstance(shape, list) and len(shape) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+        raise _damaged(f, f"fingerprint embed_shape is {shape!r}, not [vocab, hidden]")
     return meta
 
 

@@ -3,7 +3,7 @@
 that fill the stats (selection checksums and overlap, EOS trimming)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -124,6 +124,38 @@ class ModelInfo:
                    vocab_size=int(cfg.vocab_size), max_positions=int(max_positions),
                    dtype=str(next(model.parameters()).dtype).replace("torch.", ""), eos_token_id=eos,
                    pad_token_id=None if pad is None else int(pad))
+
+    @classmethod
+    def from_meta(cls, info, where: str) -> "ModelInfo":
+        """The facts ``meta.json`` stores (``dataclasses.asdict`` of one), checked.
+
+        Raises:
+            ValueError: ``info`` is not an object with exactly these fields, a count that is not a positive int, a
+                ``dtype`` not a torch dtype's name, EOS ids not a list of ints or a pad id neither int nor null (one
+                line naming ``where``, the artifact's ``meta.json``).
+        """
+        def bad(why):
+            return ValueError(f"{where} is damaged (model_info: {why}): save the artifact again")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        names = [f.name for f in fields(cls)]
+        if not isinstance(info, dict):
+            raise bad(f"a JSON {type(info).__name__}, not an object")
+        if set(info) != set(names):
+            missing, extra = sorted(set(names) - set(info)), sorted(set(info) - set(names))
+            raise bad(", ".join([f"missing {missing}"] * bool(missing) + [f"unknown {extra}"] * bool(extra)))
+        for key in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_positions"):
+            if not is_int(info[key]) or info[key] <= 0:
+                raise bad(f"{key} is {info[key]!r}, not a positive int")
+        if not isinstance(info["dtype"], str) or not isinstance(getattr(torch, info["dtype"], None), torch.dtype):
+            raise bad(f"dtype is {info['dtype']!r}, not a torch dtype's name")
+        if not isinstance(info["eos_token_id"], list) or not all(is_int(e) for e in info["eos_token_id"]):
+            raise bad(f"eos_token_id is {info['eos_token_id']!r}, not a list of ints")
+        if info["pad_token_id"] is not None and not is_int(info["pad_token_id"]):
+            raise bad(f"pad_token_id is {info['pad_token_id']!r}, not an int or null")
+        return cls(**info)
 
 
 

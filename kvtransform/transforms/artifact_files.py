@@ -18,7 +18,7 @@ import yaml
 
 from kvtransform.utils import check_writable
 
-__all__ = ["load_artifact_file", "check_output_dir", "check_free_space", "replace_directory", "ARTIFACT_FILES"]
+__all__ = ["load_artifact_file", "check_output_dir", "replace_directory", "ARTIFACT_FILES"]
 
 
 def load_artifact_file(file: Path, load: Callable[[Path], Any], fix: str = "save the artifact again") -> Any:
@@ -187,15 +187,3 @@ def _not_artifact(path: Path) -> str:
         return f"it holds {other[0]!r}" + (f" and {len(other) - 1} more entries" if len(other) > 1 else "") + \
             ", which no artifact has"
     return ""
-
-
-def check_free_space(path: Path, need: int, key: str = "out") -> None:
-    """OSError (one line) when the file system that would hold directory ``path`` (its nearest existing ancestor)
-    has less than ``need`` bytes free plus 64 MiB: checked before writing, since torch's archive writer aborts the
-    whole process (SIGABRT) when a write fails on a full disk."""
-    where = next(p for p in (path, *path.parents) if p.exists())
-    free = shutil.disk_usage(where).free
-    if free < need + (64 << 20):
-        raise OSError(f"saving to {str(path)!r} needs at least {(need >> 20) + 64} MiB (the weights and 64 MiB of "
-                      f"room) and {str(where)!r} has {free >> 20} MiB free: free some space or choose {key}= on "
-                      f"another disk")

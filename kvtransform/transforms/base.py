@@ -23,9 +23,9 @@ from kvtransform.capture import MAX_BATCH, Captured, export_dynamic, tie_aliased
 from kvtransform.config import TransformConfig
 from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_args_all, run_passes
 from kvtransform.report import Report
-from kvtransform.utils import UMASK, device_of, model_name, stage, timed
+from kvtransform.utils import UMASK, check_free_space, device_of, model_name, stage, timed
 
-from .artifact_files import check_free_space, check_output_dir, load_artifact_file, replace_directory
+from .artifact_files import check_output_dir, load_artifact_file, replace_directory
 
 
 class _SourceLink:
@@ -297,7 +297,7 @@ class OptimizedModule(torch.nn.Module):
             FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is false; or ``path`` is a file, the
                 current directory or one of its parents, or a non-empty directory that is not a kvtransform artifact
                 (never replaced, whatever ``overwrite`` says).
-            OSError: the disk has less free space than the weights (:func:`.artifact_files.check_free_space`).
+            OSError: the disk has less free space than the weights (:func:`kvtransform.utils.check_free_space`).
         """
         path = check_output_dir(path, overwrite)
         check_free_space(path, self.weight_bytes())
@@ -346,19 +346,6 @@ class Logits(torch.nn.Module):
     def forward(self, input_ids, attention_mask):
         out = self.gm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits if hasattr(out, "logits") else out[0]
-
-
-def refuse_training_dropout(model: torch.nn.Module) -> None:
-    """A model in train mode with a dropout above 0 is refused in one line by the transform built for training
-    (DualKV): the capture runs the model in eval mode, so the program would silently never apply it (the canonical
-    module is verified in eval semantics and says so in its report)."""
-    from kvtransform.model_features import training_dropout
-
-    found = training_dropout(model) if model.training else None
-    if found is not None:
-        raise ValueError(f"{type(model).__name__} is in train mode with dropout {found[1]} ({found[0]}), and the "
-                         f"transformed program applies no dropout: call model.eval() before kvt.transform (or set the "
-                         f"dropout to 0 in the model's config)")
 
 
 def capture_and_rewrite(model: torch.nn.Module, capture_fn: Callable[[torch.nn.Module], Captured],

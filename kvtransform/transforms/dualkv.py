@@ -33,7 +33,7 @@ from torch.export import Dim
 from kvtransform.capture import capture_packed
 from kvtransform.config import DualKVConfig
 from kvtransform.layout import DualKVLayout
-from kvtransform.model_features import check_attention_only_mixing, position_limits
+from kvtransform.model_features import check_attention_only_mixing, position_limits, refuse_training_dropout
 from kvtransform.packing import PackedBatch, check_packed, check_rope_lengths, pack_shared_prefix
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
@@ -47,8 +47,7 @@ from kvtransform.utils import device_of, stage
 from kvtransform.verify import verify_packed
 
 from . import register_transform
-from .base import (OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report, onnx_stage_text,
-                   refuse_training_dropout)
+from .base import OptimizedModule, _ExportWrapper, capture_and_rewrite, new_report, onnx_stage_text
 
 __all__ = ["DualKVModule", "dualkv_transform"]
 

@@ -80,7 +80,12 @@ class SpeContextModule(OptimizedModule):
         if isinstance(decode, torch.fx.GraphModule):  # heads score with the layers that read the selection
             self.head.score_layers = selection_layers(decode, config.budget)
         if head_state:
-            self.head.load_state_dict(head_state)
+            try:
+                self.head.load_state_dict(head_state)
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:  # (head.pt of a damaged artifact)
+                why = (str(e).strip().splitlines() or [""])[0][:160]
+                raise ValueError(f"the saved state of the {name!r} retrieval head does not load ({type(e).__name__}: "
+                                 f"{why}): save the artifact again") from None
         self.head.bind(model if model is not None else decode)
         rc = config.runtime  # the runtime settings (RuntimeConfig); every decode variant comes from DecodePrograms
         programs = DecodePrograms(decode, info.num_layers, rc.fuse_projections, rc.share_fused_weights)
@@ -228,6 +233,7 @@ class SpeContextModule(OptimizedModule):
         if missing or "model_info" not in meta:
             raise FileNotFoundError(f"{str(path)!r} is not a complete specontext artifact (missing "
                                     f"{missing or ['meta.json model_info']})")
+        info = ModelInfo.from_meta(meta["model_info"], str(path / "meta.json"))  # (before the long loads)
         prefill = load_artifact_file(path / prefill_file, torch.export.load).module()
         decode = load_artifact_file(path / "decode.pt2", torch.export.load).module()
         _drop_input_guards(decode)  # as after the capture (transform_specontext)
@@ -238,8 +244,11 @@ class SpeContextModule(OptimizedModule):
         else:  # an artifact written before prefill_shared.pt2: share what is equal
             _share_weights(decode, prefill)
         head = load_artifact_file(path / "head.pt", lambda f: torch.load(f, weights_only=True))
-        return cls(prefill, decode, config, report, ModelInfo(**meta["model_info"]), meta.get("softmax_scale"),
-                   head_name=head.get("name"), head_state=head.get("state", {}))
+        if not (isinstance(head, dict) and isinstance(head.get("name"), str) and isinstance(head.get("state"), dict)):
+            raise ValueError(f"{path / 'head.pt'} is damaged (not a retrieval head's name and state): save the "
+                             f"artifact again")
+        return cls(prefill, decode, config, report, info, meta.get("softmax_scale"), head_name=head["name"],
+                   head_state=head["state"])
 
 
 _GENERATE_KWARGS = ("attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
