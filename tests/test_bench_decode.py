@@ -153,7 +153,10 @@ def test_decode_suite_smoke_on_cpu(tmp_path):
         assert r["status"] == "ok", r["status"]
         assert r["requests"] == 2 and r["tokens_per_s"] > 0 and r["decode_s"] > 0 and r["prefill_s"] > 0
     steps = [r for r in rows if r["pass"] == "step"]
-    assert len(steps) == 4 and all(r["ms_p50"] >= 0 for r in steps)
+    # a step whose longer run was never slower (a loaded CPU) is kept as a "noisy" row without a time; the run row
+    # needs one timed step per method (else the method fails: asserted ok above)
+    assert len(steps) == 4 and all(r["ms_p50"] >= 0 if r["status"] == "ok" else
+                                   r["ms_p50"] is None and r["status"].startswith("noisy") for r in steps), steps
     assert {r["context"] for r in steps} == set(sample_contexts(32, 24, 2, 4))
     val = [r for r in rows if r["pass"] == "validate"]
     assert len(val) == 2 and all(r["decode_s"] > 0 for r in val)
@@ -381,7 +384,8 @@ def test_offload_method_serves_more_requests_under_a_cap_with_layers_on_cpu(tmp_
     assert runs["specontext"]["requests"] == 3 and runs["specontext_offload"]["requests"] > 3
     assert "layers on CPU by the last token" in runs["specontext_offload"]["note"]
     steps = [r for r in rows if r["pass"] == "step" and r["method"] == "specontext_offload"]
-    assert len(steps) == 2 and all(r["offloaded_layers"] >= 1 and r["ms_p50"] > 0 for r in steps)
+    assert len(steps) == 2 and all(r["offloaded_layers"] >= 1 and (r["ms_p50"] > 0 if r["status"] == "ok" else
+                                                                   r["status"].startswith("noisy")) for r in steps)
     assert [r for r in rows if r["pass"] == "validate" and r["method"] == "specontext_offload"][0]["decode_s"] > 0
     # offload_count=throughput (the default): the count with the most modelled tokens/s, the model calibrated on
     # two timed samples at the largest count; never more than the largest

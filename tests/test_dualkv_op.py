@@ -151,8 +151,10 @@ def test_kernels_other_launch_configs(cfg, heads):
     ref_out, ref_lse = replicated_reference(qd, kd, vd, layout, 0.125)
     ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), do.double())
     out, lse = K.dualkv_fwd(q, k, v, layout.cu_seqlens, layout.segment_prefix, 0.125, config=cfg)
-    grads = K.dualkv_bwd(do, q, k, v, out, lse, layout.cu_seqlens, layout.segment_prefix, 0.125, config=cfg)
     assert maxerr(out, ref_out) < 1e-5 and maxerr(lse, ref_lse) < 1e-5
+    if not {"dq", "dkdv"} & set(cfg):  # a forward config: the backward's default launch is tested elsewhere
+        return
+    grads = K.dualkv_bwd(do, q, k, v, out, lse, layout.cu_seqlens, layout.segment_prefix, 0.125, config=cfg)
     for g, r in zip(grads, ref_grads):
         assert maxerr(g, r) < 5e-5
 
