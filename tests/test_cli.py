@@ -565,6 +565,8 @@ def test_generate_threads_one(tmp_path, capsys):
                              "chat=false", "threads=1", "transform.budget=64"], capsys)
         assert rc == 0, err
         assert out.strip() and "4 new tokens" in err and "1 CPU thread:" in err
+        # a budget beyond the cache: every cached token attended, said with the budget asked for
+        assert re.search(r"budget=64 \(every one of the \d+ cached tokens\)", " ".join(err.split())), err
     finally:
         torch.set_num_threads(before)
 
