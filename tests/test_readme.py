@@ -1,5 +1,5 @@
 """Every ```python block of README.md runs as written, in order, in one fresh interpreter on the default model
-(SmolLM2-135M), in a temporary working directory (the snippets write out/, out_sp/, model.onnx there).
+(SmolLM2-135M), in a temporary working directory (the snippets write out/ and model.onnx there).
 
 A block right after a ``<!-- readme-test: skip -->`` line is not run (the README says why at that block). After the
 blocks, ``_CHECKS`` asserts the real-model canonical claims on the objects they made (30 sites rewritten and verified,
@@ -96,6 +96,6 @@ def test_readme_python_blocks_run_in_order(tmp_path):
                                + f"\n--- stdout (tail) ---\n{p.stdout[-4000:]}\n--- stderr (tail) ---\n"
                                f"{p.stderr[-6000:]}")
     assert len(timings) == len(blocks) and "README_CHECKS_OK" in p.stdout, p.stdout[-4000:]
-    for name in ("out", "out_sp", "model.onnx"):
+    for name in ("out", "model.onnx"):
         assert (tmp_path / name).exists(), name
     print(f"README blocks: {wall:.0f} s\n" + "\n".join(timings))
