@@ -23,6 +23,13 @@ def _hf_greedy(model, row, n, eos=None):
     return out[0, len(row):]
 
 
+def _with_config(sp, cfg, model):
+    """A SpeContext module on ``sp``'s programs (captured from ``model``) with settings ``cfg`` (head, budget, sink,
+    ...): what a transform of ``model`` with ``cfg`` builds after its capture (the captured decode step takes any
+    budget), without capturing again."""
+    return type(sp)(sp.core["prefill"], sp.core["decode"], cfg, sp.report, sp.info, sp.head.scale, model=model)
+
+
 @pytest.fixture(scope="module")
 def llama():
     return tiny_model("llama")
@@ -102,7 +109,8 @@ def test_recent_differs_from_dense_below_context(llama, sp_llama):
 def test_a_budget_beyond_the_cache_selects_what_the_cache_holds(llama, sp_llama, head):
     """A budget above prompt + new tokens is used as that length for the call (a budget of 10**9 once allocated
     tens of GB of -1 padding): the same tokens as a budget covering the context; the configured budget stays."""
-    sp = _transform(llama, budget=10 ** 9, head=head)
+    cfg = kvt.SpeContextConfig(budget=10 ** 9, head=head)
+    sp = _with_config(sp_llama, cfg, llama) if head != "quest" else kvt.transform(llama, cfg, progress=False)
     ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(5))
     out = sp.generate(ids, max_new_tokens=5, eos_token_id=None, return_dict_in_generate=True)
     assert torch.equal(out.sequences, sp_llama.generate(ids, max_new_tokens=5, eos_token_id=None))
@@ -131,10 +139,12 @@ def test_quest_and_oracle_select_within_budget(llama):
     (48, 4, 20, {6, 5, 0}),   # all three forced pages fit
     (64, 4, 20, {6, 5, 0, None}),  # and one page by score
 ])
-def test_quest_keeps_forced_pages_by_priority(llama, budget, sink, recent, want):
+def test_quest_keeps_forced_pages_by_priority(llama, sp_llama, budget, sink, recent, want):
     """More forced pages than the budget's: the newest page first, then the recent pages, then the sink (the
-    newest page was dropped for the sink's before). Rows of 100 tokens, pages of 16."""
-    sp = _transform(llama, budget=budget, head="quest", num_sink=sink, num_recent=recent)
+    newest page was dropped for the sink's before). Rows of 100 tokens, pages of 16. (The programs of one transform
+    with each setting: the captured decode step takes any budget.)"""
+    sp = _with_config(sp_llama, kvt.SpeContextConfig(budget=budget, head="quest", num_sink=sink, num_recent=recent),
+                      llama)
     ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(3))
     cache, _ = sp.runtime.prefill([ids[0]], 110, torch.device("cpu"))
     sp.head.prefill(cache)
@@ -555,12 +565,12 @@ def test_compiled_cache_length_buckets():
 
 
 @pytest.mark.parametrize("head", ["quest", "self", "recent", "oracle"])
-def test_a_longer_cache_changes_no_token_or_selection(head):
+def test_a_longer_cache_changes_no_token_or_selection(llama, sp_llama, head):
     """The cache-length bucket (``cache_length`` with compile on CUDA) leaves tokens and selections as they are:
     here forced on the CPU (a cache of 256 for 32 needed tokens), with more forced quest pages (sink + newest) than
     the budget holds, where top-k's tie order once depended on the page table's width."""
     extra = dict(page_size=4, num_sink=8) if head == "quest" else {}
-    sp = kvt.transform(tiny_model("llama"), kvt.SpeContextConfig(head=head, budget=8, **extra), progress=False)
+    sp = _with_config(sp_llama, kvt.SpeContextConfig(head=head, budget=8, **extra), llama)
     ids = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(1))
     am = torch.ones_like(ids)
     am[1, :7] = 0
