@@ -224,8 +224,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
             silently: the user may have a good copy, and a checkpoint written atomically that is damaged points at
             the disk or a copy. A damaged ``teacher.pt`` is only a cache: it is computed again, with a note.
         OSError: the disk holding ``out`` has no room for the teacher targets or the checkpoint
-            (:func:`kvtransform.utils.check_free_space`, checked before each is first written: ``torch.save`` aborts
-            the process on a full disk).
+            (:func:`kvtransform.utils.check_free_space`, checked before each write: ``torch.save`` aborts the process
+            on a full disk); a refusal before the first write leaves no new directory.
     """
     for key in ("length", "positions", "steps", "checkpoint_every", "window", "dim"):
         v = getattr(cfg, key)
@@ -295,9 +295,9 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
             pos = torch.randperm(cfg.length - lo, generator=gen)[:cfg.positions].sort().values + lo
             tgt = teacher_targets(model, ids, pos, cfg.teacher)
             data["items"].append({"file": f, "ids": ids, "positions": pos, "target": tgt.half()})
-        out.mkdir(parents=True, exist_ok=True)
         check_free_space(out, sum(t.nbytes for it in data["items"] for t in it.values() if torch.is_tensor(t)),
-                         what="the teacher targets")
+                         what="the teacher targets")  # (before mkdir: a refusal leaves no new directory)
+        out.mkdir(parents=True, exist_ok=True)
         with atomic_write(teacher_file) as tmp:
             torch.save(data, tmp)
     items = data["items"]
@@ -340,8 +340,10 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
                 why = " ".join(str(e).split())[:160]
                 raise ValueError(f"{ckpt} is damaged ({type(e).__name__}: {why}): {fix}") from None
             log(f"resumed from {ckpt} at step {step}")
-    # the checkpoint holds the block's weights and AdamW's two moments of each (torch.save aborts on a full disk)
-    check_free_space(out, 3 * sum(p.numel() * p.element_size() for p in block.parameters()), what="the checkpoint")
+    # the checkpoint holds the block's weights and AdamW's two moments of each (torch.save aborts on a full disk):
+    # checked before training starts and before each write
+    ckpt_bytes = 3 * sum(p.numel() * p.element_size() for p in block.parameters())
+    check_free_space(out, ckpt_bytes, what="the checkpoint")
     bar = tqdm(total=cfg.steps, initial=step, desc=f"distill ({cfg.loss})", unit="step", disable=not cfg.progress)
     while step < cfg.steps:
         it = items[int(torch.randint(len(items), (1,), generator=gen))]
@@ -358,6 +360,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", captured=f"{sum(c for _, c in hist[-20:]) / len(hist[-20:]):.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            check_free_space(out, ckpt_bytes, what="the checkpoint")
             with atomic_write(ckpt) as tmp:
                 torch.save({"key": resume_key, "fingerprint": fp, "block": block.state_dict(),
                             "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step, "hist": hist,

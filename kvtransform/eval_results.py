@@ -65,7 +65,8 @@ def read_results(out):
             raise bad(f"column {c} holds a value that is not a number")
     for c in (c for c in SETTINGS if c in old.columns):  # integers, or empty for a run that did not record them
         v = old[c].dropna()
-        if len(v) and (not pd.api.types.is_numeric_dtype(v) or bool((v != v.round()).any())):
+        if len(v) and (pd.api.types.is_bool_dtype(v) or not pd.api.types.is_numeric_dtype(v)
+                       or not bool(((v == v.round()) & (v.abs() < 2 ** 62)).all())):   # (inf, 1e30: no int64)
             raise bad(f"column {c} holds a value that is not an integer")
     return old
 

@@ -221,6 +221,10 @@ def test_typo_messages_name_the_fix():
         compose_jobs("dualkv-layer", ["Pp=5059"])
     with pytest.raises(ConfigCompositionException, match="expected one of"):
         compose_jobs("dualkv-layer", ["method=fa3"])
+    # bench composes its jobs without a Hydra run: ${hydra:...} once failed at its first read as "HydraConfig was
+    # not set", naming neither the value nor the fix
+    with pytest.raises(ValueError, match=r"out_dir=b/\$\{hydra:job.num\}: bench composes its jobs itself.*drop it"):
+        compose_jobs("decode", ["out_dir=b/${hydra:job.num}", "input=16,32"], multirun=True)
 
 
 @pytest.mark.parametrize("overrides, msg", [

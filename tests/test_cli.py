@@ -760,6 +760,8 @@ def test_multirun_jobs_get_their_own_out(tmp_path, capsys, reload_in_process):
     rc, _, err = _run(["optimize", str(model_dir), "-m", f"out={tmp_path}/" + "${hydra:job.name}", "threads=1,2"],
                       capsys)  # an interpolation every job resolves alike is refused too
     assert rc == 2 and "same directory for every job" in err, err
+    rc, _, err = _run(["optimize", str(model_dir), "-m", f"out={tmp_path / 'a'},{tmp_path / 'a'}"], capsys)
+    assert rc == 2 and "same directory for every job" in err, err           # a swept out= naming one directory twice
     rc, _, err = _run(["optimize", str(model_dir), "-m", "transform.verify.lengths=[5]", "threads=1,2"], capsys)
     assert rc == 0, err
     sweeps = list((tmp_path / "outputs" / "multirun").iterdir())  # one folder per sweep (a second never collides)
@@ -767,6 +769,8 @@ def test_multirun_jobs_get_their_own_out(tmp_path, capsys, reload_in_process):
     for job in ("0", "1"):
         meta = json.loads((sweeps[0] / job / "meta.json").read_text())
         assert meta["transform"] == "canonical"
+    rc, _, err = _run(["optimize", str(model_dir), "-m", f"out={tmp_path / 'x'},{tmp_path / 'y'}"], capsys)
+    assert rc == 0 and all((tmp_path / d / "meta.json").is_file() for d in "xy"), err   # out= is the sweep itself
     # eval-sparse's jobs merge their rows into one results table: a shared out= is what its sweep is for
     rc, _, err = _run(["eval-sparse", "-m", f"out={tmp_path / 'table'}", "budget=0,-1"], capsys)
     assert rc == 2 and "same directory" not in err and "budget" in err, err

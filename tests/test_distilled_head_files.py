@@ -97,6 +97,11 @@ DAMAGE = {
     "fingerprint sum NaN": ("head.json", _edit_json(lambda m: m["fingerprint"].update(embed_sum=float("nan")))),
     "fingerprint sum a string": ("head.json", _edit_json(lambda m: m["fingerprint"].update(embed_abs_sum="1.0"))),
     "fingerprint shape not 2-D": ("head.json", _edit_json(lambda m: m["fingerprint"].update(embed_shape=[4]))),
+    "fingerprint sum past a float": ("head.json", _edit_json(lambda m: m["fingerprint"].update(embed_sum=10 ** 400))),
+    "fingerprint sum of 5000 digits": ("head.json", lambda d: (d / "head.json").write_text(
+        (d / "head.json").read_text().replace('"embed_sum": ', '"embed_sum": 1' + "0" * 5000 + ", \"x\": "))),
+    "fingerprint vocab NaN": ("head.json", _edit_json(lambda m: m["fingerprint"].update(vocab_size=float("nan")))),
+    "fingerprint model_type a number": ("head.json", _edit_json(lambda m: m["fingerprint"].update(model_type=1.5))),
     "arch with a foreign key": ("head.json", _edit_json(lambda m: m["arch"].update(foo=1))),
     "arch not the weights'": ("head.safetensors", _edit_json(lambda m: m["arch"].update(dim=8))),
 }
@@ -185,10 +190,12 @@ def test_distill_writes_its_files_atomically(model, tmp_path, monkeypatch):
         assert {f.name: f.read_bytes() for f in out.iterdir()} == before
 
 
-@pytest.mark.parametrize("room_for", ["nothing", "the teacher"])
-def test_distill_refuses_a_disk_without_room_before_torch_save(model, tmp_path, monkeypatch, capsys, room_for):
-    """torch.save aborts the process on a full disk: distill checks the free space for the teacher targets and for
-    the checkpoint before writing them (the CLI: one error line, exit status 2), and leaves no file half-written."""
+@pytest.mark.parametrize("checks_with_room", [0, 1, 3], ids=["nothing", "the-teacher", "the-first-checkpoint"])
+def test_distill_refuses_a_disk_without_room_before_torch_save(model, tmp_path, monkeypatch, capsys,
+                                                               checks_with_room):
+    """torch.save aborts the process on a full disk: distill checks the free space for the teacher targets, before
+    training and before each checkpoint (the disk may fill up meanwhile; the CLI: one error line, exit status 2). A
+    refusal leaves every file written before it whole, no temporary file, and no new directory before the first."""
     import collections
 
     import kvtransform.models as models
@@ -197,16 +204,21 @@ def test_distill_refuses_a_disk_without_room_before_torch_save(model, tmp_path, 
     usage = collections.namedtuple("usage", "total used free")
     calls = []
 
-    def disk_usage(p):  # "the teacher": room at the first check only (the disk fills up while the teacher is written)
+    def disk_usage(p):  # room at the first `checks_with_room` checks only (the disk fills up meanwhile)
         calls.append(p)
-        return usage(1 << 40, 0, 1 << 40 if room_for == "the teacher" and len(calls) == 1 else 0)
+        return usage(1 << 40, 0, 1 << 40 if len(calls) <= checks_with_room else 0)
 
     monkeypatch.setattr(kvt_utils.shutil, "disk_usage", disk_usage)
-    what = "the teacher targets" if room_for == "nothing" else "the checkpoint"
+    what = "the teacher targets" if checks_with_room == 0 else "the checkpoint"
     with pytest.raises(OSError, match=rf"needs at least \d+ MiB \({what} and 64 MiB of room\) .*choose out= on "):
         distill(_cfg(tmp_path / "h"), model, _CharTokenizer(), log=lambda m: None)
-    left = sorted(f.name for f in (tmp_path / "h").iterdir())
-    assert left == ([] if room_for == "nothing" else ["teacher.pt"]), left
+    if checks_with_room == 0:
+        assert not (tmp_path / "h").exists()
+    else:
+        left = sorted(f.name for f in (tmp_path / "h").iterdir())
+        assert left == (["teacher.pt"] if checks_with_room == 1 else ["checkpoint.pt", "teacher.pt"]), left
+        if checks_with_room == 3:  # the checkpoint of step 1, whole
+            assert torch.load(tmp_path / "h" / "checkpoint.pt", weights_only=False)["step"] == 1
     calls.clear()
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, _CharTokenizer()))
     monkeypatch.chdir(tmp_path)

@@ -93,6 +93,10 @@ def compose_jobs(suite: str, overrides: List[str], multirun: bool = False) -> li
             close = difflib.get_close_matches(key, keys, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigCompositionException(f"unknown key {key!r} for suite {suite}{hint}; keys: {', '.join(keys)}")
+    hydra_refs = [o.input_line for o in parsed if "${hydra:" in o.input_line]
+    if hydra_refs:  # (it would fail at the first read of the value, as "HydraConfig was not set")
+        raise ValueError(f"{hydra_refs[0]}: bench composes its jobs itself, without a Hydra run, so ${{hydra:...}} "
+                         f"has no value here; drop it (every job of a bench sweep adds its rows to the one out_dir)")
     sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
     if sweeps and not multirun:
         raise ValueError(f"sweep override(s) {sweeps} need -m/--multirun")

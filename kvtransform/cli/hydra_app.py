@@ -68,8 +68,28 @@ def _sweep_out(overrides: Sequence[str]) -> list:
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "out" and "=" in o]
     if not given:
         return ["out=${hydra:sweep.dir}/${hydra:job.num}"]
+    if _one_out_per_job(overrides):
+        return []
     if not any(f"${{hydra:job.{k}}}" in given[-1] for k in ("num", "id", "override_dirname")):
         raise UsageError(f"out={given[-1]} is the same directory for every job of the -m sweep: give each its own, "
                          f"e.g. 'out={given[-1]}/${{hydra:job.num}}', or leave out out= "
                          f"(outputs/multirun/<date_time>/<n>)")
     return []
+
+
+def _one_out_per_job(overrides: Sequence[str]) -> bool:
+    """Whether ``out`` is itself the sweep (``out=a,b``, distinct values, no other sweep): one directory per job."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return False
+    sweeps = [o for o in parsed if o.is_sweep_override()]
+    if len(sweeps) != 1 or sweeps[0].get_key_element().lstrip("+~") != "out" or \
+            not isinstance(sweeps[0].value(), ChoiceSweep):
+        return False
+    values = list(sweeps[0].sweep_string_iterator())
+    return len(set(values)) == len(values)

@@ -177,7 +177,7 @@ def _read_meta(d: Path) -> dict:
     f = d / "head.json"
     try:
         meta = json.loads(f.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError) as e:  # (JSONDecodeError; an integer of over 4300 digits)
         raise _damaged(f, f"not JSON: {e}") from None
     if not isinstance(meta, dict):
         raise _damaged(f, f"a JSON {type(meta).__name__}, not an object")
@@ -192,13 +192,42 @@ def _read_meta(d: Path) -> dict:
         raise _damaged(f, f"the fingerprint lacks {', '.join(lacks)}")
     fp = meta["fingerprint"]
     for key in ("embed_sum", "embed_abs_sum"):  # NaN compares unequal to nothing in fingerprint_mismatch's test
-        if isinstance(fp[key], bool) or not isinstance(fp[key], (int, float)) or not math.isfinite(fp[key]):
-            raise _damaged(f, f"fingerprint {key} is {fp[key]!r}, not a finite number")
+        if not _finite_number(fp[key]):
+            raise _damaged(f, f"fingerprint {key} is {_short(fp[key])}, not a finite number")
     shape = fp["embed_shape"]
-    if not (isinstance(shape, list) and len(shape) == 2
-            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
-        raise _damaged(f, f"fingerprint embed_shape is {shape!r}, not [vocab, hidden]")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(_count(n) for n in shape)):
+        raise _damaged(f, f"fingerprint embed_shape is {_short(shape)}, not [vocab, hidden]")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim"):  # the model layout (fingerprint()): positive ints where present
+        if key in fp and not _count(fp[key]):
+            raise _damaged(f, f"fingerprint {key} is {_short(fp[key])}, not a positive integer")
+    if "model_type" in fp and not isinstance(fp["model_type"], str):
+        raise _damaged(f, f"fingerprint model_type is {_short(fp['model_type'])}, not a string")
     return meta
+
+
+def _finite_number(x) -> bool:
+    """An int or float of JSON that is finite as a float (an int too large for a float is not)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def _count(x) -> bool:
+    """A positive int of at most 2**62 (a layout size), not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 1 << 62
+
+
+def _short(x) -> str:
+    """``repr(x)`` cut to 60 characters (for a one-line message about a damaged value)."""
+    try:
+        r = repr(x)
+    except ValueError:  # an int past the digit limit of int -> str conversion
+        return "a number of over 4300 digits"
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def load_head_dir(directory, model=None) -> tuple[DistilledBlock, dict]:
