@@ -279,7 +279,11 @@ def test_artifact_with_damaged_model_info_or_head_file_is_named_in_one_line(sp_l
                      ({k: v for k, v in info.items() if k != "head_dim"}, r"missing \['head_dim'\]"),
                      ({**info, "num_layers": "2"}, "num_layers is '2', not a positive int"),
                      ({**info, "dtype": "float99"}, "dtype is 'float99', not a torch dtype's name"),
-                     ({**info, "eos_token_id": 2}, "eos_token_id is 2, not a list of ints")):
+                     ({**info, "eos_token_id": 2}, "eos_token_id is 2, not a list of ints"),
+                     # facts the saved decode step contradicts (an edited meta.json, or another artifact's)
+                     ({**info, "num_layers": 3}, r"num_layers 3 \(the program's: 2\) does not match decode.pt2"),
+                     ({**info, "max_positions": 10 ** 7}, r"max_positions 10000000 \(the program takes at most "
+                                                          r"\d+\) does not match decode.pt2")):
         (path / "meta.json").write_text(json.dumps({**meta, "model_info": bad}))
         with pytest.raises(ValueError, match=rf"^{path / 'meta.json'} is damaged \(model_info: {why}\): save the "
                                              rf"artifact again$"):
@@ -289,6 +293,23 @@ def test_artifact_with_damaged_model_info_or_head_file_is_named_in_one_line(sp_l
         torch.save(gutted, path / "head.pt")
         with pytest.raises(ValueError, match=r"head.pt is damaged \(not a retrieval head's name and state\)"):
             kvt.load(path)
+
+
+def test_a_self_head_state_that_does_not_fit_is_refused_at_load(llama, sp_llama):
+    """head.pt of a self head over a saved program, emptied or holding other tensors: refused where the artifact is
+    built (before: a KeyError 'layers' at the first generate). A good state builds."""
+    def build(state):
+        return type(sp_llama)(sp_llama.core["prefill"], sp_llama.core["decode"], kvt.SpeContextConfig(budget=8),
+                              sp_llama.report, sp_llama.info, sp_llama.head.scale, head_name="self", head_state=state)
+
+    state = _with_config(sp_llama, kvt.SpeContextConfig(budget=8, head="self"), llama).head.state_dict()
+    build(state)
+    with pytest.raises(ValueError, match=r"^head='self' over a saved program needs .* head.pt holds none: save the"):
+        build({})
+    for bad, lacks in (({"x": torch.zeros(3)}, "layers"), ({k: v for k, v in state.items() if k != "q0"}, "q0")):
+        with pytest.raises(ValueError, match=rf"^the saved state of the 'self' retrieval head does not load "
+                                             rf"\(ValueError: the self head's state lacks {lacks}.*save the artifact"):
+            build(bad)
 
 
 def test_artifact_missing_its_shared_prefill_program_names_that_file(sp_llama, tmp_path):

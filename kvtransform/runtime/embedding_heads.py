@@ -304,6 +304,9 @@ class SelfHead(RetrievalHead):
                              f"have: use head='quest' (training-free, reads only the KV cache)")
         self.embed = find_param(model, "embed_tokens.weight")
         if cfg is None:  # a reloaded program: the projections come from load_state_dict
+            if not self.w:
+                raise ValueError("head='self' over a saved program needs the projections its artifact's head.pt "
+                                 "stores, and head.pt holds none: save the artifact again")
             return
         h = cfg.num_attention_heads
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
@@ -333,8 +336,20 @@ class SelfHead(RetrievalHead):
         return {k: v.detach().clone() for k, v in self.w.items()}  # values, not the model's parameters
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.w = dict(state)
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: a state without the scalars, RoPE table, norm gains and query projections of its layers."""
+        if not state:
+            return
+        need = ["layers", "inv_freq", "mscale", "eps", "heads", "head_dim"]
+        layers = state.get("layers")
+        if isinstance(layers, torch.Tensor) and layers.dim() == 1 and not layers.is_floating_point():
+            need += [f"{k}{int(l)}" for l in layers.tolist() for k in ("norm", "q")]
+        missing = [k for k in need if not isinstance(state.get(k), torch.Tensor)]
+        if missing:
+            raise ValueError(f"the self head's state lacks {', '.join(missing[:4])}")
+        self.w = dict(state)
 
     def prefill(self, cache, max_new_tokens=None) -> None:
         """Move the projections to the cache's device and read the scalars (outside any CUDA graph). The

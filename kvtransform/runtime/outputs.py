@@ -157,6 +157,32 @@ class ModelInfo:
             raise bad(f"pad_token_id is {info['pad_token_id']!r}, not an int or null")
         return cls(**info)
 
+    def check_decode_program(self, program, where: str) -> None:
+        """Check these facts against the saved decode step (a ``torch.export.ExportedProgram`` whose 4th input is
+        the K cache ``(layers, batch, H_kv, S_max, head_dim)`` and whose first output is the logits
+        ``(batch, vocab)``), so that a ``meta.json`` edited or paired with another artifact's programs is refused at
+        load, not met as a shape error (or, for ``max_positions``, a prompt past the captured positions) later.
+
+        Raises:
+            ValueError: a fact that differs from the program's (one line naming ``where`` and the fact).
+        """
+        names = program.graph_signature.user_inputs
+        nodes = {n.name: n for n in program.graph.nodes}
+        k = nodes[names[3]].meta["val"]
+        logits = [n for n in program.graph.nodes if n.op == "output"][0].args[0][0].meta["val"]
+        s_max = k.shape[3]
+        bound = program.range_constraints.get(getattr(getattr(s_max, "node", None), "expr", None))
+        upper = int(bound.upper) if bound is not None and bound.upper.is_finite else int(s_max)
+        found = {"num_layers": int(k.shape[0]), "num_kv_heads": int(k.shape[2]), "head_dim": int(k.shape[4]),
+                 "vocab_size": int(logits.shape[-1]), "dtype": str(k.dtype).replace("torch.", "")}
+        bad = [f"{key} {getattr(self, key)!r} (the program's: {v!r})" for key, v in found.items()
+               if getattr(self, key) != v]
+        if self.max_positions > upper:
+            bad.append(f"max_positions {self.max_positions} (the program takes at most {upper})")
+        if bad:
+            raise ValueError(f"{where} is damaged (model_info: {', '.join(bad)} does not match decode.pt2): save the "
+                             f"artifact again")
+
 
 
 def _first_eos(new: torch.Tensor, eos: list) -> torch.Tensor:

@@ -235,7 +235,9 @@ class SpeContextModule(OptimizedModule):
                                     f"{missing or ['meta.json model_info']})")
         info = ModelInfo.from_meta(meta["model_info"], str(path / "meta.json"))  # (before the long loads)
         prefill = load_artifact_file(path / prefill_file, torch.export.load).module()
-        decode = load_artifact_file(path / "decode.pt2", torch.export.load).module()
+        decode_program = load_artifact_file(path / "decode.pt2", torch.export.load)
+        info.check_decode_program(decode_program, str(path / "meta.json"))
+        decode = decode_program.module()
         _drop_input_guards(decode)  # as after the capture (transform_specontext)
         for program in (prefill, decode):  # window/softcap/sinks by keyword, as the passes read them
             keyword_optional_args_all(program)
