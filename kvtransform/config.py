@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from .utils import is_count
+
 
 @dataclass
 class VerifyConfig:
@@ -43,9 +45,9 @@ class VerifyConfig:
             raise ValueError("verify.lengths is empty: give at least one length (>= 2 tokens), or set "
                              "verify.enabled=false to skip verification explicitly")
         for n in self.lengths:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            if not is_count(n, 2):
                 raise ValueError(f"verify.lengths must be integers >= 2 tokens; got {n!r}")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+        if not is_count(self.batch_size, 1):
             raise ValueError(f"verify.batch_size must be an integer >= 1; got {self.batch_size!r}")
         if self.tolerance is not None and not (math.isfinite(self.tolerance) and self.tolerance > 0):
             raise ValueError(f"verify.tolerance must be a finite number > 0 (or null for the dtype's default); "
@@ -80,7 +82,7 @@ class TransformConfig:
         """Raises ValueError for invalid values (subclasses extend it)."""
         if type(self) is TransformConfig:
             raise TypeError("TransformConfig is abstract: use CanonicalConfig, DualKVConfig or SpeContextConfig")
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
+        if not is_count(self.version, 1):
             raise ValueError(f"version must be an integer >= 1; got {self.version!r}")
         if self.version > CONFIG_VERSION:
             raise ValueError(f"config version {self.version} is newer than this kvtransform understands "
@@ -166,29 +168,25 @@ class DualKVConfig(TransformConfig):
         d = self.demo
         for key, low in (("num_responses", 1), ("max_new_tokens", 1), ("min_new_tokens", 0), ("repeats", 1)):
             v = getattr(d, key)  # (a min_new_tokens above max_new_tokens is clamped to it)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            if not is_count(v, low):
                 raise ValueError(f"demo.{key} must be an integer >= {low}; got {v!r}")
         t = d.temperature  # logits / t in float32 stay finite and meaningful within these bounds
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1e-3 <= t <= 1e3:
             raise ValueError(f"demo.temperature must be a number from 0.001 to 1000; got {t!r}")
-        if isinstance(d.seed, bool) or not isinstance(d.seed, int) or not 0 <= d.seed < 2 ** 63:
+        if not is_count(d.seed, 0, 2 ** 63 - 1):
             raise ValueError(f"demo.seed must be an integer from 0 to 2**63 - 1; got {d.seed!r}")
         if self.verify.enabled and not list(self.verify_groups):
             raise ValueError("verify_groups is empty: give at least one [prompt_length, [response_lengths...]] "
                              "group, or set verify.enabled=false")
         for g in self.verify_groups:  # here, not when the gate packs them after the model has loaded
-            ok = isinstance(g, (list, tuple, ListConfig)) and len(g) == 2 and _positive_int(g[0]) and isinstance(
-                g[1], (list, tuple, ListConfig)) and len(g[1]) >= 1 and all(_positive_int(r) for r in g[1])
+            ok = isinstance(g, (list, tuple, ListConfig)) and len(g) == 2 and is_count(g[0], 1) and isinstance(
+                g[1], (list, tuple, ListConfig)) and len(g[1]) >= 1 and all(is_count(r, 1) for r in g[1])
             if not ok:
                 raise ValueError(f"verify_groups entries must be [prompt_length, [response_lengths...]] with "
                                  f"integers >= 1 (tokens) and at least one response; got {_plain(g)!r}")
         g = self.verify_grad_tolerance
         if g is not None and not (math.isfinite(g) and g > 0):
             raise ValueError(f"verify_grad_tolerance must be a finite number > 0 (or null); got {g!r}")
-
-
-def _positive_int(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
 
 
 def _plain(v):

@@ -33,7 +33,7 @@ import torch
 from .attention_probe import cache_probs, probing
 from .runtime.cache import KVCache
 from .eval_results import markdown, read_results, summarize, write_results
-from .utils import cache_kwarg
+from .utils import cache_kwarg, is_count
 
 __all__ = ["Trace", "DocumentTeacher", "run_head", "keep_mask", "recall_per_layer", "nll",
            "evaluate_head", "EvalSparseConfig", "run_eval", "read_results", "write_results", "summarize",
@@ -304,14 +304,14 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
         raise ValueError(f"unknown retrieval head {unknown[0]!r}; choose from {sorted(HEADS)}")
     for key in ("prefix", "continuation", "generate"):
         v = getattr(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+        if not is_count(v, 2):
             raise ValueError(f"{key} must be an integer >= 2 tokens; got {v!r}")
     if any(b < 1 for b in budgets):
         raise ValueError(f"budget must be >= 1 token per KV head; got {budgets}")
     ns = cfg.num_sink
-    if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns <= min(budgets):
+    if not is_count(ns, 0, min(budgets)):
         raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
-    if isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 0:
+    if not is_count(cfg.threads, 0):
         raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
     docs = _as_list(cfg.documents, str, "documents")
     from .textdata import stdlib_path

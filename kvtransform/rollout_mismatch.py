@@ -56,7 +56,7 @@ import torch
 from .attention_probe import probing
 from .eval_sparse import _as_list, markdown
 from .runtime.cache import KVCache
-from .utils import atomic_write, cache_kwarg, check_results_dir
+from .utils import atomic_write, cache_kwarg, check_results_dir, is_count
 
 __all__ = ["Rollouts", "token_kl_logw", "summarize_tokens", "sample_rollouts", "decode_sparse", "score_dense",
            "counted", "table", "RolloutMismatchConfig", "run_rollout_mismatch", "write_results", "TIS_CAP"]
@@ -368,13 +368,13 @@ def _check(cfg) -> tuple:
         raise ValueError(f"budget and lengths must be integers >= 1; got budget={budgets} lengths={lengths}")
     for key in ("prompt", "samples", "threads", "seed"):
         v, lo = getattr(cfg, key), 1 if key in ("prompt", "samples") else 0
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (key == "seed" and v >= 2 ** 63):
+        if not is_count(v, lo) or (key == "seed" and v >= 2 ** 63):
             raise ValueError(f"{key} must be an integer >= {lo}{' and < 2**63' if key == 'seed' else ''}; got {v!r}")
     if not 0 < float(cfg.temperature) < math.inf or not float(cfg.max_seconds) >= 0:
         raise ValueError(f"temperature must be a finite number > 0 (inf makes both distributions uniform) and "
                          f"max_seconds one >= 0; got {cfg.temperature}, {cfg.max_seconds}")
     ns = cfg.num_sink
-    if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns <= min(budgets):
+    if not is_count(ns, 0, min(budgets)):
         raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
     if str(cfg.device).split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda[:N]; got {cfg.device!r}")

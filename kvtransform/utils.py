@@ -3,6 +3,7 @@ names, output paths, atomic file writes)."""
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import shutil
 import tempfile
@@ -15,6 +16,12 @@ import torch
 #: table or line of ours wraps, where rich's default of 80 columns cut tables mid-cell.
 REDIRECTED_WIDTH = 400
 LOG_EVERY_S = 5.0  # redirected output: the shortest gap between two progress lines of one stage
+
+
+def is_count(v, low: int = 0, high: "int | None" = None) -> bool:
+    """``v`` is an integer (Python or NumPy; not a bool) with ``low <= v`` and, when ``high`` is given, ``v <= high``."""
+    return (not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= low
+            and (high is None or v <= high))
 
 
 def console(stderr: bool = False):

@@ -7,7 +7,7 @@ import os
 from typing import Sequence
 
 from ..config import config_from_dict
-from ..utils import stage
+from ..utils import is_count, stage
 from .errors import UsageError, console as _console
 from .keyvalue import key_value_main, parse_key_values
 
@@ -58,14 +58,10 @@ def parse_args(args: Sequence[str]) -> tuple[str, dict, dict]:
     return model, opts, {"name": "specontext", **tcfg}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_options(opts: dict) -> None:
     """Generation options checked before the model loads (UsageError names the key and what it accepts)."""
     n = opts["max_new_tokens"]
-    if not _is_int(n) or n < 1:
+    if not is_count(n, 1):
         raise UsageError(f"max_new_tokens must be an integer >= 1; got {n!r}")
     for key in ("chat", "do_sample"):
         if opts[key] is not None and not isinstance(opts[key], bool):
@@ -73,19 +69,19 @@ def _check_options(opts: dict) -> None:
     t = opts["temperature"]
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
         raise UsageError(f"temperature must be a number > 0; got {t!r}")
-    if opts["top_k"] is not None and (not _is_int(opts["top_k"]) or opts["top_k"] < 0):
+    if opts["top_k"] is not None and not is_count(opts["top_k"], 0):
         raise UsageError(f"top_k must be an integer >= 0 (0 or null = off); got {opts['top_k']!r}")
     p = opts["top_p"]
     if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
         raise UsageError(f"top_p must be a number in (0, 1] (1 or null = off); got {p!r}")
-    if opts["seed"] is not None and (not _is_int(opts["seed"]) or not 0 <= opts["seed"] < 2 ** 64):
+    if opts["seed"] is not None and not is_count(opts["seed"], 0, 2 ** 64 - 1):
         raise UsageError(f"seed must be an integer in [0, 2**64); got {opts['seed']!r}")
     check_threads(opts["threads"])
 
 
 def check_threads(th) -> None:
     """UsageError (one line) unless ``threads=`` is ``auto`` or an integer from 1 to the CPU count."""
-    if th != "auto" and (not _is_int(th) or not 1 <= th <= (os.cpu_count() or 1)):
+    if th != "auto" and not is_count(th, 1, os.cpu_count() or 1):
         raise UsageError(f"threads must be auto or an integer from 1 to this machine's {os.cpu_count()} CPUs; "
                          f"got {th!r}")
 

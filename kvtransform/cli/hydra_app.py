@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 from omegaconf import DictConfig
 
 from .errors import UsageError, guard
-from .overrides import check_overrides, split_args, sweep_points
+from .overrides import check_overrides, parse_overrides, split_args, sweep_points
 
 __all__ = ["run_hydra"]
 
@@ -79,13 +79,10 @@ def _sweep_out(overrides: Sequence[str]) -> list:
 
 def _one_out_per_job(overrides: Sequence[str]) -> bool:
     """Whether ``out`` is itself the sweep (``out=a,b``, distinct values, no other sweep): one directory per job."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
-    from hydra.errors import HydraException
 
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException:
+    parsed = parse_overrides(overrides)
+    if parsed is None:
         return False
     sweeps = [o for o in parsed if o.is_sweep_override()]
     if len(sweeps) != 1 or sweeps[0].get_key_element().lstrip("+~") != "out" or \

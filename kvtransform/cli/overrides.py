@@ -147,19 +147,28 @@ def _node(cfg: DictConfig, key: str):
         return None
 
 
+def parse_overrides(overrides: Sequence[str]):
+    """``overrides`` parsed by Hydra's override grammar (a list of ``Override``), or None when they do not parse
+    (:func:`check_overrides` names the syntax error)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return None
+
+
 def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
     """The override lists :func:`check_overrides` checks for a ``-m`` sweep: each value of each sweep (``a,b``,
     ``range(...)``) once, the other sweeps at their first value, so a typo'd key or a bad value in any job is named
     before the first job runs. ``glob(...)`` and interval sweeps (which need Hydra's config loader or a sweeper)
     are left to Hydra; overrides that do not parse come back as they are (:func:`check_overrides` names the
     syntax error)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
-    from hydra.errors import HydraException
 
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException:
+    parsed = parse_overrides(overrides)
+    if parsed is None:
         return [list(overrides)]
     values = []  # per override: the override texts it contributes, one per value
     for o in parsed:

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..utils import is_count
 from .embedding_heads import EmbeddingKeyHead, find_param, rms_norm, rope, yarn_rows
 from .heads import register_head
 
@@ -195,11 +196,11 @@ def _read_meta(d: Path) -> dict:
         if not _finite_number(fp[key]):
             raise _damaged(f, f"fingerprint {key} is {_short(fp[key])}, not a finite number")
     shape = fp["embed_shape"]
-    if not (isinstance(shape, list) and len(shape) == 2 and all(_count(n) for n in shape)):
+    if not (isinstance(shape, list) and len(shape) == 2 and all(is_count(n, 1, 1 << 62) for n in shape)):
         raise _damaged(f, f"fingerprint embed_shape is {_short(shape)}, not [vocab, hidden]")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim"):  # the model layout (fingerprint()): positive ints where present
-        if key in fp and not _count(fp[key]):
+        if key in fp and not is_count(fp[key], 1, 1 << 62):
             raise _damaged(f, f"fingerprint {key} is {_short(fp[key])}, not a positive integer")
     if "model_type" in fp and not isinstance(fp["model_type"], str):
         raise _damaged(f, f"fingerprint model_type is {_short(fp['model_type'])}, not a string")
@@ -214,11 +215,6 @@ def _finite_number(x) -> bool:
         return math.isfinite(x)
     except OverflowError:
         return False
-
-
-def _count(x) -> bool:
-    """A positive int of at most 2**62 (a layout size), not a bool."""
-    return isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 1 << 62
 
 
 def _short(x) -> str:

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..utils import is_count
 from .cache import KVCache
 from .graph_step import _GraphStep
 from .heads import RetrievalHead
@@ -187,7 +188,7 @@ class SpeContextRuntime:
 
         Raises:
             ValueError: ``needed`` is not an integer >= 1."""
-        if isinstance(needed, bool) or not isinstance(needed, int) or needed < 1:
+        if not is_count(needed, 1):
             raise ValueError(f"cache_length needs the tokens a row must hold, an integer >= 1; got {needed!r}")
         if not (self.compile and not self.offload and torch.device(device).type == "cuda"):
             return needed

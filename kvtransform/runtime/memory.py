@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from ..utils import is_count
+
 GIB = 2 ** 30  # the memory settings (gpu_gb, head_gb, reserve_gb) and the printed plan are GiB, as CUDA reports memory
 MAX_GIB = 2 ** 20  # the largest memory setting accepted (1 PiB): far past any device, and finite in bytes
 MAX_GBPS = 1e6  # the largest rate accepted (1 PB/s)
@@ -128,11 +130,6 @@ class HeadMemory:
         _check_counts(self, ("weight_bytes", "token_bytes", "resident_layers"), ())
 
 
-def is_count(v, low: int = 0) -> bool:
-    """``v`` is an integer (Python or NumPy; not a bool) ``>= low``."""
-    return not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= low
-
-
 def _check_counts(obj, non_negative, positive) -> None:
     """One line for a field of ``obj`` that is not an integer ``>= 0`` (``non_negative``) or ``>= 1``
     (``positive``); NumPy integers count as integers."""
@@ -151,7 +148,7 @@ def _check_config(cfg) -> None:
         need.append("hidden_size")
     for key in need:
         v = getattr(cfg, key, None)
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        if not is_count(v, 1):
             what = " (hidden_size / num_attention_heads where not given)" if key == "head_dim" else ""
             raise ValueError(f"model config: {key}={v!r}{what} must be an integer >= 1 (fix the model's config.json)")
 

@@ -49,7 +49,8 @@ from kvtransform.kernels.elastic import elastic_copy_reference, elastic_copy_tri
 
 from .cache import KVCache
 from .host_memory import host_view, pinned_zeros
-from .memory import HeadMemory, MemoryPlan, ModelMemory, is_count, plan_memory
+from ..utils import is_count
+from .memory import HeadMemory, MemoryPlan, ModelMemory, plan_memory
 
 __all__ = ["LayerReady", "SlotMap", "OffloadedKVCache", "OffloadEngine", "OFFLOAD_HEADS", "plan_inputs", "make_plan",
            "initial_capacity"]
@@ -307,7 +308,7 @@ class OffloadEngine:
         c = self.cache
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length < c.max_length:
             raise ValueError(f"length must be an int in [1, {c.max_length}) (the cache's max_length); got {length!r}")
-        if isinstance(room, bool) or not isinstance(room, int) or room < 0:
+        if not is_count(room, 0):
             raise ValueError(f"room must be an int >= 0 (tokens); got {room!r}")
         if self.step or self.moves:
             raise ValueError("resume_at needs a fresh engine (this one has already stepped or moved layers)")

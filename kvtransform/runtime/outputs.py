@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from ..utils import is_count
+
 __all__ = ["GenerationStats", "GenerateOutput", "ModelInfo"]
 
 
@@ -131,14 +133,11 @@ class ModelInfo:
 
         Raises:
             ValueError: ``info`` is not an object with exactly these fields, a count that is not a positive int, a
-                ``dtype`` not a torch dtype's name, EOS ids not a list of ints or a pad id neither int nor null (one
+                ``dtype`` not a torch dtype's name, EOS ids not a list of ints >= 0 or a pad id neither int nor null (one
                 line naming ``where``, the artifact's ``meta.json``).
         """
         def bad(why):
             return ValueError(f"{where} is damaged (model_info: {why}): save the artifact again")
-
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
 
         names = [f.name for f in fields(cls)]
         if not isinstance(info, dict):
@@ -147,14 +146,14 @@ class ModelInfo:
             missing, extra = sorted(set(names) - set(info)), sorted(set(info) - set(names))
             raise bad(", ".join([f"missing {missing}"] * bool(missing) + [f"unknown {extra}"] * bool(extra)))
         for key in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_positions"):
-            if not is_int(info[key]) or info[key] <= 0:
+            if not is_count(info[key], 1):
                 raise bad(f"{key} is {info[key]!r}, not a positive int")
         if not isinstance(info["dtype"], str) or not isinstance(getattr(torch, info["dtype"], None), torch.dtype):
             raise bad(f"dtype is {info['dtype']!r}, not a torch dtype's name")
-        if not isinstance(info["eos_token_id"], list) or not all(is_int(e) for e in info["eos_token_id"]):
-            raise bad(f"eos_token_id is {info['eos_token_id']!r}, not a list of ints")
-        if info["pad_token_id"] is not None and not is_int(info["pad_token_id"]):
-            raise bad(f"pad_token_id is {info['pad_token_id']!r}, not an int or null")
+        if not isinstance(info["eos_token_id"], list) or not all(is_count(e, 0) for e in info["eos_token_id"]):
+            raise bad(f"eos_token_id is {info['eos_token_id']!r}, not a list of ints >= 0")
+        if info["pad_token_id"] is not None and not is_count(info["pad_token_id"], 0):
+            raise bad(f"pad_token_id is {info['pad_token_id']!r}, not an int >= 0 or null")
         return cls(**info)
 
     def check_decode_program(self, program, where: str) -> None:

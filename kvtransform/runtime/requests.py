@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..utils import is_count
+
 __all__ = ["_prompt_rows", "_check_request", "_check_steps", "_as_eos", "_check_pad", "_plain"]
 
 
@@ -24,7 +26,7 @@ def _plain(value):
 
 def _check_steps(max_new_tokens) -> None:
     """Raises ValueError unless ``max_new_tokens`` is an int >= 1 (not a bool)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_count(max_new_tokens, 1):
         raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
 
 
@@ -47,7 +49,7 @@ def _check_pad(pad, vocab_size: int) -> None:
     Raises:
         ValueError: not an int in ``[0, vocab_size)``.
     """
-    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab_size:
+    if not is_count(pad, 0, vocab_size - 1):
         raise ValueError(f"pad_token_id must be an id in [0, {vocab_size}) or None; got {pad!r}")
 
 
@@ -115,7 +117,7 @@ def _check_request(rows, max_new_tokens, temperature, top_k, top_p, max_position
         raise ValueError(f"temperature must be a finite number > 0 when do_sample=True; got {temperature!r}")
     if not do_sample and temperature is not None and not number:
         raise ValueError(f"temperature must be a number (ignored when do_sample=False) or None; got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+    if top_k is not None and not is_count(top_k, 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 or None = off); got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1 or None = off); got {top_p!r}")

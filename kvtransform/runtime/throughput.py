@@ -23,7 +23,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from .memory import HeadMemory, MemoryPlan, ModelMemory, is_count, plan_memory
+from ..utils import is_count
+from .memory import HeadMemory, MemoryPlan, ModelMemory, plan_memory
 
 __all__ = ["StepModel", "step_bytes", "step_seconds", "tokens_per_second", "best_batch"]
 
