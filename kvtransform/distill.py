@@ -43,7 +43,7 @@ from .runtime.distilled import DistilledBlock, fingerprint, fingerprint_mismatch
 from .runtime.embedding_heads import find_param
 from .textdata import TRAIN_FILES
 from .transforms.artifact_files import load_artifact_file
-from .utils import atomic_write, check_free_space
+from .utils import atomic_write, check_free_space, is_count
 
 __all__ = ["DistillConfig", "TEACHERS", "teacher_targets", "loss_fn", "head_scores", "distill"]
 
@@ -209,6 +209,44 @@ def _cached_teacher(file: Path, log) -> Optional[dict]:
         return None
 
 
+def check_config(cfg: DistillConfig) -> None:
+    """The settings of ``cfg`` checked, without the model or ``out`` (also each job of a ``-m`` sweep, before the
+    first runs).
+
+    Raises:
+        ValueError: one line naming the bad key.
+        FileNotFoundError: a training file missing from this Python installation.
+    """
+    from .textdata import stdlib_path
+
+    for key in ("length", "positions", "steps", "checkpoint_every", "window", "dim"):
+        v = getattr(cfg, key)
+        if not is_count(v, 1):
+            raise ValueError(f"{key} must be an integer >= 1; got {v!r}")
+    if cfg.teacher not in TEACHERS:
+        raise ValueError(f"teacher must be one of {sorted(TEACHERS)}; got {cfg.teacher!r}")
+    if cfg.loss not in ("attn", "kl"):
+        raise ValueError(f"loss must be 'attn' or 'kl'; got {cfg.loss!r}")
+    if not 0 < cfg.budget_fraction <= 1:
+        raise ValueError(f"budget_fraction must be in (0, 1]; got {cfg.budget_fraction}")
+    for key, low in (("lr", 0.0), ("temperature", 0.0), ("weight_decay", None)):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                (v <= low if low is not None else v < 0):
+            raise ValueError(f"{key} must be a finite number {'> 0' if low is not None else '>= 0'}; got {v!r}")
+    if not is_count(cfg.threads, 0):
+        raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
+    for key, low in (("chunks_per_file", 1), ("topics_chunks", 0)):
+        v = getattr(cfg, key)
+        if not is_count(v, low):
+            raise ValueError(f"{key} must be an integer >= {low}; got {v!r}")
+    if not any(_chunks_of(cfg, f) for f in cfg.files):
+        raise ValueError(f"files={list(cfg.files)} with topics_chunks={cfg.topics_chunks} gives no training chunk: "
+                         f"name at least one file (e.g. files=[argparse.py])")
+    for f in cfg.files:  # before the model loads, as the output directory
+        stdlib_path(f, "files")
+
+
 def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     """Train (or resume) the head of ``cfg``; write the head directory ``cfg.out``.
 
@@ -227,35 +265,9 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
             (:func:`kvtransform.utils.check_free_space`, checked before each write: ``torch.save`` aborts the process
             on a full disk); a refusal before the first write leaves no new directory.
     """
-    for key in ("length", "positions", "steps", "checkpoint_every", "window", "dim"):
-        v = getattr(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{key} must be an integer >= 1; got {v!r}")
-    if cfg.teacher not in TEACHERS:
-        raise ValueError(f"teacher must be one of {sorted(TEACHERS)}; got {cfg.teacher!r}")
-    if cfg.loss not in ("attn", "kl"):
-        raise ValueError(f"loss must be 'attn' or 'kl'; got {cfg.loss!r}")
-    if not 0 < cfg.budget_fraction <= 1:
-        raise ValueError(f"budget_fraction must be in (0, 1]; got {cfg.budget_fraction}")
-    for key, low in (("lr", 0.0), ("temperature", 0.0), ("weight_decay", None)):
-        v = getattr(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
-                (v <= low if low is not None else v < 0):
-            raise ValueError(f"{key} must be a finite number {'> 0' if low is not None else '>= 0'}; got {v!r}")
-    if isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 0:
-        raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
-    for key, low in (("chunks_per_file", 1), ("topics_chunks", 0)):
-        v = getattr(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{key} must be an integer >= {low}; got {v!r}")
-    from .textdata import stdlib_path
+    check_config(cfg)
     from .utils import check_results_dir
 
-    if not any(_chunks_of(cfg, f) for f in cfg.files):
-        raise ValueError(f"files={list(cfg.files)} with topics_chunks={cfg.topics_chunks} gives no training chunk: "
-                         f"name at least one file (e.g. files=[argparse.py])")
-    for f in cfg.files:  # before the model loads, as the output directory
-        stdlib_path(f, "files")
     check_results_dir(cfg.out)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))

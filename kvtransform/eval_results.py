@@ -24,8 +24,8 @@ def read_results(out):
         ValueError: one line naming the file and the fix (move it away, or choose another ``out=``): not a regular
             file; not UTF-8 CSV; empty; its last line without a newline or a row with fewer or more fields than the
             header (cut short, as by a run killed while writing it); a column of :data:`RESULT_COLUMNS` missing;
-            a row without a value there, or a non-number where a number belongs (a setting of :data:`SETTINGS`:
-            a non-integer).
+            a column named twice; a row without a value there, or a non-number where a number belongs (the budget
+            or a setting of :data:`SETTINGS`: not an integer >= 1).
     """
     import csv
     import io
@@ -48,6 +48,9 @@ def read_results(out):
         if not text.strip() or not text.endswith("\n"):
             raise bad(f"{'empty' if not text.strip() else 'its last line has no newline'}: cut short, as by a run "
                       f"killed while writing it")
+        twice = [c for c in rows[0] if rows[0].count(c) > 1]
+        if twice:
+            raise bad(f"the header names column {twice[0]} twice: edited")
         missing = [c for c in RESULT_COLUMNS if c not in rows[0]]
         if missing:
             raise bad(f"no {', '.join(missing)} column: not eval-sparse results, or cut short")
@@ -63,11 +66,11 @@ def read_results(out):
     for c in RESULT_COLUMNS[3:]:
         if len(old) and not pd.api.types.is_numeric_dtype(old[c]):
             raise bad(f"column {c} holds a value that is not a number")
-    for c in (c for c in SETTINGS if c in old.columns):  # integers, or empty for a run that did not record them
+    for c in ("budget",) + tuple(c for c in SETTINGS if c in old.columns):  # settings may be empty (older runs)
         v = old[c].dropna()
         if len(v) and (pd.api.types.is_bool_dtype(v) or not pd.api.types.is_numeric_dtype(v)
-                       or not bool(((v == v.round()) & (v.abs() < 2 ** 62)).all())):   # (inf, 1e30: no int64)
-            raise bad(f"column {c} holds a value that is not an integer")
+                       or not bool(((v == v.round()) & (v >= 1) & (v < 2 ** 62)).all())):   # (inf, 1e30: no int64)
+            raise bad(f"column {c} holds a value that is not an integer >= 1")
     return old
 
 

@@ -282,6 +282,45 @@ def _teacher(model, tok, doc: str, cfg) -> tuple:
     return _TEACHERS[key]
 
 
+def check_config(cfg) -> tuple:
+    """The settings of ``cfg`` checked, without the model or ``out`` (also each job of a ``-m`` sweep, before the
+    first runs): ``(heads, budgets, documents)``.
+
+    Raises:
+        ValueError: an unknown head, a bad budget, length, ``num_sink``, ``threads`` or ``model.dtype`` (the message
+            names the key).
+        FileNotFoundError: a document missing from this Python installation.
+    """
+    from .runtime.heads import HEADS
+
+    heads = _as_list(cfg.head, str, "head")
+    budgets = _as_list(cfg.budget, int, "budget")
+    unknown = [h for h in heads if h not in HEADS]
+    if unknown:
+        raise ValueError(f"unknown retrieval head {unknown[0]!r}; choose from {sorted(HEADS)}")
+    for key in ("prefix", "continuation", "generate"):
+        v = getattr(cfg, key)
+        if not is_count(v, 2):
+            raise ValueError(f"{key} must be an integer >= 2 tokens; got {v!r}")
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"budget must be >= 1 token per KV head; got {min(budgets)}")
+    ns = cfg.num_sink
+    if not is_count(ns, 0, min(budgets)):
+        raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
+    if not is_count(cfg.threads, 0):
+        raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
+    docs = _as_list(cfg.documents, str, "documents")
+    from .textdata import stdlib_path
+
+    for d in docs:  # a missing document fails before the model loads and before any run
+        stdlib_path(d)
+    if hasattr(cfg.model, "dtype"):
+        from .models import resolve_dtype
+
+        resolve_dtype(cfg.model.dtype)
+    return heads, budgets, docs
+
+
 def run_eval(cfg, model=None, tokenizer=None, log=print):
     """Evaluate every (document, head, budget) of ``cfg``; write ``results.csv`` / ``.md`` / ``.png`` to
     ``cfg.out``. Returns the pandas DataFrame of this run's rows.
@@ -295,29 +334,9 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
     import pandas as pd
 
     from .config import SpeContextConfig
-    from .runtime.heads import HEADS, make_head
+    from .runtime.heads import make_head
 
-    heads = _as_list(cfg.head, str, "head")
-    budgets = _as_list(cfg.budget, int, "budget")
-    unknown = [h for h in heads if h not in HEADS]
-    if unknown:
-        raise ValueError(f"unknown retrieval head {unknown[0]!r}; choose from {sorted(HEADS)}")
-    for key in ("prefix", "continuation", "generate"):
-        v = getattr(cfg, key)
-        if not is_count(v, 2):
-            raise ValueError(f"{key} must be an integer >= 2 tokens; got {v!r}")
-    if any(b < 1 for b in budgets):
-        raise ValueError(f"budget must be >= 1 token per KV head; got {budgets}")
-    ns = cfg.num_sink
-    if not is_count(ns, 0, min(budgets)):
-        raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
-    if not is_count(cfg.threads, 0):
-        raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
-    docs = _as_list(cfg.documents, str, "documents")
-    from .textdata import stdlib_path
-
-    for d in docs:  # a missing document fails before the model loads and before any run
-        stdlib_path(d)
+    heads, budgets, docs = check_config(cfg)
     from .utils import check_results_dir
 
     check_results_dir(cfg.out)  # as the output path: not after the run

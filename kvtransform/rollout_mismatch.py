@@ -355,7 +355,13 @@ class RolloutMismatchConfig:
     out: str = "outputs/rollout-mismatch"
 
 
-def _check(cfg) -> tuple:
+def check_config(cfg) -> tuple:
+    """The settings of ``cfg`` checked, without the model or ``out`` (also each job of a ``-m`` sweep, before the
+    first runs): ``(heads, budgets, sorted lengths)``.
+
+    Raises:
+        ValueError: one line naming the bad key.
+    """
     from .runtime.heads import HEADS
 
     heads = _as_list(cfg.head, str, "head")
@@ -396,7 +402,7 @@ def run_rollout_mismatch(cfg, model=None, tokenizer=None, log=print):
     """
     from .textdata import stdlib_path, token_chunks
 
-    heads, budgets, lengths = _check(cfg)
+    heads, budgets, lengths = check_config(cfg)
     check_results_dir(cfg.out)
     docs = _as_list(cfg.documents, str, "documents")
     for d in docs:  # fail before the model loads

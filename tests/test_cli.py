@@ -172,6 +172,25 @@ def test_sweep_typos_and_bad_values_are_named_before_any_job(capsys, args, expec
     assert "Traceback" not in err and _cwd_is_empty()
 
 
+@pytest.mark.parametrize("args,expected", [
+    (["optimize", "-m", "model.dtype=float32,float8"], "model.dtype: unknown dtype 'float8'"),
+    (["optimize", "-m", "transform=dualkv", "transform.verify.tolerance=1e-3,-1"],
+     "verify.tolerance must be a finite number > 0"),
+    (["eval-sparse", "-m", "budget=64,-1"], "budget must be >= 1 token per KV head; got -1"),
+    (["distill-retrieval-head", "-m", "steps=5,0"], "steps must be an integer >= 1; got 0"),
+    (["rollout-mismatch", "-m", "seed=1,-1"], "seed must be an integer >= 0 and < 2**63; got -1"),
+])
+def test_sweep_values_each_command_refuses_are_named_before_any_job(capsys, args, expected):
+    """A value of the right type that the command itself refuses (a dtype, a negative tolerance, budget or seed)
+    in a later job of a -m sweep: one error line naming that job's value before any job runs (not after job 0
+    ran and wrote its output)."""
+    rc, out, err = _run(args, capsys)
+    swept = next(a for a in args[2:] if "," in a)
+    assert rc == 2 and expected in err and err.count("error:") == 1, err
+    assert f"(the -m sweep's job with {swept.split('=')[0]}={swept.split(',')[-1]}; no job was run)" in err, err
+    assert "Traceback" not in err and _cwd_is_empty()
+
+
 def test_unknown_transform_option(capsys):
     rc, _, err = _run(["optimize", "transform=dualkvv"], capsys)
     assert rc == 2 and "canonical" in err and "dualkv" in err and "specontext" in err

@@ -294,6 +294,10 @@ def test_artifact_with_damaged_model_info_or_head_file_is_named_in_one_line(sp_l
         torch.save(gutted, path / "head.pt")
         with pytest.raises(ValueError, match=r"head.pt is damaged \(not a retrieval head's name and state\)"):
             kvt.load(path)
+    for name in ("", "bogus"):  # (an empty name used to fall back to the config's head)
+        torch.save({"name": name, "state": {}}, path / "head.pt")
+        with pytest.raises(ValueError, match=rf"head.pt is damaged \(head name {name!r} is not a retrieval head: "):
+            kvt.load(path)
 
 
 def test_a_self_head_state_that_does_not_fit_is_refused_at_load(llama, sp_llama):
@@ -307,6 +311,9 @@ def test_a_self_head_state_that_does_not_fit_is_refused_at_load(llama, sp_llama)
     build(state)
     with pytest.raises(ValueError, match=r"^head='self' over a saved program needs .* head.pt holds none: save the"):
         build({})
+    with pytest.raises(ValueError, match=r"^head='distilled' over a saved program needs .* head.pt holds none: save"):
+        type(sp_llama)(sp_llama.core["prefill"], sp_llama.core["decode"], kvt.SpeContextConfig(budget=8),
+                       sp_llama.report, sp_llama.info, sp_llama.head.scale, head_name="distilled", head_state={})
     for bad, lacks in (({"x": torch.zeros(3)}, "layers"), ({k: v for k, v in state.items() if k != "q0"}, "q0")):
         with pytest.raises(ValueError, match=rf"^the saved state of the 'self' retrieval head does not load "
                                              rf"\(ValueError: the self head's state lacks {lacks}.*save the artifact"):

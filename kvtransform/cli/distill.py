@@ -22,5 +22,11 @@ def job(cfg: DictConfig) -> None:
                     f"{res['captured']:.3f}); use it with transform.head=distilled transform.retrieval={res['out']}")
 
 
+def precheck(cfg: DictConfig) -> None:
+    from ..distill import check_config
+
+    check_config(cfg)
+
+
 def main(args: Sequence[str]) -> int:
-    return run_hydra(args, "distill_retrieval_head", "kvtransform distill-retrieval-head", job)
+    return run_hydra(args, "distill_retrieval_head", "kvtransform distill-retrieval-head", job, precheck=precheck)

@@ -20,6 +20,12 @@ def job(cfg: DictConfig) -> None:
     console().print(f"[bold]Wrote[/bold] {cfg.out}/results.csv, results.md, results.png")
 
 
+def precheck(cfg: DictConfig) -> None:
+    from ..eval_sparse import check_config
+
+    check_config(cfg)
+
+
 def main(args: Sequence[str]) -> int:
     # a sweep's jobs merge their rows into one results table (eval_sparse.write_results)
-    return run_hydra(args, "eval_sparse", "kvtransform eval-sparse", job, sweep_shares_out=True)
+    return run_hydra(args, "eval_sparse", "kvtransform eval-sparse", job, sweep_shares_out=True, precheck=precheck)

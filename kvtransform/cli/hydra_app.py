@@ -4,7 +4,7 @@ one ``error:`` line (:func:`.overrides.check_overrides`), the job run under :fun
 from __future__ import annotations
 
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -17,13 +17,15 @@ _INFO_FLAGS = ("--help", "-h", "--hydra-help", "--shell-completion", "-sc")
 
 
 def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[DictConfig], object],
-              sweep_shares_out: bool = False) -> int:
+              sweep_shares_out: bool = False, precheck: Optional[Callable[[DictConfig], object]] = None) -> int:
     """Run ``job(cfg)`` with ``cfg`` composed from ``kvtransform.conf/<config_name>.yaml`` and ``args``.
 
     ``--cfg job`` prints the composed config resolved (interpolations as the values they will be). Hydra writes no
     run directory, ``.hydra/`` folder or log file: every config sets ``hydra.run.dir=.`` and
     ``output_subdir=null``. A ``-m`` sweep's jobs each get their own ``out`` (:func:`_sweep_out`) unless
     ``sweep_shares_out`` (a command that merges its rows into the ``out`` of earlier runs: ``eval-sparse``).
+    ``precheck(cfg)`` (the command's settings check, which its job runs first) runs on each value of a ``-m``
+    sweep before the first job, so that a bad value in a later job is named before any job runs and writes.
 
     Returns:
         0; a user error exits with status 2 after one ``error:`` line.
@@ -37,7 +39,9 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
         argv.append("--resolve")  # --cfg job shows out as the directory it will be, not ${kvt_slug:...}
     if not any(a in _INFO_FLAGS for a in argv):
         for point in (sweep_points(overrides) if multirun else [overrides]):
-            check_overrides(point, config_name)
+            cfg = check_overrides(point, config_name)
+            if multirun and precheck is not None:
+                _precheck(precheck, cfg, point, overrides)
 
     @hydra.main(version_base="1.3", config_path="pkg://kvtransform.conf", config_name=config_name)
     def _task(cfg: DictConfig) -> None:
@@ -50,6 +54,17 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
     finally:
         sys.argv = saved
     return 0
+
+
+def _precheck(precheck: Callable[[DictConfig], object], cfg: DictConfig, point: Sequence[str],
+              overrides: Sequence[str]) -> None:
+    """``precheck(cfg)`` for one job of a sweep; its error as one UsageError line naming the job's swept values."""
+    try:
+        precheck(cfg)
+    except (UsageError, ValueError, FileNotFoundError) as e:
+        swept = [p for p in point if p not in overrides] or list(point)
+        raise UsageError(f"{str(e).splitlines()[0] if str(e) else type(e).__name__} (the -m sweep's job with "
+                         f"{' '.join(swept)}; no job was run)") from None
 
 
 def _has_out(config_name: str) -> bool:

@@ -128,6 +128,34 @@ def _transform_config(cfg: DictConfig):
     return tcfg
 
 
+def check_config(cfg: DictConfig) -> tuple:
+    """The settings of ``cfg`` checked, without the model or ``out`` (also each job of a ``-m`` sweep, before the
+    first runs): ``(transform config, emit list)``.
+
+    Raises:
+        UsageError: an invalid transform setting or a transform that is not built, a bad ``emit`` (or ONNX with
+            SpeContext), ``threads`` or ``model.dtype``.
+    """
+    from ..models import resolve_dtype
+    from .generate import check_threads
+
+    tcfg = _transform_config(cfg)
+    emit = _emit_kinds(cfg)
+    if "onnx" in emit and isinstance(tcfg, SpeContextConfig):  # before the model loads (the export would refuse)
+        from kvtransform.onnx_export import UnsupportedOpError, refuse_ops
+
+        try:
+            refuse_ops(["retrieval_topk", "sparse_decode_attention"])
+        except UnsupportedOpError as e:
+            raise UsageError(f"emit=[...,onnx] with transform=specontext: {e}; use emit=[pt2]") from None
+    check_threads(cfg.threads)
+    try:
+        resolve_dtype(cfg.model.dtype)
+    except ValueError as e:
+        raise UsageError(f"model.dtype: {e}") from None
+    return tcfg, emit
+
+
 def run_optimize(cfg: DictConfig) -> dict:
     """The ``optimize`` job: load → transform (captures, rewrites, verifies) → report → save → reload check.
 
@@ -151,18 +179,9 @@ def run_optimize(cfg: DictConfig) -> dict:
     from ..transforms.artifact_files import check_output_dir, replace_directory
 
     console = _console()
-    tcfg = _transform_config(cfg)  # the settings first: a bad value is named even when the output exists
-    emit = _emit_kinds(cfg)
-    if "onnx" in emit and isinstance(tcfg, SpeContextConfig):  # before the model loads (the export would refuse)
-        from kvtransform.onnx_export import UnsupportedOpError, refuse_ops
+    tcfg, emit = check_config(cfg)  # the settings first: a bad value is named even when the output exists
+    from .generate import choose_threads
 
-        try:
-            refuse_ops(["retrieval_topk", "sparse_decode_attention"])
-        except UnsupportedOpError as e:
-            raise UsageError(f"emit=[...,onnx] with transform=specontext: {e}; use emit=[pt2]") from None
-    from .generate import check_threads, choose_threads
-
-    check_threads(cfg.threads)
     out = check_output_dir(cfg.out, cfg.overwrite)  # before loading the model: never replace what is not an artifact
     import torch
 
@@ -235,5 +254,5 @@ def run_optimize(cfg: DictConfig) -> dict:
 
 def main(args: Sequence[str]) -> int:
     """``kvtransform optimize [MODEL] [key=value ...] [--cfg job] [--help]``."""
-    return run_hydra(args, "config", "kvtransform optimize", run_optimize)
+    return run_hydra(args, "config", "kvtransform optimize", run_optimize, precheck=check_config)
 

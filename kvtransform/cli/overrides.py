@@ -186,8 +186,9 @@ def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
     return points
 
 
-def check_overrides(overrides: list[str], config_name: str = "config") -> None:
-    """Compose the config once with the Compose API so that a typo or a bad value becomes one message.
+def check_overrides(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """Compose the config once with the Compose API so that a typo or a bad value becomes one message; returns the
+    composed config (``${hydra:...}`` values unresolved: there is no Hydra run).
 
     An unknown key names the valid keys (and the group choice when the typo is close to a group name: ``transfrom=x``
     suggests ``transform=x``); a value of the wrong type names the key, what it accepts and what was given; an
@@ -204,8 +205,7 @@ def check_overrides(overrides: list[str], config_name: str = "config") -> None:
                          f"(see `kvtransform optimize --help`), so drop the '+' and use key=value")
     with initialize_config_module(config_module="kvtransform.conf", version_base="1.3"):
         try:
-            compose(config_name=config_name, overrides=app)
-            return
+            return compose(config_name=config_name, overrides=app)
         except HydraException as e:
             err = e
         # Valid keys: the config composed from the group choices only (no key overrides).

@@ -25,5 +25,11 @@ def job(cfg: DictConfig) -> None:
     console().print(f"[bold]Wrote[/bold] {cfg.out}/results.csv, results.md, tokens.pt")
 
 
+def precheck(cfg: DictConfig) -> None:
+    from ..rollout_mismatch import check_config
+
+    check_config(cfg)
+
+
 def main(args: Sequence[str]) -> int:
-    return run_hydra(args, "rollout_mismatch", "kvtransform rollout-mismatch", job)
+    return run_hydra(args, "rollout_mismatch", "kvtransform rollout-mismatch", job, precheck=precheck)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..utils import is_count
-from .embedding_heads import EmbeddingKeyHead, find_param, rms_norm, rope, yarn_rows
+from .embedding_heads import EmbeddingKeyHead, _model_config, find_param, rms_norm, rope, yarn_rows
 from .heads import register_head
 
 __all__ = ["DistilledBlock", "DistilledHead", "fingerprint", "check_fingerprint", "save_head_dir", "load_head_dir",
@@ -323,6 +323,9 @@ class DistilledHead(EmbeddingKeyHead):
             check_fingerprint({k: v for k, v in self.meta["fingerprint"].items() if k.startswith("embed")}, model,
                               "in this artifact")
             return
+        if _model_config(model) is None:  # a reloaded program: the block comes from load_state_dict
+            raise ValueError("head='distilled' over a saved program needs the block its artifact's head.pt stores, "
+                             "and head.pt holds none: save the artifact again")
         if self.source == "self":
             where = shipped_head_for(model)
             if where is None:
@@ -365,6 +368,6 @@ def auto_head(model) -> str:
     which reads only the KV cache: Phi-3's fused ``qkv_proj``, Gemma 3's two RoPE tables)."""
     if shipped_head_for(model) is not None:
         return "distilled"
-    from .embedding_heads import SelfHead, _model_config
+    from .embedding_heads import SelfHead
 
     return "quest" if _model_config(model) is not None and SelfHead.missing(model) is not None else "self"

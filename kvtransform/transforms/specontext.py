@@ -43,7 +43,7 @@ from kvtransform.passes.sparse_decode import SparseDecodePass, count_cache_copie
     selection_layers
 from kvtransform.report import Report, Verification
 from kvtransform.runtime.generate import GenerateOutput, ModelInfo, SpeContextRuntime
-from kvtransform.runtime.heads import all_positions, make_head
+from kvtransform.runtime.heads import HEADS, all_positions, make_head
 from kvtransform.utils import device_of, stage, timed
 from kvtransform.verify import _input_kind, check, default_tolerance, text_token_ids
 
@@ -249,6 +249,9 @@ class SpeContextModule(OptimizedModule):
         if not (isinstance(head, dict) and isinstance(head.get("name"), str) and isinstance(head.get("state"), dict)):
             raise ValueError(f"{path / 'head.pt'} is damaged (not a retrieval head's name and state): save the "
                              f"artifact again")
+        if head["name"] not in HEADS:  # (an empty name would fall back to the config's head)
+            raise ValueError(f"{path / 'head.pt'} is damaged (head name {head['name'][:60]!r} is not a retrieval "
+                             f"head: {', '.join(sorted(HEADS))}): save the artifact again")
         return cls(prefill, decode, config, report, info, meta.get("softmax_scale"), head_name=head["name"],
                    head_state=head["state"])
 
