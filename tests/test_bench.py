@@ -256,6 +256,15 @@ def test_bad_sweep_value_names_the_job_and_runs_nothing(tmp_path):
     assert not os.listdir(tmp_path)  # the good job did not run either
 
 
+@pytest.mark.parametrize("sweep", ["P=glob(*)", "P=interval(7,9)"])
+def test_glob_and_interval_sweeps_are_refused_in_one_line(tmp_path, sweep):
+    """glob() picks config group options (a suite has none: Hydra said "ConfigLoader is not set") and interval()
+    needs a sweeper plugin: named, with the sweeps bench takes, before any job."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(sweep)}: bench sweeps take a list of values"):
+        run("dualkv-layer", ["-m", sweep, f"out_dir={tmp_path}"] + TINY)
+    assert not os.listdir(tmp_path)
+
+
 def test_cli_bad_value_is_one_error_line(tmp_path, capsys):
     cli = pytest.importorskip("kvtransform.cli")
     for argv in (["r_min=9", "r_max=3"], ["P=-3"]):

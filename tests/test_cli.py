@@ -162,11 +162,18 @@ def test_config_typo_names_valid_keys(capsys, override, expected):
     (["-m", "ovrwrite=true", "threads=1,2"], "'overwrite'"),                   # a typo'd key beside a sweep
     (["-m", "threads=1,2", "transform.budget=8,lots"], "invalid value for 'transform.budget'"),  # a later value
     (["-m", "transform=canonical,dualk"], "unknown transform 'dualk'; did you mean 'dualkv'?"),
+    (["-m", "threads=glob(*)"], "glob() picks the options of a config group (model, transform), and threads is a "
+                                "setting"),                                    # Hydra ran no job for it (exit 0)
+    (["-m", "threads=interval(1,2)"], "interval() needs a sweeper plugin"),  # Hydra: a traceback
+    (["-m", "transform=glob(nope*)"], "transform=glob(nope*) matches no transform option; choices: canonical"),
+    # a glob over a group is expanded for the check: transform.budget is a key of the specontext it picks
+    (["-m", "transform=glob(spec*)", "transform.budget=8", "transform.verify.lengths=[0]"],
+     "verify.lengths must be integers >= 2 tokens; got 0 (the -m sweep's job with transform=specontext; no job"),
 ])
 def test_sweep_typos_and_bad_values_are_named_before_any_job(capsys, args, expected):
     """A -m sweep is checked as a single run is, each swept value once: a typo or a bad value in any job gives one
     error line naming the fix before the first job runs (not Hydra's multi-line error, nor a failure mid-sweep)."""
-    pre = ["transform=specontext"] if "budg" in " ".join(args) else []
+    pre = ["transform=specontext"] if "budg" in " ".join(args) and "glob" not in " ".join(args) else []
     rc, out, err = _run(["optimize", *pre, *args], capsys)
     assert rc == 2 and expected in err and err.count("error:") == 1, err
     assert "Traceback" not in err and _cwd_is_empty()

@@ -161,21 +161,36 @@ def parse_overrides(overrides: Sequence[str]):
 
 def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
     """The override lists :func:`check_overrides` checks for a ``-m`` sweep: each value of each sweep (``a,b``,
-    ``range(...)``) once, the other sweeps at their first value, so a typo'd key or a bad value in any job is named
-    before the first job runs. ``glob(...)`` and interval sweeps (which need Hydra's config loader or a sweeper)
-    are left to Hydra; overrides that do not parse come back as they are (:func:`check_overrides` names the
-    syntax error)."""
-    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+    ``range(...)``, ``glob(...)`` over a config group's options) once, the other sweeps at their first value, so a
+    typo'd key or a bad value in any job is named before the first job runs. Overrides that do not parse come back
+    as they are (:func:`check_overrides` names the syntax error).
+
+    Raises:
+        UsageError: ``glob(...)`` on a key that is not a config group (Hydra would run no job) or matching no
+            option; ``interval(...)`` (only sweeper plugins take it).
+    """
+    from hydra.core.override_parser.types import ChoiceSweep, Glob, RangeSweep
 
     parsed = parse_overrides(overrides)
     if parsed is None:
         return [list(overrides)]
     values = []  # per override: the override texts it contributes, one per value
     for o in parsed:
-        if o.is_sweep_override() and isinstance(o.value(), (ChoiceSweep, RangeSweep)):
-            values.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] or [o.input_line])
-        elif o.is_sweep_override():
-            values.append([])  # glob / interval: Hydra expands them
+        key, value = o.get_key_element(), o.value()
+        if o.is_sweep_override() and isinstance(value, (ChoiceSweep, RangeSweep)):
+            values.append([f"{key}={v}" for v in o.sweep_string_iterator()] or [o.input_line])
+        elif isinstance(value, Glob):
+            choices = group_choices(key.lstrip("+~"))
+            if not choices:  # (Hydra would run no job at all for it)
+                raise UsageError(f"{o.input_line}: glob() picks the options of a config group "
+                                 f"({', '.join(_GROUPS)}), and {key} is a setting: list its values ({key}=a,b) or "
+                                 f"use range(start,stop[,step])")
+            if not value.filter(choices):
+                raise UsageError(f"{o.input_line} matches no {key} option; choices: {', '.join(choices)}")
+            values.append([f"{key}={c}" for c in value.filter(choices)])
+        elif o.is_sweep_override():  # interval(): only sweeper plugins (Optuna, Ax) take it
+            raise UsageError(f"{o.input_line}: interval() needs a sweeper plugin (Optuna, Ax), which kvtransform "
+                             f"does not use: list the values ({key}=a,b) or use range(start,stop[,step])")
         else:
             values.append([o.input_line])
     first = [v[0] for v in values if v]
