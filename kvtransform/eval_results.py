@@ -60,7 +60,7 @@ def read_results(out):
             empty = [c for c in RESULT_COLUMNS if row and not row[rows[0].index(c)].strip()]
             if empty:
                 raise bad(f"line {line} has no {empty[0]}")
-        old = pd.read_csv(io.StringIO(text))
+        old = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])  # ('NA', 'nan': not numbers)
     except (UnicodeDecodeError, csv.Error, pd.errors.ParserError) as e:
         raise bad(f"not a UTF-8 CSV file: {str(e).strip().splitlines()[0]}") from None
     for c in RESULT_COLUMNS[3:]:

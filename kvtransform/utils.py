@@ -18,10 +18,12 @@ REDIRECTED_WIDTH = 400
 LOG_EVERY_S = 5.0  # redirected output: the shortest gap between two progress lines of one stage
 
 
-def is_count(v, low: int = 0, high: "int | None" = None) -> bool:
-    """``v`` is an integer (Python or NumPy; not a bool) with ``low <= v`` and, when ``high`` is given, ``v <= high``."""
-    return (not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= low
-            and (high is None or v <= high))
+def is_count(v, low: int = 0, high: "int | None" = None, numpy: bool = False) -> bool:
+    """``v`` is a Python ``int`` (not a bool; with ``numpy``, a NumPy integer too) with ``low <= v`` and, when
+    ``high`` is given, ``v <= high``. Values that are written to YAML or JSON (configs, artifacts) must be Python
+    ints: OmegaConf and ``json`` refuse NumPy's."""
+    kind = numbers.Integral if numpy else int
+    return not isinstance(v, bool) and isinstance(v, kind) and v >= low and (high is None or v <= high)
 
 
 def console(stderr: bool = False):

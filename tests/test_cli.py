@@ -179,23 +179,40 @@ def test_sweep_typos_and_bad_values_are_named_before_any_job(capsys, args, expec
     assert "Traceback" not in err and _cwd_is_empty()
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["optimize", "-m", "model.dtype=float32,float8"], "model.dtype: unknown dtype 'float8'"),
+@pytest.mark.parametrize("args,expected,job", [
+    (["optimize", "-m", "model.dtype=float32,float8"], "model.dtype: unknown dtype 'float8'", "model.dtype=float8"),
     (["optimize", "-m", "transform=dualkv", "transform.verify.tolerance=1e-3,-1"],
-     "verify.tolerance must be a finite number > 0"),
-    (["eval-sparse", "-m", "budget=64,-1"], "budget must be >= 1 token per KV head; got -1"),
-    (["distill-retrieval-head", "-m", "steps=5,0"], "steps must be an integer >= 1; got 0"),
-    (["rollout-mismatch", "-m", "seed=1,-1"], "seed must be an integer >= 0 and < 2**63; got -1"),
+     "verify.tolerance must be a finite number > 0", "transform.verify.tolerance=-1"),
+    (["eval-sparse", "-m", "budget=64,-1"], "budget must be >= 1 token per KV head; got -1", "budget=-1"),
+    (["distill-retrieval-head", "-m", "steps=5,0"], "steps must be an integer >= 1; got 0", "steps=0"),
+    (["rollout-mismatch", "-m", "seed=1,-1"], "seed must be an integer >= 0 and < 2**63; got -1", "seed=-1"),
+    # a value bad only beside another job's value: every job of the sweep is checked
+    (["eval-sparse", "-m", "num_sink=0,8", "budget=16,4"], "num_sink must be an integer in [0, smallest budget 4]; "
+                                                           "got 8", "num_sink=8 budget=4"),
+    # ${hydra:job.num} in a setting resolves to each job's number for the check (not "HydraConfig was not set")
+    (["rollout-mismatch", "-m", "seed=${hydra:job.num}", "budget=8,-16"], "budget and lengths must be integers >= 1",
+     "budget=-16"),
+    (["optimize", "-m", "transform=specontext", "transform.head=quest,distilled", "transform.retrieval=/no/such/dir"],
+     "transform.retrieval=/no/such/dir: no such directory", "transform.head=distilled"),
 ])
-def test_sweep_values_each_command_refuses_are_named_before_any_job(capsys, args, expected):
-    """A value of the right type that the command itself refuses (a dtype, a negative tolerance, budget or seed)
-    in a later job of a -m sweep: one error line naming that job's value before any job runs (not after job 0
-    ran and wrote its output)."""
+def test_sweep_values_each_command_refuses_are_named_before_any_job(capsys, args, expected, job):
+    """A value of the right type that the command itself refuses (a dtype, a negative tolerance, budget or seed, a
+    missing head directory), in a later job of a -m sweep or only in combination with another swept value: one
+    error line naming that job before any job runs (not after job 0 ran and wrote its output)."""
     rc, out, err = _run(args, capsys)
-    swept = next(a for a in args[2:] if "," in a)
     assert rc == 2 and expected in err and err.count("error:") == 1, err
-    assert f"(the -m sweep's job with {swept.split('=')[0]}={swept.split(',')[-1]}; no job was run)" in err, err
+    assert f"(the -m sweep's job with {job}; no job was run)" in err, err
     assert "Traceback" not in err and _cwd_is_empty()
+
+
+def test_sweep_over_out_checks_each_results_table_before_any_job(tmp_path, capsys):
+    """eval-sparse merges into each job's out: a damaged results.csv in a later job's out is named before the first
+    job runs (the first job's table is not written)."""
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "results.csv").write_text("model,document\nx,y\n")
+    rc, out, err = _run(["eval-sparse", "-m", f"out={tmp_path / 'good'},{tmp_path / 'bad'}"], capsys)
+    assert rc == 2 and "results.csv cannot be merged" in err and f"job with out={tmp_path / 'bad'};" in err, err
+    assert not (tmp_path / "good").exists()
 
 
 def test_unknown_transform_option(capsys):

@@ -156,6 +156,17 @@ def test_invalid_specontext_config_is_refused_at_construction(kwargs, match):
             config_from_dict({"name": "specontext", **kwargs})
 
 
+def test_numpy_integers_are_refused_where_the_config_is_written_as_yaml():
+    """Counts must be Python ints: OmegaConf cannot write a NumPy integer, so the artifact's save failed after the
+    whole transform had run; refused at construction instead."""
+    np = pytest.importorskip("numpy")
+    for make, match in ((lambda: SpeContextConfig(budget=8, version=np.int64(1)), "version must be an integer"),
+                        (lambda: CanonicalConfig(verify=VerifyConfig(lengths=[np.int64(16)])),
+                         "verify.lengths must be integers")):
+        with pytest.raises(ValueError, match=match):
+            make()
+
+
 def test_runtime_settings_are_one_dataclass():
     from kvtransform.config import RuntimeConfig
 

@@ -414,13 +414,15 @@ _LINE = ",".join(str(v) for v in _ROW.values()) + "\n"
     (_HEADER + _LINE.replace("1024,32,16", "1024,32,1e30"), "column generate holds a value that is not an integer"),
     (_HEADER + _LINE.replace("1024,32,16", "-5,32,16"), "column cached holds a value that is not an integer >= 1"),
     (_HEADER + _LINE.replace(",self,64,", ",self,16.5,"), "column budget holds a value that is not an integer >= 1"),
+    (_HEADER + _LINE + _LINE.replace(",self,64,", ",self,NA,"), "column budget holds a value that is not a number"),
     (_HEADER.replace("recall_mean,", "recall_mean,recall_mean,").replace("agreement,", "") + _LINE,
      "the header names column recall_mean twice"),
     ("", "empty"),
     (b"PK\x03\x04\xff\xfe\x00", "not a UTF-8 CSV file"),
     (None, "not a regular file"),
 ], ids=["cut-short", "short-row", "empty-field", "no-column", "not-a-number", "long-row", "setting-not-a-number",
-        "setting-not-an-integer", "setting-inf", "setting-too-large", "setting-negative", "budget-not-an-integer",
+        "setting-not-an-integer", "setting-inf", "setting-too-large", "setting-negative",
+        "budget-not-an-integer", "budget-NA",
         "column-twice", "empty", "binary", "directory"])
 def test_a_damaged_results_csv_is_refused_not_merged(tmp_path, content, why):
     """A results.csv cut short by a killed run, or not eval-sparse's, is refused in one line naming it and the fix,

@@ -99,7 +99,8 @@ def compose_jobs(suite: str, overrides: List[str], multirun: bool = False) -> li
                          f"has no value here; drop it (every job of a bench sweep adds its rows to the one out_dir)")
     from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 
-    odd = [o.input_line for o in parsed if o.is_sweep_override() and not isinstance(o.value(), (ChoiceSweep, RangeSweep))]
+    odd = [o.input_line for o in parsed
+           if o.is_sweep_override() and not isinstance(o.value(), (ChoiceSweep, RangeSweep))]
     if odd:  # glob() needs config groups (a suite has none), interval() a sweeper plugin
         raise ValueError(f"{odd[0]}: bench sweeps take a list of values (key=a,b) or range(start,stop[,step])")
     sweeps = [o.input_line for o in parsed if o.is_sweep_override()]

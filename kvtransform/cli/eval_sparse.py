@@ -21,9 +21,17 @@ def job(cfg: DictConfig) -> None:
 
 
 def precheck(cfg: DictConfig) -> None:
-    from ..eval_sparse import check_config
+    """The settings, and the ``results.csv`` the job would merge into (a damaged one is named before any job)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ..eval_sparse import check_config, read_results
 
     check_config(cfg)
+    try:
+        out = cfg.out
+    except OmegaConfBaseException:  # a ${hydra:...} value only the Hydra run has: the job checks it
+        return
+    read_results(out)
 
 
 def main(args: Sequence[str]) -> int:

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 from omegaconf import DictConfig
 
 from .errors import UsageError, guard
-from .overrides import check_overrides, parse_overrides, split_args, sweep_points
+from .overrides import check_overrides, group_choices, parse_overrides, split_args, sweep_points
 
 __all__ = ["run_hydra"]
 
@@ -38,10 +38,12 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
     if any(a in ("--cfg", "-c") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # --cfg job shows out as the directory it will be, not ${kvt_slug:...}
     if not any(a in _INFO_FLAGS for a in argv):
-        for point in (sweep_points(overrides) if multirun else [overrides]):
-            cfg = check_overrides(point, config_name)
+        points = sweep_points(overrides) if multirun else [overrides]
+        every_job = multirun and len(points) == _job_count(overrides)
+        for num, point in enumerate(points):
+            cfg = check_overrides(point, config_name, hydra_node=multirun)
             if multirun and precheck is not None:
-                _precheck(precheck, cfg, point, overrides)
+                _precheck(precheck, cfg, point, overrides, num if every_job else None)
 
     @hydra.main(version_base="1.3", config_path="pkg://kvtransform.conf", config_name=config_name)
     def _task(cfg: DictConfig) -> None:
@@ -56,9 +58,36 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
     return 0
 
 
+def _job_count(overrides: Sequence[str]) -> int:
+    """The number of jobs of a ``-m`` sweep (the product of its sweeps' lengths)."""
+    from hydra.core.override_parser.types import ChoiceSweep, Glob, RangeSweep
+
+    n = 1
+    for o in parse_overrides(overrides) or []:
+        if o.is_sweep_override() and isinstance(o.value(), (ChoiceSweep, RangeSweep)):
+            n *= max(1, len(list(o.sweep_string_iterator())))
+        elif isinstance(o.value(), Glob):
+            n *= max(1, len(o.value().filter(group_choices(o.get_key_element().lstrip("+~")))))
+    return n
+
+
 def _precheck(precheck: Callable[[DictConfig], object], cfg: DictConfig, point: Sequence[str],
-              overrides: Sequence[str]) -> None:
-    """``precheck(cfg)`` for one job of a sweep; its error as one UsageError line naming the job's swept values."""
+              overrides: Sequence[str], job_num: Optional[int]) -> None:
+    """``precheck(cfg)`` for one job of a sweep (``cfg`` with its ``hydra`` node, ``job_num`` its job number when
+    known); its error as one UsageError line naming the job's swept values. ``${hydra:job.num}`` in a setting
+    resolves to the job's number; a setting naming another ``${hydra:...}`` value (one only the Hydra run has) leaves
+    the job's check to the job."""
+    import re
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    refs = re.findall(r"\$\{hydra:([^}]*)\}", " ".join(o for o in point if o.split("=", 1)[0].lstrip("+~") != "out"))
+    if any(r.strip() != "job.num" for r in refs) or (refs and job_num is None):
+        return
+    with open_dict(cfg):
+        cfg.hydra.job.num = job_num if job_num is not None else 0
+    HydraConfig.instance().set_config(cfg)
     try:
         precheck(cfg)
     except (UsageError, ValueError, FileNotFoundError) as e:

@@ -134,7 +134,7 @@ def check_config(cfg: DictConfig) -> tuple:
 
     Raises:
         UsageError: an invalid transform setting or a transform that is not built, a bad ``emit`` (or ONNX with
-            SpeContext), ``threads`` or ``model.dtype``.
+            SpeContext), ``threads`` or ``model.dtype``, a ``transform.retrieval`` directory that does not exist.
     """
     from ..models import resolve_dtype
     from .generate import check_threads
@@ -149,6 +149,10 @@ def check_config(cfg: DictConfig) -> tuple:
         except UnsupportedOpError as e:
             raise UsageError(f"emit=[...,onnx] with transform=specontext: {e}; use emit=[pt2]") from None
     check_threads(cfg.threads)
+    retrieval = Path(str(getattr(tcfg, "retrieval", "self"))).expanduser()
+    if getattr(tcfg, "head", "") in ("distilled", "eagle3") and str(retrieval) != "self" and not retrieval.exists():
+        raise UsageError(f"transform.retrieval={retrieval}: no such directory (a head written by `kvtransform "
+                         f"distill-retrieval-head`, or an EAGLE-3 draft for head=eagle3)")
     try:
         resolve_dtype(cfg.model.dtype)
     except ValueError as e:

@@ -136,7 +136,7 @@ def _check_counts(obj, non_negative, positive) -> None:
     for names, low in ((non_negative, 0), (positive, 1)):
         for key in names:
             v = getattr(obj, key)
-            if not is_count(v, low):
+            if not is_count(v, low, numpy=True):
                 raise ValueError(f"{type(obj).__name__}.{key}={v!r} must be an integer >= {low}")
 
 
@@ -148,7 +148,7 @@ def _check_config(cfg) -> None:
         need.append("hidden_size")
     for key in need:
         v = getattr(cfg, key, None)
-        if not is_count(v, 1):
+        if not is_count(v, 1, numpy=True):
             what = " (hidden_size / num_attention_heads where not given)" if key == "head_dim" else ""
             raise ValueError(f"model config: {key}={v!r}{what} must be an integer >= 1 (fix the model's config.json)")
 
@@ -254,8 +254,8 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
             gives the largest batch that fits and the GPU memory the requested one needs).
     """
     sizes = dict(gpu_bytes=gpu_bytes, batch=batch, input_len=input_len, output_len=output_len, budget=budget)
-    bad = {k: v for k, v in sizes.items() if not is_count(v, 1)}
-    if not bad and not is_count(reserve_bytes):
+    bad = {k: v for k, v in sizes.items() if not is_count(v, 1, numpy=True)}
+    if not bad and not is_count(reserve_bytes, numpy=True):
         bad = {"reserve_bytes": reserve_bytes}
     if bad:
         raise ValueError(f"plan_memory needs positive integer sizes (bytes, tokens, rows; reserve_bytes >= 0); got "
@@ -394,11 +394,11 @@ def run_plan_memory(cfg) -> MemoryPlan:
                          f"rates > 0 (or neither)")
     for key in ("batch", "input_len", "output_len", "budget"):  # before the model loads
         v = getattr(cfg, key)
-        if not is_count(v, 1):
+        if not is_count(v, 1, numpy=True):
             raise ValueError(f"{key}={v!r} must be an integer >= 1")
     for key in ("head_token_bytes", "head_resident_layers"):
         v = getattr(cfg, key)
-        if not is_count(v):
+        if not is_count(v, numpy=True):
             raise ValueError(f"{key}={v!r} must be an integer >= 0")
     name = cfg.model.name if hasattr(cfg.model, "name") else cfg.model
     mm = _model_memory(str(name), dtypes[cfg.dtype])

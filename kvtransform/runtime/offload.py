@@ -473,9 +473,9 @@ def make_plan(runtime, batch: int, input_len: int, output_len: int, gpu_bytes: O
         ValueError: no ``gpu_bytes`` on the CPU stand-in, a ``gpu_bytes`` or ``runtime.offload_chunk`` that is not
             an integer >= 1, or a batch that does not fit (see :func:`plan_memory`).
     """
-    if not is_count(runtime.offload_chunk, 1):
+    if not is_count(runtime.offload_chunk, 1, numpy=True):
         raise ValueError(f"runtime.offload_chunk={runtime.offload_chunk!r} must be an integer >= 1 (tokens)")
-    if gpu_bytes is not None and not is_count(gpu_bytes, 1):
+    if gpu_bytes is not None and not is_count(gpu_bytes, 1, numpy=True):
         raise ValueError(f"runtime.gpu_memory_bytes={gpu_bytes!r} must be an integer >= 1 (bytes; None: on CUDA, "
                          f"the free memory at the start)")
     mm, head = plan_inputs(runtime)

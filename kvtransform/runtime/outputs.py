@@ -133,7 +133,7 @@ class ModelInfo:
 
         Raises:
             ValueError: ``info`` is not an object with exactly these fields, a count that is not a positive int, a
-                ``dtype`` not a torch dtype's name, EOS ids not a list of ints >= 0 or a pad id neither int nor null (one
+                ``dtype`` not a torch dtype's name, EOS ids not a list of ints or a pad id neither int nor null (one
                 line naming ``where``, the artifact's ``meta.json``).
         """
         def bad(why):
@@ -150,10 +150,11 @@ class ModelInfo:
                 raise bad(f"{key} is {info[key]!r}, not a positive int")
         if not isinstance(info["dtype"], str) or not isinstance(getattr(torch, info["dtype"], None), torch.dtype):
             raise bad(f"dtype is {info['dtype']!r}, not a torch dtype's name")
-        if not isinstance(info["eos_token_id"], list) or not all(is_count(e, 0) for e in info["eos_token_id"]):
-            raise bad(f"eos_token_id is {info['eos_token_id']!r}, not a list of ints >= 0")
-        if info["pad_token_id"] is not None and not is_count(info["pad_token_id"], 0):
-            raise bad(f"pad_token_id is {info['pad_token_id']!r}, not an int >= 0 or null")
+        eos = info["eos_token_id"]
+        if not isinstance(eos, list) or not all(is_count(e, -(1 << 63)) for e in eos):  # (any int, as HF stores)
+            raise bad(f"eos_token_id is {info['eos_token_id']!r}, not a list of ints")
+        if info["pad_token_id"] is not None and not is_count(info["pad_token_id"], -(1 << 63)):
+            raise bad(f"pad_token_id is {info['pad_token_id']!r}, not an int or null")
         return cls(**info)
 
     def check_decode_program(self, program, where: str) -> None:

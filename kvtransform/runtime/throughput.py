@@ -72,7 +72,7 @@ class StepModel:
         if not 1.0 <= real("gpu_factor") < math.inf:
             raise ValueError(f"gpu_factor={self.gpu_factor!r} must be >= 1 and finite (a step is never faster than "
                              f"its floor)")
-        if not is_count(self.chunk, 1):
+        if not is_count(self.chunk, 1, numpy=True):
             raise ValueError(f"chunk={self.chunk!r} must be an integer >= 1 (tokens)")
 
 
@@ -120,7 +120,7 @@ def best_batch(model: ModelMemory, head: HeadMemory, sm: StepModel, *, gpu_bytes
             (:func:`plan_memory`'s message).
     """
     for key, v in (("max_batch", max_batch), ("host_bytes", host_bytes)):
-        if not is_count(v):
+        if not is_count(v, numpy=True):
             raise ValueError(f"{key}={v!r} must be an integer >= 0 (0: no bound)")
     kw = dict(gpu_bytes=gpu_bytes, input_len=input_len, output_len=output_len, budget=budget,
               reserve_bytes=reserve_bytes)
