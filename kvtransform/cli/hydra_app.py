@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 from omegaconf import DictConfig
 
 from .errors import UsageError, guard
-from .overrides import check_overrides, group_choices, parse_overrides, split_args, sweep_points
+from .overrides import check_overrides, parse_overrides, split_args, sweep_points
 
 __all__ = ["run_hydra"]
 
@@ -38,8 +38,7 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
     if any(a in ("--cfg", "-c") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # --cfg job shows out as the directory it will be, not ${kvt_slug:...}
     if not any(a in _INFO_FLAGS for a in argv):
-        points = sweep_points(overrides) if multirun else [overrides]
-        every_job = multirun and len(points) == _job_count(overrides)
+        points, every_job = sweep_points(overrides) if multirun else ([overrides], False)
         for num, point in enumerate(points):
             cfg = check_overrides(point, config_name, hydra_node=multirun)
             if multirun and precheck is not None:
@@ -56,19 +55,6 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
     finally:
         sys.argv = saved
     return 0
-
-
-def _job_count(overrides: Sequence[str]) -> int:
-    """The number of jobs of a ``-m`` sweep (the product of its sweeps' lengths)."""
-    from hydra.core.override_parser.types import ChoiceSweep, Glob, RangeSweep
-
-    n = 1
-    for o in parse_overrides(overrides) or []:
-        if o.is_sweep_override() and isinstance(o.value(), (ChoiceSweep, RangeSweep)):
-            n *= max(1, len(list(o.sweep_string_iterator())))
-        elif isinstance(o.value(), Glob):
-            n *= max(1, len(o.value().filter(group_choices(o.get_key_element().lstrip("+~")))))
-    return n
 
 
 def _precheck(precheck: Callable[[DictConfig], object], cfg: DictConfig, point: Sequence[str],

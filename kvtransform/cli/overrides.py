@@ -164,12 +164,16 @@ def parse_overrides(overrides: Sequence[str]):
         return None
 
 
-def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
+def sweep_points(overrides: Sequence[str]) -> tuple[list[list[str]], bool]:
     """The override lists :func:`check_overrides` (and the command's settings check) checks for a ``-m`` sweep:
     every job's (``a,b``, ``range(...)``, ``glob(...)`` over a config group's options) when the sweep has at most
     :data:`MAX_CHECKED_JOBS`, else each value of each sweep once with the other sweeps at their first value; so a
     typo'd key or a bad value in any job is named before the first job runs. Overrides that do not parse come back
     as they are (:func:`check_overrides` names the syntax error).
+
+    Returns:
+        ``(points, every_job)``: the override lists, and whether they are every job in Hydra's order (point ``i``
+        is job number ``i``).
 
     Raises:
         UsageError: ``glob(...)`` on a key that is not a config group (Hydra would run no job) or matching no
@@ -179,7 +183,7 @@ def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
 
     parsed = parse_overrides(overrides)
     if parsed is None:
-        return [list(overrides)]
+        return [list(overrides)], False
     values = []  # per override: the override texts it contributes, one per value
     for o in parsed:
         key, value = o.get_key_element(), o.value()
@@ -201,13 +205,13 @@ def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
             values.append([o.input_line])
     values = [v for v in values if v]
     if math.prod(len(v) for v in values) <= MAX_CHECKED_JOBS:  # every job: a value bad only beside another
-        return [list(p) for p in itertools.product(*values)]
+        return [list(p) for p in itertools.product(*values)], True
     first = [v[0] for v in values]
     points = [first]
     for i, vs in enumerate(values):
         for v in vs[1:]:
             points.append([v if j == i else w[0] for j, w in enumerate(values)])
-    return points
+    return points, False
 
 
 def check_overrides(overrides: list[str], config_name: str = "config", hydra_node: bool = False) -> DictConfig:
