@@ -195,15 +195,15 @@ def sweep_points(overrides: Sequence[str]) -> tuple[list[list[str]], bool]:
                 raise UsageError(f"{o.input_line}: glob() picks the options of a config group "
                                  f"({', '.join(_GROUPS)}), and {key} is a setting: list its values ({key}=a,b) or "
                                  f"use range(start,stop[,step])")
-            if not value.filter(choices):
+            picked = value.filter(choices)
+            if not picked:
                 raise UsageError(f"{o.input_line} matches no {key} option; choices: {', '.join(choices)}")
-            values.append([f"{key}={c}" for c in value.filter(choices)])
+            values.append([f"{key}={c}" for c in picked])
         elif o.is_sweep_override():  # interval(): only sweeper plugins (Optuna, Ax) take it
             raise UsageError(f"{o.input_line}: interval() needs a sweeper plugin (Optuna, Ax), which kvtransform "
                              f"does not use: list the values ({key}=a,b) or use range(start,stop[,step])")
         else:
             values.append([o.input_line])
-    values = [v for v in values if v]
     if math.prod(len(v) for v in values) <= MAX_CHECKED_JOBS:  # every job: a value bad only beside another
         return [list(p) for p in itertools.product(*values)], True
     first = [v[0] for v in values]
