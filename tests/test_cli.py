@@ -820,6 +820,29 @@ def test_multirun_jobs_get_their_own_out(tmp_path, capsys, reload_in_process):
     assert rc == 2 and "same directory" not in err and "budget" in err, err
 
 
+def test_failed_sweep_leaves_no_empty_folders(tmp_path, capsys):
+    """A -m sweep whose first job fails (after the pre-check: here the model does not load) leaves no multirun.yaml
+    and no empty job or outputs/multirun folders; after a failure, a finished job's files and the sweep's
+    multirun.yaml stay, empty job folders go."""
+    from kvtransform.cli.hydra_app import _drop_empty_sweep
+
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "config.json").write_text("{}")
+    rc, _, err = _run(["optimize", "model.name=./fake", "-m", "transform=canonical,dualkv"], capsys)
+    assert rc == 2 and "not a Hugging Face model config" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake"]
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "meta.json").write_text("{}")
+    (sweep / "1" / "sub").mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("x")
+    _drop_empty_sweep(str(sweep))
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]
+    (sweep / "0" / "meta.json").unlink()
+    _drop_empty_sweep(str(sweep))
+    assert not sweep.exists()
+
+
 def test_sigterm_cleans_up_and_kills_the_child(tmp_path):
     """SIGTERM during a command (here a child process like the reload check's) unwinds instead of ending the process
     on the spot: the child is killed with it, not left running; one 'terminated' line, exit status 143."""

@@ -37,24 +37,72 @@ def run_hydra(args: Sequence[str], config_name: str, prog: str, job: Callable[[D
         argv += _sweep_out(overrides)
     if any(a in ("--cfg", "-c") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # --cfg job shows out as the directory it will be, not ${kvt_slug:...}
+    new_parents = []  # the sweep folder's parents this run creates (outputs/multirun): pruned if a sweep fails
     if not any(a in _INFO_FLAGS for a in argv):
         points, every_job = sweep_points(overrides) if multirun else ([overrides], False)
         for num, point in enumerate(points):
             cfg = check_overrides(point, config_name, hydra_node=multirun)
+            if multirun and num == 0:
+                new_parents = _missing_parents(cfg)
             if multirun and precheck is not None:
                 _precheck(precheck, cfg, point, overrides, num if every_job else None)
 
+    sweep_dirs = set()
+
     @hydra.main(version_base="1.3", config_path="pkg://kvtransform.conf", config_name=config_name)
     def _task(cfg: DictConfig) -> None:
+        if multirun:
+            from hydra.core.hydra_config import HydraConfig
+
+            sweep_dirs.add(HydraConfig.get().sweep.dir)
         guard(job, cfg)
 
     saved = sys.argv
     sys.argv = [prog, *argv]
     try:
         _task()
+    except BaseException:
+        for d in sweep_dirs:
+            _drop_empty_sweep(d)
+        for d in new_parents:  # deepest first
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
     finally:
         sys.argv = saved
     return 0
+
+
+def _missing_parents(cfg: DictConfig) -> list:
+    """The parents of ``cfg.hydra.sweep.dir`` that do not exist yet, deepest first (none if it cannot be resolved
+    before the run)."""
+    from pathlib import Path
+
+    try:
+        parent = Path(str(cfg.hydra.sweep.dir)).absolute().parent
+    except Exception:  # an interpolation only the Hydra run resolves
+        return []
+    return [p for p in (parent, *parent.parents) if not p.exists()]
+
+
+def _drop_empty_sweep(sweep_dir: str) -> None:
+    """After a failed ``-m`` sweep: remove the empty job folders Hydra made in ``sweep_dir``, and the sweep folder
+    itself (its ``multirun.yaml``) when no job left anything in it; a finished job's files stay."""
+    from pathlib import Path
+
+    root = Path(sweep_dir)
+    if not root.is_dir():
+        return
+    for sub in root.iterdir():
+        if sub.is_dir() and not any(p.is_file() or p.is_symlink() for p in sub.rglob("*")):
+            for d in sorted((p for p in sub.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                d.rmdir()
+            sub.rmdir()
+    rest = [p.name for p in root.iterdir()]
+    if rest in ([], ["multirun.yaml"]):
+        for name in rest:
+            (root / name).unlink()
+        root.rmdir()
 
 
 def _precheck(precheck: Callable[[DictConfig], object], cfg: DictConfig, point: Sequence[str],
