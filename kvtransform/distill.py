@@ -43,7 +43,7 @@ from .runtime.distilled import DistilledBlock, fingerprint, fingerprint_mismatch
 from .runtime.embedding_heads import find_param
 from .textdata import TRAIN_FILES
 from .transforms.artifact_files import load_artifact_file
-from .utils import atomic_write, check_free_space, is_count
+from .utils import atomic_write, check_device, check_free_space, is_count
 
 __all__ = ["DistillConfig", "TEACHERS", "teacher_targets", "loss_fn", "head_scores", "distill"]
 
@@ -64,6 +64,9 @@ class DistillConfig:
         steps, lr, weight_decay: AdamW, cosine decay; checkpoint_every: steps between checkpoints.
         window, dim: the block's input window (tokens) and width.
         seed: data order and initialisation; threads: torch CPU threads (0: torch's default).
+        device: where the teacher and the training run: ``auto`` (a given model's device; else ``cuda`` when torch
+            sees one, else ``cpu``), ``cpu`` or ``cuda[:N]`` (the model is moved there). Checkpoints and the head
+            directory load on any device.
     """
 
     model: Any = "smollm2-135m"
@@ -85,6 +88,7 @@ class DistillConfig:
     dim: int = 256
     seed: int = 0
     threads: int = 0
+    device: str = "auto"
     progress: bool = True
 
 
@@ -125,11 +129,11 @@ def head_scores(block: DistilledBlock, embed: torch.Tensor, ids: torch.Tensor, p
                 max_length: Optional[int] = None) -> torch.Tensor:
     """The head's group-max log-probabilities ``(H_kv, P, T)`` fp32 of the queries at ``positions`` over the keys
     ``[0, t)`` of ``ids`` ``(T,)`` (-inf elsewhere), as the selection ranks them."""
-    T, w = ids.numel(), block.arch["window"]
-    pos = torch.arange(T)
-    off = torch.arange(w - 1, -1, -1)
+    T, w, dev = ids.numel(), block.arch["window"], ids.device
+    pos = torch.arange(T, device=dev)
+    off = torch.arange(w - 1, -1, -1, device=dev)
     p = pos[:, None] - off
-    emb = torch.where((p >= 0)[..., None], embed[ids[p.clamp(min=0)]].float(), torch.zeros(()))
+    emb = torch.where((p >= 0)[..., None], embed[ids[p.clamp(min=0)]].float(), torch.zeros((), device=dev))
     q, k = block(emb, pos, max_length)                                # (T, H, D), (T, H_kv, D)
     q = q[positions]                                                   # (P, H, D)
     h, h_kv, d = q.shape[1], k.shape[1], q.shape[2]
@@ -191,7 +195,7 @@ def _load_pt(file: Path, fix: str):
         ValueError: the file is damaged (:func:`~kvtransform.transforms.artifact_files.load_artifact_file`: truncated, a
             failed CRC, not a pickle) or holds no dict: one line naming it and ``fix``.
     """
-    data = load_artifact_file(file, lambda f: torch.load(f, weights_only=False), fix)
+    data = load_artifact_file(file, lambda f: torch.load(f, map_location="cpu", weights_only=False), fix)
     if not isinstance(data, dict):
         raise ValueError(f"{file} is damaged (a {type(data).__name__}, not a dict): {fix}")
     return data
@@ -236,6 +240,8 @@ def check_config(cfg: DistillConfig) -> None:
             raise ValueError(f"{key} must be a finite number {'> 0' if low is not None else '>= 0'}; got {v!r}")
     if not is_count(cfg.threads, 0):
         raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
+    if cfg.device != "auto":
+        check_device(cfg.device)
     for key, low in (("chunks_per_file", 1), ("topics_chunks", 0)):
         v = getattr(cfg, key)
         if not is_count(v, low):
@@ -269,23 +275,31 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     from .utils import check_results_dir
 
     check_results_dir(cfg.out)
+    if cfg.device != "auto":
+        check_device(cfg.device, available=True)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     from tqdm.auto import tqdm
 
     t_start = time.perf_counter()
+    if cfg.device != "auto":
+        dev = torch.device(cfg.device)
+    elif model is not None:
+        dev = next(model.parameters()).device
+    else:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if model is None:
         from .models import load_model
 
         model, tokenizer = load_model(getattr(cfg.model, "name", cfg.model))
-    model.eval()
+    model.to(dev).eval()
     out = Path(cfg.out).expanduser()  # made at its first file: a run that fails before leaves nothing
     mc = model.config
     h = mc.num_attention_heads
     h_kv = getattr(mc, "num_key_value_heads", None) or h
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // h
     theta = float((getattr(mc, "rope_parameters", None) or {}).get("rope_theta", getattr(mc, "rope_theta", 1e4)))
-    embed = find_param(model, "embed_tokens.weight").float()
+    embed = find_param(model, "embed_tokens.weight").float()   # on dev
 
     teacher_file = out / "teacher.pt"
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -316,7 +330,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
 
     torch.manual_seed(cfg.seed)
     block = DistilledBlock(mc.hidden_size, h, h_kv, hd, window=cfg.window, dim=cfg.dim, rope_theta=theta,
-                           train_length=cfg.length, eps=float(getattr(mc, "rms_norm_eps", 1e-5)))
+                           train_length=cfg.length, eps=float(getattr(mc, "rms_norm_eps", 1e-5))).to(dev)
     opt = torch.optim.AdamW(block.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / cfg.steps)).item()))
@@ -359,8 +373,9 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     bar = tqdm(total=cfg.steps, initial=step, desc=f"distill ({cfg.loss})", unit="step", disable=not cfg.progress)
     while step < cfg.steps:
         it = items[int(torch.randint(len(items), (1,), generator=gen))]
-        s = head_scores(block, embed, it["ids"], it["positions"])
-        loss, cap = loss_fn(s, it["target"].float(), it["positions"], cfg.loss, cfg.budget_fraction,
+        ids, positions = it["ids"].to(dev), it["positions"].to(dev)
+        s = head_scores(block, embed, ids, positions)
+        loss, cap = loss_fn(s, it["target"].to(dev).float(), positions, cfg.loss, cfg.budget_fraction,
                             cfg.temperature)
         opt.zero_grad()
         loss.backward()
@@ -381,7 +396,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     last = hist[-20:]
     res = {"out": str(out), "steps": step, "loss": sum(l for l, _ in last) / len(last),
            "captured": sum(c for _, c in last) / len(last), "seconds": time.perf_counter() - t_start}
-    save_head_dir(out, block, fp, {
+    save_head_dir(out, block.cpu(), fp, {
         "training": {**key, **train_key, "teacher": cfg.teacher, "teacher_aggregate": TEACHERS[cfg.teacher],
                      "train_captured_top_k": round(res["captured"], 4)}})
     return res

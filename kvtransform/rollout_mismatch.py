@@ -56,7 +56,7 @@ import torch
 from .attention_probe import probing
 from .eval_sparse import _as_list, markdown
 from .runtime.cache import KVCache
-from .utils import atomic_write, cache_kwarg, check_results_dir, is_count
+from .utils import atomic_write, cache_kwarg, check_device, check_results_dir, is_count
 
 __all__ = ["Rollouts", "token_kl_logw", "summarize_tokens", "sample_rollouts", "decode_sparse", "score_dense",
            "counted", "table", "RolloutMismatchConfig", "run_rollout_mismatch", "write_results", "TIS_CAP"]
@@ -382,8 +382,7 @@ def check_config(cfg) -> tuple:
     ns = cfg.num_sink
     if not is_count(ns, 0, min(budgets)):
         raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
-    if str(cfg.device).split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu or cuda[:N]; got {cfg.device!r}")
+    check_device(cfg.device)
     return heads, budgets, sorted(set(lengths))
 
 
@@ -407,8 +406,7 @@ def run_rollout_mismatch(cfg, model=None, tokenizer=None, log=print):
     docs = _as_list(cfg.documents, str, "documents")
     for d in docs:  # fail before the model loads
         stdlib_path(d)
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device=cuda but torch sees no CUDA device: use device=cpu")
+    check_device(cfg.device, available=True)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     name = cfg.model.name if hasattr(cfg.model, "name") else str(cfg.model)

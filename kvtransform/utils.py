@@ -26,6 +26,19 @@ def is_count(v, low: int = 0, high: "int | None" = None, numpy: bool = False) ->
     return not isinstance(v, bool) and isinstance(v, kind) and v >= low and (high is None or v <= high)
 
 
+def check_device(device, available: bool = False) -> None:
+    """A ``device=`` setting: ``cpu`` or ``cuda[:N]`` (with ``available``, also that torch sees a CUDA device).
+
+    Raises:
+        ValueError: one line naming the fix.
+    """
+    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda") or \
+            (":" in device and not (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"device must be cpu or cuda[:N]; got {device!r}")
+    if available and device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device} but torch sees no CUDA device: use device=cpu")
+
+
 def console(stderr: bool = False):
     """The one way kvtransform makes a rich console: on a terminal, its width; redirected (not a terminal and no
     ``COLUMNS`` in the environment), :data:`REDIRECTED_WIDTH` columns, so tables and lines keep their shape in a

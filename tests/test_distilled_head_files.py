@@ -227,3 +227,20 @@ def test_distill_refuses_a_disk_without_room_before_torch_save(model, tmp_path, 
               "length=64", "positions=8", "steps=2", "checkpoint_every=1", "window=2", "dim=16", "progress=false"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err and err.count("error:") == 1 and what in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_distill_on_cuda_resumes_and_loads_on_cpu(model, tmp_path):
+    """device=cuda runs the teacher and the training on the GPU (a CPU model is moved there); its checkpoint resumes
+    on the CPU and its head directory loads there."""
+    import copy
+
+    out = tmp_path / "h"
+    res = distill(_cfg(out, device="cuda"), copy.deepcopy(model), _CharTokenizer(), log=lambda m: None)
+    assert res["steps"] == 2 and res["loss"] == res["loss"]
+    block, _ = load_head_dir(out, model)
+    assert all(p.device.type == "cpu" for p in block.parameters())
+    logs = []
+    assert distill(_cfg(out, device="cpu"), model, _CharTokenizer(), log=logs.append)["steps"] == 2
+    assert any("resumed from" in m for m in logs), logs
