@@ -201,8 +201,12 @@ def _as_mask(m, n: int, i: int) -> torch.Tensor:
         for j, x in enumerate(vals):
             if isinstance(x, torch.Tensor) and x.numel() == 1:  # a list of 0-d tensors (iterating a mask tensor)
                 x = x.item()
-            ok = isinstance(x, bool) or (type(x).__name__ in ("bool_", "bool")) or \
-                (hasattr(x, "__index__") and operator.index(x) in (0, 1)) or (isinstance(x, numbers.Real) and x in (0.0, 1.0))
+            try:
+                ok = isinstance(x, bool) or (type(x).__name__ in ("bool_", "bool")) or \
+                    (hasattr(x, "__index__") and operator.index(x) in (0, 1)) or \
+                    (isinstance(x, numbers.Real) and x in (0.0, 1.0))
+            except TypeError:  # an array or a tensor of several values where one value belongs
+                ok = False
             if not ok:
                 raise ValueError(f"loss_masks[{i}][{j}] = {x!r}: loss masks hold bools or 0/1 values (a weighted loss "
                                  f"multiplies the log-probs instead)")

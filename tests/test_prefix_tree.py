@@ -251,6 +251,8 @@ def test_loss_masks():
     (dict(seqs=[[1, 2]], loss_masks=[torch.tensor([0.5, 1.0])]), "must hold bools or 0/1 values"),
     (dict(seqs=[[1, 2]], loss_masks=[torch.tensor([float("nan"), 1.0])]), "must hold bools or 0/1 values"),
     (dict(seqs=[[1, 2]], loss_masks=[[1.0, 0.25]]), "loss masks hold bools or 0/1 values"),
+    (dict(seqs=[[1, 2, 3]], loss_masks=[__import__("numpy").array([[1, 0, 1]])]), "loss masks hold bools"),
+    (dict(seqs=[[1, 2, 3]], loss_masks=[[torch.tensor([1, 0]), 0, 1]]), "loss masks hold bools"),
     (dict(seqs=[[1, 2], [3]], loss_masks=[[True, True]]), "one mask per trajectory \\(2\\)"),
     (dict(seqs=[[1, 2]], min_shared=0), "min_shared must be an integer >= 1"),
     *[(dict(seqs=[[1, 2]], vocab_size=v), "vocab_size must be a positive integer") for v in (2.5, 0, -5, "100", True)],

@@ -125,6 +125,13 @@ def test_module_input_forms_and_errors(tiny):
     assert ref.shape == (1, batch.num_tokens, 128)
     assert torch.equal(ref, opt(batch.input_ids, batch.layout))
     assert torch.equal(ref, opt(input_ids=batch.input_ids[0], layout=batch.layout, position_ids=batch.position_ids))
+    assert torch.equal(ref, opt(**packed_inputs(batch)))   # the HF frontend's keywords: the same call
+    with pytest.raises(ValueError, match="use_cache=True: a packed call has no KV cache"):
+        opt(**{**packed_inputs(batch), "use_cache": True})
+    with pytest.raises(ValueError, match=r"it takes no attention_mask=, labels= \(those are for a Hugging Face"):
+        opt(**packed_inputs(batch), attention_mask=None, labels=batch.input_ids)
+    with pytest.raises(ValueError, match="pass the layout once"):
+        opt(batch.input_ids, batch.layout, prefix_tree_layout=batch.layout, position_ids=batch.position_ids)
     with pytest.raises(ValueError, match="position_ids do not match the layout"):
         opt(batch.input_ids, batch.layout, position_ids=torch.arange(batch.num_tokens))
     with pytest.raises(ValueError, match="layout mismatch"):
@@ -149,6 +156,8 @@ def test_hf_refusals_are_named():
               past_key_values=past, use_cache=True)
     with pytest.raises(ValueError, match="PackedBatch .* or a TreeBatch"):
         packed_inputs(batch.input_ids)
+    with pytest.raises(ValueError, match="cu_seqlens and segment_prefix must be int32 tensors .* got list"):
+        model(**{**packed_inputs(one), "cu_seqlens": one.cu_seqlens.tolist()})
     model = kvt.integrations.transformers.enable(tiny_model("llama", attention_dropout=0.1), "dualkv").train()
     with pytest.raises(ValueError, match="attention dropout"):
         model(**packed_inputs(batch))

@@ -292,6 +292,14 @@ def test_trainer_refusals(tiny_dir, monkeypatch):
     assert str(e.value) == ("rollout='specontext' cannot transform LlamaForCausalLM: layer 0 attention: sliding "
                             "window 8 is not causal attention over the cache")
 
+    def no_head(model, cfg, **kw):  # the runtime's message names the CLI's and SpeContextConfig's keys
+        raise FileNotFoundError(f"{tiny_dir} is not a distilled retrieval head: train one with `kvtransform "
+                                f"distill-retrieval-head MODEL out={tiny_dir}`, or use retrieval=self; head=eagle3")
+
+    monkeypatch.setattr(kvtransform, "transform", no_head)
+    with pytest.raises(ValueError, match=r"or use rollout_retrieval=self; rollout_head=eagle3$"):
+        _trainer(GRPOTrainer, tiny_dir, rollout="specontext")
+
 
 def test_specontext_rollout_lora_greedy_equals_stock_and_follows_live_weights(tiny_dir):
     """rollout='specontext' with a budget >= every sequence, greedy, LoRA: the completions are the stock trainer's

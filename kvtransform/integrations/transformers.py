@@ -78,6 +78,10 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                          "not both")
     if tree is None and (cu is None or sp is None):
         raise ValueError("a packed DualKV batch needs both cu_seqlens and segment_prefix")
+    if tree is None and not (isinstance(cu, torch.Tensor) and isinstance(sp, torch.Tensor)):
+        raise ValueError(f"cu_seqlens and segment_prefix must be int32 tensors (PackedBatch.cu_seqlens and "
+                         f".segment_prefix from kvt.pack_shared_prefix); got {type(cu).__name__} and "
+                         f"{type(sp).__name__}")
     what = "packed DualKV" if tree is None else "packed prefix-tree"
     if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         raise ValueError(f"a {what} batch is one row (1, T) without a KV cache (use_cache=False); got query "

@@ -298,10 +298,13 @@ class GRPOTrainer(trl.GRPOTrainer):
                                    retrieval=self.args.rollout_retrieval, compile=self.args.rollout_compile)
         try:
             return kvt.transform(base, cfg, tokenizer=self._tokenizer, progress=False)
-        except (ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError, FileNotFoundError) as e:
+            import re
+
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            for cli, ours in (("transform.retrieval=", "rollout_retrieval="), ("head=", "rollout_head=")):
-                first = first.replace(cli, ours)  # the fix as this config names it
+            # the fix as this config names it (the messages name the CLI's and SpeContextConfig's keys)
+            first = re.sub(r"(?<![\w.-])(?:transform\.)?retrieval=", "rollout_retrieval=", first)
+            first = re.sub(r"(?<![\w.-])(?:transform\.)?head=", "rollout_head=", first)
             raise ValueError(f"rollout='specontext' cannot transform {type(base).__name__}: {first}") from e
 
     def _rollout_module(self):

@@ -71,7 +71,9 @@ def load_eagle3(directory, target_info: dict) -> tuple[dict, dict]:
     """
     d = Path(directory).expanduser()
     if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"{d} is not an EAGLE-3 draft directory (no config.json)")
+        raise FileNotFoundError(f"{d} is not an EAGLE-3 draft directory (no config.json): give the directory of an "
+                                f"EAGLE-3 draft trained for this model (its config.json and weights), or use "
+                                f"head=distilled")
     cfg = json.loads((d / "config.json").read_text())
     raw = _read_weights(d)
     raw = {k[len("model."):] if k.startswith("model.") else k: v for k, v in raw.items()}

@@ -101,7 +101,8 @@ class DualKVModule(OptimizedModule):
     def forward(self, batch: Union[PackedBatch, TreeBatch, torch.Tensor, None] = None,
                 layout: Union[DualKVLayout, PrefixTreeLayout, None] = None, *, input_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                segment_prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
+                segment_prefix: Optional[torch.Tensor] = None, **hf_kwargs) -> torch.Tensor:
+        layout = self._hf_keywords(layout, hf_kwargs)
         input_ids, position_ids, lay = self._normalise(batch, layout, input_ids, position_ids, cu_seqlens,
                                                        segment_prefix)
         self.refuse_autocast(input_ids.device.type, "train through kvt.integrations.transformers.enable(model, "
@@ -116,6 +117,24 @@ class DualKVModule(OptimizedModule):
                 return self.tree_core(input_ids, position_ids, *lay.kernel_tensors())
             lay = lay.as_dualkv()
         return self.core(input_ids, position_ids, lay.cu_seqlens, lay.segment_prefix)
+
+    @staticmethod
+    def _hf_keywords(layout, hf_kwargs: dict):
+        """The keywords of an HF call (``model(**packed_inputs(batch))``, the other frontend's form):
+        ``prefix_tree_layout`` is the layout, ``use_cache`` must be off; anything else is refused in one line."""
+        tree = hf_kwargs.pop("prefix_tree_layout", None)
+        if hf_kwargs.pop("use_cache", False):
+            raise ValueError("use_cache=True: a packed call has no KV cache (leave use_cache out or set it False)")
+        if hf_kwargs:
+            names = ", ".join(k + "=" for k in sorted(hf_kwargs))
+            raise ValueError(f"a kvt.transform module is called as opt(batch) or opt(input_ids, layout); it takes "
+                             f"no {names} (those are for a Hugging Face model under "
+                             f"kvt.integrations.transformers.enable)")
+        if tree is not None:
+            if layout is not None:
+                raise ValueError("pass the layout once: layout= or prefix_tree_layout=, not both")
+            layout = tree
+        return layout
 
     def _normalise(self, batch, layout, input_ids, position_ids, cu_seqlens, segment_prefix):
         dev = device_of(self)
