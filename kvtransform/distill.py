@@ -55,7 +55,9 @@ class DistillConfig:
     Attributes:
         model: registry name / local HF directory of the target (on the command line: the model group).
         out: the head directory (also holds ``checkpoint.pt`` and ``teacher.pt`` while training).
-        files: training files (relative to the standard library; split from the evaluation files by file).
+        files: training files (relative to the standard library; split from the evaluation files by file);
+            ``stdlib`` stands for :func:`~kvtransform.textdata.stdlib_corpus` (≈100 files, the broad mix the
+            packaged head was trained on; with ``device=cuda`` a few minutes, on 2 CPU cores hours).
         length: tokens per training chunk; chunks_per_file: chunks taken from each file (``pydoc_data/topics.py``
             gives ``topics_chunks``); positions: teacher query positions per chunk (second half).
         teacher: the aggregate over layers of the teacher attention, ``mean`` or ``max`` (:data:`TEACHERS`).
@@ -179,12 +181,30 @@ def _chunks_of(cfg: DistillConfig, f: str) -> int:
     return cfg.topics_chunks if f == "pydoc_data/topics.py" else cfg.chunks_per_file
 
 
-def _chunks(tok, cfg: DistillConfig) -> list:
+def _training_files(cfg: DistillConfig) -> tuple[list, set]:
+    """``cfg.files`` with ``stdlib`` expanded to :func:`~kvtransform.textdata.stdlib_corpus` (duplicates once), and
+    the set of files that came from the corpus (skipped when shorter than one chunk; a named file is not)."""
+    from .textdata import STDLIB_CORPUS, stdlib_corpus
+
+    files, corpus = [], set()
+    for f in cfg.files:
+        more = stdlib_corpus() if f == STDLIB_CORPUS else [f]
+        if f == STDLIB_CORPUS:
+            corpus.update(more)
+        files += [g for g in more if g not in files]
+    return files, corpus
+
+
+def _chunks(tok, cfg: DistillConfig, files: list, corpus: set) -> list:
     from .textdata import token_chunks
 
     out = []
-    for f in cfg.files:
-        out += [(f, c) for c in token_chunks(tok, f, cfg.length, _chunks_of(cfg, f))]
+    for f in files:
+        try:
+            out += [(f, c) for c in token_chunks(tok, f, cfg.length, _chunks_of(cfg, f))]
+        except ValueError:
+            if f not in corpus or tok is None:
+                raise
     return out
 
 
@@ -221,7 +241,7 @@ def check_config(cfg: DistillConfig) -> None:
         ValueError: one line naming the bad key.
         FileNotFoundError: a training file missing from this Python installation.
     """
-    from .textdata import stdlib_path
+    from .textdata import STDLIB_CORPUS, stdlib_path
 
     for key in ("length", "positions", "steps", "checkpoint_every", "window", "dim"):
         v = getattr(cfg, key)
@@ -250,7 +270,8 @@ def check_config(cfg: DistillConfig) -> None:
         raise ValueError(f"files={list(cfg.files)} with topics_chunks={cfg.topics_chunks} gives no training chunk: "
                          f"name at least one file (e.g. files=[argparse.py])")
     for f in cfg.files:  # before the model loads, as the output directory
-        stdlib_path(f, "files")
+        if f != STDLIB_CORPUS:
+            stdlib_path(f, "files")
 
 
 def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
@@ -303,7 +324,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
 
     teacher_file = out / "teacher.pt"
     gen = torch.Generator().manual_seed(cfg.seed)
-    key = {"length": cfg.length, "positions": cfg.positions, "files": list(cfg.files),
+    files, corpus = _training_files(cfg)
+    key = {"length": cfg.length, "positions": cfg.positions, "files": files,
            "chunks_per_file": cfg.chunks_per_file, "topics_chunks": cfg.topics_chunks, "teacher": cfg.teacher}
     fp = fingerprint(model)
     data = _cached_teacher(teacher_file, log)
@@ -312,7 +334,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     if data is None or data.get("key") != key or "fingerprint" not in data or \
             fingerprint_mismatch(data["fingerprint"], fp):
         data = {"key": key, "fingerprint": fp, "items": []}
-        chunks = _chunks(tokenizer, cfg)
+        chunks = _chunks(tokenizer, cfg, files, corpus)
         if not chunks:  # every file shorter than one chunk
             raise ValueError(f"files={list(cfg.files)} hold no chunk of length={cfg.length} tokens: add longer files "
                              f"or lower length")

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from kvtransform.textdata import (EVAL_FILES, HELDOUT_KIND, TRAIN_FILES, html_text, read_text, stdlib_path,
-                                  token_chunks)
+from kvtransform.textdata import (EVAL_FILES, HELDOUT_KIND, TRAIN_FILES, html_text, read_text, stdlib_corpus,
+                                  stdlib_path, token_chunks)
 
 
 def test_split_by_file_and_the_held_out_kind():
@@ -21,6 +21,22 @@ def test_split_by_file_and_the_held_out_kind():
         if f == "idlelib/NEWS2x.txt" and sys.version_info >= (3, 12):
             continue                                   # removed from CPython 3.12
         assert len(read_text(f)) > 8000, f             # every file is there and long enough for a 2048-token chunk
+
+
+def test_the_broad_corpus_keeps_the_split_and_the_held_out_kind_unseen():
+    """files=[stdlib] (distill): every long standard-library text file, never an evaluation file, a test, a codec
+    table or legal text (the held-out kind), each long enough for a training chunk; named files come once."""
+    from kvtransform.distill import DistillConfig, _training_files
+
+    corpus = stdlib_corpus()
+    assert len(corpus) >= 50 and corpus[-1] == "pydoc_data/topics.py" and len(set(corpus)) == len(corpus)
+    assert not set(corpus) & set(EVAL_FILES)
+    assert not [f for f in corpus if "licen" in f.lower() or "/test" in "/" + f or f.startswith("encodings/")]
+    assert not [f for f in corpus if "Permission is hereby granted" in read_text(f)]
+    assert {"typing.py", "ast.py"} <= set(corpus)
+    files, from_corpus = _training_files(DistillConfig(files=["typing.py", "stdlib", "argparse.py"]))
+    assert files[0] == "typing.py" and files.count("typing.py") == 1 and files[-1] == "argparse.py"
+    assert set(from_corpus) == set(corpus) and len(files) == len(corpus) + 1
 
 
 def test_html_is_read_as_text():
