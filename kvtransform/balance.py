@@ -343,10 +343,15 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
         raise ValueError("min_shared applies to prefix trees only: pass trees=True, or drop min_shared (a group's "
                          "prompt is always shared)")
     what = "tree" if trees else "group"
-    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__len__") or len(groups) == 0:
-        raise ValueError("balance_groups needs a non-empty list of " + (
-            "trees (each a list of trajectories)" if trees else "(prompt, [responses]) groups"))
-    groups = list(groups)
+    items = "trees (each a list of trajectories)" if trees else "(prompt, [responses]) groups"
+    if isinstance(groups, (dict, set, frozenset)):
+        raise ValueError(f"balance_groups takes a list of {items}, not a {type(groups).__name__} (the plan gives "
+                         f"each {what} by its index in the list: pass a list)")
+    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
+        raise ValueError(f"balance_groups needs a non-empty list of {items}")
+    groups = list(groups)  # (a generator too)
+    if not groups:
+        raise ValueError(f"balance_groups needs a non-empty list of {items}")
     costs = None
     if trees:
         tc = [tree_cost(g, i, pair_weight, 1 if min_shared is None else min_shared) for i, g in enumerate(groups)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numbers
 import operator
-from collections.abc import Mapping, Set
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -349,6 +349,8 @@ def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] =
     if loss_masks is not None:
         if isinstance(loss_masks, torch.Tensor) and loss_masks.dim() == 2:  # rows, as the trajectories' own
             loss_masks = list(loss_masks.unbind(0))
+        elif isinstance(loss_masks, Iterator):  # a generator, as seqs may be
+            loss_masks = list(loss_masks)
         if isinstance(loss_masks, (torch.Tensor, Mapping, Set)) or not hasattr(loss_masks, "__len__") or \
                 len(loss_masks) != len(seqs):
             got = len(loss_masks) if hasattr(loss_masks, "__len__") and not isinstance(loss_masks, torch.Tensor) \

@@ -175,6 +175,9 @@ def test_tree_cost_weights_attention_work():
 
 @pytest.mark.parametrize("args, kwargs, match", [
     (([], 2), {"trees": True}, "non-empty list of trees"),
+    (((t for t in []), 2), {"trees": True}, "non-empty list of trees"),
+    (({0: [[1, 2]]}, 2), {"trees": True}, r"takes a list of trees .*, not a dict \(the plan gives each tree by its"),
+    (({0: ([1], [[2]])}, 2), {}, r"takes a list of \(prompt, \[responses\]\) groups, not a dict"),
     (([[[1, 2]], []], 2), {"trees": True}, "tree 1 must be a non-empty list of trajectories"),
     (([[[1, 2]], [[1, 2], []]], 2), {"trees": True}, "tree 1: trajectory 1"),
     (([[[1, 2]], torch.tensor([1, 2])], 2), {"trees": True}, "tree 1 must be a non-empty list"),
@@ -187,6 +190,13 @@ def test_tree_cost_weights_attention_work():
 def test_tree_errors(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvt.balance_groups(*args, **kwargs)
+
+
+def test_groups_from_a_generator():
+    trees = [[[1, 2, 3], [1, 2, 4]], [[5, 6]], [[7, 8, 9, 10]]]
+    plan = kvt.balance_groups((t for t in trees), 2, trees=True)
+    assert plan.indices == kvt.balance_groups(trees, 2, trees=True).indices
+    assert sorted(g for r in plan.ranks for g in r) == sorted(trees)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -280,7 +280,7 @@ def test_pack_takes_float_and_integer_01_loss_masks():
     np = __import__("numpy")
     for masks in ([torch.tensor([0.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0])], [[0.0, 1.0, 0.0], [1, 1, 1]],
                   [list(torch.tensor([0.0, 1.0, 0.0])), [np.float32(1), np.int8(1), torch.tensor(True)]],
-                  torch.tensor([[0, 1, 0], [1, 1, 1]], dtype=torch.int32)):
+                  torch.tensor([[0, 1, 0], [1, 1, 1]], dtype=torch.int32), (m for m in [[0, 1, 0], [1, 1, 1]])):
         assert [m.tolist() for m in kvt.pack_trajectories(seqs, loss_masks=masks).loss_mask_tensors()] == want
 
 
