@@ -260,8 +260,7 @@ def check_config(cfg: DistillConfig) -> None:
             raise ValueError(f"{key} must be a finite number {'> 0' if low is not None else '>= 0'}; got {v!r}")
     if not is_count(cfg.threads, 0):
         raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
-    if cfg.device != "auto":
-        check_device(cfg.device)
+    check_device(cfg.device, auto=True)
     for key, low in (("chunks_per_file", 1), ("topics_chunks", 0)):
         v = getattr(cfg, key)
         if not is_count(v, low):
@@ -296,8 +295,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     from .utils import check_results_dir
 
     check_results_dir(cfg.out)
-    if cfg.device != "auto":
-        check_device(cfg.device, available=True)
+    check_device(cfg.device, available=True, auto=True)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     from tqdm.auto import tqdm

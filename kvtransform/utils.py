@@ -26,15 +26,18 @@ def is_count(v, low: int = 0, high: "int | None" = None, numpy: bool = False) ->
     return not isinstance(v, bool) and isinstance(v, kind) and v >= low and (high is None or v <= high)
 
 
-def check_device(device, available: bool = False) -> None:
-    """A ``device=`` setting: ``cpu`` or ``cuda[:N]`` (with ``available``, also that torch sees a CUDA device).
+def check_device(device, available: bool = False, auto: bool = False) -> None:
+    """A ``device=`` setting: ``cpu`` or ``cuda[:N]``, and ``auto`` where the command takes it (with ``available``,
+    also that torch sees a CUDA device).
 
     Raises:
         ValueError: one line naming the fix.
     """
+    if auto and device == "auto":
+        return
     if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda") or \
             (":" in device and not (device.startswith("cuda:") and device[5:].isdigit())):
-        raise ValueError(f"device must be cpu or cuda[:N]; got {device!r}")
+        raise ValueError(f"device must be {'auto, ' if auto else ''}cpu or cuda[:N]; got {device!r}")
     if available and device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device} but torch sees no CUDA device: use device=cpu")
 

@@ -776,8 +776,9 @@ def test_eval_sparse_refuses_a_damaged_results_csv_before_the_model_loads(tmp_pa
     (["files=[]"], r"files=\[\] with topics_chunks=5 gives no training chunk: name at least one file"),
     (["files=[pydoc_data/topics.py]", "topics_chunks=0"], "gives no training chunk"),
     (["out=AFILE"], r"cannot be written \(.* is a file\): choose another out=<directory>"),
-    (["device=tpu"], r"device must be cpu or cuda\[:N\]; got 'tpu'"),
-    (["device=cuda:x"], r"device must be cpu or cuda\[:N\]"),
+    (["device=tpu"], r"device must be auto, cpu or cuda\[:N\]; got 'tpu'"),
+    (["device=cuda:x"], r"device must be auto, cpu or cuda\[:N\]"),
+    (["device=CPU"], r"device must be auto, cpu or cuda\[:N\]; got 'CPU'"),
     pytest.param(["device=cuda"], "device=cuda but torch sees no CUDA device: use device=cpu",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")),
 ])
