@@ -56,8 +56,8 @@ class DistillConfig:
         model: registry name / local HF directory of the target (on the command line: the model group).
         out: the head directory (also holds ``checkpoint.pt`` and ``teacher.pt`` while training).
         files: training files (relative to the standard library; split from the evaluation files by file);
-            ``stdlib`` stands for :func:`~kvtransform.textdata.stdlib_corpus` (≈100 files, the broad mix the
-            packaged head was trained on; with ``device=cuda`` a few minutes, on 2 CPU cores hours).
+            ``stdlib`` stands for :func:`~kvtransform.textdata.stdlib_corpus` (≈100 files, ≈200 chunks: the broad
+            mix the packaged head was trained on; docs/specontext_heads.md gives its command).
         length: tokens per training chunk; chunks_per_file: chunks taken from each file (``pydoc_data/topics.py``
             gives ``topics_chunks``); positions: teacher query positions per chunk (second half).
         teacher: the aggregate over layers of the teacher attention, ``mean`` or ``max`` (:data:`TEACHERS`).
