@@ -1,6 +1,7 @@
 """FSDP2 training of the DualKV module: the per-layer split computes exactly what the flat graph computes, and one
 step on two gloo processes (fully_shard per decoder layer + root, activation checkpointing, balanced groups in
 micro-batches) gives the loss and every parameter gradient of the single-process run on the same global batch."""
+import math
 import os
 import time
 
@@ -109,12 +110,17 @@ def _two_ranks(tmp_path, opt, groups, plan, adv, global_tokens, trees=False) -> 
     return torch.load(out)
 
 
-def _assert_equals_one_process(res: dict, loss: torch.Tensor, model) -> tuple:
+def _assert_equals_one_process(res: dict, loss: torch.Tensor, model, adv: list) -> tuple:
     """The two ranks' loss and every parameter gradient equal the one-process ``loss``'s (relative error <= 1e-5);
-    returns (worst relative gradient error, the one-process gradients)."""
+    returns (worst relative gradient error, the one-process gradients).
+
+    The loss is a mean of signed advantage x log-prob terms, so its total can cancel to near zero while fp32
+    summation order still errs relative to the terms' size: the loss's error is measured against that size
+    (mean |advantage| x ln(VOCAB), the log-prob scale of a random model), not against the total."""
     params = dict(model.named_parameters())
     g_ref = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
-    assert res["loss"] == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-7)
+    term_scale = float(torch.cat([a.reshape(-1) for a in adv]).abs().mean()) * math.log(VOCAB)
+    assert abs(res["loss"] - float(loss.detach())) <= 1e-5 * term_scale, (res["loss"], float(loss), term_scale)
     assert set(res["grads"]) == set(g_ref)
     worst = max(float((res["grads"][n] - g).abs().max() / g.abs().max()) for n, g in g_ref.items())
     assert worst <= 1e-5, worst
@@ -141,7 +147,7 @@ def test_fsdp2_two_gloo_ranks_equal_single_process_gradients(tmp_path):
 
     batch = kvt.pack_shared_prefix_groups(groups)  # the global batch in one process, no sharding
     loss = token_level_loss(batch.response_logprobs(opt(batch)), torch.cat(adv), global_tokens, 1)
-    worst, g_ref = _assert_equals_one_process(res, loss, model)
+    worst, g_ref = _assert_equals_one_process(res, loss, model, adv)
     print(f"fsdp2 gloo x2: loss {res['loss']:.6f} vs {float(loss.detach()):.6f}, worst per-parameter relative gradient "
           f"error {worst:.2e} over {len(g_ref)} parameters, {plan.num_micro_batches} micro-batches/rank, "
           f"{time.perf_counter() - t0:.1f} s")
@@ -181,7 +187,7 @@ def test_fsdp2_two_gloo_ranks_prefix_trees_equal_single_process_gradients(tmp_pa
     res = _two_ranks(tmp_path, opt, trees, plan, adv, global_tokens, trees=True)
 
     loss = micro_batch_loss(opt, trees, adv, global_tokens, 1, trees=True)  # all trees in one process, unsharded
-    _assert_equals_one_process(res, loss, model)
+    _assert_equals_one_process(res, loss, model, adv)
 
 
 @pytest.mark.slow
