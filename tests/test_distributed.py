@@ -2,7 +2,6 @@
 step on two gloo processes (fully_shard per decoder layer + root, activation checkpointing, balanced groups in
 micro-batches) gives the loss and every parameter gradient of the single-process run on the same global batch."""
 import math
-import os
 import time
 
 import pytest

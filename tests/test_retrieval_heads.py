@@ -474,6 +474,9 @@ def test_distill_resumes_only_the_same_training(tmp_path):
     assert any("training from scratch" in m and "files" in m for m in logs), logs
     w2, meta = load_head_dir(tmp_path / "h", model)
     assert meta["training"]["files"] == ["argparse.py"] and other["steps"] == 3 and first["steps"] == 3
+    import platform  # the files a name like `stdlib` reads depend on the Python that trained the head
+
+    assert meta["training"]["python"] == platform.python_version() and other["device"] == "cpu"
     assert any(not torch.equal(w1[k], v) for k, v in w2.state_dict().items())     # trained on the new data
     # the same model in bf16 resumes (fingerprints match within their tolerance); another model retrains, teacher too
     logs.clear()

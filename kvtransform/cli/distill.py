@@ -17,8 +17,8 @@ def job(cfg: DictConfig) -> None:
     from ..distill import distill
 
     res = distill(cfg, log=console().print)
-    console().print(f"[bold]Saved[/bold] the distilled head to {res['out']} after {res['steps']} steps in "
-                    f"{res['seconds'] / 60:.1f} min (top-k teacher mass on the training text "
+    console().print(f"[bold]Saved[/bold] the distilled head to {res['out']} after {res['steps']} "
+                    f"step{'' if res['steps'] == 1 else 's'} on {res['device']} in {res['seconds'] / 60:.1f} min (top-k teacher mass on the training text "
                     f"{res['captured']:.3f}); use it with transform.head=distilled transform.retrieval={res['out']}")
 
 
