@@ -23,7 +23,8 @@ from .packed_logits import packed_logits
 # prefix-tree packing (any depth of shared prefix) lives in its own module; exported here too
 from .tree_packing import TreeBatch, _as_device, _as_vocab, pack_trajectories  # noqa: F401
 
-__all__ = ["PackedBatch", "pack_shared_prefix", "pack_shared_prefix_groups", "check_packed", "check_rope_lengths"]
+__all__ = ["PackedBatch", "pack_shared_prefix", "pack_shared_prefix_groups", "check_packed", "check_rope_lengths",
+           "PackedLayoutMask"]
 
 TokenIds = Union[Sequence[int], torch.Tensor]
 
@@ -318,3 +319,37 @@ def check_rope_lengths(limits: dict, layout) -> None:
                          f"passes {limit} positions, and this packed batch mixes trajectories of {shortest} and "
                          f"{longest} tokens: pack those of at most {limit} tokens and the longer ones in separate "
                          f"batches")
+
+
+class UnpackedModelError(ValueError, AttributeError):
+    """Raised when a model's own code reads :class:`PackedLayoutMask`; an ``AttributeError`` too, so ``hasattr``
+    probes (accelerate's device placement) see a plain object."""
+
+
+class PackedLayoutMask:
+    """The ``attention_mask`` of ``model(**kvt.integrations.transformers.packed_inputs(batch))``: a packed batch has
+    no padding and its attention is the layout's, so there is no mask tensor. A model under
+    ``kvt.integrations.transformers.enable`` (and a ``kvt.transform`` module) drops it before the forward. A model
+    without packed attention would ignore the layout keywords and read ``position_ids`` as separate sequences (each
+    branch cut off its prefix, a silently wrong answer): its mask code reads this object's attributes instead, and
+    any such read raises :class:`UnpackedModelError` naming the fix."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _refuse():
+        raise UnpackedModelError(
+            "this model read a packed batch's attention_mask without kvtransform's packed attention (it would cut "
+            "every branch off its prefix): call kvt.integrations.transformers.enable(model, 'dualkv') before "
+            "model(**packed_inputs(batch))")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and other protocol lookups
+            raise AttributeError(name)
+        self._refuse()
+
+    def __bool__(self) -> bool:  # `if attention_mask:` reads it too
+        self._refuse()
+
+    def __repr__(self) -> str:
+        return "PackedLayoutMask()"

@@ -111,16 +111,16 @@ def test_packed_calls_are_checked_before_the_model_runs():
             model(**{**kw, "input_ids": bad_ids})
         with torch.no_grad():
             out = model(**{**kw, "use_cache": True})
-            ones = model(**kw, attention_mask=torch.ones_like(kw["input_ids"]))  # a tokenizer's mask: unused
+            ones = model(**{**kw, "attention_mask": torch.ones_like(kw["input_ids"])})  # a tokenizer's mask: unused
         assert out.past_key_values is None and torch.equal(ones.logits, out.logits)
         hole = torch.ones_like(kw["input_ids"])
         hole[0, 2] = 0
         with pytest.raises(ValueError, match="attention_mask must be all ones"):  # padding it would not honour
-            model(**kw, attention_mask=hole)
+            model(**{**kw, "attention_mask": hole})
         t = kw["input_ids"].shape[1]
         for shape in ((1, t + 3), (1, 1, t, t)):  # a mask of another batch, a 4-D mask: not silently ignored
             with pytest.raises(ValueError, match=r"attention_mask must be \(1, T\)"):
-                model(**kw, attention_mask=torch.ones(shape, dtype=torch.long))
+                model(**{**kw, "attention_mask": torch.ones(shape, dtype=torch.long)})
         with pytest.raises(ValueError, match="cannot take labels="):  # shifted across branches: no one's loss
             model(**kw, labels=kw["input_ids"])
         with pytest.raises(ValueError, match="no attention weights: drop output_attentions"):
@@ -228,12 +228,35 @@ def _separate_logprobs(model, seqs):
 
 
 def test_layout_is_refused_whenever_the_model_attends_without_it():
-    """A second disable() keeps the guard, and an attention implementation set after enable() (which would ignore
-    the layout) is named: both were silent wrong answers (0.063 off the separate log-probs)."""
+    """A model never enabled (every family, sdpa and eager), a second disable() (which keeps the guard), and an
+    attention implementation set after enable() (which would ignore the layout) are refused in one line: all were
+    silent wrong answers (0.063 off the separate log-probs). packed_inputs' attention_mask marker is what a model
+    never enabled trips over; it copies, pickles and looks like a plain object to hasattr (accelerate's device
+    placement probes it)."""
+    import copy
+    import pickle
+
     from kvtransform.integrations.transformers import disable, enable, packed_inputs
+    from kvtransform.packing import PackedLayoutMask, UnpackedModelError
+    from kvtransform.tiny_models import TINY_FAMILIES
 
     seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12], [5, 6, 13]]
     tree = kvt.pack_trajectories(seqs)
+    packed = kvt.pack_shared_prefix([5, 6, 7], [[8, 9], [10]])
+    for family in TINY_FAMILIES:
+        for impl in ("sdpa", "eager"):
+            stock = kvt.tiny_model(family, attn_implementation=impl)
+            for batch in (tree, packed):
+                with pytest.raises(ValueError, match=r"call kvt.integrations.transformers.enable\(model, 'dualkv'\) "
+                                                     r"before model\(\*\*packed_inputs\(batch\)\)") as e:
+                    stock(**packed_inputs(batch))
+                assert "\n" not in str(e.value) and isinstance(e.value, UnpackedModelError), family
+    marker = packed_inputs(tree)["attention_mask"]
+    assert isinstance(copy.deepcopy(marker), PackedLayoutMask) and isinstance(pickle.loads(pickle.dumps(marker)),
+                                                                              PackedLayoutMask)
+    assert not hasattr(marker, "to") and not hasattr(marker, "ndim")
+    with pytest.raises(UnpackedModelError):
+        bool(marker)
     model = enable(kvt.tiny_model("llama"), "dualkv")
     disable(disable(model))
     with pytest.raises(ValueError, match="packed attention is disabled"):

@@ -129,7 +129,8 @@ def test_module_input_forms_and_errors(tiny):
     with pytest.raises(ValueError, match="use_cache=True: a packed call has no KV cache"):
         opt(**{**packed_inputs(batch), "use_cache": True})
     with pytest.raises(ValueError, match=r"it takes no attention_mask=, labels= \(those are for a Hugging Face"):
-        opt(**packed_inputs(batch), attention_mask=None, labels=batch.input_ids)
+        opt(**{**packed_inputs(batch), "attention_mask": torch.ones_like(batch.input_ids)}, labels=batch.input_ids)
+    assert torch.equal(ref, opt(**{**packed_inputs(batch), "attention_mask": None}))  # no mask: as packed_inputs
     with pytest.raises(ValueError, match="pass the layout once"):
         opt(batch.input_ids, batch.layout, prefix_tree_layout=batch.layout, position_ids=batch.position_ids)
     with pytest.raises(ValueError, match="position_ids do not match the layout"):
@@ -156,6 +157,11 @@ def test_hf_refusals_are_named():
               past_key_values=past, use_cache=True)
     with pytest.raises(ValueError, match="PackedBatch .* or a TreeBatch"):
         packed_inputs(batch.input_ids)
+    for drop in (lambda kw: kw.pop("prefix_tree_layout"), lambda kw: kw.update(prefix_tree_layout=None)):
+        kw = packed_inputs(batch)   # the layout dropped, the mask marker kept: named, not the stock model's error
+        drop(kw)
+        with pytest.raises(ValueError, match=r"attention_mask but not its layout .* pass all of model\(\*\*packed"):
+            model(**kw)
     with pytest.raises(ValueError, match="cu_seqlens and segment_prefix must be int32 tensors .* got list"):
         model(**{**packed_inputs(one), "cu_seqlens": one.cu_seqlens.tolist()})
     model = kvt.integrations.transformers.enable(tiny_model("llama", attention_dropout=0.1), "dualkv").train()

@@ -107,6 +107,15 @@ def _position_drop(pos: torch.Tensor, mask=None):
     return col + 1, int(pos[row, col + 1])
 
 
+def _refuse_marker_without_layout(kwargs: dict) -> None:
+    """packed_inputs' ``attention_mask`` marker in a call without its layout keywords (they were dropped)."""
+    from kvtransform.packing import PackedLayoutMask
+
+    if isinstance(kwargs.get("attention_mask"), PackedLayoutMask):
+        raise ValueError("this call has packed_inputs(batch)'s attention_mask but not its layout (cu_seqlens/"
+                         "segment_prefix or prefix_tree_layout): pass all of model(**packed_inputs(batch))")
+
+
 def _check_packed_call(model, args, kwargs):
     """Forward pre-hook that :func:`enable` installs on the model and on every transformers model inside it (a
     direct call of the backbone, ``model.model(...)``, is checked too): a call with a packed layout
@@ -123,18 +132,22 @@ def _check_packed_call(model, args, kwargs):
     """
     from kvtransform.layout import DualKVLayout
     from kvtransform.model_features import position_limits
-    from kvtransform.packing import check_packed, check_rope_lengths
+    from kvtransform.packing import PackedLayoutMask, check_packed, check_rope_lengths
     from kvtransform.tree_layout import PrefixTreeLayout
 
     _depth[0] += 1  # (first: :func:`_leave_call` runs even when this hook raises)
     if not {"prefix_tree_layout", "cu_seqlens", "segment_prefix"} & set(kwargs):
+        _refuse_marker_without_layout(kwargs)
         _refuse_packed_positions_without_layout(model, args, kwargs)
         return None  # (a forward takes the layout through **kwargs only: by name)
     named = _call_arguments(model, args, kwargs)
     tree, cu, sp = (named.get(k) for k in ("prefix_tree_layout", "cu_seqlens", "segment_prefix"))
     if tree is None and cu is None and sp is None:  # layout keywords given as None: an unpacked call
+        _refuse_marker_without_layout(named)
         _refuse_packed_positions_without_layout(model, args, kwargs)
         return None
+    if isinstance(named.get("attention_mask"), PackedLayoutMask):  # packed_inputs' marker: no mask, dropped
+        named["attention_mask"] = None
     impl = getattr(getattr(model, "config", None), "_attn_implementation", ATTENTION_NAME)
     if isinstance(impl, str) and impl != ATTENTION_NAME:  # its attention would ignore the layout
         raise ValueError(f"this model's attention implementation is {impl!r}, set after kvt.integrations."
@@ -175,8 +188,8 @@ def _check_packed_call(model, args, kwargs):
                 layout = DualKVLayout.from_tensors(cu, sp)
             except ValueError as e:
                 raise ValueError(f"invalid packed layout: {e}") from None
-        else:
-            return None  # the attention function names what is wrong with the layout arguments
+        else:  # the attention function names what is wrong with the layout arguments
+            return (), named
         check_packed(input_ids, position_ids, layout, getattr(model.config, "vocab_size", None))
         check_rope_lengths(position_limits(model), layout)
         _last_checked[:] = [(_ref(o), _version(o)) for o in objs]

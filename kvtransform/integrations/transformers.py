@@ -192,16 +192,19 @@ def _fallback_attention(module, query, key, value, attention_mask, scaling, drop
 def packed_inputs(batch) -> dict:
     """The keyword arguments of ``model(**packed_inputs(batch))`` for a :class:`~kvtransform.packing.PackedBatch`
     (``cu_seqlens``, ``segment_prefix``) or a :class:`~kvtransform.tree_packing.TreeBatch` (``prefix_tree_layout``),
-    with ``input_ids`` and ``position_ids`` ``(1, T)`` and ``use_cache=False``.
+    with ``input_ids`` and ``position_ids`` ``(1, T)``, ``use_cache=False`` and ``attention_mask``, a
+    :class:`~kvtransform.packing.PackedLayoutMask`: a model under :func:`enable` drops it, and a model without
+    packed attention raises ``UnpackedModelError`` (a ``ValueError``) when its mask code reads it, instead of
+    computing every branch without its prefix.
 
     Raises:
         ValueError: ``batch`` is neither (build one with kvt.pack_shared_prefix_groups or kvt.pack_trajectories).
     """
-    from kvtransform.packing import PackedBatch
+    from kvtransform.packing import PackedBatch, PackedLayoutMask
     from kvtransform.tree_packing import TreeBatch
 
     out = {"input_ids": getattr(batch, "input_ids", None), "position_ids": getattr(batch, "position_ids", None),
-           "use_cache": False}
+           "attention_mask": PackedLayoutMask(), "use_cache": False}
     if isinstance(batch, TreeBatch):
         return {**out, "prefix_tree_layout": batch.layout}
     if isinstance(batch, PackedBatch):
@@ -327,8 +330,9 @@ def _refuse_layout_while_disabled(model, args, kwargs):
 def disable(model: torch.nn.Module) -> torch.nn.Module:
     """Switch ``model`` back to the attention implementation it had before :func:`enable`. A packed batch's layout
     keywords are then refused in one line (the model's own attention would ignore them, a silently wrong answer)
-    until :func:`enable` again. A model never enabled ignores them too: call :func:`enable` before
-    ``model(**packed_inputs(batch))``."""
+    until :func:`enable` again. A model never enabled refuses ``model(**packed_inputs(batch))`` too (its
+    ``attention_mask``, :class:`~kvtransform.packing.PackedLayoutMask`); layout keywords passed by hand without
+    :func:`packed_inputs` it cannot see."""
     guarded = getattr(model, "_kvt_disabled_guard", None) is not None
     if _lift(model) or guarded:  # (a second disable() keeps the guard)
         _guard(model)

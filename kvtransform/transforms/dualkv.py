@@ -34,7 +34,8 @@ from kvtransform.capture import capture_packed
 from kvtransform.config import DualKVConfig
 from kvtransform.layout import DualKVLayout
 from kvtransform.model_features import check_attention_only_mixing, position_limits, refuse_training_dropout
-from kvtransform.packing import PackedBatch, check_packed, check_rope_lengths, pack_shared_prefix
+from kvtransform.packing import (PackedBatch, PackedLayoutMask, check_packed, check_rope_lengths,
+                                 pack_shared_prefix)
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.passes.dualkv import DualKVPass, count_square_tensors
@@ -121,8 +122,12 @@ class DualKVModule(OptimizedModule):
     @staticmethod
     def _hf_keywords(layout, hf_kwargs: dict):
         """The keywords of an HF call (``model(**packed_inputs(batch))``, the other frontend's form):
-        ``prefix_tree_layout`` is the layout, ``use_cache`` must be off; anything else is refused in one line."""
+        ``prefix_tree_layout`` is the layout, ``use_cache`` must be off, ``attention_mask`` is packed_inputs' marker
+        (:class:`~kvtransform.packing.PackedLayoutMask`) or None; anything else is refused in one line."""
         tree = hf_kwargs.pop("prefix_tree_layout", None)
+        mask = hf_kwargs.pop("attention_mask", None)
+        if mask is not None and not isinstance(mask, PackedLayoutMask):
+            hf_kwargs["attention_mask"] = mask  # refused below with the other HF keywords
         if hf_kwargs.pop("use_cache", False):
             raise ValueError("use_cache=True: a packed call has no KV cache (leave use_cache out or set it False)")
         if hf_kwargs:
