@@ -245,8 +245,9 @@ def test_build_model_overrides_a_shape_and_refuses_unknown_keys():
         build_model("llama-9b", torch.float32, torch.device("cpu"))
 
 
-def _oom_job(monkeypatch, where, fail_times, **cfg):
-    """run_job on the tiny shape with ``where`` (a name run_job looks up in bench.decode) raising CUDA OOM ``fail_times`` times."""
+def _oom_job(monkeypatch, where, fail_times, keep=None, **cfg):
+    """run_job on the tiny shape with ``where`` (a name run_job looks up in bench.decode) raising CUDA OOM ``fail_times``
+    times; ``keep``: the sweep cache to run with (default a fresh one: a new model and transform)."""
     from kvtransform.bench import decode as D
     from kvtransform.bench.config import DecodeBenchConfig, DType
 
@@ -262,7 +263,7 @@ def _oom_job(monkeypatch, where, fail_times, **cfg):
                           compile=False, dtype=DType.float32, cpu_memory_gb=0.0005, **cfg)
     with monkeypatch.context() as m:
         m.setattr(D, where, failing)
-        m.setattr(D, "_KEEP", {})  # a fresh model and transform (the sweep cache would skip Ours)
+        m.setattr(D, "_KEEP", {} if keep is None else keep)  # fresh: the sweep cache would skip Ours
         return [r for r in D.run_job(c) if r["pass"] == "run"][0], calls
 
 
@@ -275,12 +276,13 @@ def test_oom_in_decode_retries_with_fewer_requests(monkeypatch):
 
 
 def test_oom_in_prefill_or_before_sizing_is_reported_not_retried(monkeypatch):
-    row, calls = _oom_job(monkeypatch, "prefill_ours", 5)
+    keep = {}  # one model and transform for the two calls after the transform (as a sweep's jobs share them)
+    row, calls = _oom_job(monkeypatch, "prefill_ours", 5, keep)
     assert len(calls) == 1 and row["status"].startswith("oom in ") and row["requests"] >= 1
+    row, calls = _oom_job(monkeypatch, "time_ours", 1, keep, requests=3)  # an explicit count is never changed
+    assert len(calls) == 1 and row["status"].startswith("oom")
     row, calls = _oom_job(monkeypatch, "Ours", 5)  # the transform itself: no request count chosen yet
     assert len(calls) == 1 and row["status"].startswith("oom in ") and row["requests"] is None
-    row, calls = _oom_job(monkeypatch, "time_ours", 1, requests=3)  # an explicit count is never changed
-    assert len(calls) == 1 and row["status"].startswith("oom")
 
 
 def test_suite_help_explains_every_key_and_lists_choices(capsys):
