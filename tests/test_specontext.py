@@ -86,9 +86,9 @@ def _recent_reference(model, prompt, n_new, budget, sink):
     return seq[p:]
 
 
-def test_recent_head_attends_exactly_the_chosen_positions(llama, left_padded):
+def test_recent_head_attends_exactly_the_chosen_positions(llama, sp_llama, left_padded):
     budget, sink = 12, 3
-    sp = _transform(llama, budget=budget, num_sink=sink, head="recent")
+    sp = _with_config(sp_llama, kvt.SpeContextConfig(budget=budget, num_sink=sink, head="recent"), llama)
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, 128, (n,), generator=g) for n in (30, 9)]
     ids, am = left_padded(rows)
@@ -99,7 +99,7 @@ def test_recent_head_attends_exactly_the_chosen_positions(llama, left_padded):
 
 def test_recent_differs_from_dense_below_context(llama, sp_llama):
     """The budget really limits attention: a 4-token window changes the greedy continuation of a long prompt."""
-    sp = _transform(llama, budget=4, head="recent")
+    sp = _with_config(sp_llama, kvt.SpeContextConfig(budget=4, head="recent"), llama)
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(2))
     dense = sp_llama.generate(ids, max_new_tokens=12, eos_token_id=None)
     assert not torch.equal(sp.generate(ids, max_new_tokens=12, eos_token_id=None), dense)
@@ -117,9 +117,9 @@ def test_a_budget_beyond_the_cache_selects_what_the_cache_holds(llama, sp_llama,
     assert out.stats.budget == 15 and sp.head.budget == 10 ** 9
 
 
-def test_quest_and_oracle_select_within_budget(llama):
+def test_quest_and_oracle_select_within_budget(llama, sp_llama):
     for head in ("quest", "oracle"):
-        sp = _transform(llama, budget=32, head=head)
+        sp = _with_config(sp_llama, kvt.SpeContextConfig(budget=32, head=head), llama)
         ids = torch.randint(3, 128, (2, 100), generator=torch.Generator().manual_seed(3))
         st = sp.generate(ids, max_new_tokens=6, eos_token_id=None, return_dict_in_generate=True).stats
         assert st.decode_steps == 5 and st.selection_overlap is not None and 0 < st.selection_overlap <= 1
