@@ -341,7 +341,7 @@ class PackedLayoutMask:
         raise UnpackedModelError(
             "this model read a packed batch's attention_mask without kvtransform's packed attention (it would cut "
             "every branch off its prefix): call kvt.integrations.transformers.enable(model, 'dualkv') before "
-            "model(**packed_inputs(batch))")
+            "model(**packed_inputs(batch)), and call the model itself (its .forward skips the checks)")
 
     def __getattr__(self, name: str):
         if name.startswith("__"):  # copy, pickle and other protocol lookups
@@ -353,3 +353,7 @@ class PackedLayoutMask:
 
     def __repr__(self) -> str:
         return "PackedLayoutMask()"
+
+
+# a saved packed_inputs(...) dict loads with torch.load's default weights_only=True (the marker holds no state)
+torch.serialization.add_safe_globals([PackedLayoutMask])

@@ -1,5 +1,6 @@
 """kvt.integrations.transformers: DualKV through a Hugging Face model's own forward (AttentionInterface)."""
 import copy
+import io
 
 import pytest
 import torch
@@ -233,7 +234,6 @@ def test_layout_is_refused_whenever_the_model_attends_without_it():
     silent wrong answers (0.063 off the separate log-probs). packed_inputs' attention_mask marker is what a model
     never enabled trips over; it copies, pickles and looks like a plain object to hasattr (accelerate's device
     placement probes it)."""
-    import copy
     import pickle
 
     from kvtransform.integrations.transformers import disable, enable, packed_inputs
@@ -257,6 +257,13 @@ def test_layout_is_refused_whenever_the_model_attends_without_it():
     assert not hasattr(marker, "to") and not hasattr(marker, "ndim")
     with pytest.raises(UnpackedModelError):
         bool(marker)
+    buf = io.BytesIO()  # a saved packed_inputs dict loads with torch.load's default weights_only=True
+    torch.save(packed_inputs(packed), buf)
+    buf.seek(0)
+    assert isinstance(torch.load(buf)["attention_mask"], PackedLayoutMask)
+    enabled = enable(kvt.tiny_model("llama"), "dualkv")
+    with pytest.raises(UnpackedModelError, match=r"call the model itself \(its .forward skips the checks\)"):
+        enabled.model.forward(**packed_inputs(packed))  # no hook runs: the checks and the marker's drop skipped
     model = enable(kvt.tiny_model("llama"), "dualkv")
     disable(disable(model))
     with pytest.raises(ValueError, match="packed attention is disabled"):
@@ -270,6 +277,24 @@ def test_layout_is_refused_whenever_the_model_attends_without_it():
         got = tree.trajectory_logprobs(model(**packed_inputs(tree)).logits)
     for a, b in zip(got, _separate_logprobs(kvt.tiny_model("llama"), seqs)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_disable_on_a_wrapper_switches_back_the_model_enabled_inside():
+    """enable() on a PEFT model's base, disable() on the wrapper: the base gets its attention back and the wrapper
+    refuses packed batches (a raw AttributeError before: the wrapper forwarded getattr to the base's attribute)."""
+    peft = pytest.importorskip("peft")
+    from kvtransform.integrations.transformers import disable, enable, packed_inputs
+
+    base = kvt.tiny_model("llama")
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    enable(wrapped.get_base_model(), "dualkv")
+    disable(wrapped)
+    assert base.config._attn_implementation == "sdpa" and "_kvt_previous_attn" not in base.__dict__
+    with pytest.raises(ValueError, match="packed attention is disabled"):
+        wrapped(**packed_inputs(kvt.pack_shared_prefix([5, 6, 7], [[8, 9], [10]])))
+    enable(wrapped, "dualkv")  # and back: the wrapper's own enable() works after it
+    with torch.no_grad():
+        wrapped(**packed_inputs(kvt.pack_shared_prefix([5, 6, 7], [[8, 9], [10]])))
 
 
 def test_enabled_model_runs_under_inference_mode():

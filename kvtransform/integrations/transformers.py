@@ -280,13 +280,13 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
         _op_variant_kwargs(op, needed, what)
     _register()
     _remove_hooks(model, "_kvt_disabled_guard")
-    if not hasattr(model, "_kvt_previous_attn"):
+    if "_kvt_previous_attn" not in model.__dict__:
         model._kvt_previous_attn = cfg._attn_implementation
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTENTION_NAME)
     else:  # pragma: no cover - older transformers
         cfg._attn_implementation = ATTENTION_NAME
-    if getattr(model, "_kvt_packed_hook", None) is None:  # the model and each transformers model in it
+    if "_kvt_packed_hook" not in model.__dict__:  # the model and each transformers model in it
         from transformers import PreTrainedModel
 
         hooked = [m for m in model.modules() if m is model or isinstance(m, PreTrainedModel)]
@@ -299,13 +299,13 @@ def _lift(model: torch.nn.Module) -> bool:
     """Undo :func:`enable` on ``model`` (its previous attention implementation, the hooks removed); whether it was
     enabled."""
     enabled = False
-    prev = getattr(model, "_kvt_previous_attn", None)
+    # (the module's own attributes: a wrapper such as PEFT's forwards getattr to the model it wraps)
+    prev = model.__dict__.pop("_kvt_previous_attn", None)
     if prev is not None:
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(prev)
         else:  # pragma: no cover
             model.config._attn_implementation = prev
-        del model._kvt_previous_attn
         enabled = True
     _remove_hooks(model, "_kvt_disabled_guard")
     return _remove_hooks(model, "_kvt_packed_hook") or enabled
@@ -332,9 +332,11 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
     keywords are then refused in one line (the model's own attention would ignore them, a silently wrong answer)
     until :func:`enable` again. A model never enabled refuses ``model(**packed_inputs(batch))`` too (its
     ``attention_mask``, :class:`~kvtransform.packing.PackedLayoutMask`); layout keywords passed by hand without
-    :func:`packed_inputs` it cannot see."""
-    guarded = getattr(model, "_kvt_disabled_guard", None) is not None
-    if _lift(model) or guarded:  # (a second disable() keeps the guard)
+    :func:`packed_inputs` it cannot see. A model enabled inside ``model`` (e.g. the base model of a PEFT wrapper)
+    is switched back too."""
+    guarded = "_kvt_disabled_guard" in model.__dict__
+    lifted = [_lift(m) for m in list(model.modules())]  # every enabled model in it, ``model`` first
+    if any(lifted) or guarded:  # (a second disable() keeps the guard)
         _guard(model)
     return model
 
@@ -350,7 +352,7 @@ def _guard(model: torch.nn.Module) -> None:
 def suspended(model: torch.nn.Module):
     """The block runs ``model`` as it was before :func:`enable` (its own attention, no hooks: what ``torch.export``
     captures in :func:`kvtransform.transform`); an enabled model is enabled again afterwards."""
-    guarded = getattr(model, "_kvt_disabled_guard", None) is not None
+    guarded = "_kvt_disabled_guard" in model.__dict__
     enabled = _lift(model)
     try:
         yield model
