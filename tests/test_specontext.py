@@ -3,6 +3,7 @@ plain-PyTorch reference, save/load in a fresh process, sampling, per-row EOS, ba
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,19 @@ def llama():
 @pytest.fixture(scope="module")
 def sp_llama(llama):
     return _transform(llama, budget=64, head="quest")
+
+
+@pytest.fixture(scope="module")
+def _sp_llama_saved(sp_llama, tmp_path_factory):
+    return sp_llama.save(tmp_path_factory.mktemp("sp_llama") / "sp")
+
+
+@pytest.fixture
+def sp_llama_artifact(_sp_llama_saved, tmp_path):
+    """A private copy of ``sp_llama``'s saved artifact (a test may damage its files)."""
+    import shutil
+
+    return Path(shutil.copytree(_sp_llama_saved, tmp_path / "sp"))
 
 
 @pytest.mark.parametrize("family,head", [("llama", "quest"), ("qwen2", "dense"), ("qwen3", "oracle"),
@@ -251,8 +265,8 @@ def test_sizes_outside_the_capture_ranges_decode(tmp_path):
             assert torch.equal(out[0, n:], ref), (n, model is sp)
 
 
-def test_artifact_with_damaged_weight_list_is_refused(sp_llama, tmp_path):
-    path = sp_llama.save(tmp_path / "sp")
+def test_artifact_with_damaged_weight_list_is_refused(sp_llama, sp_llama_artifact):
+    path = sp_llama_artifact
     meta = json.loads((path / "meta.json").read_text())
     assert meta["prefill_weights_from_decode"] and meta["retrieval_head"] == sp_llama.runtime.head.name
     for names, match in ((None, "needs meta.json's 'prefill_weights_from_decode' list"),
@@ -269,10 +283,10 @@ def test_artifact_with_damaged_weight_list_is_refused(sp_llama, tmp_path):
             kvt.load(path)
 
 
-def test_artifact_with_damaged_model_info_or_head_file_is_named_in_one_line(sp_llama, tmp_path):
+def test_artifact_with_damaged_model_info_or_head_file_is_named_in_one_line(sp_llama, sp_llama_artifact):
     """meta.json's model_info and head.pt, damaged: one ValueError line naming the file (before: a TypeError from
     ModelInfo(**...), an AttributeError from a gutted head.pt)."""
-    path = sp_llama.save(tmp_path / "sp")
+    path = sp_llama_artifact
     meta = json.loads((path / "meta.json").read_text())
     info = meta["model_info"]
     for bad, why in (([1, 2], "a JSON list, not an object"), ({**info, "extra": 1}, r"unknown \['extra'\]"),
