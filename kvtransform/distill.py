@@ -421,6 +421,6 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     res = {"out": str(out), "steps": step, "device": str(dev), "loss": sum(l for l, _ in last) / len(last),
            "captured": sum(c for _, c in last) / len(last), "seconds": time.perf_counter() - t_start}
     save_head_dir(out, block.cpu(), fp, {
-        "training": {**key, **train_key, "python": platform.python_version(), "teacher": cfg.teacher, "teacher_aggregate": TEACHERS[cfg.teacher],
-                     "train_captured_top_k": round(res["captured"], 4)}})
+        "training": {**key, **train_key, "python": platform.python_version(), "teacher": cfg.teacher,
+                     "teacher_aggregate": TEACHERS[cfg.teacher], "train_captured_top_k": round(res["captured"], 4)}})
     return res

@@ -246,8 +246,8 @@ def test_build_model_overrides_a_shape_and_refuses_unknown_keys():
 
 
 def _oom_job(monkeypatch, where, fail_times, keep=None, **cfg):
-    """run_job on the tiny shape with ``where`` (a name run_job looks up in bench.decode) raising CUDA OOM ``fail_times``
-    times; ``keep``: the sweep cache to run with (default a fresh one: a new model and transform)."""
+    """run_job on the tiny shape with ``where`` (a name run_job looks up in bench.decode) raising CUDA OOM
+    ``fail_times`` times; ``keep``: the sweep cache to run with (default a fresh one: a new model and transform)."""
     from kvtransform.bench import decode as D
     from kvtransform.bench.config import DecodeBenchConfig, DType
 

@@ -17,9 +17,10 @@ def job(cfg: DictConfig) -> None:
     from ..distill import distill
 
     res = distill(cfg, log=console().print)
-    console().print(f"[bold]Saved[/bold] the distilled head to {res['out']} after {res['steps']} "
-                    f"step{'' if res['steps'] == 1 else 's'} on {res['device']} in {res['seconds'] / 60:.1f} min (top-k teacher mass on the training text "
-                    f"{res['captured']:.3f}); use it with transform.head=distilled transform.retrieval={res['out']}")
+    steps = f"{res['steps']} step{'' if res['steps'] == 1 else 's'}"
+    console().print(f"[bold]Saved[/bold] the distilled head to {res['out']} after {steps} on {res['device']} in "
+                    f"{res['seconds'] / 60:.1f} min (top-k teacher mass on the training text {res['captured']:.3f}); "
+                    f"use it with transform.head=distilled transform.retrieval={res['out']}")
 
 
 def precheck(cfg: DictConfig) -> None:
