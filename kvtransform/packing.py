@@ -24,7 +24,7 @@ from .packed_logits import packed_logits
 from .tree_packing import TreeBatch, _as_device, _as_vocab, pack_trajectories  # noqa: F401
 
 __all__ = ["PackedBatch", "pack_shared_prefix", "pack_shared_prefix_groups", "check_packed", "check_rope_lengths",
-           "PackedLayoutMask"]
+           "PackedLayoutMask", "UnpackedModelError"]
 
 TokenIds = Union[Sequence[int], torch.Tensor]
 

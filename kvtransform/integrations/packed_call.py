@@ -73,9 +73,15 @@ def _refuse_packed_positions_without_layout(model, args, kwargs) -> None:
     segment continuing its prefix's positions: a DualKV or prefix-tree batch): without a mask transformers would
     read the drop as the start of another packed sequence (which restarts at 0) and cut the branch off its prefix,
     with one (a tokenizer's all-ones mask) attend causally across the branches: silently wrong answers either way.
-    Padding (mask 0) is not looked at, nor are calls with a custom (4-D) mask."""
+    Padding (mask 0) is not looked at, nor are calls with a custom (4-D) mask. packed_inputs' ``attention_mask``
+    marker without its layout keywords (they were dropped) is refused too."""
+    from kvtransform.packing import PackedLayoutMask
+
     pos = kwargs.get("position_ids")
     mask = kwargs.get("attention_mask")
+    if isinstance(mask, PackedLayoutMask):
+        raise ValueError("this call has packed_inputs(batch)'s attention_mask but not its layout (cu_seqlens/"
+                         "segment_prefix or prefix_tree_layout): pass all of model(**packed_inputs(batch))")
     if pos is None and len(args) > 1:
         named = _call_arguments(model, args, kwargs)
         pos, mask = named.get("position_ids"), named.get("attention_mask")
@@ -107,15 +113,6 @@ def _position_drop(pos: torch.Tensor, mask=None):
     return col + 1, int(pos[row, col + 1])
 
 
-def _refuse_marker_without_layout(kwargs: dict) -> None:
-    """packed_inputs' ``attention_mask`` marker in a call without its layout keywords (they were dropped)."""
-    from kvtransform.packing import PackedLayoutMask
-
-    if isinstance(kwargs.get("attention_mask"), PackedLayoutMask):
-        raise ValueError("this call has packed_inputs(batch)'s attention_mask but not its layout (cu_seqlens/"
-                         "segment_prefix or prefix_tree_layout): pass all of model(**packed_inputs(batch))")
-
-
 def _check_packed_call(model, args, kwargs):
     """Forward pre-hook that :func:`enable` installs on the model and on every transformers model inside it (a
     direct call of the backbone, ``model.model(...)``, is checked too): a call with a packed layout
@@ -137,13 +134,11 @@ def _check_packed_call(model, args, kwargs):
 
     _depth[0] += 1  # (first: :func:`_leave_call` runs even when this hook raises)
     if not {"prefix_tree_layout", "cu_seqlens", "segment_prefix"} & set(kwargs):
-        _refuse_marker_without_layout(kwargs)
         _refuse_packed_positions_without_layout(model, args, kwargs)
         return None  # (a forward takes the layout through **kwargs only: by name)
     named = _call_arguments(model, args, kwargs)
     tree, cu, sp = (named.get(k) for k in ("prefix_tree_layout", "cu_seqlens", "segment_prefix"))
     if tree is None and cu is None and sp is None:  # layout keywords given as None: an unpacked call
-        _refuse_marker_without_layout(named)
         _refuse_packed_positions_without_layout(model, args, kwargs)
         return None
     if isinstance(named.get("attention_mask"), PackedLayoutMask):  # packed_inputs' marker: no mask, dropped
