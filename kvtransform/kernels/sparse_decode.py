@@ -307,12 +307,14 @@ def sparse_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     lo = torch.zeros_like(raw) if window is None else (raw - int(window) + 1).clamp(min=0)
     valid = (pos >= lo[:, None, None]) & (pos < lens[:, None, None])
     safe = torch.where(valid, pos, torch.zeros_like(pos))
-    gidx = safe[..., None].expand(-1, -1, -1, d)
+    # rows of the flattened (batch * H_kv * S_max, D) cache: whole D-rows copied (index_select), ~4x faster on a CPU
+    # than an element-wise gather with a (batch, H_kv, B, D) index
+    rows = (safe + torch.arange(bsz * h_kv, device=q.device).view(bsz, h_kv, 1) * s_max).reshape(-1)
     # a masked entry reads position 0 (or, in slot mode, an unused slot), which may hold anything, NaN/inf included
     # (a freshly allocated or freed cache): zero it, as the kernel's masked loads do, since 0 * NaN is NaN.
-    keep = valid[..., None]
-    kg = torch.gather(k, 2, gidx).to(dtype).masked_fill(~keep, 0)
-    vg = torch.gather(v, 2, gidx).to(dtype).masked_fill(~keep, 0)
+    drop = ~valid[..., None]
+    kg = k.reshape(-1, d).index_select(0, rows).view(bsz, h_kv, -1, d).to(dtype).masked_fill_(drop, 0)
+    vg = v.reshape(-1, d).index_select(0, rows).view(bsz, h_kv, -1, d).to(dtype).masked_fill_(drop, 0)
     qf = q.to(dtype).view(bsz, h_kv, g, d)
     s = torch.einsum("bkgd,bknd->bkgn", qf, kg) * scale
     if softcap is not None:
