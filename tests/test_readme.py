@@ -62,13 +62,16 @@ _DRIVER = textwrap.dedent('''
     print("README_CHECKS_OK", flush=True)
 ''')
 
-# Run after the blocks, in their namespace: the real-model canonical claims on the README's own objects (`model`,
-# `tok`, `opt`, `opt2`), so no other test captures and verifies SmolLM2 a second time for them. Every site rewritten and
-# verified, and the artifact the README saved and reloaded gives the model's logits. (The last README block enables
-# and disables the HF integration on `model`: disable() restores the model's own attention.) A README that renames
-# these objects fails here with a NameError: rename them here too.
+# Run after the blocks, in their namespace: the real-model claims on the README's own objects (`model`, `tok`, `opt`,
+# `opt2`, `sp`), so no other test captures SmolLM2 a second time for them. Canonical: every site rewritten and
+# verified, and the artifact the README saved and reloaded gives the model's logits. SpeContext: with a budget that
+# covers the context (`sp`'s 1024 against prompts of 5, 200 and 900 tokens + 32 new), `generate` on a left-padded
+# batch gives HF `generate`'s greedy tokens row by row. (The last README block enables and disables the HF integration
+# on `model`: disable() restores the model's own attention.) A README that renames these objects fails here with a
+# NameError: rename them here too.
 _CHECKS = textwrap.dedent('''
     import torch
+    from kvtransform.verify import text_token_ids
     r = opt.report
     assert len(r.sites) == 30 and r.count("canonical") == 30 and r.verification.passed, r.to_dict()["verification"]
     assert {(s.q_heads, s.kv_heads, s.head_dim) for s in r.sites} == {(9, 3, 64)}
@@ -76,6 +79,19 @@ _CHECKS = textwrap.dedent('''
     probe = tok("The library on the hill keeps its oldest maps", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(opt2(probe), model(input_ids=probe, use_cache=False).logits, rtol=1e-4, atol=1e-4)
+
+    rows = [text_token_ids(tok, model.config.vocab_size, n, offset=o) for n, o in ((5, 0), (200, 40), (900, 300))]
+    width = max(len(row) for row in rows)
+    left = [width - len(row) for row in rows]
+    padded = torch.stack([torch.cat([row.new_full((n,), tok.pad_token_id or 0), row]) for n, row in zip(left, rows)])
+    mask = torch.stack([(torch.arange(width) >= n).long() for n in left])
+    assert sp.config.budget >= width + 32, sp.config.budget
+    got = sp.generate(padded, mask, max_new_tokens=32, eos_token_id=None)
+    for b, row in enumerate(rows):
+        with torch.no_grad():
+            ref = model.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long), max_new_tokens=32,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(row):]
+        assert torch.equal(got[b, width:], ref), (b, got[b, width:], ref)
 ''')
 
 

@@ -454,24 +454,6 @@ def test_sliding_window_model_decodes_within_its_window():
         sp.runtime.programs.layer_split()
 
 
-# ---- real model ---------------------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_real_model_exact_5_200_1100(left_padded):
-    from kvtransform.verify import text_token_ids
-
-    model, tok = kvt.load_model("smollm2-135m")
-    vocab = model.config.vocab_size
-    rows = [text_token_ids(tok, vocab, n, offset=o) for n, o in ((5, 0), (200, 40), (1100, 300))]
-    ids, am = left_padded(rows, pad=tok.pad_token_id or 0)
-    refs = [_hf_greedy(model, r, 32) for r in rows]
-    sp = _transform(model, budget=2048, head="quest")
-    # (the dense head runs the slot-mode variant of the same program: equal to gather mode step by step in
-    # test_dense_head_runs_the_slot_mode_program_with_gather_mode_logits)
-    out = sp.generate(ids, am, max_new_tokens=32, eos_token_id=None)
-    for b, ref in enumerate(refs):
-        assert torch.equal(out[b, ids.shape[1]:], ref), b
-
-
 def test_dense_head_runs_the_slot_mode_program_with_gather_mode_logits(llama):
     """The dense head decodes through the slot-mode variant of the program (each layer reads its cache up to
     cache_seqlens); its logits equal the gather-mode program's over all_positions, step by step on a ragged batch."""
