@@ -454,3 +454,50 @@ def test_kernel_resources_tool_compiles_for_hopper_without_a_gpu():
     r = subprocess.run([sys.executable, str(tool), "dq", "32,32,8,3,1,4", "--tree"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "| dq | 32,32,8,3,1,4 | " in r.stdout and "error" not in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_forward_runs_the_fused_kernel_where_it_applies(dtype, monkeypatch):
+    """The op's CPU forward computes plain segments (causal or windowed, prompt and response segments) with PyTorch's
+    fused CPU flash attention, within float64 as tightly as the plain softmax; soft-caps, sinks, a scale that is not
+    positive and autograd-recorded calls (that kernel gives no gradient through the LSE) take the plain softmax."""
+    layout = DualKVLayout.from_lengths([(23, [7, 1, 12]), (5, [9])])
+    q, k, v = make_inputs(layout, 6, 2, 16, dtype)
+    args = (layout.cu_seqlens, layout.segment_prefix)
+    taken = []
+    fused = R.fused_segment_attention
+
+    def spy(*a, **kw):
+        res = fused(*a, **kw)
+        if res is not None:
+            taken.append(1)
+        return res
+    monkeypatch.setattr(R, "fused_segment_attention", spy)
+    x64 = [t.double() for t in (q, k, v)]
+    for variant in ({}, {"window": 5}):
+        out, lse = R.dualkv_attention_reference(q, k, v, *args, **variant)
+        assert len(taken) == 6, taken  # one call per segment
+        taken.clear()
+        ref_out, ref_lse, _, _ = zip(*[R.segment_attention(*s, 16 ** -0.5, torch.float64, **variant)
+                                       for s in _segments(x64, layout)])
+        assert maxerr(out.double(), torch.cat([o.transpose(0, 1) for o in ref_out])) < (1e-6 if dtype == torch.float32
+                                                                                          else 1e-13)
+        assert maxerr(lse.double(), torch.cat(ref_lse, 1)) < (1e-6 if dtype == torch.float32 else 1e-13)
+    for variant in ({"softcap": 3.0}, {"sinks": torch.randn(6, dtype=dtype)}, {"softmax_scale": -0.3}):
+        R.dualkv_attention_reference(q, k, v, *args, **variant)
+    qg = q.clone().requires_grad_()
+    R.dualkv_attention_reference(qg, k, v, *args)
+    assert not taken
+    assert R.fused_segment_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), -0.3) is None
+
+
+def _segments(x64, layout):
+    """``(qs (H, n, D), ks, vs (H, m, D))`` per segment of ``layout``, GQA heads repeated, keys prefix first."""
+    q, k, v = x64
+    cu = layout.cu_seqlens.tolist()
+    sp = layout.segment_prefix.tolist()
+    grp = q.shape[1] // k.shape[1]
+    for s, rows in enumerate(R.segment_rows(cu, sp, s) for s in range(len(sp))):
+        ks = torch.cat([k[a:b] for a, b in rows]).transpose(0, 1).repeat_interleave(grp, 0)
+        vs = torch.cat([v[a:b] for a, b in rows]).transpose(0, 1).repeat_interleave(grp, 0)
+        yield q[cu[s]:cu[s + 1]].transpose(0, 1), ks, vs

@@ -14,6 +14,17 @@ import torch
 import triton
 
 
+def _dropped(n: int, m: int, window: Optional[int], device) -> torch.Tensor:
+    """bool ``(n, m)``: the keys each of ``n`` queries does not see under :func:`segment_attention`'s mask (bottom-right
+    aligned causal, and outside the ``window``)."""
+    pos = torch.arange(n, device=device)[:, None] + (m - n)
+    j = torch.arange(m, device=device)[None, :]
+    drop = j > pos
+    if window is not None:
+        drop = drop | (j <= pos - window)
+    return drop
+
+
 def segment_attention(qs, ks, vs, scale: float, soft: torch.dtype, window: Optional[int] = None,
                       softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, probs: bool = True):
     """One dense bottom-right-aligned causal attention of ``n`` queries against ``m >= n`` keys (the last ``n`` keys
@@ -42,12 +53,7 @@ def segment_attention(qs, ks, vs, scale: float, soft: torch.dtype, window: Optio
     if softcap is not None:
         t = torch.tanh(s / softcap)
         s = softcap * t
-    pos = torch.arange(n, device=qs.device)[:, None] + (m - n)
-    j = torch.arange(m, device=qs.device)[None, :]
-    drop = j > pos
-    if window is not None:
-        drop = drop | (j <= pos - window)
-    s = s.masked_fill_(drop, float("-inf"))
+    s = s.masked_fill_(_dropped(n, m, window, qs.device), float("-inf"))
     mx = s.detach().amax(-1, keepdim=True)  # a constant shift: the softmax and the LSE do not depend on it
     if sinks is not None:
         sk = sinks.to(soft)[:, None, None]
@@ -61,6 +67,29 @@ def segment_attention(qs, ks, vs, scale: float, soft: torch.dtype, window: Optio
         return torch.matmul(e, vs) / den, lse, None, t
     p = e / den
     return torch.matmul(p.to(vs.dtype), vs), lse, p, t
+
+
+# PyTorch's fused CPU flash attention (what scaled_dot_product_attention runs on a CPU), with its LSE; a private op
+# of torch (2.3 and later), so looked up once and not required
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def fused_segment_attention(qs, ks, vs, scale: float, window: Optional[int] = None):
+    """:func:`segment_attention`'s ``(o, lse)`` without soft-cap or sinks from PyTorch's fused CPU flash-attention
+    kernel (blocked: the ``(H, n, m)`` scores are never held), or None where it does not apply (not a CPU tensor,
+    not fp32/fp64, an empty segment, a scale that is not positive, a torch without the op). Its autograd gives no gradient through the LSE: call it
+    where autograd does not record. On one core, a 2,000-token segment of SmolLM2's shape:
+    0.10-0.16 s against 0.62-0.68 s for :func:`segment_attention`, with the same error against float64."""
+    n, m = qs.shape[1], ks.shape[1]
+    if _FLASH_CPU is None or qs.device.type != "cpu" or qs.dtype not in (torch.float32, torch.float64) or n == 0 \
+            or not scale > 0:  # the kernel takes the row max before scaling: wrong for a negative scale
+        return None
+    if window is None and n == m:
+        o, lse = _FLASH_CPU(qs[None], ks[None], vs[None], 0.0, True, scale=scale)
+    else:
+        mask = torch.zeros(n, m, dtype=qs.dtype).masked_fill_(_dropped(n, m, window, qs.device), float("-inf"))
+        o, lse = _FLASH_CPU(qs[None], ks[None], vs[None], 0.0, False, attn_mask=mask, scale=scale)
+    return o[0], lse[0]
 
 
 def segment_attention_backward(qs, ks, vs, dos, dlse, scale: float, window=None, softcap=None, sinks=None):
@@ -98,7 +127,12 @@ def packed_reference(q, k, v, cu: list, rows: list, softmax_scale, upcast: bool,
         qs = q[a:b].to(work).transpose(0, 1)  # (H, n, D)
         ks = torch.cat([k[x:y] for x, y in rs]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
         vs = torch.cat([v[x:y] for x, y in rs]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        o, lse, _, _ = segment_attention(qs, ks, vs, scale, soft, window, softcap, sinks, probs=False)
+        # the fused kernel gives no gradient through the LSE: only where autograd does not record (the op's forward)
+        fused = None if softcap is not None or sinks is not None or work != soft or (
+            torch.is_grad_enabled() and (qs.requires_grad or ks.requires_grad or vs.requires_grad)) else \
+            fused_segment_attention(qs, ks, vs, scale, window)
+        o, lse = fused if fused is not None else \
+            segment_attention(qs, ks, vs, scale, soft, window, softcap, sinks, probs=False)[:2]
         outs.append(o.transpose(0, 1).to(q.dtype))
         lses.append(lse)
     out = torch.cat(outs) if outs else q.new_zeros(q.shape)
@@ -260,6 +294,7 @@ def work_table(cu_seqlens: torch.Tensor, block: int, total_tokens: int, extra: t
 
 
 __all__ = ["dualkv_attention_reference", "dualkv_attention_reference_backward", "segment_attention",
+           "fused_segment_attention",
            "segment_attention_backward", "packed_reference", "packed_reference_backward", "bounded_layout",
            "segment_tables",
            "work_table"]
