@@ -77,9 +77,9 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 def fused_segment_attention(qs, ks, vs, scale: float, window: Optional[int] = None):
     """:func:`segment_attention`'s ``(o, lse)`` without soft-cap or sinks from PyTorch's fused CPU flash-attention
     kernel (blocked: the ``(H, n, m)`` scores are never held), or None where it does not apply (not a CPU tensor,
-    not fp32/fp64, an empty segment, a scale that is not positive, a torch without the op). Its autograd gives no gradient through the LSE: call it
-    where autograd does not record. On one core, a 2,000-token segment of SmolLM2's shape:
-    0.10-0.16 s against 0.62-0.68 s for :func:`segment_attention`, with the same error against float64."""
+    not fp32/fp64, an empty segment, a scale that is not positive, a torch without the op). Its autograd gives no
+    gradient through the LSE: call it where autograd does not record. On one core, a 2,000-token segment of
+    SmolLM2's shape: 0.10-0.16 s against 0.62-0.68 s for :func:`segment_attention`, the same error against float64."""
     n, m = qs.shape[1], ks.shape[1]
     if _FLASH_CPU is None or qs.device.type != "cpu" or qs.dtype not in (torch.float32, torch.float64) or n == 0 \
             or not scale > 0:  # the kernel takes the row max before scaling: wrong for a negative scale
