@@ -2,8 +2,9 @@
 (SmolLM2-135M), in a temporary working directory (the snippets write out/ and model.onnx there).
 
 A block right after a ``<!-- readme-test: skip -->`` line is not run (the README says why at that block). After the
-blocks, ``_CHECKS`` asserts the real-model canonical claims on the objects they made (30 sites rewritten and verified,
-the saved artifact reloads with the model's logits); the README's ``export_onnx`` call is the real-model ONNX test
+blocks, ``_CHECKS`` asserts the real-model claims on the objects they made (canonical: 30 sites rewritten and verified,
+the saved artifact reloads with the model's logits; SpeContext: a budget covering the context gives HF ``generate``'s
+greedy tokens on a left-padded batch); the README's ``export_onnx`` call is the real-model ONNX test
 (``export_onnx`` checks the file in onnxruntime before writing it; dynamic shapes are tested on tiny models in
 ``tests/test_onnx.py``)."""
 import os
