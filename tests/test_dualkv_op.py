@@ -473,31 +473,26 @@ def test_cpu_forward_runs_the_fused_kernel_where_it_applies(dtype, monkeypatch):
             taken.append(1)
         return res
     monkeypatch.setattr(R, "fused_segment_attention", spy)
-    x64 = [t.double() for t in (q, k, v)]
+    x64 = [t.to(torch.float64, copy=True).requires_grad_() for t in (q, k, v)]  # autograd records: plain softmax
     for variant in ({}, {"window": 5}):
         out, lse = R.dualkv_attention_reference(q, k, v, *args, **variant)
         assert len(taken) == 6, taken  # one call per segment
         taken.clear()
-        ref_out, ref_lse, _, _ = zip(*[R.segment_attention(*s, 16 ** -0.5, torch.float64, **variant)
-                                       for s in _segments(x64, layout)])
-        assert maxerr(out.double(), torch.cat([o.transpose(0, 1) for o in ref_out])) < (1e-6 if dtype == torch.float32
-                                                                                          else 1e-13)
-        assert maxerr(lse.double(), torch.cat(ref_lse, 1)) < (1e-6 if dtype == torch.float32 else 1e-13)
+        ref_out, ref_lse = R.dualkv_attention_reference(*x64, *args, **variant)
+        assert not taken
+        tol = 1e-6 if dtype == torch.float32 else 1e-13
+        assert maxerr(out.double(), ref_out.detach()) < tol and maxerr(lse.double(), ref_lse.detach()) < tol
     for variant in ({"softcap": 3.0}, {"sinks": torch.randn(6, dtype=dtype)}, {"softmax_scale": -0.3}):
         R.dualkv_attention_reference(q, k, v, *args, **variant)
     qg = q.clone().requires_grad_()
     R.dualkv_attention_reference(qg, k, v, *args)
     assert not taken
     assert R.fused_segment_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), -0.3) is None
+    # inputs whose head_dim is not contiguous (the kernel reads each row as contiguous)
+    strided = [t.permute(2, 1, 0).contiguous().permute(2, 1, 0) for t in (q, k, v)]
+    assert strided[0].stride(-1) != 1
+    out, lse = R.dualkv_attention_reference(*strided, *args)
+    assert taken
+    ref_out, ref_lse = R.dualkv_attention_reference(*x64, *args)
+    assert maxerr(out.double(), ref_out.detach()) < tol and maxerr(lse.double(), ref_lse.detach()) < tol
 
-
-def _segments(x64, layout):
-    """``(qs (H, n, D), ks, vs (H, m, D))`` per segment of ``layout``, GQA heads repeated, keys prefix first."""
-    q, k, v = x64
-    cu = layout.cu_seqlens.tolist()
-    sp = layout.segment_prefix.tolist()
-    grp = q.shape[1] // k.shape[1]
-    for s, rows in enumerate(R.segment_rows(cu, sp, s) for s in range(len(sp))):
-        ks = torch.cat([k[a:b] for a, b in rows]).transpose(0, 1).repeat_interleave(grp, 0)
-        vs = torch.cat([v[a:b] for a, b in rows]).transpose(0, 1).repeat_interleave(grp, 0)
-        yield q[cu[s]:cu[s + 1]].transpose(0, 1), ks, vs

@@ -77,13 +77,16 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 def fused_segment_attention(qs, ks, vs, scale: float, window: Optional[int] = None):
     """:func:`segment_attention`'s ``(o, lse)`` without soft-cap or sinks from PyTorch's fused CPU flash-attention
     kernel (blocked: the ``(H, n, m)`` scores are never held), or None where it does not apply (not a CPU tensor,
-    not fp32/fp64, an empty segment, a scale that is not positive, a torch without the op). Its autograd gives no
-    gradient through the LSE: call it where autograd does not record. On one core, a 2,000-token segment of
+    not fp32/fp64, an empty segment, a scale that is not positive, a torch without the op, or a call autograd records:
+    the kernel's autograd gives no gradient through the LSE). On one core, a 2,000-token segment of
     SmolLM2's shape: 0.10-0.16 s against 0.62-0.68 s for :func:`segment_attention`, the same error against float64."""
     n, m = qs.shape[1], ks.shape[1]
     if _FLASH_CPU is None or qs.device.type != "cpu" or qs.dtype not in (torch.float32, torch.float64) or n == 0 \
-            or not scale > 0:  # the kernel takes the row max before scaling: wrong for a negative scale
-        return None
+            or not scale > 0 \
+            or torch.is_grad_enabled() and (qs.requires_grad or ks.requires_grad or vs.requires_grad):
+        return None  # (the kernel takes the row max before scaling: wrong for a negative scale)
+    # the kernel reads each row of D as contiguous (a permuted input with stride(-1) != 1 gave errors of order 1)
+    qs, ks, vs = (x if x.stride(-1) == 1 else x.contiguous() for x in (qs, ks, vs))
     if window is None and n == m:
         o, lse = _FLASH_CPU(qs[None], ks[None], vs[None], 0.0, True, scale=scale)
     else:
@@ -127,10 +130,7 @@ def packed_reference(q, k, v, cu: list, rows: list, softmax_scale, upcast: bool,
         qs = q[a:b].to(work).transpose(0, 1)  # (H, n, D)
         ks = torch.cat([k[x:y] for x, y in rs]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
         vs = torch.cat([v[x:y] for x, y in rs]).to(work).transpose(0, 1).repeat_interleave(grp, dim=0)
-        # the fused kernel gives no gradient through the LSE: only where autograd does not record (the op's forward)
-        fused = None if softcap is not None or sinks is not None or work != soft or (
-            torch.is_grad_enabled() and (qs.requires_grad or ks.requires_grad or vs.requires_grad)) else \
-            fused_segment_attention(qs, ks, vs, scale, window)
+        fused = None if softcap is not None or sinks is not None else fused_segment_attention(qs, ks, vs, scale, window)
         o, lse = fused if fused is not None else \
             segment_attention(qs, ks, vs, scale, soft, window, softcap, sinks, probs=False)[:2]
         outs.append(o.transpose(0, 1).to(q.dtype))
