@@ -67,12 +67,14 @@ def inspect(model: torch.nn.Module, progress: bool = True) -> Report:
     """Capture ``model`` and report every attention site found (nothing is rewritten).
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (e.g. a ``(model, tokenizer)`` pair).
         ValueError: not a decoder-only causal LM.
     """
+    from .integrations.transformers import suspended
+    from .models import check_causal_lm
     from .utils import model_name
 
-    from .integrations.transformers import suspended
-
+    check_causal_lm(model)
     report = Report(model=model_name(model), transform="inspect")
     with suspended(model):
         capture_and_rewrite(model, capture, [lambda ctx: AttentionPass(ctx, rewrite=False)], report, progress)

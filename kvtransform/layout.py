@@ -178,6 +178,14 @@ def _int32_on(values, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+@torch.inference_mode(False)
+def _normal_int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as int32, a normal tensor (an inference-mode tensor is copied: the ops save the layout for backward,
+    which inference tensors cannot be)."""
+    t = t.to(torch.int32)
+    return t.clone() if t.is_inference() else t
+
+
 @dataclass
 class DualKVLayout:
     """Packed layout of ``num_groups`` (prefix, responses) groups in one token axis.
@@ -200,6 +208,7 @@ class DualKVLayout:
 
     # ------------------------------------------------------------------ construction
     @classmethod
+    @torch.inference_mode(False)  # a layout packed during a rollout is trained on later: its tensors stay normal
     def from_lengths(cls, groups: Sequence[tuple], device: Union[str, torch.device, None] = None) -> "DualKVLayout":
         """Layout from ``[(P_0, [R_0,0, R_0,1, ..]), (P_1, [..]), ..]`` in packing order.
 
@@ -231,7 +240,7 @@ class DualKVLayout:
                 response_lens.append([])
             else:
                 response_lens[-1].append(n)
-        return cls._trusted(cu_seqlens.to(torch.int32), segment_prefix.to(torch.int32), prefix_lens, response_lens)
+        return cls._trusted(_normal_int32(cu_seqlens), _normal_int32(segment_prefix), prefix_lens, response_lens)
 
     @classmethod
     def _trusted(cls, cu_seqlens, segment_prefix, prefix_lens, response_lens) -> "DualKVLayout":
@@ -249,6 +258,7 @@ class DualKVLayout:
         if not self.prefix_lens and not self.response_lens:
             # constructed from tensors only: fill the python side (an empty layout is refused there)
             other = DualKVLayout.from_tensors(self.cu_seqlens, self.segment_prefix)
+            self.cu_seqlens, self.segment_prefix = other.cu_seqlens, other.segment_prefix  # int32, normal tensors
             self.prefix_lens, self.response_lens = other.prefix_lens, other.response_lens
             return
         # both sides given: the kernels read the tensors, position_ids()/replicated_index() the lists, so they must
@@ -260,7 +270,8 @@ class DualKVLayout:
         _, _, self.prefix_lens, self.response_lens = _lists_from_lengths(list(zip(self.prefix_lens,
                                                                                   self.response_lens)))
         if _has_data(self.cu_seqlens) and _has_data(self.segment_prefix):
-            self._check_agree()
+            self._check_agree()  # (the values fit int32: checked there)
+            self.cu_seqlens, self.segment_prefix = _normal_int32(self.cu_seqlens), _normal_int32(self.segment_prefix)
 
     def _check_agree(self, total_tokens: Optional[int] = None) -> None:
         if self.cu_seqlens.dim() != 1 or self.segment_prefix.dim() != 1:

@@ -61,6 +61,9 @@ def _as_ids(x: TokenIds, what: str, vocab_size: Optional[int]) -> torch.Tensor:
                              f"(>= 0)")
         x = torch.tensor(x.astype("int64"))
     if isinstance(x, torch.Tensor):
+        if x.is_nested or x.layout != torch.strided:  # (their dim/min are not defined or not implemented)
+            kind = "nested" if x.is_nested else str(x.layout).replace("torch.", "")
+            raise ValueError(f"{what} is a {kind} tensor: pass dense 1-D token ids (.to_dense(), or a list of ids)")
         if x.dim() != 1:
             raise ValueError(f"{what} must be a 1-D tensor or a list of token ids; got a tensor of shape "
                              f"{tuple(x.shape)}")
@@ -201,6 +204,7 @@ class PackedBatch:
         check_packed(self.input_ids, self.position_ids, self.layout, vocab_size)
 
 
+@torch.inference_mode(False)  # packed during a rollout (inference mode), trained on later: normal tensors
 def pack_shared_prefix_groups(groups: Sequence[tuple], vocab_size: Optional[int] = None,
                               device: Union[str, torch.device, None] = None) -> PackedBatch:
     """Pack several groups ``[(prompt_ids, [response_ids, ...]), ...]`` into one :class:`PackedBatch`.

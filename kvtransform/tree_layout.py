@@ -213,6 +213,7 @@ class PrefixTreeLayout:
                                 device=cu_seqlens.device)
 
     @classmethod
+    @torch.inference_mode(False)  # a layout packed during a rollout is trained on later: its tensors stay normal
     def _build(cls, lengths: list, parents: list, device) -> "PrefixTreeLayout":
         d = _derive(lengths, parents)
         obj = cls.__new__(cls)

@@ -27,7 +27,7 @@ import torch
 from .layout import _as_device
 from .ops._common import as_int
 from .packed_logits import packed_logits
-from .tree_layout import PrefixTreeLayout
+from .tree_layout import PrefixTreeLayout, _as_index
 
 TokenIds = Union[Sequence[int], torch.Tensor]
 
@@ -87,7 +87,12 @@ class TreeBatch:
                          self.sequences, self.end_nodes, self.loss_masks)
 
     def token_index(self, i: int) -> torch.Tensor:
-        """int64 CPU ``(len(seq_i),)``: packed positions of trajectory ``i``'s tokens in order."""
+        """int64 CPU ``(len(seq_i),)``: packed positions of trajectory ``i``'s tokens in order (``i`` in
+        ``0..N-1``, else IndexError, one line)."""
+        i = _as_index(i, "trajectory")
+        if not 0 <= i < self.num_trajectories:
+            raise IndexError(f"trajectory {i} is out of range: this batch holds trajectories "
+                             f"0..{self.num_trajectories - 1}")
         return self.layout.path_index(self.end_nodes[i])
 
     # ------------------------------------------------------------------ indices
@@ -283,6 +288,7 @@ def _trie_nodes(seqs: list, min_shared: int):
     return nodes, end_node
 
 
+@torch.inference_mode(False)  # packed during a rollout (inference mode), trained on later: normal tensors
 def pack_trajectories(seqs: Sequence[TokenIds], loss_masks: Optional[Sequence] = None, min_shared: int = 1,
                       vocab_size: Optional[int] = None,
                       device: Union[str, torch.device, None] = None) -> TreeBatch:

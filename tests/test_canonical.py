@@ -127,6 +127,15 @@ def test_inspect_reports_sites_without_rewriting():
     assert [s.status for s in r.sites] == ["found"] * 3 and [s.kind for s in r.sites] == ["eager"] * 3
 
 
+
+def test_inspect_refuses_what_is_not_a_causal_lm_in_one_line():
+    """As transform(): a layer or a (model, tokenizer) pair is named, not an AttributeError from inside capture."""
+    model = kvt.tiny_model("llama")
+    for bad, err in ((torch.nn.Linear(2, 2), ValueError), ((model, None), TypeError)):
+        with pytest.raises(err) as e:
+            kvt.inspect(bad, progress=False)
+        assert "\n" not in str(e.value) and "causal" in str(e.value)
+
 def test_training_dropout_site_is_skipped_and_reported():
     model = kvt.tiny_model("llama", attn_implementation="eager", attention_dropout=0.5)
     model.train()

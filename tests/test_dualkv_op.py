@@ -291,6 +291,10 @@ def test_bad_layout_arguments():
         dualkv_attention(q, k, v, cu)
     with pytest.raises(ValueError, match="only with a cu_seqlens"):
         dualkv_attention(q, k, v, DualKVLayout(cu, sp), sp)
+    with pytest.raises(ValueError, match="cu_seqlens must be an int32 tensor; got list: pass a DualKVLayout"):
+        dualkv_attention(q, k, v, cu.tolist(), sp)  # was an AttributeError from the device check
+    with pytest.raises(ValueError, match="segment_prefix must be an int32 tensor; got tuple"):
+        dualkv_attention(q, k, v, cu, tuple(sp.tolist()))
 
 
 @pytest.mark.parametrize("d, dtype", [(20, torch.float32), (24, torch.float32), (12, torch.float16), (60, torch.float32),

@@ -134,6 +134,9 @@ def test_pack_is_a_trie_with_every_trajectory_a_path(seed):
         idx = batch.token_index(i)
         assert batch.input_ids[0, idx].tolist() == s
         assert batch.position_ids[0, idx].tolist() == list(range(len(s)))
+    for bad, err in ((len(seqs), IndexError), (-1, IndexError), (0.5, ValueError)):  # (was a bare IndexError)
+        with pytest.raises(err, match=r"trajectory .*(out of range: this batch holds trajectories 0\.\.|integer)"):
+            batch.token_index(bad)
     # depth-first packing: descendants of each node are one contiguous token range
     lay = batch.layout
     assert all(int(lay.query_range_ptr[n + 1] - lay.query_range_ptr[n]) <= 1 for n in range(lay.num_nodes))
@@ -244,6 +247,8 @@ def test_loss_masks():
     (dict(seqs=[[1, 2], []]), "trajectory 1 is empty"),
     (dict(seqs=[[1, 2.5]]), "not an integer token id"),
     (dict(seqs=[torch.tensor([1.0, 2.0])]), "integer token ids"),
+    (dict(seqs=[torch.tensor([1, 2]).to_sparse()]), "trajectory 0 is a sparse_coo tensor: pass dense"),  # was aten
+    (dict(seqs=[[3], torch.nested.nested_tensor([torch.tensor([1, 2])])]), "trajectory 1 is a nested tensor"),
     (dict(seqs=[[1, -3]]), "token id -3"),
     (dict(seqs=[[1, 99]], vocab_size=50), "outside the vocabulary"),
     (dict(seqs=[[1, 2]], loss_masks=[[True]]), "loss_masks\\[0\\] has 1 entries but trajectory 0 has 2"),

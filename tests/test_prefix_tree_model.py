@@ -216,6 +216,54 @@ def test_a_batch_scored_under_inference_mode_still_trains(tiny, frontend, shape)
     assert all(torch.allclose(a, b.detach(), atol=1e-6) for a, b in zip(old, new))
 
 
+@pytest.mark.parametrize("frontend", ["transform", "hf"])
+@pytest.mark.parametrize("packing", ["tree", "one level", "shared prefix"])
+def test_a_batch_packed_under_inference_mode_trains(tiny, frontend, packing):
+    """Batches packed during a rollout (under torch.inference_mode()) and trained on afterwards: the packers and
+    layout constructors return normal tensors, so ids, positions and layout can be saved for backward (they were
+    inference tensors: "Inference tensors cannot be saved for backward"). Same log-probs as a batch packed outside."""
+    model, opt = tiny
+    run = opt if frontend == "transform" else hf_logits(
+        kvt.integrations.transformers.enable(tiny_model("llama"), "dualkv"))
+
+    def pack():
+        if packing == "shared prefix":
+            return kvt.pack_shared_prefix(torch.tensor([1, 2, 3]), [torch.tensor([4, 5]), torch.tensor([6])])
+        return kvt.pack_trajectories([[1, 2, 3, 4, 8], [1, 2, 3, 4, 9], [1, 2, 5]] if packing == "tree" else
+                                     [[1, 2, 3, 4], [1, 2, 3, 5, 6]])
+
+    def logprobs(batch):
+        out = run(batch)
+        return batch.response_logprobs(out) if packing == "shared prefix" else batch.trajectory_logprobs(out)
+
+    with torch.inference_mode():
+        batch = pack()
+    assert not any(t.is_inference() for t in (batch.input_ids, batch.position_ids, batch.layout.cu_seqlens))
+    got = logprobs(batch)
+    sum(x.sum() for x in got).backward()
+    want = logprobs(pack())
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(got, want))
+
+
+def test_layouts_built_under_inference_mode_are_saved_for_backward():
+    """The ops save the layout for backward: layouts built under inference mode (from lengths, parents or an
+    inference-mode tensor) hold normal int32 tensors; int64 offsets given to the DualKVLayout constructor are
+    stored as int32."""
+    with torch.inference_mode():
+        tree = kvt.PrefixTreeLayout.from_parents([3, 2], [-1, 0])
+        one = kvt.DualKVLayout.from_lengths([(3, [2])])
+        cu, sp = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([-1, 0], dtype=torch.int32)
+    from_inference = kvt.DualKVLayout.from_tensors(cu, sp)
+    direct = kvt.DualKVLayout(torch.tensor([0, 3, 5]), torch.tensor([-1, 0]))
+    assert direct.cu_seqlens.dtype == direct.segment_prefix.dtype == torch.int32
+    direct.validate(5)
+    for layout, op in ((tree, kvt.prefix_tree_attention), (one, kvt.dualkv_attention),
+                       (from_inference, kvt.dualkv_attention), (direct, kvt.dualkv_attention)):
+        q = torch.randn(5, 4, 8, requires_grad=True)
+        op(q, torch.randn(5, 2, 8), torch.randn(5, 2, 8), layout).sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 class _Boom(torch.nn.Module):
     def forward(self, *args):
         raise AssertionError("the tree program ran on a one-level tree")

@@ -303,6 +303,24 @@ def test_bad_input_errors():
         slot_decode_attention(q, k[:, :, :4], v[:, :, :4], lengths)
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.5", True, torch.tensor([0.1, 0.2])])
+def test_softmax_scale_that_is_not_a_finite_number_is_one_line(scale):
+    """As the DualKV and prefix-tree ops: never NaN outputs or a NaN-ranked selection (the same positions for every
+    head) from a NaN scale, never a string taken as a number."""
+    from kvtransform.ops.attention import attention
+
+    q, k, v, kn, vn, lengths = _inputs(2, 4, 2, 17, 16, torch.float32, lengths=[17, 5])
+    idx = _random_indices(lengths, 2, 4)
+    calls = [lambda: retrieval_topk(q, k, lengths, 4, softmax_scale=scale),
+             lambda: sparse_decode_attention(q, k, v, idx, lengths, kn, vn, softmax_scale=scale),
+             lambda: slot_decode_attention(q, k, v, lengths, kn, vn, softmax_scale=scale),
+             lambda: attention(q[:, :, None], k, v, softmax_scale=scale)]
+    for call in calls:
+        with pytest.raises(ValueError, match="softmax_scale must be a finite real number") as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
 def test_deprecated_keyword_names_still_work():
     """lengths= / scale= (pre-rename names) still work for one release, with a DeprecationWarning."""
     q, kc, vc, kn, vn, lens = _inputs(2, 4, 2, 33, 16, torch.float32, lengths=[33, 7])

@@ -378,6 +378,11 @@ def test_unknown_head_lists_valid_ones(llama):
     (dict(max_new_tokens=250), "exceeds the model's 256 positions"),
     (dict(eos_token_id=128), "eos_token_id 128 is outside the vocabulary"),
     (dict(eos_token_id=[2, -1]), "outside the vocabulary"),
+    (dict(eos_token_id=2.0), "eos_token_id 2.0 is outside the vocabulary .* or not an integer id"),  # was TypeError
+    (dict(eos_token_id=torch.tensor(2.0)), "not an integer id"),
+    (dict(eos_token_id=torch.tensor([2.0])), "not an integer id"),
+    (dict(eos_token_id=True), "not an integer id"),
+    (dict(output_logprobs=True), "pass return_dict_in_generate=True too"),  # the ids alone would drop them
     (dict(do_sample=True, temperature=0.0), "temperature must be a finite number > 0"),
     (dict(do_sample=True, temperature=float("inf")), "temperature must be a finite number > 0"),  # was uniform
     (dict(do_sample=True, temperature=float("nan")), "temperature must be a finite number > 0"),

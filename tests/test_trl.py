@@ -176,6 +176,7 @@ def test_unpackable_batch_runs_trl_pass_and_says_so_once(tiny_dir, caplog):
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(rollout="vllm"), "rollout must be None"),
+    (dict(rollout_budget=2.0), "rollout_budget must be an integer >= 1"),
     (dict(rollout="specontext", use_vllm=True), "set use_vllm=False"),
     (dict(rollout="specontext", repetition_penalty=1.1), "temperature / top_k / top_p only"),
     (dict(rollout="specontext", generation_kwargs={"num_beams": 2}), "does not take generation_kwargs ['num_beams']"),
@@ -204,6 +205,23 @@ def test_shared_prefix_from_the_command_line(tmp_path, argv, want):
         ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--num_generations", "2",
          "--per_device_train_batch_size", "2"] + argv)
     assert cfg.shared_prefix == want and type(cfg.shared_prefix) is type(want)
+
+
+@pytest.mark.parametrize("argv,want", [([], None), (["--rollout", "none"], None), (["--rollout", "None"], None),
+                                       (["--rollout", "SpeContext"], "specontext")])
+def test_rollout_from_the_command_line(tmp_path, argv, want):
+    """A command line (or YAML) spells rollout=None as a string: 'none' in any case is TRL's own generation (it was
+    refused with "rollout must be None ... got 'None'"); a NumPy integer budget is a budget."""
+    import numpy as np
+    from trl import TrlParser
+
+    (cfg,) = TrlParser(GRPOConfig).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--num_generations", "2",
+         "--per_device_train_batch_size", "2"] + argv)
+    assert cfg.rollout == want
+    cfg = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
+                     per_device_train_batch_size=2, rollout_budget=np.int64(64))
+    assert cfg.rollout_budget == 64 and type(cfg.rollout_budget) is int
 
 
 def test_sequence_level_correction_with_sparse_rollouts_is_warned_once():

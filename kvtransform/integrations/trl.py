@@ -41,6 +41,7 @@ import torch
 import trl
 from trl.extras.profiling import profiling_context, profiling_decorator
 
+from ..utils import is_count
 from .trl_packing import pack_chunk, pack_chunk_tree, plan_packing, scatter_back
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "ROLLOUTS"]
@@ -106,12 +107,16 @@ class GRPOConfig(trl.GRPOConfig):
             raise ValueError(f"shared_prefix={self.shared_prefix!r} switches the model's attention to kvtransform's "
                              "packed attention, which transformers' continuous batching cannot generate with: set "
                              "use_transformers_continuous_batching=False")
+        if isinstance(self.rollout, str) and self.rollout.strip().lower() in ("none", "specontext"):
+            # a command line or YAML spells None as a string; the names are case-insensitive as shared_prefix's
+            self.rollout = None if self.rollout.strip().lower() == "none" else "specontext"
         if self.rollout not in ROLLOUTS:
-            raise ValueError(f"rollout must be None (TRL's own generation) or 'specontext'; got {self.rollout!r}")
-        if isinstance(self.rollout_budget, bool) or not isinstance(self.rollout_budget, int) or \
-                self.rollout_budget < 1:
+            raise ValueError(f"rollout must be None (TRL's own generation; 'none' on a command line) or "
+                             f"'specontext'; got {self.rollout!r}")
+        if not is_count(self.rollout_budget, 1, numpy=True):
             raise ValueError(f"rollout_budget must be an integer >= 1 (tokens per KV head); got "
                              f"{self.rollout_budget!r}")
+        self.rollout_budget = int(self.rollout_budget)  # (a NumPy integer: TRL writes the config as JSON)
         from kvtransform.config import SpeContextConfig
 
         try:

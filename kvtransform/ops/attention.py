@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import autocast_inputs, check_attention_variants, renamed_kwargs
+from ._common import as_scale, autocast_inputs, check_attention_variants, renamed_kwargs
 
 
 def _band(s_q: int, s_k: int, causal: bool, window: Optional[int], device) -> Optional[torch.Tensor]:
@@ -217,6 +217,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opti
     """
     q, k, v = autocast_inputs(q, k, v)
     window, softcap, sinks = _check(q, k, v, attn_mask, key_padding, window, softcap, sinks)
-    softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale)
     variants = {n: x for n, x in (("window", window), ("softcap", softcap), ("sinks", sinks)) if x is not None}
     return torch.ops.kvt.attention(q, k, v, attn_mask, key_padding, softmax_scale, bool(causal), **variants)

@@ -274,6 +274,11 @@ def dualkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu_seqlens = layout
         if segment_prefix is None:
             raise ValueError("segment_prefix is required when layout is a cu_seqlens tensor")
+        for name, x in (("cu_seqlens", cu_seqlens), ("segment_prefix", segment_prefix)):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{name} must be an int32 tensor; got {type(x).__name__}: pass a DualKVLayout "
+                                 f"(DualKVLayout.from_lengths([(P, [R, ..]), ..])) or torch.tensor(..., "
+                                 f"dtype=torch.int32)")
     if all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         q, k, v = autocast_inputs(q, k, v)
     check_inputs(q, k, v, cu_seqlens, segment_prefix, check_data=check_data and not is_tracing(q, cu_seqlens))

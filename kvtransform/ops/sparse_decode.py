@@ -49,7 +49,7 @@ import torch
 from kvtransform.kernels._common import last_dim_contiguous
 from kvtransform.kernels.retrieval import retrieval_topk_reference, retrieval_topk_triton
 from kvtransform.kernels.sparse_decode import sparse_decode_reference, sparse_decode_triton
-from ._common import as_int, check_attention_variants, is_tracing, kernel_path, renamed_kwargs
+from ._common import as_int, as_scale, check_attention_variants, is_tracing, kernel_path, renamed_kwargs
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 USE_TRITON_ON_CPU = False
@@ -280,7 +280,7 @@ def retrieval_topk(q: torch.Tensor, k: torch.Tensor, cache_seqlens: torch.Tensor
     lengths = _check_retrieval_inputs(q, k, cache_seqlens, budget, sink, recent)
     if _want_validate(validate, q, k, lengths):
         _check_length_values(lengths, k.shape[2], "S_max")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale)
     return torch.ops.kvt.retrieval_topk(q.contiguous(), k, lengths, int(budget), int(sink), int(recent), scale)
 
 
@@ -336,7 +336,7 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if _want_validate(validate, q, k_cache, indices, lengths):
         _check_length_values(lengths, k_cache.shape[2], "S_max")
         check_indices(indices, lengths)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale)
     return torch.ops.kvt.sparse_decode_attention(q, k_cache, v_cache, indices, lengths, k_new, v_new, scale,
                                                  window=window, softcap=softcap, sinks=sinks)
 
@@ -368,6 +368,6 @@ def slot_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch
     window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     if _want_validate(validate, q, k_slots, lengths):
         _check_length_values(lengths, k_slots.shape[2], "the slot count B")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale)
     return torch.ops.kvt.sparse_decode_attention(q, k_slots, v_slots, None, lengths, k_new, v_new, scale,
                                                  window=window, softcap=softcap, sinks=sinks)

@@ -31,14 +31,19 @@ def _check_steps(max_new_tokens) -> None:
 
 
 def _as_eos(eos, vocab: int) -> list:
+    """``eos_token_id`` (an id, a list / tuple / 1-D integer tensor of ids, or None: never stop) as a list of ints.
+
+    Raises:
+        ValueError: an id that is not an integer in ``[0, vocab)`` (a float such as ``2.0``, a bool, a string)."""
     if eos is None:
         return []
-    ids = [eos] if isinstance(eos, int) or (isinstance(eos, torch.Tensor) and eos.dim() == 0) else list(eos)
+    many = isinstance(eos, (list, tuple)) or (isinstance(eos, torch.Tensor) and eos.dim() > 0)
     out = []
-    for e in ids:
-        if isinstance(e, bool) or not isinstance(e, (int, torch.Tensor)) or not 0 <= int(e) < vocab:
-            raise ValueError(f"eos_token_id {e!r} is outside the vocabulary [0, {vocab}): pass the tokenizer's "
-                             f"eos_token_id, or None to never stop early")
+    for e in (eos.flatten().tolist() if isinstance(eos, torch.Tensor) and not eos.dtype.is_floating_point else
+              list(eos) if many else [eos]):
+        if not is_count(_plain(e), 0, vocab - 1, numpy=True):
+            raise ValueError(f"eos_token_id {e!r} is outside the vocabulary [0, {vocab}) or not an integer id: pass "
+                             f"the tokenizer's eos_token_id (or a list of ids), or None to never stop early")
         out.append(int(e))
     return out
 

@@ -162,14 +162,17 @@ class SpeContextModule(OptimizedModule):
             int64 ``(batch, seq + new)`` (new = steps until the last row stopped), or :class:`GenerateOutput`.
 
         Raises:
-            ValueError: a parameter of the model replaced since the transform (:meth:`check_source_parameters`), an
-                empty prompt row, ids or ``eos_token_id`` outside the vocabulary, ``max_new_tokens < 1``,
+            ValueError: a parameter of the model replaced since the transform (:meth:`check_source_parameters`),
+                ``output_logprobs`` without ``return_dict_in_generate``, an empty prompt row, ids or ``eos_token_id`` outside the vocabulary, ``max_new_tokens < 1``,
                 prompt + ``max_new_tokens`` beyond the model's positions, a bad sampling parameter.
             TypeError: a keyword this generate does not take (HF options such as ``num_beams``, ``max_length``,
                 ``streamer``): the message lists the ones it takes and the closest name.
         """
         if unsupported:
             raise TypeError(_unsupported_generate_kwargs(unsupported))
+        if output_logprobs is True and return_dict_in_generate is not True:  # (ids alone would drop them)
+            raise ValueError("output_logprobs=True returns the log-probs in GenerateOutput.logprobs: pass "
+                             "return_dict_in_generate=True too")
         self.check_source_parameters()
         out = self.runtime.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                     temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
