@@ -136,7 +136,7 @@ def resolve_dtype(dtype: DTypeLike) -> Union[torch.dtype, str]:
             return "auto"
         if key in _DTYPES:
             return _DTYPES[key]
-    raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto (or a torch dtype)")
+    raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16 (or the torch dtype), auto")
 
 
 def check_causal_lm(model: torch.nn.Module) -> None:

@@ -217,8 +217,8 @@ def _as_mask(m, n: int, i: int) -> torch.Tensor:
                                  f"multiplies the log-probs instead)")
         t = torch.tensor([bool(x) for x in vals], dtype=torch.bool)
     if t.numel() != n:
-        raise ValueError(f"loss_masks[{i}] has {t.numel()} entries but trajectory {i} has {n} tokens: give one bool "
-                         f"per token")
+        raise ValueError(f"loss_masks[{i}] has {t.numel()} entries but trajectory {i} has {n} tokens: give one entry "
+                         f"per token (a bool, or 0/1 as an integer or float)")
     return t
 
 
