@@ -131,7 +131,7 @@ def training_dropout(model: torch.nn.Module, attention_only: bool = False):
 def refuse_training_dropout(model: torch.nn.Module) -> None:
     """A model in train mode with a dropout above 0 is refused in one line by the transform built for training
     (DualKV): the capture runs the model in eval mode, so the program would silently never apply it (the canonical
-    module is verified in eval semantics and says so in its report)."""
+    module is verified in eval semantics and says so: a warning and a note in its report)."""
     found = training_dropout(model) if model.training else None
     if found is not None:
         raise ValueError(f"{type(model).__name__} is in train mode with dropout {found[1]} ({found[0]}), and the "

@@ -248,9 +248,16 @@ def test_module_input_validation():
 
 
 def test_train_mode_model_is_verified_in_eval_semantics():
+    """...and says so (a warning and a note of the attention pass): the program applies no dropout."""
     model = kvt.tiny_model("llama", attention_dropout=0.5).train()
-    opt = kvt.transform(model, "canonical", progress=False)
+    with pytest.warns(UserWarning, match=r"train mode with dropout 0.5 .*applies no dropout"):
+        opt = kvt.transform(model, "canonical", progress=False)
     assert opt.report.verification.passed and model.training
+    assert any("applies no dropout" in n for n in opt.report.pass_record("attention").notes)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvt.transform(model.eval(), "canonical", progress=False)  # eval mode: nothing to say
 
 
 def test_plain_module_is_refused_with_a_clear_error():

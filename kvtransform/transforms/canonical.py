@@ -6,8 +6,11 @@ list of passes, a module class, a verification gate (``docs/ARCHITECTURE.md``).
 """
 from __future__ import annotations
 
+import warnings
+
 from kvtransform.capture import capture
 from kvtransform.config import CanonicalConfig
+from kvtransform.model_features import training_dropout
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.verify import verify_logits
@@ -34,6 +37,12 @@ def canonical_transform(model, cfg: CanonicalConfig, tokenizer=None, progress: b
             "no attention found (no q·kᵀ → softmax → ·v chain or SDPA call the matcher recognises)"
         raise ValueError(f"the canonical transform rewrote no attention of {type(model).__name__}: {reasons}; "
                          f"kvt.inspect(model) shows what each layer computes")
+    dropout = training_dropout(model) if model.training else None
+    if dropout is not None:  # (DualKV, built for training, refuses such a model: refuse_training_dropout)
+        note = (f"model in train mode with dropout {dropout[1]} ({dropout[0]}): the program applies no dropout "
+                f"(captured and verified in eval semantics)")
+        rec.notes.append(note)
+        warnings.warn(f"{note}; call model.eval() before kvt.transform to silence this", stacklevel=3)
     opt = OptimizedModule(Logits(gm), cfg, report, max_seq_len=cap.max_seq_len)
     opt.link_source(model)
     verify_logits(model, opt, cfg, tokenizer, report, progress)
