@@ -12,7 +12,7 @@ response continues its prompt's positions) and the :class:`~kvtransform.layout.D
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Set
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -211,7 +211,8 @@ def pack_shared_prefix_groups(groups: Sequence[tuple], vocab_size: Optional[int]
 
     Args:
         groups: per group a prompt (list of ints or NumPy integers, 1-D integer tensor or NumPy array, ≥ 1 token)
-            and a non-empty list of responses (same types, ≥ 1 token each).
+            and a non-empty list of responses (same types, ≥ 1 token each; or the rows of a 2-D tensor or NumPy
+            array, each row a whole response: padding would be packed as tokens). A list or a generator.
         vocab_size: when given, every id must be ``< vocab_size``.
         device: device of the batch tensors (default CPU, or the device of the first tensor given).
 
@@ -223,6 +224,8 @@ def pack_shared_prefix_groups(groups: Sequence[tuple], vocab_size: Optional[int]
             token id, or an id ``>= vocab_size``; a vocab_size that is not a positive integer; a device that is
             not usable here (meta, an absent GPU).
     """
+    if isinstance(groups, Iterator):  # a generator of groups, as pack_trajectories takes one of trajectories
+        groups = list(groups)
     if isinstance(groups, (torch.Tensor, str)) or not hasattr(groups, "__len__") or len(groups) == 0:
         raise ValueError("pack_shared_prefix_groups needs a non-empty list of (prompt_ids, [response_ids, ...])")
     if vocab_size is not None:
@@ -236,6 +239,9 @@ def pack_shared_prefix_groups(groups: Sequence[tuple], vocab_size: Optional[int]
         if device is None and isinstance(prompt, torch.Tensor):
             device = _as_device(prompt.device)
         p = _as_ids(prompt, f"group {g}: prompt", vocab_size)
+        if isinstance(responses, torch.Tensor) and responses.dim() == 2 and not responses.is_nested \
+                and responses.layout == torch.strided:  # its rows, as a 2-D NumPy array's (unpadded responses)
+            responses = list(responses)
         if isinstance(responses, (torch.Tensor, Mapping, Set)) or not hasattr(responses, "__len__"):
             raise ValueError(f"group {g}: responses must be a list of token-id sequences, got "
                              f"{type(responses).__name__}")

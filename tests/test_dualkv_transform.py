@@ -117,6 +117,18 @@ def test_pack_accepts_numpy_ids():
         kvt.pack_shared_prefix(np.array([1, 99]), [[2]], vocab_size=50)
 
 
+def test_pack_accepts_response_rows_and_a_generator_of_groups():
+    """As pack_trajectories: the rows of a 2-D tensor (as of a 2-D NumPy array) are the responses, and a generator of
+    groups is materialised (both were refused)."""
+    np = pytest.importorskip("numpy")
+    want = kvt.pack_shared_prefix([1, 2], [[3, 4], [5, 6]]).input_ids
+    rows = torch.tensor([[3, 4], [5, 6]])
+    for responses in (rows, rows.numpy()):
+        assert torch.equal(kvt.pack_shared_prefix([1, 2], responses).input_ids, want)
+    got = kvt.pack_shared_prefix_groups(((p, [r]) for p, r in (([1], [2]), ([3], [4, 5]))))
+    assert got.input_ids.tolist() == [[1, 2, 3, 4, 5]] and got.response_lengths == [1, 2]
+
+
 def test_response_logprobs_needs_float_logits():
     b = kvt.pack_shared_prefix([1, 2], [[3, 4]])
     for bad in (torch.zeros(1, 4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.int32),
