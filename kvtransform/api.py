@@ -18,7 +18,7 @@ from .config import TransformConfig, config_from_yaml, resolve_config
 from .passes.attention import AttentionPass
 from .report import Report
 from .transforms import spec_for
-from .transforms.artifact_files import load_artifact_file
+from .transforms.artifact_files import check_config_keys, load_artifact_file
 from .transforms.base import OptimizedModule, capture_and_rewrite
 from .utils import stage
 
@@ -115,6 +115,7 @@ def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
     if isinstance(msl, bool) or not isinstance(msl, int) or msl < 1:
         raise ValueError(f"{path / 'meta.json'} is damaged (max_seq_len {msl!r} is not a positive integer): save "
                          f"the artifact again")
+    check_config_keys(path / "config.yaml", meta)
     if meta.get("transform", config.name) != config.name:  # one of the two files was edited or swapped
         raise ValueError(f"{path} is damaged: config.yaml is a {config.name!r} config but meta.json says transform "
                          f"{meta['transform']!r}: save the artifact again")

@@ -248,6 +248,11 @@ def check_config(cfg: DistillConfig) -> None:
         v = getattr(cfg, key)
         if not is_count(v, 1):
             raise ValueError(f"{key} must be an integer >= 1; got {v!r}")
+    queries = cfg.length - cfg.length // 2  # the teacher's query positions: a chunk's second half
+    if cfg.length < 2 or cfg.positions > queries:  # (length=1 trained on nothing; more positions were dropped)
+        raise ValueError(f"positions={cfg.positions} with length={cfg.length}: the teacher's queries are drawn from a "
+                         f"chunk's second half ({queries} positions) and attend to the tokens before them: set "
+                         f"length >= 2 and positions <= length - length // 2")
     if cfg.teacher not in TEACHERS:
         raise ValueError(f"teacher must be one of {sorted(TEACHERS)}; got {cfg.teacher!r}")
     if cfg.loss not in ("attn", "kl"):

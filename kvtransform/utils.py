@@ -86,6 +86,8 @@ def check_results_dir(out, key: str = "out") -> None:
     benchmark's or an evaluation's CSV, markdown, plot): not a file, not inside one, writable (probed). Checked
     before a long run, which must not fail at its end on its output path; nothing is created. ``key``: the setting
     that names it (``out``, ``out_dir``)."""
+    if out is None or not str(out).strip():  # (Path("") is the current directory: reported as "/results.csv")
+        raise ValueError(f"{key} is empty: give the directory for the results, e.g. {key}=outputs/results")
     path = Path(str(out)).expanduser().absolute()
     for p in (path, *path.parents):
         if p.exists() and not p.is_dir():

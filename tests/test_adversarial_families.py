@@ -189,6 +189,9 @@ def test_rollout_mismatch_refuses_an_unwritable_out_before_the_run(tmp_path):
         assert "\n" not in str(e.value)
     check_results_dir(tmp_path / "new" / "deep")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    for empty in ("", "  ", None):  # (was the current directory, reported as "Wrote /results.csv")
+        with pytest.raises(ValueError, match=r"^out_dir is empty: give the directory for the results"):
+            check_results_dir(empty, "out_dir")
 
 
 def test_tiny_model_refuses_an_override_no_layer_reads():

@@ -26,6 +26,9 @@ def test_config_typo_is_an_error():
         compose_jobs("dualkv-layer", ["method=fa3"])  # enum: not a method
     with pytest.raises(ValueError, match="unknown benchmark suite"):
         compose_jobs("dualkv-layr", [])
+    from kvtransform.bench import run
+    with pytest.raises(ValueError, match="unknown benchmark suite 'layer'; suites: dualkv-layer"):
+        run("layer", ["--help"])  # (was a bare KeyError: 'layer')
     with pytest.raises(ValueError, match="-m"):
         compose_jobs("dualkv-layer", ["P=5059,8192"])  # a sweep needs -m
 

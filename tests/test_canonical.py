@@ -128,6 +128,14 @@ def test_inspect_reports_sites_without_rewriting():
 
 
 
+def test_any_integer_dtype_of_input_ids_runs():
+    """int16 / uint8 / int32 ids give the int64 logits (int16 reached the embedding as is: a torch error)."""
+    opt = kvt.transform(kvt.tiny_model("llama"), "canonical", progress=False)
+    ids = torch.randint(3, 100, (2, 8))
+    want = opt(ids)
+    assert all(torch.equal(opt(ids.to(d)), want) for d in (torch.int16, torch.uint8, torch.int32))
+
+
 def test_inspect_refuses_what_is_not_a_causal_lm_in_one_line():
     """As transform(): a layer or a (model, tokenizer) pair is named, not an AttributeError from inside capture."""
     model = kvt.tiny_model("llama")

@@ -543,6 +543,14 @@ def test_generate_bad_option_before_loading(capsys, arg, msg):
     assert "Traceback" not in err and _cwd_is_empty() and err.strip().count("\n") == 0     # one line
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a CUDA GPU")
+def test_generate_offload_without_a_gpu_is_refused_before_loading(capsys):
+    """It asked for runtime.gpu_memory_bytes, a key this command does not take, after loading the model."""
+    rc, _, err = _run(["generate", "no-such-model", "prompt=hi", "transform.offload=true"], capsys)
+    assert rc == 2 and "torch sees no CUDA GPU here: drop transform.offload" in err, err
+    assert err.strip().count("\n") == 0 and _cwd_is_empty()
+
+
 def test_plan_memory_transform_key_points_to_its_own_key(capsys):
     rc, _, err = _run(["plan-memory", "transform.budget=512"], capsys)
     assert rc == 2 and "This command has no transform group: did you mean 'budget'?" in err, err

@@ -120,7 +120,7 @@ def test_pack_accepts_numpy_ids():
 def test_pack_accepts_response_rows_and_a_generator_of_groups():
     """As pack_trajectories: the rows of a 2-D tensor (as of a 2-D NumPy array) are the responses, and a generator of
     groups is materialised (both were refused)."""
-    np = pytest.importorskip("numpy")
+    pytest.importorskip("numpy")
     want = kvt.pack_shared_prefix([1, 2], [[3, 4], [5, 6]]).input_ids
     rows = torch.tensor([[3, 4], [5, 6]])
     for responses in (rows, rows.numpy()):
@@ -269,6 +269,10 @@ def test_module_input_forms_and_layout_errors(llama):
     assert torch.equal(ref, opt(b.input_ids, b.layout))
     assert torch.equal(ref, opt(input_ids=b.input_ids[0], position_ids=b.position_ids, cu_seqlens=b.cu_seqlens,
                                 segment_prefix=b.segment_prefix))
+    for dtype in (torch.int16, torch.int32, torch.uint8):  # any integer ids (int16 reached the embedding as is)
+        assert torch.equal(ref, opt(b.input_ids.to(dtype), b.layout))
+    with pytest.raises(ValueError, match="core_inputs takes a PackedBatch .* got TreeBatch: call the module"):
+        opt.core_inputs(kvt.pack_trajectories([[1, 2, 3], [1, 2, 4, 5]]))  # (was an AttributeError)
     with pytest.raises(ValueError, match="without a layout"):
         opt(torch.ones(2, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="layout mismatch"):

@@ -501,6 +501,8 @@ def test_distill_resumes_only_the_same_training(tmp_path):
     (["distill-retrieval-head", "loss=foo", "out=OUT"], "loss must be 'attn' or 'kl'"),
     (["distill-retrieval-head", "teacher=median", "out=OUT"], "teacher must be one of"),
     (["distill-retrieval-head", "steps=0", "out=OUT"], "steps must be an integer >= 1"),
+    (["distill-retrieval-head", "length=1", "out=OUT"], "set length >= 2 and positions <= length - length // 2"),
+    (["distill-retrieval-head", "length=64", "positions=33", "out=OUT"], "chunk's second half (32 positions)"),
     (["distill-retrieval-head", "lr=-1", "out=OUT"], "lr must be a finite number > 0"),
     (["distill-retrieval-head", "weight_decay=nan", "out=OUT"], "weight_decay must be a finite number >= 0"),
     (["distill-retrieval-head", "threads=-1", "out=OUT"], "threads must be an integer >= 0"),

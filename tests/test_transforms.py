@@ -171,7 +171,10 @@ def test_load_names_a_damaged_file_in_one_line(tmp_path, capfd):
     art = kvt.transform(tiny_model("llama"), "canonical").save(tmp_path / "a", progress=False)
     data = (art / "model.pt2").read_bytes()
     meta = json.loads((art / "meta.json").read_text())
+    config = (art / "config.yaml").read_text()
     for i, (name, damage) in enumerate([
+            ("config.yaml", config[: config.index("verify:")].encode()),  # parses: it loaded with default settings
+            ("config.yaml", config[: config.index("  batch_size:")].encode()),
             ("model.pt2", b"junk"), ("model.pt2", data[: len(data) // 2]), ("meta.json", b"{oops"),
             ("meta.json", b"[1, 2]"), ("config.yaml", b"name: [canonical\n  bad: {"), ("config.yaml", b""),
             ("config.yaml", b"- 1\n- 2\n"), ("report.json", b'{"sites": 5}'),

@@ -163,6 +163,8 @@ def run(suite: str, argv: List[str]) -> list:
     from . import report
     from .device import resolve_device
 
+    if suite not in SUITES:  # (before --help, which would look the name up)
+        raise ValueError(f"unknown benchmark suite {suite!r}; suites: {', '.join(SUITES)}")
     if suite == "decode-ops":
         from .decode_ops import run_job
     elif suite == "decode":

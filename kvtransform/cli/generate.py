@@ -113,6 +113,10 @@ def run(args: Sequence[str]) -> None:
         tcfg = config_from_dict(tdict)
     except ValueError as e:
         raise UsageError(f"invalid transform setting: {e}") from None
+    if getattr(tcfg, "offload", False) and not torch.cuda.is_available():  # before minutes of loading
+        raise UsageError("transform.offload=true plans the KV cache's layers between GPU memory and the CPU, and "
+                         "torch sees no CUDA GPU here: drop transform.offload (from Python, "
+                         "runtime.gpu_memory_bytes=N simulates a GPU's memory on the CPU)")
     n = opts["max_new_tokens"]
     threads, why = choose_threads(opts["threads"])
     if threads != torch.get_num_threads():

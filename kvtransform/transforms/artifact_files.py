@@ -1,6 +1,7 @@
 """The files of a saved artifact on disk: reading one with a one-line error when it is damaged
 (:func:`load_artifact_file`), checking that a directory may receive an artifact (:func:`check_output_dir`: never
-replacing what is not one), and moving a finished artifact into place (:func:`replace_directory`)."""
+replacing what is not one), moving a finished artifact into place (:func:`replace_directory`), and telling a
+``config.yaml`` cut short from a complete one (:func:`config_keys`, :func:`check_config_keys`)."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,33 @@ import yaml
 
 from kvtransform.utils import check_writable
 
-__all__ = ["load_artifact_file", "check_output_dir", "replace_directory", "ARTIFACT_FILES"]
+__all__ = ["load_artifact_file", "check_output_dir", "replace_directory", "config_keys", "check_config_keys",
+           "ARTIFACT_FILES"]
+
+
+def config_keys(yaml_text: str) -> list:
+    """The dotted key paths of a config's YAML text (``["budget", "verify.lengths", ...]``), sorted: what ``save``
+    records in ``meta.json`` so that :func:`check_config_keys` can tell a file cut short (it still parses, and the
+    missing fields would load as their defaults) from a complete one."""
+    def walk(d, prefix):
+        for k, v in d.items():
+            yield from walk(v, f"{prefix}{k}.") if isinstance(v, dict) and v else (f"{prefix}{k}",)
+
+    data = yaml.safe_load(yaml_text)
+    return sorted(walk(data, "")) if isinstance(data, dict) else []
+
+
+def check_config_keys(file: Path, meta: dict) -> None:
+    """Raises ValueError (one line) when ``file`` (an artifact's ``config.yaml``) lacks a key that ``meta.json``'s
+    ``config_keys`` says was saved. Values may differ (the file may be edited); artifacts saved before the keys were
+    recorded are not checked."""
+    saved = meta.get("config_keys")
+    if not isinstance(saved, list):
+        return
+    missing = sorted(set(saved) - set(config_keys(file.read_text())))
+    if missing:
+        raise ValueError(f"{file} is damaged ({len(missing)} saved setting(s) missing, e.g. {missing[0]!r}: cut short? "
+                         f"they would load as defaults): save the artifact again")
 
 
 def load_artifact_file(file: Path, load: Callable[[Path], Any], fix: str = "save the artifact again") -> Any:

@@ -25,7 +25,7 @@ from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_arg
 from kvtransform.report import Report
 from kvtransform.utils import UMASK, check_free_space, device_of, model_name, stage, timed
 
-from .artifact_files import check_output_dir, load_artifact_file, replace_directory
+from .artifact_files import check_output_dir, config_keys, load_artifact_file, replace_directory
 
 
 class _SourceLink:
@@ -135,7 +135,8 @@ class OptimizedModule(torch.nn.Module):
                              f"{type(input_ids).__name__}" + (" — a PackedBatch needs kvt.transform(model, "
                                                               "'dualkv')" if type(input_ids).__name__ ==
                                                               "PackedBatch" else ""))
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or \
+                input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must be an integer tensor of shape (batch, seq); got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
         self.refuse_autocast(input_ids.device.type)
@@ -148,6 +149,7 @@ class OptimizedModule(torch.nn.Module):
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or (vocab is not None and hi >= vocab):
             raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
+        input_ids = input_ids.to(torch.long)  # any integer dtype (the embedding takes int64 / int32 only)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         elif tuple(attention_mask.shape) != (b, s) or attention_mask.dtype.is_floating_point or \
@@ -306,10 +308,11 @@ class OptimizedModule(torch.nn.Module):
         try:
             with stage(progress, f"saving the {self.config.name} artifact to {path}"):
                 extra = self.write_artifact(tmp)
-            (tmp / "config.yaml").write_text(self.config.to_yaml())
+            config_yaml = self.config.to_yaml()
+            (tmp / "config.yaml").write_text(config_yaml)
             (tmp / "report.json").write_text(self.report.to_json())
             meta = {"transform": self.config.name, "max_seq_len": self.max_seq_len, "torch": torch.__version__,
-                    **extra}
+                    "config_keys": config_keys(config_yaml), **extra}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
             os.chmod(tmp, 0o777 & ~UMASK)  # mkdtemp makes it 0700; an artifact is as readable as any new directory
             replace_directory(tmp, path)

@@ -177,7 +177,8 @@ class DualKVModule(OptimizedModule):
         elif cu_seqlens is not None or segment_prefix is not None:
             raise ValueError("pass either a layout or cu_seqlens/segment_prefix, not both")
         layout = layout.to(dev) if layout.device != dev else layout
-        input_ids = input_ids.to(dev)
+        integer = not (input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool)
+        input_ids = input_ids.to(dev, torch.long) if integer else input_ids.to(dev)  # (int16 / uint8 ids too)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"packed input_ids must be (1, T); got shape {tuple(input_ids.shape)}")
         if layout.total_tokens != input_ids.shape[1]:
@@ -197,6 +198,11 @@ class DualKVModule(OptimizedModule):
     core_input_names = ("input_ids", "position_ids", "cu_seqlens", "segment_prefix")
 
     def core_inputs(self, inputs: PackedBatch) -> tuple:
+        """The one-level program's inputs from a :class:`PackedBatch`. Raises ValueError for anything else (a
+        :class:`TreeBatch` runs through ``opt(batch)``, which picks the program its layout needs)."""
+        if not isinstance(inputs, PackedBatch):
+            raise ValueError(f"core_inputs takes a PackedBatch (the one-level program's inputs); got "
+                             f"{type(inputs).__name__}: call the module itself, opt(batch), for a TreeBatch")
         return inputs.input_ids, inputs.position_ids, inputs.cu_seqlens, inputs.segment_prefix
 
     def export_example(self):
