@@ -71,10 +71,13 @@ def test_validate_errors():
     with pytest.raises(ValueError, match="directly follow"):
         DualKVLayout(torch.tensor([0, 3, 5, 6], dtype=torch.int32), torch.tensor([-1, 0, 1], dtype=torch.int32),
                      [3], [[2, 1]])
-    bad = DualKVLayout(torch.tensor([0, 3, 5, 6], dtype=torch.int64), torch.tensor([-1, 0, 0], dtype=torch.int32),
-                       [3], [[2, 1]])
+    int64 = DualKVLayout(torch.tensor([0, 3, 5, 6], dtype=torch.int64), torch.tensor([-1, 0, 0], dtype=torch.int32),
+                         [3], [[2, 1]])  # stored as int32, as from_tensors does (it failed later, in validate or the op)
+    assert int64.cu_seqlens.dtype == torch.int32
+    int64.validate(6)
+    int64.cu_seqlens = int64.cu_seqlens.long()  # (a field set afterwards is not converted)
     with pytest.raises(ValueError, match="int32"):
-        bad.validate(6)
+        int64.validate(6)
     with pytest.raises(ValueError, match="disagree"):
         DualKVLayout(lay.cu_seqlens, lay.segment_prefix, [3], [[1, 2]])
     with pytest.raises(ValueError, match="not monotone"):

@@ -75,7 +75,7 @@ def test_resolve_dtype():
     assert resolve_dtype("torch.float16") is torch.float16
     assert resolve_dtype(torch.bfloat16) is torch.bfloat16
     assert resolve_dtype("auto") == "auto"
-    with pytest.raises(ValueError, match="float32, bfloat16, float16, auto"):
+    with pytest.raises(ValueError, match=r"float32, bfloat16, float16 \(or the torch dtype\), auto"):
         resolve_dtype("float8")
     with pytest.raises(ValueError):
         resolve_dtype(torch.int8)

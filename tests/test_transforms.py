@@ -178,7 +178,8 @@ def test_load_names_a_damaged_file_in_one_line(tmp_path, capfd):
             ("model.pt2", b"junk"), ("model.pt2", data[: len(data) // 2]), ("meta.json", b"{oops"),
             ("meta.json", b"[1, 2]"), ("config.yaml", b"name: [canonical\n  bad: {"), ("config.yaml", b""),
             ("config.yaml", b"- 1\n- 2\n"), ("report.json", b'{"sites": 5}'),
-            ("meta.json", json.dumps({**meta, "max_seq_len": "abc"}).encode())]):
+            ("meta.json", json.dumps({**meta, "max_seq_len": "abc"}).encode()),
+            ("meta.json", json.dumps({**meta, "config_keys": [{}]}).encode())]):
         bad = tmp_path / f"bad_{i}_{name}"
         shutil.copytree(art, bad)
         (bad / name).write_bytes(damage)

@@ -40,8 +40,11 @@ def check_config_keys(file: Path, meta: dict) -> None:
     ``config_keys`` says was saved. Values may differ (the file may be edited); artifacts saved before the keys were
     recorded are not checked."""
     saved = meta.get("config_keys")
-    if not isinstance(saved, list):
+    if saved is None:
         return
+    if not isinstance(saved, list) or not all(isinstance(k, str) for k in saved):
+        raise ValueError(f"{file.parent / 'meta.json'} is damaged (config_keys is not a list of names): save the "
+                         f"artifact again")
     missing = sorted(set(saved) - set(config_keys(file.read_text())))
     if missing:
         raise ValueError(f"{file} is damaged ({len(missing)} saved setting(s) missing, e.g. {missing[0]!r}: cut short? "

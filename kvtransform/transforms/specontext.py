@@ -163,8 +163,9 @@ class SpeContextModule(OptimizedModule):
 
         Raises:
             ValueError: a parameter of the model replaced since the transform (:meth:`check_source_parameters`),
-                ``output_logprobs`` without ``return_dict_in_generate``, an empty prompt row, ids or ``eos_token_id`` outside the vocabulary, ``max_new_tokens < 1``,
-                prompt + ``max_new_tokens`` beyond the model's positions, a bad sampling parameter.
+                ``output_logprobs`` without ``return_dict_in_generate``, an empty prompt row, ids or
+                ``eos_token_id`` outside the vocabulary, ``max_new_tokens < 1``, prompt + ``max_new_tokens`` beyond
+                the model's positions, a bad sampling parameter.
             TypeError: a keyword this generate does not take (HF options such as ``num_beams``, ``max_length``,
                 ``streamer``): the message lists the ones it takes and the closest name.
         """
