@@ -82,6 +82,11 @@ def test_small_request_needs_no_offload_and_too_large_batch_is_refused():
                     budget=2048)
     with pytest.raises(ValueError, match="positive integer sizes"):
         plan_memory(mm, HeadMemory(), gpu_bytes=80 * 2 ** 30, batch=0, input_len=1, output_len=1, budget=1)
+    with pytest.raises(ValueError, match=r"head must be a HeadMemory; got NoneType \(HeadMemory\(\) for a head"):
+        plan_memory(mm, None, gpu_bytes=80 * 2 ** 30, batch=1, input_len=1, output_len=1, budget=1)  # AttributeError
+    with pytest.raises(ValueError, match="plan_memory's model must be a ModelMemory; got LlamaConfig"):
+        plan_memory(transformers.LlamaConfig(), HeadMemory(), gpu_bytes=2 ** 30, batch=1, input_len=1, output_len=1,
+                    budget=1)
     # the weights alone (16.06e9 bytes = 14.96 GiB) do not fit: the fix is more memory, not "lower the batch to 0"
     with pytest.raises(ValueError, match=r"no batch fits 9.313 GiB: the weights, head and reserve alone take 14.96 "
                                          r"GiB.*raise gpu_gb"):

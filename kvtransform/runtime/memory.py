@@ -250,9 +250,14 @@ def plan_memory(model: ModelMemory, head: HeadMemory, *, gpu_bytes: int, batch: 
         :class:`MemoryPlan`.
 
     Raises:
-        ValueError: a non-positive size, or a batch that does not fit even with every layer offloaded (the message
-            gives the largest batch that fits and the GPU memory the requested one needs).
+        ValueError: a ``model`` / ``head`` of another type, a non-positive size, or a batch that does not fit even
+            with every layer offloaded (the message gives the largest batch that fits and the GPU memory the
+            requested one needs).
     """
+    for name, x, kind in (("model", model, ModelMemory), ("head", head, HeadMemory)):
+        if not isinstance(x, kind):
+            raise ValueError(f"plan_memory's {name} must be a {kind.__name__}; got {type(x).__name__}"
+                             + (" (HeadMemory() for a head that holds no memory)" if name == "head" else ""))
     sizes = dict(gpu_bytes=gpu_bytes, batch=batch, input_len=input_len, output_len=output_len, budget=budget)
     bad = {k: v for k, v in sizes.items() if not is_count(v, 1, numpy=True)}
     if not bad and not is_count(reserve_bytes, numpy=True):
