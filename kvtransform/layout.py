@@ -23,6 +23,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from kvtransform.ops._common import as_int
+from kvtransform.utils import is_integer_dtype
 
 
 def _lists_from_lengths(groups) -> tuple:
@@ -66,7 +67,7 @@ def _offsets(name: str, t) -> list:
     if not isinstance(t, torch.Tensor) or t.dim() != 1:
         raise ValueError(f"{name} must be a 1-D int32 tensor; got {type(t).__name__} "
                          f"{tuple(getattr(t, 'shape', ()))}")
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+    if not is_integer_dtype(t.dtype):
         raise ValueError(f"{name} must hold integer offsets (int32); got {t.dtype}: build it with "
                          f"dtype=torch.int32, or use DualKVLayout.from_lengths")
     if not _has_data(t):

@@ -20,6 +20,8 @@ import torch
 
 from .layout import DualKVLayout
 from .packed_logits import packed_logits
+from .utils import is_integer_dtype
+
 # prefix-tree packing (any depth of shared prefix) lives in its own module; exported here too
 from .tree_packing import TreeBatch, _as_device, _as_vocab, pack_trajectories  # noqa: F401
 
@@ -67,7 +69,7 @@ def _as_ids(x: TokenIds, what: str, vocab_size: Optional[int]) -> torch.Tensor:
         if x.dim() != 1:
             raise ValueError(f"{what} must be a 1-D tensor or a list of token ids; got a tensor of shape "
                              f"{tuple(x.shape)}")
-        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        if not is_integer_dtype(x.dtype):
             raise ValueError(f"{what} must hold integer token ids; got dtype {x.dtype}")
         t = x.detach().to("cpu", torch.long)
     else:

@@ -34,6 +34,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .layout import _as_device, _has_data, _int32_on
+from .utils import is_integer_dtype
 
 __all__ = ["PrefixTreeLayout"]
 
@@ -59,7 +60,7 @@ def _int_list(name: str, x) -> list:
     if isinstance(x, torch.Tensor):
         if x.dim() != 1:
             raise ValueError(f"{name} must be 1-D; got a tensor of shape {tuple(x.shape)}")
-        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        if not is_integer_dtype(x.dtype):
             raise ValueError(f"{name} must hold integers (int32); got dtype {x.dtype}")
         if not _has_data(x):
             raise ValueError(f"{name} has no data to read ({x.device} device, a fake tensor, or inside "

@@ -26,6 +26,11 @@ def is_count(v, low: int = 0, high: "int | None" = None, numpy: bool = False) ->
     return not isinstance(v, bool) and isinstance(v, kind) and v >= low and (high is None or v <= high)
 
 
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """An integer torch dtype (token ids, offsets): not floating point, complex or bool."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_device(device, available: bool = False, auto: bool = False) -> None:
     """A ``device=`` setting: ``cpu`` or ``cuda[:N]``, and ``auto`` where the command takes it (with ``available``,
     also that torch sees a CUDA device).

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..utils import is_count
+from ..utils import is_count, is_integer_dtype
 
 __all__ = ["_prompt_rows", "_check_request", "_check_steps", "_as_eos", "_check_pad", "_plain"]
 
@@ -37,10 +37,10 @@ def _as_eos(eos, vocab: int) -> list:
         ValueError: an id that is not an integer in ``[0, vocab)`` (a float such as ``2.0``, a bool, a string)."""
     if eos is None:
         return []
-    many = isinstance(eos, (list, tuple)) or (isinstance(eos, torch.Tensor) and eos.dim() > 0)
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()  # (float or bool values stay floats / bools: refused below)
     out = []
-    for e in (eos.flatten().tolist() if isinstance(eos, torch.Tensor) and not eos.dtype.is_floating_point else
-              list(eos) if many else [eos]):
+    for e in eos if isinstance(eos, (list, tuple)) else [eos]:
         if not is_count(_plain(e), 0, vocab - 1, numpy=True):
             raise ValueError(f"eos_token_id {e!r} is outside the vocabulary [0, {vocab}) or not an integer id: pass "
                              f"the tokenizer's eos_token_id (or a list of ids), or None to never stop early")
@@ -134,7 +134,7 @@ def _check_decode_from(info, cache, tokens, max_new_tokens, engine) -> int:
     if engine is not None and getattr(engine, "cache", None) is not cache:
         raise ValueError("engine must be the OffloadEngine of this cache (engine.cache is cache), or None")
     if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != (cache.batch,) or \
-            tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            not is_integer_dtype(tokens.dtype):
         raise ValueError(f"tokens must be integer ids of shape ({cache.batch},), one per cache row; got "
                          f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
     lo, hi = int(tokens.min()), int(tokens.max())

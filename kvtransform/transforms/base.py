@@ -23,7 +23,7 @@ from kvtransform.capture import MAX_BATCH, Captured, export_dynamic, tie_aliased
 from kvtransform.config import TransformConfig
 from kvtransform.passes.manager import KVPass, PassContext, keyword_optional_args_all, run_passes
 from kvtransform.report import Report
-from kvtransform.utils import UMASK, check_free_space, device_of, model_name, stage, timed
+from kvtransform.utils import UMASK, check_free_space, device_of, is_integer_dtype, model_name, stage, timed
 
 from .artifact_files import check_output_dir, config_keys, load_artifact_file, replace_directory
 
@@ -135,8 +135,7 @@ class OptimizedModule(torch.nn.Module):
                              f"{type(input_ids).__name__}" + (" — a PackedBatch needs kvt.transform(model, "
                                                               "'dualkv')" if type(input_ids).__name__ ==
                                                               "PackedBatch" else ""))
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or \
-                input_ids.dtype == torch.bool:
+        if input_ids.dim() != 2 or not is_integer_dtype(input_ids.dtype):
             raise ValueError(f"input_ids must be an integer tensor of shape (batch, seq); got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
         self.refuse_autocast(input_ids.device.type)

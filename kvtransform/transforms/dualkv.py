@@ -44,7 +44,7 @@ from kvtransform.passes.prefix_tree import prefix_tree_program
 from kvtransform.report import Report
 from kvtransform.tree_layout import PrefixTreeLayout
 from kvtransform.tree_packing import TreeBatch, pack_trajectories
-from kvtransform.utils import device_of, stage
+from kvtransform.utils import device_of, is_integer_dtype, stage
 from kvtransform.verify import verify_packed
 
 from . import register_transform
@@ -177,8 +177,8 @@ class DualKVModule(OptimizedModule):
         elif cu_seqlens is not None or segment_prefix is not None:
             raise ValueError("pass either a layout or cu_seqlens/segment_prefix, not both")
         layout = layout.to(dev) if layout.device != dev else layout
-        integer = not (input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool)
-        input_ids = input_ids.to(dev, torch.long) if integer else input_ids.to(dev)  # (int16 / uint8 ids too)
+        # int16 / uint8 ids too (the embedding takes int64 / int32 only); other dtypes are refused further on
+        input_ids = input_ids.to(dev, torch.long) if is_integer_dtype(input_ids.dtype) else input_ids.to(dev)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"packed input_ids must be (1, T); got shape {tuple(input_ids.shape)}")
         if layout.total_tokens != input_ids.shape[1]:
