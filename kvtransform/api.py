@@ -95,7 +95,7 @@ def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a kvtransform artifact (expected config.yaml and the programs "
                                 f"written by OptimizedModule.save)")
-    config = load_artifact_file(path / "config.yaml", lambda f: _artifact_config(f))
+    config, config_text = load_artifact_file(path / "config.yaml", lambda f: _artifact_config(f))
 
     def read_json(name):
         d = load_artifact_file(path / name, lambda f: json.loads(f.read_text())) if (path / name).exists() else None
@@ -115,7 +115,7 @@ def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
     if isinstance(msl, bool) or not isinstance(msl, int) or msl < 1:
         raise ValueError(f"{path / 'meta.json'} is damaged (max_seq_len {msl!r} is not a positive integer): save "
                          f"the artifact again")
-    check_config_keys(path / "config.yaml", meta)
+    check_config_keys(path / "config.yaml", meta, config_text)
     if meta.get("transform", config.name) != config.name:  # one of the two files was edited or swapped
         raise ValueError(f"{path} is damaged: config.yaml is a {config.name!r} config but meta.json says transform "
                          f"{meta['transform']!r}: save the artifact again")
@@ -125,8 +125,9 @@ def load(path: str | os.PathLike, progress: bool = True) -> OptimizedModule:
 
 
 def _artifact_config(file: Path):
-    """The transform config of an artifact's ``config.yaml``: a mapping with the transform's ``name`` (an empty file or
-    a YAML list is a damaged artifact, not the default canonical config); ValueError naming the file otherwise."""
+    """``(config, text)``: the transform config of an artifact's ``config.yaml`` and the file's text (read once), a
+    mapping with the transform's ``name`` (an empty file or a YAML list is a damaged artifact, not the default
+    canonical config); ValueError naming the file otherwise."""
     import yaml
 
     text = file.read_text()
@@ -135,7 +136,7 @@ def _artifact_config(file: Path):
         got = "empty" if data is None else f"a YAML {type(data).__name__} without a transform name"
         raise ValueError(f"{file} is damaged ({got}): save the artifact again")
     try:
-        return config_from_yaml(text)
+        return config_from_yaml(text), text
     except (TypeError, ValueError) as e:
         raise ValueError(f"{file}: {e}") from None
 

@@ -98,7 +98,8 @@ def _check_pair_weight(w) -> float:
 
 def tree_cost(tree: Any, index: int = 0, pair_weight: float = PAIR_WEIGHT, min_shared: int = 1) -> tuple:
     """``(packed tokens, visible pairs, cost)`` of one prefix tree given as its trajectories (each a 1-D id tensor,
-    list or NumPy array, as :func:`kvtransform.tree_packing.pack_trajectories` takes them, packed with the same
+    list or NumPy array, or the rows of a 2-D tensor or array, as :func:`kvtransform.tree_packing.pack_trajectories`
+    takes them, packed with the same
     ``min_shared``): tokens = the trie's tokens (each shared prefix once), pairs =
     :meth:`~kvtransform.tree_layout.PrefixTreeLayout.visible_pairs`, cost = ``tokens + pair_weight · pairs``
     (float; :data:`PAIR_WEIGHT`).
@@ -113,10 +114,12 @@ def tree_cost(tree: Any, index: int = 0, pair_weight: float = PAIR_WEIGHT, min_s
     if type(tree).__name__ == "TreeBatch":
         raise ValueError(f"tree {index} is a TreeBatch: pass its trajectories (batch.sequences) so that each rank can "
                          f"pack its own trees with kvt.pack_trajectories")
-    if isinstance(tree, (str, bytes)) or hasattr(tree, "shape") or not isinstance(tree, _SequenceABC) or \
-            len(tree) == 0:
-        raise ValueError(f"tree {index} must be a non-empty list of trajectories (1-D token-id sequences); got "
-                         f"{type(tree).__name__}")
+    rows = hasattr(tree, "shape") and len(tree.shape) == 2  # a 2-D tensor or array: its rows (as pack_trajectories)
+    if not rows and (isinstance(tree, (str, bytes)) or hasattr(tree, "shape") or not isinstance(tree, _SequenceABC)) \
+            or len(tree) == 0:
+        shape = f" of shape {tuple(tree.shape)}" if hasattr(tree, "shape") else ""
+        raise ValueError(f"tree {index} must be a non-empty list of trajectories (1-D token-id sequences) or a 2-D "
+                         f"tensor of them as rows; got {type(tree).__name__}{shape}")
     try:
         b = pack_trajectories(list(tree), min_shared=min_shared)
     except ValueError as e:
@@ -289,8 +292,9 @@ def balance_groups(groups: Sequence[Any], world_size: int, max_tokens: Optional[
         groups: ``[(prompt, [response, ...]), ...]``; prompt and responses as token counts (ints) or 1-D token
             sequences (lists of ids, tensors, arrays). A group costs ``P + Σ_i R_i`` packed tokens and is never split.
             With ``trees=True``: ``[tree, ...]``, each tree a list of trajectories (1-D id tensors, lists or NumPy
-            arrays, as :func:`kvtransform.tree_packing.pack_trajectories` takes them); a tree is never split and
-            costs its packed tokens plus ``pair_weight`` · its visible attention pairs (:func:`tree_cost`).
+            arrays) or a 2-D tensor or array of them as rows, as :func:`kvtransform.tree_packing.pack_trajectories`
+            takes them; a tree is never split and costs its packed tokens plus ``pair_weight`` · its visible
+            attention pairs (:func:`tree_cost`).
         world_size: number of data-parallel ranks (>= 1).
         max_tokens: when given, each rank's items are packed into micro-batches of at most this many packed
             tokens; every rank gets the same number of micro-batches (the most any rank needs), so that all ranks

@@ -309,6 +309,7 @@ class DualKVLayout:
     def device(self) -> torch.device:
         return self.cu_seqlens.device
 
+    @torch.inference_mode(False)  # a copy made during a rollout still trains (as the packers' tensors)
     def to(self, device) -> "DualKVLayout":
         return DualKVLayout._trusted(self.cu_seqlens.to(device), self.segment_prefix.to(device),
                                      list(self.prefix_lens), [list(r) for r in self.response_lens])

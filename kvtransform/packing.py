@@ -153,6 +153,7 @@ class PackedBatch:
         """ρ = replicated tokens / packed tokens (``N(P+R̄)/(P+ΣR)`` for one group)."""
         return self.replicated_tokens / self.num_tokens
 
+    @torch.inference_mode(False)  # a copy made during a rollout still trains (as the packers' tensors)
     def to(self, device) -> "PackedBatch":
         device = _as_device(device)
         return PackedBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout.to(device),
@@ -269,6 +270,10 @@ def pack_shared_prefix(prompt_ids: TokenIds, responses: Sequence[TokenIds], voca
 
 
 def check_packed(input_ids, position_ids, layout: DualKVLayout, vocab_size: Optional[int]) -> None:
+    meta = [n for n, x in (("input_ids", input_ids), ("position_ids", position_ids)) if x.device.type == "meta"]
+    if meta:
+        raise ValueError(f"packed {' and '.join(meta)} on the meta device hold no token ids or positions to run: move "
+                         f"the batch to the model's device (batch.to(device))")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"packed input_ids must be (1, T); got shape {tuple(input_ids.shape)}")
     t = int(input_ids.shape[1])

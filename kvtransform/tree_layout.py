@@ -298,6 +298,7 @@ class PrefixTreeLayout:
         """Python list of ``node``'s ancestors, root first (``node`` in ``0..N-1``, else IndexError)."""
         return list(self._anc[self._node(node)])
 
+    @torch.inference_mode(False)  # a copy made during a rollout still trains (as the packers' tensors)
     def to(self, device) -> "PrefixTreeLayout":
         obj = PrefixTreeLayout.__new__(PrefixTreeLayout)
         obj.__dict__.update(self.__dict__)

@@ -81,6 +81,7 @@ class TreeBatch:
         """Replicated tokens / packed tokens (>= 1)."""
         return self.replicated_tokens / self.num_tokens
 
+    @torch.inference_mode(False)  # a copy made during a rollout still trains (as the packers' tensors)
     def to(self, device) -> "TreeBatch":
         device = _as_device(device)
         return TreeBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout.to(device),

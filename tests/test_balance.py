@@ -1,4 +1,5 @@
 """kvt.balance_groups: every group exactly once, never split, LPT bounds, micro-batch limits, clear errors."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -180,7 +181,8 @@ def test_tree_cost_weights_attention_work():
     (({0: ([1], [[2]])}, 2), {}, r"takes a list of \(prompt, \[responses\]\) groups, not a dict"),
     (([[[1, 2]], []], 2), {"trees": True}, "tree 1 must be a non-empty list of trajectories"),
     (([[[1, 2]], [[1, 2], []]], 2), {"trees": True}, "tree 1: trajectory 1"),
-    (([[[1, 2]], torch.tensor([1, 2])], 2), {"trees": True}, "tree 1 must be a non-empty list"),
+    (([[[1, 2]], torch.tensor([1, 2])], 2), {"trees": True}, r"tree 1 must be a non-empty list.*of shape \(2,\)"),
+    (([torch.zeros(2, 2, 2, dtype=torch.long)], 2), {"trees": True}, r"tree 0 .* or a 2-D tensor of them as rows"),
     (([([1, 2], [[3], [4, 5]])], 2), {"trees": True}, "pass trees=False"),
     (([[[1, 2, 3], [1, 2, 4], [1, 5]]], 2), {}, "pass trees=True"),
     (([[[1, 2]]], 2), {"trees": True, "pair_weight": -1.0}, "pair_weight must be a finite number >= 0"),
@@ -190,6 +192,16 @@ def test_tree_cost_weights_attention_work():
 def test_tree_errors(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvt.balance_groups(*args, **kwargs)
+
+
+def test_a_tree_as_a_2d_tensor_or_array_is_its_rows():
+    """A tree given as a 2-D tensor or NumPy array (equal-length trajectories as rows, as pack_trajectories takes
+    it) costs what its rows as a list cost."""
+    rows = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 7, 8, 9]]
+    as_list = kvt.balance_groups([rows, [[5, 6]]], 2, trees=True, max_tokens=64, min_shared=2)
+    for tree in (torch.tensor(rows), np.array(rows)):
+        plan = kvt.balance_groups([tree, [[5, 6]]], 2, trees=True, max_tokens=64, min_shared=2)
+        assert (plan.indices, plan.tokens, plan.costs) == (as_list.indices, as_list.tokens, as_list.costs)
 
 
 def test_groups_from_a_generator():

@@ -110,6 +110,8 @@ def test_packed_calls_are_checked_before_the_model_runs():
         bad_ids[0, -1] = model.config.vocab_size
         with pytest.raises(ValueError, match="outside the vocabulary"):
             model(**{**kw, "input_ids": bad_ids})
+        with pytest.raises(ValueError, match="packed input_ids on the meta device hold no token ids"):
+            model(**{**kw, "input_ids": kw["input_ids"].to("meta")})  # (torch's meta errors before)
         with torch.no_grad():
             out = model(**{**kw, "use_cache": True})
             ones = model(**{**kw, "attention_mask": torch.ones_like(kw["input_ids"])})  # a tokenizer's mask: unused

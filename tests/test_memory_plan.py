@@ -203,7 +203,8 @@ def test_plan_memory_cli_throughput(tmp_path, capsys):
     ("num_hidden_layers", 0, "num_hidden_layers=0 must be an integer >= 1"),
     ("num_key_value_heads", 0, "num_key_value_heads=0 must be an integer >= 1"),
     ("hidden_size", 0, "head_dim=0 (hidden_size / num_attention_heads where not given) must be"),
-    ("num_hidden_layers", "32", "expected int, got str")])
+    ("num_hidden_layers", "32", "expected int, got str"),
+    ("num_key_value_heads", 7, "num_attention_heads=32 is not a multiple of num_key_value_heads=7")])
 def test_plan_memory_bad_model_config(tmp_path, capsys, field, value, msg):
     """A config.json whose sizes the memory model divides by: one error line naming the field (it was a
     ZeroDivisionError or a transformers traceback)."""
@@ -215,6 +216,19 @@ def test_plan_memory_bad_model_config(tmp_path, capsys, field, value, msg):
         main(["plan-memory", str(tmp_path)])
     err = " ".join(capsys.readouterr().err.split())
     assert e.value.code == 2 and err.count("error:") == 1 and msg in err and "Traceback" not in err, err
+
+
+def test_model_memory_refuses_heads_that_do_not_divide():
+    """Query heads that KV heads do not divide, or a hidden size that heads do not divide with no head_dim: one line
+    (the memory model counted a KV cache for a model that cannot exist)."""
+    cfg = transformers.LlamaConfig(**LLAMA3_8B)
+    cfg.num_key_value_heads = 5
+    with pytest.raises(ValueError, match="num_attention_heads=32 is not a multiple of num_key_value_heads=5"):
+        ModelMemory.from_config(cfg)
+    cfg = transformers.LlamaConfig(**LLAMA3_8B)
+    cfg.hidden_size, cfg.head_dim = 4100, None
+    with pytest.raises(ValueError, match="hidden_size=4100 is not a multiple of num_attention_heads=32 and no head_dim"):
+        ModelMemory.from_config(cfg)
 
 
 def test_plan_memory_limits_from_python_and_the_context_window(tmp_path, capsys):

@@ -9,6 +9,8 @@ on SmolLM2-135M through the transform (the suite's time budget keeps the real-mo
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -243,6 +245,25 @@ def test_a_batch_packed_under_inference_mode_trains(tiny, frontend, packing):
     sum(x.sum() for x in got).backward()
     want = logprobs(pack())
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs CUDA and compiled kernels: TRITON_INTERPRET=0 python -m pytest -m gpu")
+def test_a_batch_moved_to_the_gpu_under_inference_mode_trains():
+    """``batch.to("cuda")`` inside torch.inference_mode() (a rollout worker moving its batches) gives normal tensors
+    (they were inference tensors, which the backward cannot save), and the moved batch trains."""
+    model = kvt.integrations.transformers.enable(tiny_model("llama"), "dualkv").cuda()
+    tree = kvt.pack_trajectories([[1, 2, 3, 4, 8], [1, 2, 3, 4, 9], [1, 2, 5]])
+    one = kvt.pack_shared_prefix(torch.tensor([1, 2, 3]), [torch.tensor([4, 5]), torch.tensor([6])])
+    with torch.inference_mode():
+        moved = [tree.to("cuda"), one.to("cuda")]
+    for batch in moved:
+        tensors = [batch.input_ids, batch.position_ids, batch.layout.cu_seqlens]
+        assert all(t.is_cuda and not t.is_inference() for t in tensors)
+        out = model(**packed_inputs(batch)).logits
+        lps = batch.trajectory_logprobs(out) if batch is moved[0] else batch.response_logprobs(out)
+        sum(x.sum() for x in lps).backward()
 
 
 def test_layouts_built_under_inference_mode_are_saved_for_backward():

@@ -151,6 +151,13 @@ def _check_config(cfg) -> None:
         if not is_count(v, 1, numpy=True):
             what = " (hidden_size / num_attention_heads where not given)" if key == "head_dim" else ""
             raise ValueError(f"model config: {key}={v!r}{what} must be an integer >= 1 (fix the model's config.json)")
+    heads, kv_heads = int(cfg.num_attention_heads), getattr(cfg, "num_key_value_heads", None)
+    if kv_heads is not None and heads % int(kv_heads):  # GQA: every KV head serves the same number of query heads
+        raise ValueError(f"model config: num_attention_heads={heads} is not a multiple of num_key_value_heads="
+                         f"{int(kv_heads)} (fix the model's config.json)")
+    if getattr(cfg, "head_dim", None) is None and int(cfg.hidden_size) % heads:
+        raise ValueError(f"model config: hidden_size={int(cfg.hidden_size)} is not a multiple of num_attention_heads="
+                         f"{heads} and no head_dim is given (fix the model's config.json)")
 
 
 @dataclass
