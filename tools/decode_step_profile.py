@@ -9,11 +9,14 @@ weights, ``kvtransform.bench.decode_model``):
     python3 -P tools/decode_step_profile.py --rows 32 --context 9216 --heads-to-profile dense,self
     python3 -P tools/decode_step_profile.py --layers 8 --top 15           # a quicker look
     python3 -P tools/decode_step_profile.py --rows 32 --context 9216 --heads-to-profile dense,self --compile
+    python3 -P tools/decode_step_profile.py --gemms --rows 26,32,48       # the step's weight GEMMs alone
 
 Prints, per retrieval head: the step time by CUDA events, its HBM floor (the weights plus the KV and retrieval bytes
 the step reads, ``decode_model.step_bytes``, at ``--hbm-tbps``), the sum of kernel times per step, and the ``--top``
 kernels with their share (the rest summed into one line), and the step by part (:data:`CATEGORIES`: attention,
 retrieval, sampling, GEMMs, small element-wise kernels, other). ``--csv`` writes every kernel row with its part.
+``--gemms`` instead times each weight GEMM of a step alone (:func:`gemm_rates`), with cuBLAS and cuBLASLt, against
+a device copy in the same process.
 """
 from __future__ import annotations
 
@@ -84,10 +87,76 @@ def profile_head(model, a, head: str):
     return step_ms, per_step
 
 
+def _graph_ms(fn, reps: int) -> float:
+    """ms of one call of ``fn`` replayed from a CUDA graph (``reps`` replays after a warm-up, CUDA events)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def gemm_rates(model, rows: int, reps: int = 20, rotate_bytes: float = 6e8) -> list:
+    """``[(projection, N, K, µs, TB/s)]`` of a decode step's weight GEMMs at ``rows`` rows (M), each alone through
+    ``torch.mm`` under a CUDA graph: q/k/v and gate/up as the runtime fuses them, o, down and the LM head, every
+    weight copied until the copies pass ``rotate_bytes`` and the GEMMs cycled through them, so that L2 holds none.
+    TB/s counts the weight bytes."""
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    weights = [("q/k/v", torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+               ("o", attn.o_proj.weight), ("gate/up", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+               ("down", mlp.down_proj.weight), ("LM head", model.lm_head.weight)]
+    out = []
+    for name, w in weights:
+        n, k = w.shape
+        wb = w.numel() * w.element_size()
+        copies = [w.clone() for _ in range(max(2, -(-int(rotate_bytes) // wb)))]
+        x = torch.randn(rows, k, dtype=w.dtype, device=w.device)
+        o = torch.empty(rows, n, dtype=w.dtype, device=w.device)
+
+        def run():
+            for c in copies:
+                torch.mm(x, c.t(), out=o)
+
+        us = _graph_ms(run, reps) / len(copies) * 1e3
+        out.append((name, n, k, us, wb / (us * 1e-6) / 1e12))
+    return out
+
+
+def copy_tbps(nbytes: int = int(1e9)) -> float:
+    """TB/s of a device-to-device copy of ``nbytes`` under a CUDA graph, bytes read + written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (_graph_ms(lambda: dst.copy_(src), 20) * 1e-3) / 1e12
+
+
+def print_gemms(model, rows_list) -> None:
+    """:func:`gemm_rates` with cuBLAS (default) and cuBLASLt for each row count, and a device copy's TB/s (bytes
+    read + written) in the same process."""
+    print(f"device copy: {copy_tbps():.2f} TB/s (read + write)")
+    for rows in rows_list:
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            rates = gemm_rates(model, rows)
+            line = ", ".join(f"{n} {us:.1f} µs {tbps:.2f} TB/s" for n, _, _, us, tbps in rates)
+            print(f"M={rows} {lib}: {line}; sum {sum(r[3] for r in rates):.1f} µs")
+    torch.backends.cuda.preferred_blas_library("cublas")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads-to-profile", default="dense,self", help="comma-separated SpeContextConfig heads")
-    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--rows", default="32", help="rows (requests) of the step; --gemms: a comma-separated list")
     p.add_argument("--context", type=int, default=9216)
     p.add_argument("--steps", type=int, default=64, help="decode steps of the long call beyond the short one")
     p.add_argument("--budget", type=int, default=2048)
@@ -100,13 +169,25 @@ def main():
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8 TB/s)")
     p.add_argument("--csv", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the tool (--model tiny; CPU ops)")
+    p.add_argument("--gemms", action="store_true", help="time the step's weight GEMMs alone (cuBLAS, cuBLASLt)")
     a = p.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA GPU here: the breakdown is of CUDA kernels (--device cpu --model tiny: a smoke run)")
+    if a.gemms and a.device != "cuda":
+        p.error("--gemms times CUDA graphs of cuBLAS calls: it needs --device cuda")
+    try:
+        rows_list = [int(r) for r in a.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows must be an integer (a comma-separated list with --gemms); got {a.rows!r}")
+    if len(rows_list) > 1 and not a.gemms:
+        p.error("several --rows values are for --gemms; profile one row count at a time")
+    a.rows = rows_list[0]
     from kvtransform.bench.decode_model import build_model, model_shape, step_bytes, weight_bytes
 
     model = build_model(a.model, torch.bfloat16 if a.device == "cuda" else torch.float32, a.device,
                         **({"layers": a.layers} if a.layers else {}))
+    if a.gemms:
+        return print_gemms(model, rows_list)
     shape = model_shape(model)
     rows = []
     for head in a.heads_to_profile.split(","):
