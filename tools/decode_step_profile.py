@@ -107,6 +107,7 @@ def _graph_ms(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
+@torch.no_grad()
 def gemm_rates(model, rows: int, reps: int = 20, rotate_bytes: float = 6e8) -> list:
     """``[(projection, N, K, µs, TB/s)]`` of a decode step's weight GEMMs at ``rows`` rows (M), each alone through
     ``torch.mm`` under a CUDA graph: q/k/v and gate/up as the runtime fuses them, o, down and the LM head, every
