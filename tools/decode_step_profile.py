@@ -135,10 +135,11 @@ def gemm_rates(model, rows: int, reps: int = 20, rotate_bytes: float = 6e8) -> l
 
 
 def copy_tbps(nbytes: int = int(1e9)) -> float:
-    """TB/s of a device-to-device copy of ``nbytes`` under a CUDA graph, bytes read + written."""
+    """TB/s of a copy of ``nbytes`` on the GPU's multiprocessors under a CUDA graph (an element-wise kernel:
+    ``copy_`` of a contiguous tensor is a memcpy node the copy engines run, slower), bytes read + written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * nbytes / (_graph_ms(lambda: dst.copy_(src), 20) * 1e-3) / 1e12
+    return 2 * nbytes / (_graph_ms(lambda: torch.neg(src, out=dst), 20) * 1e-3) / 1e12
 
 
 def print_gemms(model, rows_list) -> None:
