@@ -33,6 +33,9 @@ from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
+import numpy as np
+import torch
+
 from .ops._common import as_int
 
 __all__ = ["GroupBalance", "balance_groups", "group_tokens", "tree_cost", "PAIR_WEIGHT"]
@@ -99,8 +102,7 @@ def _check_pair_weight(w) -> float:
 def tree_cost(tree: Any, index: int = 0, pair_weight: float = PAIR_WEIGHT, min_shared: int = 1) -> tuple:
     """``(packed tokens, visible pairs, cost)`` of one prefix tree given as its trajectories (each a 1-D id tensor,
     list or NumPy array, or the rows of a 2-D tensor or array, as :func:`kvtransform.tree_packing.pack_trajectories`
-    takes them, packed with the same
-    ``min_shared``): tokens = the trie's tokens (each shared prefix once), pairs =
+    takes them, packed with the same ``min_shared``): tokens = the trie's tokens (each shared prefix once), pairs =
     :meth:`~kvtransform.tree_layout.PrefixTreeLayout.visible_pairs`, cost = ``tokens + pair_weight · pairs``
     (float; :data:`PAIR_WEIGHT`).
 
@@ -114,7 +116,7 @@ def tree_cost(tree: Any, index: int = 0, pair_weight: float = PAIR_WEIGHT, min_s
     if type(tree).__name__ == "TreeBatch":
         raise ValueError(f"tree {index} is a TreeBatch: pass its trajectories (batch.sequences) so that each rank can "
                          f"pack its own trees with kvt.pack_trajectories")
-    rows = hasattr(tree, "shape") and len(tree.shape) == 2  # a 2-D tensor or array: its rows (as pack_trajectories)
+    rows = isinstance(tree, (torch.Tensor, np.ndarray)) and tree.ndim == 2  # its rows, as pack_trajectories
     if not rows and (isinstance(tree, (str, bytes)) or hasattr(tree, "shape") or not isinstance(tree, _SequenceABC)) \
             or len(tree) == 0:
         shape = f" of shape {tuple(tree.shape)}" if hasattr(tree, "shape") else ""
