@@ -363,6 +363,9 @@ def check_onnx_target(path: str | os.PathLike, overwrite: bool = False, names: S
     """
     if not isinstance(overwrite, bool):  # (a string such as "false" is truthy: it would replace the file)
         raise ValueError(f"overwrite must be True or False; got {overwrite!r}")
+    if str(path).endswith(("/", os.sep)):  # (Path drops the separator: a missing "dir/" became a file named dir)
+        raise FileExistsError(f"{str(path)!r} names a directory: give the ONNX file's path, e.g. "
+                              f"{str(Path(path) / 'model.onnx')!r}")
     path = Path(path).expanduser()
     if path.is_dir():
         raise FileExistsError(f"{str(path)!r} is a directory: give the ONNX file's path, e.g. "
@@ -373,6 +376,10 @@ def check_onnx_target(path: str | os.PathLike, overwrite: bool = False, names: S
     from .utils import check_writable
 
     check_writable(path, "the ONNX file", "path=...")  # its directory, probed before the export (seconds)
+    for p in [path, *(path.parent / n for n in names)]:  # a device, FIFO or socket is never replaced
+        if p.exists() and not p.is_file():
+            raise FileExistsError(f"{str(p)!r} exists and is not a regular file (a device, FIFO or socket): choose "
+                                  f"another path")
     if not overwrite:
         for p in [path, *(path.parent / n for n in names)]:
             if p.exists() or p.is_symlink():

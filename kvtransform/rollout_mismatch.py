@@ -357,15 +357,16 @@ class RolloutMismatchConfig:
 
 def check_config(cfg) -> tuple:
     """The settings of ``cfg`` checked, without the model or ``out`` (also each job of a ``-m`` sweep, before the
-    first runs): ``(heads, budgets, sorted lengths)``.
+    first runs): ``(heads, budgets, sorted lengths)``, each without repeats (a head or budget given twice would
+    sample twice and pool both runs into one row).
 
     Raises:
         ValueError: one line naming the bad key.
     """
     from .runtime.heads import HEADS
 
-    heads = _as_list(cfg.head, str, "head")
-    budgets = _as_list(cfg.budget, int, "budget")
+    heads = list(dict.fromkeys(_as_list(cfg.head, str, "head")))
+    budgets = list(dict.fromkeys(_as_list(cfg.budget, int, "budget")))
     lengths = _as_list(cfg.lengths, int, "lengths")
     unknown = [h for h in heads if h not in HEADS]
     if unknown:

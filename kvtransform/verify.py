@@ -236,14 +236,40 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return err, err / scale if scale > 0 else err
 
 
-def _loss_grads(lps: list, adv: torch.Tensor, params: list, masks: Optional[list] = None) -> list:
+def _loss_grads(lps: list, adv: torch.Tensor, params: list, masks: Optional[list] = None,
+                packed: bool = False) -> list:
     """fp64 copies of the gradients of ``Σ_i adv_i · Σ_j mask_ij · lps_ij`` (no masks: all 1) for ``params`` (zeros
-    where unused)."""
+    where unused). ``packed``: the log-probs are the packed module's, which must reach the model's parameters
+    (ValueError otherwise: a module transformed from another model or a copy would compare zero gradients)."""
     if masks is not None:
         lps = [lp * m.to(lp.device, lp.dtype) for lp, m in zip(lps, masks)]
     loss = sum(adv[i].to(lp.dtype) * lp.sum() for i, lp in enumerate(lps))
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    grads = None
+    if not packed or (isinstance(loss, torch.Tensor) and loss.requires_grad):
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    if packed and (grads is None or all(g is None for g in grads)):
+        raise ValueError("the packed module's log-probs carry no gradient to the model's parameters: pass the model "
+                         "it was transformed from (not a copy or another model), with gradients enabled")
     return [(torch.zeros_like(p) if g is None else g).detach().double() for p, g in zip(params, grads)]
+
+
+def _advantages(advantages, n: int) -> torch.Tensor:
+    """float64 CPU ``(n,)`` advantages (default: standard normal, seeded 0). ValueError (one line) for anything
+    that is not ``n`` finite numbers. All zeros (a group whose rewards are equal) are valid: the loss's gradient is
+    then exactly 0 for every run, so only the log-probs are compared."""
+    if advantages is None:
+        return torch.randn(n, generator=torch.Generator().manual_seed(0)).double()
+    try:
+        adv = torch.as_tensor(advantages).detach().to("cpu", torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"advantages must be {n} numbers (one per response or trajectory); got "
+                         f"{type(advantages).__name__}") from None
+    if tuple(adv.shape) != (n,):
+        raise ValueError(f"advantages must have shape ({n},), one per response or trajectory; got "
+                         f"{tuple(adv.shape)}")
+    if not bool(torch.isfinite(adv).all()):
+        raise ValueError("advantages must be finite numbers; got NaN or inf")
+    return adv
 
 
 def check_exactness(model, opt, batch: Batch, advantages: Optional[torch.Tensor] = None,
@@ -258,9 +284,14 @@ def check_exactness(model, opt, batch: Batch, advantages: Optional[torch.Tensor]
         model: the original model (whose parameters ``opt`` shares).
         opt: the :class:`DualKVModule` (or any module ``batch -> logits (1, T, vocab)``).
         batch: a :class:`PackedBatch` (N responses) or a :class:`TreeBatch` (N trajectories).
-        advantages: ``(N,)`` (default: standard normal, seeded 0).
+        advantages: ``N`` numbers, a tensor, list or array (default: standard normal, seeded 0).
         backward: also compare gradients.
         padded: run the original as one right-padded batch instead of N separate sequences.
+
+    Raises:
+        ValueError: ``advantages`` not ``N`` finite numbers (all zeros compare the log-probs only); with
+            ``backward``, no parameter of ``model`` requires grad, or ``opt``'s log-probs do not reach ``model``'s
+            parameters (a module transformed from another model or a copy: its gradients would compare as zeros).
 
     Returns:
         dict: ``logprobs_abs``/``logprobs_rel`` (max abs error, and that over max |reference|); ``grad_abs``,
@@ -272,11 +303,14 @@ def check_exactness(model, opt, batch: Batch, advantages: Optional[torch.Tensor]
     on SmolLM2-135M (30 layers) the original run as N separate sequences and as one padded batch already differ by
     ~3e-5 on some LayerNorm weights (summation order); ``grad_global_rel`` sits at ~4e-6 for both.
     """
-    n = num_sequences(batch)
-    if advantages is None:
-        advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    if not isinstance(backward, bool):
+        raise ValueError(f"backward must be True or False; got {backward!r}")
+    advantages = _advantages(advantages, num_sequences(batch))
     dev = device_of(model)
     params = trainable_parameters(model)
+    if backward and not params:
+        raise ValueError("no parameter of the model requires grad: unfreeze the ones to check (requires_grad_), or "
+                         "pass backward=False")
     res: dict[str, Any] = {}
     with torch.set_grad_enabled(backward):
         lp_new = packed_logprobs(batch, opt(batch))
@@ -288,7 +322,7 @@ def check_exactness(model, opt, batch: Batch, advantages: Optional[torch.Tensor]
         adv = advantages.to(dev, torch.float64 if a.dtype == torch.float64 else torch.float32)
         ps = [p for _, p in params]
         masks = loss_masks(batch)
-        g_new, g_ref = _loss_grads(lp_new, adv, ps, masks), _loss_grads(lp_ref, adv, ps, masks)
+        g_new, g_ref = _loss_grads(lp_new, adv, ps, masks, packed=True), _loss_grads(lp_ref, adv, ps, masks)
         worst = (0.0, 0.0, "")
         sq_diff, sq_ref = 0.0, 0.0
         for (name, p), x, y in zip(params, g_new, g_ref):
@@ -345,8 +379,10 @@ def check_numerics_rule(model, opt, batch: Batch, advantages: Optional[torch.Ten
         original's is the larger over ``original_runs``).
 
     Raises:
-        ValueError: ``original_runs`` empty or with another value; ``advantages`` not ``(N,)``; no parameter of
-            ``model`` requires grad; ``floor`` negative.
+        ValueError: ``original_runs`` empty or with another value; ``advantages`` not ``N`` finite numbers (all
+            zeros: the gradients are exactly 0, the log-probs compared); no parameter of ``model`` requires grad;
+            ``floor`` negative; ``opt``'s log-probs that do not reach ``model``'s parameters (a module transformed
+            from another model or a copy).
 
     Memory: a float64 copy of the model (8 bytes per parameter) for the duration of the call.
     """
@@ -359,14 +395,8 @@ def check_numerics_rule(model, opt, batch: Batch, advantages: Optional[torch.Ten
         raise ValueError(f"original_runs={original_runs!r}: pass a non-empty subset of {runs_ok}")
     if not floor >= 0:
         raise ValueError(f"floor={floor!r}: pass a non-negative float (relative to max|x64|)")
-    n = num_sequences(batch)
-    if advantages is None:
-        advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    if tuple(torch.as_tensor(advantages).shape) != (n,):
-        raise ValueError(f"advantages must have shape ({n},), one per response or trajectory; got "
-                         f"{tuple(torch.as_tensor(advantages).shape)}")
     dev = device_of(model)
-    adv = torch.as_tensor(advantages).to(dev, torch.float64)
+    adv = _advantages(advantages, num_sequences(batch)).to(dev)
     params = trainable_parameters(model)
     if not params:
         raise ValueError("no parameter of the model requires grad: unfreeze the ones to check (requires_grad_)")
@@ -386,7 +416,7 @@ def check_numerics_rule(model, opt, batch: Batch, advantages: Optional[torch.Ten
     x_64 = flat(lp, _loss_grads(lp, adv, ps64, masks))
     del ref, lp
     lp = packed_logprobs(batch, opt(batch))
-    x_opt = flat(lp, _loss_grads(lp, adv, ps, masks))
+    x_opt = flat(lp, _loss_grads(lp, adv, ps, masks, packed=True))
     x_orig = []
     for how in dict.fromkeys(original_runs):
         lp = replicated_logprobs(model, batch, padded=how == "padded")
@@ -450,7 +480,8 @@ def verify_packed(model, opt, cfg: DualKVConfig, tokenizer, report: Report, prog
 
     Enforced per program: per-sequence log-probs (max abs error / max |ref|) ``<= verify.tolerance`` (fp32 1e-4,
     bf16/fp16 2e-2 by default) and the gradient of ``Σ adv_i Σ mask · logprobs_i`` over all parameters (``‖g −
-    g_ref‖₂ / ‖g_ref‖₂``) ``<= verify_grad_tolerance`` (fp32 1e-4, bf16/fp16 5e-2 by default).
+    g_ref‖₂ / ‖g_ref‖₂``) ``<= verify_grad_tolerance`` (fp32 1e-4, bf16/fp16 5e-2 by default), unless no parameter
+    requires grad (a frozen reference model: log-probs only, said in the attention pass's notes).
     The worst single parameter's max relative error is recorded as an informational case."""
     if not cfg.verify.enabled:
         return
@@ -460,6 +491,10 @@ def verify_packed(model, opt, cfg: DualKVConfig, tokenizer, report: Report, prog
     if gtol is None:
         # float64: transformers' norms run in float32 even there; packed vs replicated gradients differ by ~5e-8
         gtol = {torch.float32: 1e-4, torch.float64: 1e-6}.get(param.dtype, 5e-2)
+    backward = cfg.verify_backward and bool(trainable_parameters(model))
+    if cfg.verify_backward and not backward and report.pass_record("attention"):  # a frozen reference model
+        report.pass_record("attention").notes.append("no parameter of the model requires grad (a frozen reference "
+                                                     "model): log-probs verified, gradients not")
     batch = _verify_batch(cfg, tokenizer, model.config.vocab_size, param.device)
     runs = [("", batch)] + ([("tree ", _verify_tree(batch))] if getattr(opt, "tree_core", None) is not None else [])
     v = Verification(tolerance=float(tol))
@@ -474,7 +509,7 @@ def verify_packed(model, opt, cfg: DualKVConfig, tokenizer, report: Report, prog
             was_training = model.training
             model.eval()
             try:
-                res = check_exactness(model, opt, b, adv, backward=cfg.verify_backward)
+                res = check_exactness(model, opt, b, adv, backward=backward)
             finally:
                 model.train(was_training)
         shape = [1, b.num_tokens]

@@ -532,6 +532,7 @@ def test_capture_refusal_is_one_error_line(tmp_path, capsys):
     ("top_k=-1", "top_k must be an integer >= 0"),
     ("top_p=0", "top_p must be a number in (0, 1]"),
     ("max_new_tokens=abc", "max_new_tokens must be an integer >= 1"),
+    ("model.dtype=", "model.dtype is empty"),  # (read as None: float32)
     ("budget=16", "unknown key 'budget' (did you mean 'transform.budget'?)"),
     ("transform.budget=abc", "invalid specontext config: budget: Value 'abc' of type 'str' could not be converted"),
     ("transform.budgt=8", "Key 'budgt' not in 'SpeContextConfig' (did you mean 'budget'?)"),
@@ -639,6 +640,8 @@ def test_inspect_takes_key_value_settings(tmp_path, capsys):
 
 @pytest.mark.parametrize("arg,msg", [("model.dtyp=float32", "unknown key 'model.dtyp' (did you mean 'model.dtype'?)"),
                                      ("json=maybe", "json must be true or false"),
+                                     ("model.dtype=", "model.dtype is empty"),  # (read as None: float32)
+                                     ("model.dtype=int8", "model.dtype: unknown dtype 'int8'"),
                                      ("--verbose", "unknown option '--verbose'")])
 def test_inspect_bad_setting_is_one_error_line(capsys, arg, msg):
     rc, _, err = _run(["inspect", "no-such-model", arg], capsys)

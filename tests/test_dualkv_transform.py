@@ -347,6 +347,35 @@ def test_gate_rejects_wrong_module(llama, monkeypatch):
             check_numerics_rule(model, opt, b, **kw)
 
 
+def test_checks_name_a_module_of_another_model_and_take_advantages_as_numbers():
+    """check_exactness / check_numerics_rule: a module transformed from another model (or a copy) is named in one
+    line (its gradients compared as zeros: grad_rel 1.0 with no hint); advantages as a list work (a raw
+    AttributeError), wrong shapes or NaN are named in check_exactness too (an IndexError, or silently the first N);
+    a frozen model is named there (grad()'s empty-inputs RuntimeError), and the DualKV transform of a frozen
+    reference model verifies its log-probs only, said in the report (it raised that RuntimeError)."""
+    import copy
+
+    from kvtransform.verify import check_exactness, check_numerics_rule
+
+    model = kvt.tiny_model("llama")
+    opt = kvt.transform(model, "dualkv", progress=False)
+    b = kvt.pack_shared_prefix([1, 2, 3, 4], [[5, 6], [7, 8, 9]])
+    assert check_exactness(model, opt, b, advantages=[1.0, -1.0])["grad_global_rel"] < 1e-5
+    for check in (check_exactness, check_numerics_rule):
+        with pytest.raises(ValueError, match="carry no gradient to the model's parameters: pass the model it was"):
+            check(copy.deepcopy(model), opt, b)
+    for adv, msg in (([1.0, -1.0, 5.0], r"shape \(2,\)"), (torch.tensor([[1.0, -1.0]]), r"shape \(2,\)"),
+                     ([float("nan"), 1.0], "finite"), (["a", "b"], "must be 2 numbers")):
+        with pytest.raises(ValueError, match=msg):
+            check_exactness(model, opt, b, advantages=adv)
+    frozen = kvt.tiny_model("llama").requires_grad_(False)
+    ref = kvt.transform(frozen, "dualkv", progress=False)
+    assert any("frozen reference model" in n for p in ref.report.passes for n in p.notes)
+    with pytest.raises(ValueError, match="no parameter of the model requires grad"):
+        check_exactness(frozen, ref, b)
+    assert check_exactness(frozen, ref, b, backward=False)["logprobs_rel"] < 1e-5
+
+
 def test_gate_names_the_gradient_tolerance_when_the_gradient_fails():
     """A failing gradient check names its own tolerance and key, not the log-prob tolerance; float64's default
     gradient tolerance holds for a float64 HF model (whose norms run in float32: ~5e-8 between packed and replicated

@@ -1,4 +1,7 @@
 """ONNX emission: kvt ops translated into standard ONNX, run in onnxruntime against the PyTorch modules."""
+import os
+import stat
+
 import pytest
 import torch
 
@@ -400,6 +403,35 @@ def test_existing_file_is_replaced_only_with_overwrite(tmp_path, tiny, monkeypat
 
     with pytest.raises(FileExistsError, match="overwrite=True"):
         ox.export_onnx(torch.export.export(M(), (x, x, x)), target, ("q", "k", "v"))
+
+
+def test_special_files_trailing_separators_and_wrong_tokenizers_are_refused_first(tmp_path, tiny, monkeypatch):
+    """A FIFO (or device) at the path is never replaced, not even with overwrite=True (it replaced /dev/null); a
+    missing directory written as ``dir/`` is not made into a file; a tokenizer given as a path or with ids past the
+    model's vocabulary is named before the export work (a raw TypeError / embedding IndexError after it)."""
+    import kvtransform.capture as capture
+    import kvtransform.transforms.base as base
+
+    opt = kvt.transform(tiny, _unverified("canonical"), progress=False)
+    dk = kvt.transform(tiny, _unverified("dualkv"), progress=False)
+    for mod in (capture, base):
+        monkeypatch.setattr(mod, "export_dynamic", lambda *a, **k: pytest.fail("exported before the check"))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(FileExistsError, match="exists and is not a regular file"):
+        opt.export_onnx(fifo, overwrite=True, verify=False)
+    with pytest.raises(FileExistsError, match="names a directory: give the ONNX file's path"):
+        opt.export_onnx(f"{tmp_path}/newdir/", verify=False)
+    with pytest.raises(ValueError, match="tokenizer must be a tokenizer object"):
+        opt.export_onnx(tmp_path / "a.onnx", tokenizer=str(tmp_path))
+
+    def big_vocab(text, return_tensors=None, **kw):
+        return {"input_ids": torch.tensor([[1, 2, 500, 3]])}
+
+    for module, kw in ((opt, {}), (dk, {}), (dk, {"tree": True})):
+        with pytest.raises(ValueError, match="token id 500, outside the model's vocabulary of 128"):
+            module.export_onnx(tmp_path / "a.onnx", tokenizer=big_vocab, **kw)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
 
 
 def test_cli_emit_onnx(tmp_path, monkeypatch, capsys):

@@ -142,6 +142,18 @@ def test_cli_help_and_bad_input(tmp_path, capsys):
     assert not (tmp_path / "o").exists()   # refused before anything is written
 
 
+def test_repeated_heads_and_budgets_are_run_once():
+    """head=[quest,quest] or budget=[8,8] ran each pair twice and pooled both into one row (its token count
+    doubled); repeats are dropped, as lengths' are, keeping the order given."""
+    from omegaconf import OmegaConf
+
+    from kvtransform.rollout_mismatch import RolloutMismatchConfig, check_config
+
+    cfg = OmegaConf.structured(RolloutMismatchConfig(head=["quest", "self", "quest"], budget=[8, 4, 8],
+                                                     lengths=[6, 3, 6], prompt=20))
+    assert check_config(cfg) == (["quest", "self"], [8, 4], [3, 6])
+
+
 def test_results_killed_while_writing_keep_the_earlier_files(tmp_path, monkeypatch):
     """results.csv and tokens.pt are written to a temporary file renamed into place: a run killed while writing one
     leaves the earlier file whole and loadable, and no temporary file behind."""

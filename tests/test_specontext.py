@@ -397,12 +397,27 @@ def test_unknown_head_lists_valid_ones(llama):
     (dict(attention_mask=[[1] * 10] * 2), "attention_mask must be a 0/1 tensor"),  # was AttributeError
     (dict(pad_token_id=128), r"pad_token_id must be an id in \[0, 128\)"),  # was IndexError at a row's EOS
     (dict(pad_token_id=-1), "pad_token_id must be an id"),
+    (dict(return_dict_in_generate="no"), "return_dict_in_generate must be True or False"),  # was a GenerateOutput
+    (dict(progress="yes"), "progress must be True, False or None"),
 ])
 def test_bad_generate_arguments(sp_llama, kwargs, match):
     ids = torch.randint(3, 128, (2, 10))
     kwargs = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         sp_llama.generate(ids, **kwargs)
+
+
+def test_a_bad_pad_id_from_the_generation_config_names_its_source():
+    """A pad id the caller never passed (the model's generation_config default) outside the vocabulary is named as
+    the config's, with the argument that overrides it (the message told the user to fix an argument they did not
+    pass, and that None, the default that failed, was allowed)."""
+    model = kvt.tiny_model("llama")
+    model.generation_config.pad_token_id = -1
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=16), progress=False)
+    ids = torch.randint(3, 128, (1, 6))
+    with pytest.raises(ValueError, match=r"generation_config.pad_token_id=-1 is not an id .* pass pad_token_id="):
+        sp.generate(ids, max_new_tokens=2)
+    assert sp.generate(ids, max_new_tokens=2, pad_token_id=2).shape == (1, 8)
 
 
 def test_a_prompt_with_no_room_to_generate_says_how_much_to_shorten(sp_llama):

@@ -9,7 +9,7 @@ from typing import Sequence
 from ..config import config_from_dict
 from ..utils import is_count, stage
 from .errors import UsageError, console as _console
-from .keyvalue import key_value_main, parse_key_values
+from .keyvalue import check_model_dtype, key_value_main, parse_key_values
 
 __all__ = ["main", "choose_threads", "check_threads"]
 
@@ -77,6 +77,7 @@ def _check_options(opts: dict) -> None:
     if opts["seed"] is not None and not is_count(opts["seed"], 0, 2 ** 64 - 1):
         raise UsageError(f"seed must be an integer in [0, 2**64); got {opts['seed']!r}")
     check_threads(opts["threads"])
+    check_model_dtype(opts["model.dtype"])
 
 
 def check_threads(th) -> None:

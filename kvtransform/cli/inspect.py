@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .errors import console as _console
-from .keyvalue import key_value_main, parse_key_values
+from .keyvalue import check_model_dtype, key_value_main, parse_key_values
 
 __all__ = ["main"]
 
@@ -64,6 +64,7 @@ def run(args: Sequence[str]) -> None:
     name, opts, _ = parse_key_values(_translate_old_flags(args), KEYS)
     if not isinstance(opts["json"], bool):
         raise UsageError(f"json must be true or false; got {opts['json']!r}")
+    check_model_dtype(opts["model.dtype"])
     if opts["model.attn_implementation"] not in ("sdpa", "eager"):
         raise UsageError(f"model.attn_implementation must be sdpa or eager; got {opts['model.attn_implementation']!r}")
     model, _ = load_model(name, dtype=opts["model.dtype"], attn_implementation=opts["model.attn_implementation"])

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 from .errors import UsageError, guard
 
-__all__ = ["DEFAULT_MODEL", "parse_key_values", "key_value_main"]
+__all__ = ["DEFAULT_MODEL", "parse_key_values", "key_value_main", "check_model_dtype"]
 
 DEFAULT_MODEL = "smollm2-135m"  # conf/model/smollm2-135m.yaml: the Hydra commands' default model too
 
@@ -59,6 +59,19 @@ def parse_key_values(args: Sequence[str], defaults: dict, raw_keys: Sequence[str
             raise UsageError(f"unknown key {key!r}{f' (did you mean {close!r}?)' if close else ''}; keys: "
                              f"{', '.join(opts)}, model.name{more}")
     return model or DEFAULT_MODEL, opts, extra
+
+
+def check_model_dtype(value) -> None:
+    """UsageError (one line) for a ``model.dtype=`` value the model loader does not take, an empty one included
+    (``model.dtype=`` reads as None, which the Python API takes as float32: on a command line it is a slip)."""
+    from ..models import resolve_dtype
+
+    if value is None:
+        raise UsageError("model.dtype is empty: give float32, bfloat16, float16 or auto")
+    try:
+        resolve_dtype(value)
+    except ValueError as e:
+        raise UsageError(f"model.dtype: {e}") from None
 
 
 def key_value_main(args: Sequence[str], help_text: str, run: Callable[[Sequence[str]], object]) -> int:

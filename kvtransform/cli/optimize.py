@@ -136,8 +136,8 @@ def check_config(cfg: DictConfig) -> tuple:
         UsageError: an invalid transform setting or a transform that is not built, a bad ``emit`` (or ONNX with
             SpeContext), ``threads`` or ``model.dtype``, a ``transform.retrieval`` directory that does not exist.
     """
-    from ..models import resolve_dtype
     from .generate import check_threads
+    from .keyvalue import check_model_dtype
 
     tcfg = _transform_config(cfg)
     emit = _emit_kinds(cfg)
@@ -153,10 +153,7 @@ def check_config(cfg: DictConfig) -> tuple:
     if getattr(tcfg, "head", "") in ("distilled", "eagle3") and str(retrieval) != "self" and not retrieval.exists():
         raise UsageError(f"transform.retrieval={retrieval}: no such directory (a head written by `kvtransform "
                          f"distill-retrieval-head`, or an EAGLE-3 draft for head=eagle3)")
-    try:
-        resolve_dtype(cfg.model.dtype)
-    except ValueError as e:
-        raise UsageError(f"model.dtype: {e}") from None
+    check_model_dtype(cfg.model.dtype)
     return tcfg, emit
 
 

@@ -316,7 +316,7 @@ class SpeContextRuntime:
         eos = _as_eos(info.eos_token_id if isinstance(eos_token_id, str) else eos_token_id, info.vocab_size)
         pad = pad_token_id if pad_token_id is not None else (
             info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0))
-        _check_pad(pad, info.vocab_size)
+        _check_pad(pad, info.vocab_size, pad_token_id is None and info.pad_token_id is not None, eos)
         device = device or input_ids.device
         if not isinstance(output_logprobs, bool):
             raise ValueError(f"output_logprobs must be True or False; got {output_logprobs!r}")
@@ -410,9 +410,10 @@ class SpeContextRuntime:
         max_new_tokens = _check_decode_from(info, cache, tokens, max_new_tokens, engine)
         device = cache.k.device
         eos = _as_eos(eos_token_id, info.vocab_size)
+        from_config = pad_token_id is None and info.pad_token_id is not None
         if pad_token_id is None:
             pad_token_id = info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0)
-        _check_pad(pad_token_id, info.vocab_size)
+        _check_pad(pad_token_id, info.vocab_size, from_config, eos)
         eos_t = torch.tensor(eos or [-1], device=device)
         stats = GenerationStats(batch=cache.batch, head=self.head.name, budget=self.head.budget,
                                 kv_bytes=cache.nbytes, cache_max_length=cache.max_length)

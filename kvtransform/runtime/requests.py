@@ -3,6 +3,7 @@ parameters. Each raises ``ValueError`` naming the argument and the fix."""
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -48,14 +49,21 @@ def _as_eos(eos, vocab: int) -> list:
     return out
 
 
-def _check_pad(pad, vocab_size: int) -> None:
+def _check_pad(pad, vocab_size: int, from_config: bool = False, eos: Sequence = ()) -> None:
     """``pad_token_id`` is written into finished rows and fed back as their next token: it must be a vocabulary id.
+    ``from_config``: the id is the model's generation_config default (the caller passed none), so the message names it
+    and the argument that overrides it (``eos``: the EOS ids, whose first makes a good pad).
 
     Raises:
         ValueError: not an int in ``[0, vocab_size)``.
     """
-    if not is_count(pad, 0, vocab_size - 1):
-        raise ValueError(f"pad_token_id must be an id in [0, {vocab_size}) or None; got {pad!r}")
+    if is_count(pad, 0, vocab_size - 1):
+        return
+    if from_config:
+        hint = f" (e.g. pad_token_id={eos[0]}, the EOS id)" if eos else ""
+        raise ValueError(f"the model's generation_config.pad_token_id={pad!r} is not an id in [0, {vocab_size}): "
+                         f"pass pad_token_id=<an id>{hint} to generate")
+    raise ValueError(f"pad_token_id must be an id in [0, {vocab_size}) or None; got {pad!r}")
 
 
 def _prompt_rows(input_ids, attention_mask, vocab: int) -> list:

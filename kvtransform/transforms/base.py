@@ -180,7 +180,13 @@ class OptimizedModule(torch.nn.Module):
         Subclasses whose forward takes something else (a packed batch, a prompt to generate from) override it."""
         text = "kvtransform rewrites attention in causal language models into fused kernels."
         if tokenizer is not None:
+            if not callable(tokenizer):
+                raise ValueError(f"tokenizer must be a tokenizer object (e.g. transformers.AutoTokenizer."
+                                 f"from_pretrained(path)); got {type(tokenizer).__name__}")
             ids = tokenizer(text, return_tensors="pt")["input_ids"]
+            if self.vocab_size and ids.numel() and int(ids.max()) >= self.vocab_size:
+                raise ValueError(f"the tokenizer gives token id {int(ids.max())}, outside the model's vocabulary of "
+                                 f"{self.vocab_size}: pass the model's own tokenizer (or none: random ids)")
         else:
             ids = torch.randint(0, self.vocab_size or 2, (1, 16), generator=torch.Generator().manual_seed(0))
         return ids.to(device_of(self))
@@ -230,13 +236,14 @@ class OptimizedModule(torch.nn.Module):
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False; got {verify!r}")
         path = onnx_export.check_onnx_target(path, overwrite)  # before the export, which takes seconds
+        probe = self.probe_inputs(tokenizer) if verify else None  # (a wrong tokenizer is named before it too)
         with stage(progress, onnx_stage_text(path, verify)):
             args, dyn = self.export_example()
             ep = export_dynamic(_ExportWrapper(self.core), tuple(args), None, {"args": tuple(dyn)},
                                 "the transformed module")
             check = None
             if verify:
-                feeds = dict(zip(self.core_input_names, self.core_inputs(self.probe_inputs(tokenizer))))
+                feeds = dict(zip(self.core_input_names, self.core_inputs(probe)))
                 dtype = next(self.core.parameters()).dtype
                 tol = default_tolerance(dtype, self.config.verify.tolerance)
 

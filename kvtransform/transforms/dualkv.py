@@ -263,6 +263,7 @@ class DualKVModule(OptimizedModule):
         from kvtransform.verify import default_tolerance
 
         path = onnx_export.check_onnx_target(path, overwrite)
+        probe = self.probe_inputs(tokenizer) if verify else None  # (a wrong tokenizer is named before the export)
         with stage(progress, onnx_stage_text(path, verify)):
             dev = device_of(self)
             ex = pack_trajectories([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 7, 9, 10, 11], [12, 13]], device=dev)
@@ -273,7 +274,7 @@ class DualKVModule(OptimizedModule):
             ep = export_dynamic(_ExportWrapper(self.tree_core), args, None, {"args": dyn}, "the prefix-tree program")
             check = None
             if verify:
-                (prompt, (r1, r2)), = self.probe_inputs(tokenizer).groups  # a depth-3 tree of the probe sentence
+                (prompt, (r1, r2)), = probe.groups  # a depth-3 tree of the probe sentence
                 seqs = [torch.cat([prompt, r1]), torch.cat([prompt, r2]), torch.cat([prompt, r1[:1], r2[-2:]])]
                 b = pack_trajectories(seqs, device=dev)
                 feeds = dict(zip(self.tree_input_names, (b.input_ids, b.position_ids, *b.layout.kernel_tensors())))

@@ -171,6 +171,10 @@ class SpeContextModule(OptimizedModule):
         """
         if unsupported:
             raise TypeError(_unsupported_generate_kwargs(unsupported))
+        if not isinstance(return_dict_in_generate, bool):  # ("no" is truthy: it returned a GenerateOutput)
+            raise ValueError(f"return_dict_in_generate must be True or False; got {return_dict_in_generate!r}")
+        if progress is not None and not isinstance(progress, bool):
+            raise ValueError(f"progress must be True, False or None (the transform's setting); got {progress!r}")
         if output_logprobs is True and return_dict_in_generate is not True:  # (ids alone would drop them)
             raise ValueError("output_logprobs=True returns the log-probs in GenerateOutput.logprobs: pass "
                              "return_dict_in_generate=True too")
