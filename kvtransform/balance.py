@@ -165,6 +165,9 @@ class GroupBalance(_SequenceABC):
     def __len__(self) -> int:
         return len(self.ranks)
 
+    def __repr__(self) -> str:  # (the generated repr printed every group's token ids)
+        return f"GroupBalance({self.summary()}; .ranks / .indices per rank)"
+
     def __getitem__(self, rank):
         return self.ranks[rank]
 

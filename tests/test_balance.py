@@ -204,6 +204,12 @@ def test_a_tree_as_a_2d_tensor_or_array_is_its_rows():
         assert (plan.indices, plan.tokens, plan.costs) == (as_list.indices, as_list.tokens, as_list.costs)
 
 
+def test_the_plan_prints_as_its_summary():
+    """repr(plan) is its one-line summary (the generated repr printed every group's token ids)."""
+    plan = kvt.balance_groups([([1] * 50, [[2] * 9, [3] * 7]), ([4] * 5, [[5] * 3])], 2)
+    assert repr(plan) == f"GroupBalance({plan.summary()}; .ranks / .indices per rank)" and "[1, 1" not in repr(plan)
+
+
 def test_groups_from_a_generator():
     trees = [[[1, 2, 3], [1, 2, 4]], [[5, 6]], [[7, 8, 9, 10]]]
     plan = kvt.balance_groups((t for t in trees), 2, trees=True)
