@@ -225,6 +225,31 @@ def test_attention_op_refuses_inconsistent_shapes(mutate, msg):
         torch.ops.kvt.attention(q, k, v, None, kp, 0.3, True)
 
 
+@pytest.mark.parametrize("mask, kp, msg", [
+    (torch.tensor([[1, 1, 0, 0, 1]] * 5), None, r"attn_mask must be bool .* got torch.int64 .* mask.bool\(\)"),
+    (torch.zeros(1, 1, 2, 5, 5), None, r"attn_mask of shape \(1, 1, 2, 5, 5\) does not broadcast"),
+    (torch.zeros(2, 5, 5), None, r"does not broadcast .* add the head axis, mask\[:, None\]"),
+    (None, torch.tensor([[0.0, 0, 0, float("-inf"), 0]] * 2), "key_padding must be bool or 0/1 integers"),
+])
+def test_attention_refuses_masks_it_would_misread(mask, kp, msg):
+    """A 0/1 integer attn_mask was added to the scores (masked keys attended: a silently wrong answer), a float
+    key_padding was cast to bool (an additive 0/-inf mask inverted), a 5-D mask gave a 5-D output and a (B, S_q,
+    S_k) mask a raw broadcast error: each is named in one line, by the public function and by the op."""
+    import kvtransform as kvt
+
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    for call in (lambda: kvt.attention(q, k, v, mask, kp), lambda: torch.ops.kvt.attention(q, k, v, mask, kp, 0.3,
+                                                                                             False)):
+        with pytest.raises(ValueError, match=msg):
+            call()
+    for shape in ((5, 5), (2, 1, 5, 5), (1, 4, 1, 5)):  # broadcastable masks still run
+        assert kvt.attention(q, k, v, torch.zeros(shape)).shape == q.shape
+    assert torch.equal(kvt.attention(q, k, v, key_padding=torch.tensor([[1, 1, 0, 1, 1]] * 2)),
+                       kvt.attention(q, k, v, key_padding=torch.tensor([[True, True, False, True, True]] * 2)))
+    with pytest.raises(ValueError, match="at least one key and head_dim >= 1"):
+        kvt.attention(q, k[:, :, :0], v[:, :, :0])
+
+
 def test_attention_fake_shape_follows_v_head_dim():
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 4)
     torch.library.opcheck(torch.ops.kvt.attention.default, (q, k, v, None, None, 0.3, False))

@@ -259,6 +259,30 @@ def test_opcheck_and_export():
     torch.testing.assert_close(ep.module()(q, k, v, idx, lengths, kn, vn), M()(q, k, v, idx, lengths, kn, vn))
 
 
+def test_empty_batches_no_cache_positions_and_backward():
+    """Zero rows give zero rows (as retrieval_topk does; a reshape error before); a cache without positions is named
+    (an index_select error); a backward through the decode-only ops is named in one line (torch's "no autograd
+    formula")."""
+    from kvtransform.ops.sparse_decode import slot_decode_attention
+
+    empty = sparse_decode_attention(torch.randn(0, 4, 8), torch.randn(0, 2, 10, 8), torch.randn(0, 2, 10, 8),
+                                    torch.zeros(0, 2, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    assert empty.shape == (0, 4, 8)
+    with pytest.raises(ValueError, match=r"the cache has no positions \(S_max = 0\)"):
+        sparse_decode_attention(torch.randn(1, 4, 8), torch.randn(1, 2, 0, 8), torch.randn(1, 2, 0, 8),
+                                torch.full((1, 2, 3), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    q = torch.randn(1, 4, 8, requires_grad=True)
+    outs = [sparse_decode_attention(q, torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8),
+                                    torch.tensor([[[0, 1, 2], [3, 4, -1]]], dtype=torch.int32),
+                                    torch.tensor([10], dtype=torch.int32)),
+            slot_decode_attention(q, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.tensor([3],
+                                                                                                    dtype=torch.int32))]
+    for out in outs:
+        with pytest.raises(RuntimeError, match="decode-only .* have no gradient"):
+            out.sum().backward()
+
+
 def test_bad_input_errors():
     q, k, v, kn, vn, lengths = _inputs(2, 8, 2, 17, 64, torch.float32)
     lengths = torch.tensor([17, 5], dtype=torch.int32)

@@ -128,7 +128,28 @@ def _check(q, k, v, attn_mask, key_padding, window=None, softcap=None, sinks=Non
                              f"attn_mask, key_padding, softmax_scale, causal: pass the scale and causal by keyword)")
     if key_padding is not None and tuple(key_padding.shape) != (q.shape[0], k.shape[2]):
         raise ValueError(f"key_padding must be (B, S_k) = {(q.shape[0], k.shape[2])}; got {tuple(key_padding.shape)}")
+    if key_padding is not None and (key_padding.dtype.is_floating_point or key_padding.dtype.is_complex):
+        raise ValueError(f"key_padding must be bool or 0/1 integers (True = a real token); got {key_padding.dtype} "
+                         f"(an additive 0/-inf mask goes in attn_mask)")
+    if attn_mask is not None:
+        _check_mask(attn_mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    if k.shape[2] == 0 or q.shape[-1] == 0:
+        raise ValueError(f"kvt.attention needs at least one key and head_dim >= 1; got S_k={k.shape[2]}, "
+                         f"head_dim={q.shape[-1]}")
     return check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
+
+
+def _check_mask(attn_mask: torch.Tensor, scores: tuple) -> None:
+    """One line for an ``attn_mask`` that is neither bool nor float (a 0/1 integer mask was added to the scores),
+    or that does not broadcast to the scores' ``(B, H, S_q, S_k)`` (PyTorch's SDPA refuses both)."""
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise ValueError(f"attn_mask must be bool (True = keep) or an additive float mask; got {attn_mask.dtype} "
+                         f"(a 0/1 keep-mask: pass mask.bool())")
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(m != 1 and m != s for m, s in zip(shape[::-1], scores[::-1])):
+        hint = " (a (B, S_q, S_k) mask: add the head axis, mask[:, None])" if len(shape) == 3 else ""
+        raise ValueError(f"attn_mask of shape {shape} does not broadcast to the scores' (B, H, S_q, S_k) = "
+                         f"{scores}{hint}")
 
 
 @torch.library.custom_op("kvt::attention", mutates_args=())
@@ -212,7 +233,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opti
 
     Raises:
         ValueError: rank, batch, head_dim or head-count mismatch, q/k/v of different dtypes or devices (or not
-            floats), a ``key_padding`` of the wrong shape, a window
+            floats), no keys or ``head_dim`` 0, a ``key_padding`` of the wrong shape or a float one, an
+            ``attn_mask`` neither bool nor float or not broadcastable to ``(B, H, S_q, S_k)``, a window
             that is not a positive int, a soft-cap that is not a finite float > 0, sinks that are not ``(H,)``.
     """
     q, k, v = autocast_inputs(q, k, v)

@@ -85,6 +85,8 @@ def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                                                    k_new, v_new)
     window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     variants = dict(window=window, softcap=softcap, sinks=sinks)
+    if q.shape[0] == 0:  # no rows (as retrieval_topk takes them)
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
     if kernel_path(q, USE_TRITON_ON_CPU):
         return sparse_decode_triton(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new, softmax_scale,
                                     **variants)
@@ -96,6 +98,14 @@ def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def _(q, k_cache, v_cache, indices, cache_seqlens, k_new, v_new, softmax_scale, window=None, softcap=None,
       sinks=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _no_backward(ctx, grad_out):
+    raise RuntimeError("kvt.sparse_decode_attention / slot_decode_attention are decode-only (SpeContext inference) "
+                       "and have no gradient: train through kvt.attention or kvt.dualkv_attention")
+
+
+_sparse_decode_op.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -332,6 +342,9 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                                              v_new)
     if indices.shape[2] < 1:
         raise ValueError("indices must select B >= 1 tokens per KV head (use -1 entries for padding)")
+    if k_cache.shape[2] < 1:
+        raise ValueError("the cache has no positions (S_max = 0): allocate at least one (a row without tokens yet "
+                         "has cache_seqlens 0)")
     window, softcap, sinks = check_attention_variants(window, softcap, sinks, q.shape[1], q.device)
     if _want_validate(validate, q, k_cache, indices, lengths):
         _check_length_values(lengths, k_cache.shape[2], "S_max")
