@@ -17,7 +17,7 @@ import kvtransform as kvt
 from kvtransform.kernels import prefix_tree as K
 from kvtransform.ops import prefix_tree as tree_ops
 from kvtransform.tree_layout import PrefixTreeLayout
-from kvtransform.verify import _loss_grads, _rel, trainable_parameters
+from kvtransform.exactness import _loss_grads, _rel, trainable_parameters
 
 
 
