@@ -376,14 +376,12 @@ def check_onnx_target(path: str | os.PathLike, overwrite: bool = False, names: S
     from .utils import check_writable
 
     check_writable(path, "the ONNX file", "path=...")  # its directory, probed before the export (seconds)
-    for p in [path, *(path.parent / n for n in names)]:  # a device, FIFO or socket is never replaced
-        if p.exists() and not p.is_file():
+    for p in [path, *(path.parent / n for n in names)]:
+        if p.exists() and not p.is_file():  # a device, FIFO or socket is never replaced
             raise FileExistsError(f"{str(p)!r} exists and is not a regular file (a device, FIFO or socket): choose "
                                   f"another path")
-    if not overwrite:
-        for p in [path, *(path.parent / n for n in names)]:
-            if p.exists() or p.is_symlink():
-                raise FileExistsError(f"{str(p)!r} exists; choose another path or pass overwrite=True to replace it")
+        if not overwrite and (p.exists() or p.is_symlink()):
+            raise FileExistsError(f"{str(p)!r} exists; choose another path or pass overwrite=True to replace it")
     return path
 
 

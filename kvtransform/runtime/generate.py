@@ -29,7 +29,7 @@ from .graph_step import _GraphStep
 from .heads import RetrievalHead
 from .outputs import GenerateOutput, GenerationStats, ModelInfo, _checksum, _count_new, _overlap, _trim
 from .programs import CallableDecode
-from .requests import _as_eos, _check_decode_from, _check_pad, _check_request, _plain, _prompt_rows
+from .requests import _as_eos, _check_decode_from, _check_request, _pad_id, _plain, _prompt_rows
 from .sampling import _greedy, _sampler
 
 __all__ = ["SpeContextRuntime", "GenerateOutput", "GenerationStats", "ModelInfo", "_GraphStep", "_sampler",
@@ -314,9 +314,7 @@ class SpeContextRuntime:
             raise ValueError(f"eos_token_id must be an id, a list of ids, None (never stop) or 'default'; got "
                              f"{eos_token_id!r}")
         eos = _as_eos(info.eos_token_id if isinstance(eos_token_id, str) else eos_token_id, info.vocab_size)
-        pad = pad_token_id if pad_token_id is not None else (
-            info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0))
-        _check_pad(pad, info.vocab_size, pad_token_id is None and info.pad_token_id is not None, eos)
+        pad = _pad_id(pad_token_id, info.pad_token_id, eos, info.vocab_size)
         device = device or input_ids.device
         if not isinstance(output_logprobs, bool):
             raise ValueError(f"output_logprobs must be True or False; got {output_logprobs!r}")
@@ -410,10 +408,7 @@ class SpeContextRuntime:
         max_new_tokens = _check_decode_from(info, cache, tokens, max_new_tokens, engine)
         device = cache.k.device
         eos = _as_eos(eos_token_id, info.vocab_size)
-        from_config = pad_token_id is None and info.pad_token_id is not None
-        if pad_token_id is None:
-            pad_token_id = info.pad_token_id if info.pad_token_id is not None else (eos[0] if eos else 0)
-        _check_pad(pad_token_id, info.vocab_size, from_config, eos)
+        pad_token_id = _pad_id(pad_token_id, info.pad_token_id, eos, info.vocab_size)
         eos_t = torch.tensor(eos or [-1], device=device)
         stats = GenerationStats(batch=cache.batch, head=self.head.name, budget=self.head.budget,
                                 kv_bytes=cache.nbytes, cache_max_length=cache.max_length)

@@ -9,7 +9,7 @@ import torch
 
 from ..utils import is_count, is_integer_dtype
 
-__all__ = ["_prompt_rows", "_check_request", "_check_steps", "_as_eos", "_check_pad", "_plain"]
+__all__ = ["_prompt_rows", "_check_request", "_check_steps", "_as_eos", "_pad_id", "_plain"]
 
 
 def _plain(value):
@@ -49,17 +49,19 @@ def _as_eos(eos, vocab: int) -> list:
     return out
 
 
-def _check_pad(pad, vocab_size: int, from_config: bool = False, eos: Sequence = ()) -> None:
-    """``pad_token_id`` is written into finished rows and fed back as their next token: it must be a vocabulary id.
-    ``from_config``: the id is the model's generation_config default (the caller passed none), so the message names it
-    and the argument that overrides it (``eos``: the EOS ids, whose first makes a good pad).
+def _pad_id(pad_token_id, default_pad, eos: Sequence, vocab_size: int) -> int:
+    """The pad id a generation writes into finished rows and feeds back as their next token: ``pad_token_id``, else
+    the model's generation_config ``default_pad``, else the first EOS id, else 0.
 
     Raises:
-        ValueError: not an int in ``[0, vocab_size)``.
+        ValueError: not an int in ``[0, vocab_size)``; a bad default names the generation_config and the argument
+            that overrides it.
     """
+    pad = pad_token_id if pad_token_id is not None else (
+        default_pad if default_pad is not None else (eos[0] if eos else 0))
     if is_count(pad, 0, vocab_size - 1):
-        return
-    if from_config:
+        return pad
+    if pad_token_id is None:  # the generation_config's, which the caller never passed
         hint = f" (e.g. pad_token_id={eos[0]}, the EOS id)" if eos else ""
         raise ValueError(f"the model's generation_config.pad_token_id={pad!r} is not an id in [0, {vocab_size}): "
                          f"pass pad_token_id=<an id>{hint} to generate")

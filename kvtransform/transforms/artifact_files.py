@@ -35,9 +35,9 @@ def config_keys(yaml_text: str) -> list:
     return sorted(walk(data, "")) if isinstance(data, dict) else []
 
 
-def check_config_keys(file: Path, meta: dict, text: Optional[str] = None) -> None:
-    """Raises ValueError (one line) when ``file`` (an artifact's ``config.yaml``; ``text``: its text where the caller
-    has read it) lacks a key that ``meta.json``'s ``config_keys`` says was saved. Values may differ (the file may be
+def check_config_keys(file: Path, meta: dict, text: str) -> None:
+    """Raises ValueError (one line) when ``text``, the content of ``file`` (an artifact's ``config.yaml``, named in
+    the message), lacks a key that ``meta.json``'s ``config_keys`` says was saved. Values may differ (the file may be
     edited); artifacts saved before the keys were recorded are not checked."""
     saved = meta.get("config_keys")
     if saved is None:
@@ -45,7 +45,7 @@ def check_config_keys(file: Path, meta: dict, text: Optional[str] = None) -> Non
     if not isinstance(saved, list) or not all(isinstance(k, str) for k in saved):
         raise ValueError(f"{file.parent / 'meta.json'} is damaged (config_keys is not a list of names): save the "
                          f"artifact again")
-    missing = sorted(set(saved) - set(config_keys(file.read_text() if text is None else text)))
+    missing = sorted(set(saved) - set(config_keys(text)))
     if missing:
         raise ValueError(f"{file} is damaged ({len(missing)} saved setting(s) missing, e.g. {missing[0]!r}: cut short? "
                          f"they would load as defaults): save the artifact again")
