@@ -222,6 +222,9 @@ def test_rollout_from_the_command_line(tmp_path, argv, want):
     cfg = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
                      per_device_train_batch_size=2, rollout_budget=np.int64(64))
     assert cfg.rollout_budget == 64 and type(cfg.rollout_budget) is int
+    cfg = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
+                     per_device_train_batch_size=2, rollout="SpeContext", rollout_head=" AUTO")
+    assert cfg.rollout_head == "auto"  # head names are case-insensitive as rollout's and shared_prefix's
 
 
 def test_sequence_level_correction_with_sparse_rollouts_is_warned_once():

@@ -117,6 +117,8 @@ class GRPOConfig(trl.GRPOConfig):
             raise ValueError(f"rollout_budget must be an integer >= 1 (tokens per KV head); got "
                              f"{self.rollout_budget!r}")
         self.rollout_budget = int(self.rollout_budget)  # (a NumPy integer: TRL writes the config as JSON)
+        if isinstance(self.rollout_head, str):  # head names are lower case; case-insensitive as rollout's
+            self.rollout_head = self.rollout_head.strip().lower()
         from kvtransform.config import SpeContextConfig
 
         try:
