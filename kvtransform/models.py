@@ -152,7 +152,8 @@ def check_causal_lm(model: torch.nn.Module) -> None:
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module`` (e.g. the ``(model, tokenizer)`` pair of
             :func:`load_model`, or a tokenizer).
-        ValueError: the model is an encoder or encoder-decoder, or no causal self-attention module is found.
+        ValueError: the model is an encoder or encoder-decoder, a base model without an LM head, or no causal
+            self-attention module is found.
     """
     if not isinstance(model, torch.nn.Module):
         hint = (" load_model returns (model, tokenizer): use `model, tok = kvt.load_model(...)`"
@@ -174,6 +175,10 @@ def check_causal_lm(model: torch.nn.Module) -> None:
         raise ValueError(
             f"{kind} has non-causal (bidirectional) attention ({non_causal[0]} x{len(non_causal)}); {_CAUSAL_HINT}"
         )
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    if callable(output_embeddings) and output_embeddings() is None:  # a base model: hidden states, not logits
+        raise ValueError(f"{kind} has no LM head (a base model such as AutoModel's or model.model): pass the causal "
+                         f"LM (AutoModelForCausalLM), whose output has logits")
 
 
 def _from_pretrained(source: str, *, dtype, attn_implementation: str, **kwargs):
@@ -185,12 +190,13 @@ def _from_pretrained(source: str, *, dtype, attn_implementation: str, **kwargs):
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype, attn_implementation=attn_implementation, **kwargs
+                source, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True, **kwargs
             )
         except ValueError as e:
             if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(e):
                 raise
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="eager", **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="eager",
+                                                         output_loading_info=True, **kwargs)
     except ValueError as e:
         msg = str(e)
         if "Unrecognized configuration class" in msg:
@@ -198,8 +204,16 @@ def _from_pretrained(source: str, *, dtype, attn_implementation: str, **kwargs):
         if "attn_implementation" in msg or "does not support" in msg:
             raise ValueError(f"{source}: {msg.splitlines()[0]} (try attn_implementation='sdpa' or 'eager')") from None
         raise
+    model, info = model if isinstance(model, tuple) else (model, {})
     model.eval()
     check_causal_lm(model)
+    head = model.get_output_embeddings()
+    head_names = [f"{n}." for n, m in model.named_modules() if m is head]
+    missing = [k for k in info.get("missing_keys", ()) if any(k.startswith(h) for h in head_names)]
+    if missing:  # transformers initialised the LM head at random (a base model's checkpoint, e.g. LlamaModel)
+        raise ValueError(f"{source}: the checkpoint has no weights for the LM head ({sorted(missing)[0]}; a base "
+                         f"model's checkpoint?): its logits would come from a random head; give a causal LM's "
+                         f"checkpoint (architectures: ...ForCausalLM)")
     return model
 
 

@@ -121,6 +121,23 @@ def test_not_a_module_names_the_fix():
         check_causal_lm("smollm2-135m")
 
 
+def test_base_model_without_lm_head_is_refused(tmp_path):
+    """A base model (``model.model``, AutoModel) returns hidden states, not logits: transform refused it only with an
+    AttributeError from the gate, and with verification off returned the hidden states as logits. Its checkpoint
+    loaded as a causal LM with a random LM head; a tied-embedding checkpoint (no lm_head weights stored) still loads."""
+    import kvtransform as kvt
+
+    m = tiny_model("llama")
+    for transform in ("canonical", "dualkv"):
+        with pytest.raises(ValueError, match="LlamaModel .* has no LM head .*AutoModelForCausalLM"):
+            kvt.transform(m.model, transform, progress=False)
+    m.model.save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match="no weights for the LM head \\(lm_head.weight; a base model's checkpoint"):
+        load_model(tmp_path / "base")
+    tiny_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    assert type(load_model(tmp_path / "tied")[0]).__name__ == "LlamaForCausalLM"
+
+
 def test_encoder_decoder_rejected(tmp_path):
     import transformers
 
