@@ -7,6 +7,7 @@ float64 run of the original, per tensor (:func:`check_numerics_rule`). Both batc
 transform's gate and re-exports the public names."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Union
 
@@ -104,7 +105,7 @@ def _loss_grads(lps: list, adv: torch.Tensor, params: list, masks: Optional[list
         grads = torch.autograd.grad(loss, params, allow_unused=True)
     if packed and (grads is None or all(g is None for g in grads)):
         raise ValueError("the packed module's log-probs carry no gradient to the model's parameters: pass the model "
-                         "it was transformed from (not a copy or another model), with gradients enabled")
+                         "it was transformed from (not a copy or another model)")
     return [(torch.zeros_like(p) if g is None else g).detach().double() for p, g in zip(params, grads)]
 
 
@@ -127,6 +128,24 @@ def _advantages(advantages, n: int) -> torch.Tensor:
     return adv
 
 
+def _grad_check(fn):
+    """Run the check ``fn(model, opt, batch, ...)`` with autograd on: under a caller's ``torch.no_grad()`` there would
+    be no gradients to compare. One-line errors for a call inside ``torch.inference_mode()`` (ValueError: it cannot
+    be left from inside) and a ``batch`` that is neither a PackedBatch nor a TreeBatch (TypeError)."""
+    @functools.wraps(fn)
+    def run(model, opt, batch, *args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            raise ValueError(f"{fn.__name__} computes gradients, which torch.inference_mode() forbids: call it (or "
+                             f"kvt.transform(model, 'dualkv'), whose gate runs it) outside inference mode")
+        if not isinstance(batch, (PackedBatch, TreeBatch)):
+            raise TypeError(f"batch must be a PackedBatch (kvt.pack_shared_prefix) or a TreeBatch "
+                            f"(kvt.pack_trajectories); got {type(batch).__name__}")
+        with torch.enable_grad():
+            return fn(model, opt, batch, *args, **kwargs)
+    return run
+
+
+@_grad_check
 def check_exactness(model, opt, batch: Batch, advantages: Optional[torch.Tensor] = None,
                     backward: bool = True, padded: bool = False) -> dict:
     """Compare the transformed module on ``batch`` with the original model on the replicated batch.
@@ -146,7 +165,9 @@ def check_exactness(model, opt, batch: Batch, advantages: Optional[torch.Tensor]
     Raises:
         ValueError: ``advantages`` not ``N`` finite numbers (all zeros compare the log-probs only); with
             ``backward``, no parameter of ``model`` requires grad, or ``opt``'s log-probs do not reach ``model``'s
-            parameters (a module transformed from another model or a copy: its gradients would compare as zeros).
+            parameters (a module transformed from another model or a copy: its gradients would compare as zeros);
+            a call inside ``torch.inference_mode()`` (under ``torch.no_grad()`` the check turns gradients on itself).
+        TypeError: ``batch`` neither a PackedBatch nor a TreeBatch.
 
     Returns:
         dict: ``logprobs_abs``/``logprobs_rel`` (max abs error, and that over max |reference|); ``grad_abs``,
@@ -201,6 +222,7 @@ def _float64_experts(ref: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
+@_grad_check
 def check_numerics_rule(model, opt, batch: Batch, advantages: Optional[torch.Tensor] = None,
                         floor: float = 1e-5, original_runs: tuple = ("separate", "padded")) -> dict:
     """The project's numerics rule for the DualKV module, per tensor, against a float64 run of the original model.
@@ -237,7 +259,9 @@ def check_numerics_rule(model, opt, batch: Batch, advantages: Optional[torch.Ten
         ValueError: ``original_runs`` empty or with another value; ``advantages`` not ``N`` finite numbers (all
             zeros: the gradients are exactly 0, the log-probs compared); no parameter of ``model`` requires grad;
             ``floor`` negative; ``opt``'s log-probs that do not reach ``model``'s parameters (a module transformed
-            from another model or a copy).
+            from another model or a copy); a call inside ``torch.inference_mode()`` (under ``torch.no_grad()`` the
+            check turns gradients on itself).
+        TypeError: ``batch`` neither a PackedBatch nor a TreeBatch.
 
     Memory: a float64 copy of the model (8 bytes per parameter) for the duration of the call.
     """

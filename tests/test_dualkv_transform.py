@@ -376,6 +376,31 @@ def test_checks_name_a_module_of_another_model_and_take_advantages_as_numbers():
     assert check_exactness(frozen, ref, b, backward=False)["logprobs_rel"] < 1e-5
 
 
+def test_checks_turn_gradients_on_and_name_a_batch_that_is_not_packed():
+    """Under a caller's torch.no_grad() the checks (and the DualKV transform's gate) said "pass the model it was
+    transformed from ..." or raised autograd's "does not require grad"; they turn gradients on themselves now, name
+    torch.inference_mode() (which cannot be left from inside), and name a batch that is not a packed batch (a list
+    of ids raised an AttributeError)."""
+    from kvtransform.verify import check_exactness, check_numerics_rule
+
+    model = kvt.tiny_model("llama")
+    b = kvt.pack_shared_prefix([1, 2, 3, 4], [[5, 6], [7, 8, 9]])
+    with torch.no_grad():
+        opt = kvt.transform(model, "dualkv", progress=False)
+        assert check_numerics_rule(model, opt, b)["passed"]
+        assert check_exactness(model, opt, b)["grad_global_rel"] < 1e-5
+    with torch.no_grad():
+        check_exactness(model, opt, b)
+        assert not torch.is_grad_enabled()
+    with torch.inference_mode():
+        for call in (lambda: check_exactness(model, opt, b), lambda: kvt.transform(model, "dualkv", progress=False)):
+            with pytest.raises(ValueError, match="torch.inference_mode\\(\\) forbids: call it"):
+                call()
+    for check in (check_exactness, check_numerics_rule):
+        with pytest.raises(TypeError, match="batch must be a PackedBatch .* got list"):
+            check(model, opt, [[1, 2, 3]])
+
+
 def test_gate_names_the_gradient_tolerance_when_the_gradient_fails():
     """A failing gradient check names its own tolerance and key, not the log-prob tolerance; float64's default
     gradient tolerance holds for a float64 HF model (whose norms run in float32: ~5e-8 between packed and replicated
