@@ -14,6 +14,7 @@ __all__ = [
     "ATTENTION_ONLY_LAYER_TYPES",
     "check_attention_only_mixing",
     "refuse_training_dropout",
+    "check_equal_kv_head_dims",
     "training_dropout",
 ]
 
@@ -110,6 +111,28 @@ def check_attention_only_mixing(model, what: str) -> None:
             raise ValueError(f"{type(model).__name__} uses chunked attention (config.attention_chunk_size="
                              f"{c.attention_chunk_size}), which {what} does not express: train it on unpacked "
                              f"batches")
+
+
+def check_equal_kv_head_dims(model, what: str) -> None:
+    """Refuse a model whose value heads are narrower or wider than its query/key heads (multi-head latent attention,
+    DeepSeek-V2/V3's ``v_head_dim`` against ``qk_nope_head_dim + qk_rope_head_dim``): the DualKV and SpeContext ops
+    and their KV caches hold K and V of one ``head_dim``; the canonical rewrite takes such attention as it is.
+
+    Raises:
+        ValueError: one line naming both head dims, ``what`` and the canonical transform.
+    """
+    cfg = getattr(model, "config", None)
+    for c in (c for c in (cfg, getattr(cfg, "text_config", None)) if c is not None):
+        v = getattr(c, "v_head_dim", None)
+        qk = getattr(c, "qk_head_dim", None)
+        if qk is None and getattr(c, "qk_nope_head_dim", None) is not None:
+            qk = int(c.qk_nope_head_dim) + int(getattr(c, "qk_rope_head_dim", 0) or 0)
+        if qk is None:
+            qk = getattr(c, "head_dim", None)
+        if isinstance(v, int) and isinstance(qk, int) and v != qk:
+            raise ValueError(f"{type(model).__name__} has value heads of {v} and query/key heads of {qk} "
+                             f"(config.v_head_dim: multi-head latent attention); {what} needs K and V of one "
+                             f"head_dim: use the canonical transform")
 
 
 def training_dropout(model: torch.nn.Module, attention_only: bool = False):

@@ -351,3 +351,31 @@ def test_a_trajectory_past_learned_positions_is_one_line():
                 run(past)
     finally:
         kvt.integrations.transformers.disable(model)
+
+
+def test_multi_head_latent_attention_is_refused_by_the_packed_and_decode_transforms():
+    """DeepSeek-V3's attention (value heads of ``v_head_dim`` against query/key heads of ``qk_nope_head_dim +
+    qk_rope_head_dim``) failed inside the DualKV op ("k and v must have the same shape") or in transformers' cache
+    update during the SpeContext capture: refused in one line naming both dims; the canonical rewrite takes it, and
+    equal dims pass the check."""
+    import transformers
+
+    def deepseek(v_head_dim):
+        cfg = transformers.DeepseekV3Config(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+            moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=v_head_dim, vocab_size=128)
+        torch.manual_seed(0)
+        return transformers.DeepseekV3ForCausalLM(cfg).eval()
+
+    m = deepseek(12)
+    for call in (lambda: kvt.transform(m, "dualkv", progress=False),
+                 lambda: kvt.transform(m, kvt.SpeContextConfig(budget=16), progress=False),
+                 lambda: kvt.integrations.transformers.enable(m, "dualkv")):
+        with pytest.raises(ValueError, match="value heads of 12 and query/key heads of 24 .* use the canonical"):
+            call()
+    assert kvt.transform(m, "canonical", progress=False).report.verification.passed
+    from kvtransform.model_features import check_equal_kv_head_dims
+
+    check_equal_kv_head_dims(deepseek(24), "the DualKV transform")  # equal dims: no refusal

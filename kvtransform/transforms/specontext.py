@@ -455,6 +455,9 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
             (sliding window, cross-attention, unknown mask): the message names the site and the fix.
         kvtransform.verify.VerificationError: the programs differ from the original model beyond tolerance.
     """
+    from kvtransform.model_features import check_equal_kv_head_dims
+
+    check_equal_kv_head_dims(model, "the SpeContext transform")
     if cfg.head != "auto":
         head = make_head(cfg.head, cfg)  # an unknown head fails before any capture
         if (cfg.head == "distilled" and cfg.retrieval != "self") or cfg.head == "self":
