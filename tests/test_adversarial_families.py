@@ -379,3 +379,23 @@ def test_multi_head_latent_attention_is_refused_by_the_packed_and_decode_transfo
     from kvtransform.model_features import check_equal_kv_head_dims
 
     check_equal_kv_head_dims(deepseek(24), "the DualKV transform")  # equal dims: no refusal
+
+
+def test_auto_head_on_a_layernorm_model_is_quest():
+    """head='auto' (the default) on Phi-2 (LayerNorm inputs, not RMSNorm) picked 'self', whose bind then refused
+    the model with "head='self' cannot reproduce layer 0's input norm": a head the user never chose. It picks quest,
+    which decodes HF's greedy tokens when the budget covers the context; a Llama still gets 'self'."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    m = PhiForCausalLM(PhiConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                 intermediate_size=64, bos_token_id=1, eos_token_id=1)).eval()
+    sp = kvt.transform(m, kvt.SpeContextConfig(budget=64), progress=False)
+    assert sp.runtime.head.name == "quest"
+    row = torch.randint(3, 60, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = m.generate(row, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(sp.generate(row, max_new_tokens=6, eos_token_id=None), want)
+    from kvtransform.runtime.distilled import auto_head
+
+    assert auto_head(kvt.tiny_model("llama")) == "self"

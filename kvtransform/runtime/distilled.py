@@ -365,9 +365,9 @@ class DistilledHead(EmbeddingKeyHead):
 def auto_head(model) -> str:
     """The default head of ``SpeContextConfig(head="auto")``: ``distilled`` when a packaged head fits ``model``
     (SmolLM2-135M), else the training-free ``self`` where it can borrow the model's layer-0 query (else ``quest``,
-    which reads only the KV cache: Phi-3's fused ``qkv_proj``, Gemma 3's two RoPE tables)."""
+    which reads only the KV cache: Phi-3's fused ``qkv_proj``, Gemma 3's two RoPE tables, Phi-2's LayerNorm)."""
     if shipped_head_for(model) is not None:
         return "distilled"
     from .embedding_heads import SelfHead
 
-    return "quest" if _model_config(model) is not None and SelfHead.missing(model) is not None else "self"
+    return "quest" if _model_config(model) is not None and SelfHead.unavailable(model) is not None else "self"

@@ -292,6 +292,22 @@ class SelfHead(RetrievalHead):
                     return suffix.format(l=l)
         return None
 
+    @classmethod
+    def unavailable(cls, model) -> Optional[str]:
+        """Why the head cannot bind the transformers ``model`` (a parameter of :attr:`NEEDS` it lacks, or an input
+        norm that is not RMSNorm: Phi-2's LayerNorm), or None."""
+        gone = cls.missing(model)
+        if gone is not None:
+            return f"no '*{gone}'"
+        cfg = _model_config(model)
+        eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        for l in (l for l in cls.LAYERS if l < cfg.num_hidden_layers):
+            try:
+                _norm_gain_offset(model, l, find_param(model, f"layers.{l}.input_layernorm.weight"), eps)
+            except ValueError as e:
+                return str(e)
+        return None
+
     def bind(self, model) -> None:
         """Read the model's embedding and, for a transformers model, its layer-0 query projection and RoPE.
 
