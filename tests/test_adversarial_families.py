@@ -399,3 +399,16 @@ def test_auto_head_on_a_layernorm_model_is_quest():
     from kvtransform.runtime.distilled import auto_head
 
     assert auto_head(kvt.tiny_model("llama")) == "self"
+
+
+def test_specontext_gate_verifies_longrope_lengths_on_their_own():
+    """LongRoPE picks its long factors from a call's longest row (transformers' dynamic_rope_update), so the gate's
+    ragged batch of 9 and 37 tokens gave the 9-token row the long factors while the reference ran it alone with the
+    short ones: a 2e-2 error and a VerificationError advising a larger tolerance. Each length runs on its own for such
+    RoPE now, and the gate passes at the fp32 tolerance."""
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 16,
+            "short_factor": [1 + 0.1 * i for i in range(8)], "long_factor": [2 + 0.5 * i for i in range(8)]}
+    m = kvt.tiny_model("llama", rope_parameters=rope)
+    sp = kvt.transform(m, kvt.SpeContextConfig(budget=256, head="quest"), progress=False)
+    v = sp.report.verification
+    assert v.passed and v.max_rel_error < 1e-5 and [c["name"] for c in v.cases] == ["len9+3", "len37+3"]

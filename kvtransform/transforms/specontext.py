@@ -34,6 +34,7 @@ from torch.export import Dim
 from kvtransform.capture import capture_decode_step, capture_prefill, decode_example, export_dynamic, \
     max_positions, prefill_example
 from kvtransform.config import SpeContextConfig
+from kvtransform.model_features import check_equal_kv_head_dims, length_dependent_rope
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.passes.dualkv import DualKVPass
@@ -404,15 +405,24 @@ def verify_decode(model, opt: SpeContextModule, cfg: SpeContextConfig, tokenizer
             timed(report.timings, "verify"):
         rt = opt.runtime
         prompts = [s[:n] for s, n in zip(seqs, lengths)]
+        # RoPE whose frequencies follow a call's longest row (LongRoPE, dynamic NTK) gives a short row of a ragged
+        # batch other frequencies than the row alone, as in transformers' own batches: each length on its own then
+        groups = ([[i] for i in range(len(prompts))] if length_dependent_rope(model)
+                  else [list(range(len(prompts)))])
         runs = []  # the gather program (what decode.pt2 holds); also the slot-mode variant when the head uses it
         for slot in (False, True) if rt._slot_mode() else (False,):
-            cache, logits = rt.prefill(prompts, max(lengths) + new_tokens, param.device)
-            ours = [logits]
-            for t in range(new_tokens):
-                tok = torch.stack([s[n + t] for s, n in zip(seqs, lengths)]).to(param.device)
-                logits, _ = rt.decode(cache, tok, all_positions(cache), slot=slot)
-                ours.append(logits)
-            runs.append(torch.stack(ours, 1).float())  # (batch, new_tokens + 1, vocab)
+            rows = [None] * len(prompts)  # per prompt: (new_tokens + 1, vocab)
+            for group in groups:
+                cache, logits = rt.prefill([prompts[i] for i in group], max(lengths[i] for i in group) + new_tokens,
+                                           param.device)
+                ours = [logits]
+                for t in range(new_tokens):
+                    tok = torch.stack([seqs[i][lengths[i] + t] for i in group]).to(param.device)
+                    logits, _ = rt.decode(cache, tok, all_positions(cache), slot=slot)
+                    ours.append(logits)
+                for j, i in enumerate(group):
+                    rows[i] = torch.stack(ours, 1)[j].float()
+            runs.append(rows)
         was_training = model.training
         model.eval()
         try:
@@ -455,8 +465,6 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
             (sliding window, cross-attention, unknown mask): the message names the site and the fix.
         kvtransform.verify.VerificationError: the programs differ from the original model beyond tolerance.
     """
-    from kvtransform.model_features import check_equal_kv_head_dims
-
     check_equal_kv_head_dims(model, "the SpeContext transform")
     if cfg.head != "auto":
         head = make_head(cfg.head, cfg)  # an unknown head fails before any capture
