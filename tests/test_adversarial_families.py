@@ -412,3 +412,17 @@ def test_specontext_gate_verifies_longrope_lengths_on_their_own():
     sp = kvt.transform(m, kvt.SpeContextConfig(budget=256, head="quest"), progress=False)
     v = sp.report.verification
     assert v.passed and v.max_rel_error < 1e-5 and [c["name"] for c in v.cases] == ["len9+3", "len37+3"]
+
+
+def test_default_eos_is_the_generation_configs_as_in_transformers():
+    """eos_token_id='default' fell back to config.eos_token_id where the generation config sets none, so generate
+    stopped where transformers' generate never does; the model config's EOS is used only without a generation
+    config."""
+    from kvtransform.runtime.outputs import ModelInfo
+
+    m = kvt.tiny_model("llama")
+    assert ModelInfo.from_model(m, 64).eos_token_id == [2]
+    m.generation_config.eos_token_id = None
+    assert m.config.eos_token_id == 2 and ModelInfo.from_model(m, 64).eos_token_id == []
+    m.generation_config = None
+    assert ModelInfo.from_model(m, 64).eos_token_id == [2]

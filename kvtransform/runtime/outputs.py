@@ -116,8 +116,9 @@ class ModelInfo:
         programs take (tokens; the transform passes the capture's bound)."""
         cfg = model.config
         gen = getattr(model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        eos = cfg.eos_token_id if eos is None else eos
+        # as transformers' generate: the generation config's EOS (None there: never stop); the model config's only
+        # for a model without a generation config
+        eos = gen.eos_token_id if gen is not None else getattr(cfg, "eos_token_id", None)
         eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         pad = getattr(gen, "pad_token_id", None) if gen is not None else None
         return cls(num_layers=cfg.num_hidden_layers,
