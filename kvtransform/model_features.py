@@ -115,8 +115,9 @@ def check_attention_only_mixing(model, what: str) -> None:
 
 def check_equal_kv_head_dims(model, what: str) -> None:
     """Refuse a model whose value heads are narrower or wider than its query/key heads (multi-head latent attention,
-    DeepSeek-V2/V3's ``v_head_dim`` against ``qk_nope_head_dim + qk_rope_head_dim``): the DualKV and SpeContext ops
-    and their KV caches hold K and V of one ``head_dim``; the canonical rewrite takes such attention as it is.
+    DeepSeek-V2/V3's ``v_head_dim`` against ``qk_nope_head_dim + qk_rope_head_dim``) where ``what`` holds K and V of
+    one ``head_dim`` (SpeContext's static KV cache). The canonical and DualKV rewrites take such attention (DualKV
+    pads the values with zero columns, which is exact).
 
     Raises:
         ValueError: one line naming both head dims, ``what`` and the canonical transform.
@@ -132,7 +133,7 @@ def check_equal_kv_head_dims(model, what: str) -> None:
         if isinstance(v, int) and isinstance(qk, int) and v != qk:
             raise ValueError(f"{type(model).__name__} has value heads of {v} and query/key heads of {qk} "
                              f"(config.v_head_dim: multi-head latent attention); {what} needs K and V of one "
-                             f"head_dim: use the canonical transform")
+                             f"head_dim: use the canonical or DualKV transform")
 
 
 def training_dropout(model: torch.nn.Module, attention_only: bool = False):

@@ -143,13 +143,22 @@ class DualKVPass(KVPass):
                 continue
             q, k, v = node.args[:3]
             scale = float(node.args[5])
+            d_qk, d_v = (_val(x).shape[-1] if _val(x) is not None else None for x in (k, v))
+            width = max(d_qk, d_v) if isinstance(d_qk, int) and isinstance(d_v, int) and d_qk != d_v else None
             with graph.inserting_before(node):
                 packed = []
                 for x in (q, k, v):
                     tr = graph.call_function(aten.transpose.int, (x, 1, 2))
-                    packed.append(graph.call_function(aten.squeeze.dim, (tr, 0)))
+                    x3 = graph.call_function(aten.squeeze.dim, (tr, 0))
+                    if width is not None:  # MLA (DeepSeek-V2/V3): value heads of another size than query/key ones;
+                        # zero columns change neither q·k nor the kept output columns (exact; the HF integration
+                        # and transformers' FlashAttention path pad the same way), the scale stays the model's
+                        x3 = graph.call_function(aten.constant_pad_nd.default, (x3, [0, width - _val(x).shape[-1]]))
+                    packed.append(x3)
                 call = graph.call_function(KVT_DUALKV, (*packed, cu, sp, scale), variant_kwargs(node))
                 out = graph.call_function(operator.getitem, (call, 0))
+                if width is not None:
+                    out = graph.call_function(aten.slice.Tensor, (out, -1, 0, d_v))
                 uns = graph.call_function(aten.unsqueeze.default, (out, 0))
                 new = graph.call_function(aten.transpose.int, (uns, 1, 2))
             new.meta.update({key: val for key, val in node.meta.items() if key in ("val", "nn_module_stack",

@@ -353,12 +353,15 @@ def test_a_trajectory_past_learned_positions_is_one_line():
         kvt.integrations.transformers.disable(model)
 
 
-def test_multi_head_latent_attention_is_refused_by_the_packed_and_decode_transforms():
+def test_multi_head_latent_attention_runs_dualkv_exactly_and_is_refused_by_specontext():
     """DeepSeek-V3's attention (value heads of ``v_head_dim`` against query/key heads of ``qk_nope_head_dim +
-    qk_rope_head_dim``) failed inside the DualKV op ("k and v must have the same shape") or in transformers' cache
-    update during the SpeContext capture: refused in one line naming both dims; the canonical rewrite takes it, and
-    equal dims pass the check."""
+    qk_rope_head_dim``) failed inside the DualKV op ("k and v must have the same shape"): the pass pads the values
+    (or, wider, q and k) with zero columns, exact under the numerics rule for both batch kinds and both orders of the
+    two dims. SpeContext failed in transformers' cache update during the capture: refused in one line naming both
+    dims."""
     import transformers
+
+    from kvtransform.verify import check_numerics_rule
 
     def deepseek(v_head_dim):
         cfg = transformers.DeepseekV3Config(
@@ -369,16 +372,15 @@ def test_multi_head_latent_attention_is_refused_by_the_packed_and_decode_transfo
         torch.manual_seed(0)
         return transformers.DeepseekV3ForCausalLM(cfg).eval()
 
-    m = deepseek(12)
-    for call in (lambda: kvt.transform(m, "dualkv", progress=False),
-                 lambda: kvt.transform(m, kvt.SpeContextConfig(budget=16), progress=False),
-                 lambda: kvt.integrations.transformers.enable(m, "dualkv")):
-        with pytest.raises(ValueError, match="value heads of 12 and query/key heads of 24 .* use the canonical"):
-            call()
-    assert kvt.transform(m, "canonical", progress=False).report.verification.passed
-    from kvtransform.model_features import check_equal_kv_head_dims
-
-    check_equal_kv_head_dims(deepseek(24), "the DualKV transform")  # equal dims: no refusal
+    for v_head_dim in (12, 40):
+        m = deepseek(v_head_dim)
+        dk = kvt.transform(m, "dualkv", progress=False)
+        assert dk.report.pass_record("dualkv").rewritten == 2
+        for batch in (kvt.pack_shared_prefix([1, 2, 3, 4, 5], [[6, 7], [8, 9, 10]]),
+                      kvt.pack_trajectories([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9]])):
+            assert check_numerics_rule(m, dk, batch)["passed"]
+    with pytest.raises(ValueError, match="value heads of 40 and query/key heads of 24 .* use the canonical or DualKV"):
+        kvt.transform(m, kvt.SpeContextConfig(budget=16), progress=False)
 
 
 def test_auto_head_on_a_layernorm_model_is_quest():

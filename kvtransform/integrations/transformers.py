@@ -253,13 +253,11 @@ def enable(model: torch.nn.Module, kind: str = "dualkv") -> torch.nn.Module:
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "_attn_implementation"):
         raise ValueError(f"enable() takes a transformers model; got {type(model).__name__}")
-    from kvtransform.model_features import (check_attention_only_mixing, check_equal_kv_head_dims,
-                                            config_attention_variants)
+    from kvtransform.model_features import check_attention_only_mixing, config_attention_variants
     from kvtransform.models import check_causal_lm
 
     check_causal_lm(model)  # packed attention is causal: a bidirectional model (EmbeddingGemma) would silently change
     check_attention_only_mixing(model, "enable()")
-    check_equal_kv_head_dims(model, "enable()")
     if getattr(model, "_supports_attention_backend", True) is False:  # (its attention never calls the interface)
         raise ValueError(f"{type(model).__name__} runs its own attention code, not transformers' attention "
                          f"interface, so enable() cannot give it packed attention (each packed row would attend "

@@ -33,8 +33,7 @@ from torch.export import Dim
 from kvtransform.capture import capture_packed
 from kvtransform.config import DualKVConfig
 from kvtransform.layout import DualKVLayout
-from kvtransform.model_features import (check_attention_only_mixing, check_equal_kv_head_dims, position_limits,
-                                        refuse_training_dropout)
+from kvtransform.model_features import check_attention_only_mixing, position_limits, refuse_training_dropout
 from kvtransform.packing import (PackedBatch, PackedLayoutMask, check_packed, check_rope_lengths,
                                  pack_shared_prefix)
 from kvtransform.passes.attention import AttentionPass
@@ -302,7 +301,6 @@ def dualkv_transform(model, cfg: DualKVConfig, tokenizer=None, progress: bool = 
     """
     refuse_training_dropout(model)
     check_attention_only_mixing(model, "the DualKV transform")
-    check_equal_kv_head_dims(model, "the DualKV transform")
     report = new_report(model, cfg)
     gm, ctx, cap = capture_and_rewrite(model, capture_packed, [AttentionPass, DualKVPass, CleanupPass], report,
                                        progress, what="capturing the model (packed, torch.export)")
