@@ -152,12 +152,13 @@ def training_dropout(model: torch.nn.Module, attention_only: bool = False):
     return None
 
 
-def refuse_training_dropout(model: torch.nn.Module) -> None:
+def refuse_training_dropout(model: torch.nn.Module, before: str = "kvt.transform") -> None:
     """A model in train mode with a dropout above 0 is refused in one line by the transform built for training
-    (DualKV): the capture runs the model in eval mode, so the program would silently never apply it (the canonical
-    module is verified in eval semantics and says so: a warning and a note in its report)."""
+    (DualKV), and by its module's forward when the model is switched to train mode later (``before``: what to call
+    ``model.eval()`` before): the capture runs the model in eval mode, so the program would silently never apply it
+    (the canonical module is verified in eval semantics and says so: a warning and a note in its report)."""
     found = training_dropout(model) if model.training else None
     if found is not None:
         raise ValueError(f"{type(model).__name__} is in train mode with dropout {found[1]} ({found[0]}), and the "
-                         f"transformed program applies no dropout: call model.eval() before kvt.transform (or set the "
+                         f"transformed program applies no dropout: call model.eval() before {before} (or set the "
                          f"dropout to 0 in the model's config)")

@@ -464,4 +464,23 @@ def test_train_mode_dropout_is_refused_not_dropped():
     model = tiny_model("llama", attention_dropout=0.5).train()
     with pytest.raises(ValueError, match=r"train mode with dropout 0.5 .* call model.eval\(\)"):
         kvt.transform(model, FAST, progress=False)
-    kvt.transform(model.eval(), FAST, progress=False)
+    dk = kvt.transform(model.eval(), FAST, progress=False)
+    b = kvt.pack_shared_prefix([1, 2, 3], [[4, 5], [6]])
+    dk(b)
+    model.train()  # after the transform (as its message advises): the module would train without dropout, silently
+    with pytest.raises(ValueError, match=r"train mode with dropout 0.5 .* call model.eval\(\) before calling the DualKV"):
+        dk(b)
+
+
+def test_train_and_eval_record_the_mode(tmp_path):
+    """dk.train() / dk.eval() (what a trainer or a container module calls) raised torch.export's "Calling train() is
+    not supported yet" for a reloaded program; they record the mode, and the module computes the same either way."""
+    model = tiny_model("llama")
+    dk = kvt.transform(model, FAST, progress=False)
+    dk.save(tmp_path / "dk")
+    b = kvt.pack_shared_prefix([1, 2, 3], [[4, 5], [6]])
+    for m in (dk, kvt.load(tmp_path / "dk")):
+        want = m(b)
+        assert torch.nn.ModuleDict({"m": m}).train().training and m.training
+        assert not m.eval().training
+        torch.testing.assert_close(m(b), want, rtol=0, atol=0)

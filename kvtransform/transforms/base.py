@@ -98,6 +98,15 @@ class OptimizedModule(torch.nn.Module):
                              f"the transformed program still holds the old one. Update the weights in place instead "
                              f"(load_state_dict without assign, p.data.copy_(new)), or transform the model again")
 
+    def train(self, mode: bool = True) -> "OptimizedModule":
+        """Record the mode only: the captured programs have no train/eval behaviour (captured in eval semantics; the
+        DualKV module refuses a model whose dropout train mode would turn on), and a reloaded ``.pt2`` program
+        raises on ``train()`` (``eval()`` too), which a trainer or a container module calls."""
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean; got {type(mode).__name__}")
+        self.training = mode
+        return self
+
     def _weight_dtype(self) -> Optional[torch.dtype]:
         return next((p.dtype for p in self.core.parameters() if p.is_floating_point()), None)
 

@@ -109,6 +109,9 @@ class DualKVModule(OptimizedModule):
         self.refuse_autocast(input_ids.device.type, "train through kvt.integrations.transformers.enable(model, "
                                                     "'dualkv'), which takes autocast")
         self.check_source_parameters()
+        source = self._source.model() if self._source is not None else None
+        if source is not None:  # switched to train mode since the transform: the program applies no dropout
+            refuse_training_dropout(source, before="calling the DualKV module")
         check_packed(input_ids, position_ids, lay, self.vocab_size)
         check_rope_lengths(self.rope_limits, lay)
         if isinstance(lay, PrefixTreeLayout):
