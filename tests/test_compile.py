@@ -140,3 +140,26 @@ def test_backend_with_peft_lora_adapters():
     assert trained and all("lora_" in n for n in trained)
     assert abs(float(loss) - float(ref_loss)) < 1e-5
     assert _grads_rel(model, ref) < 1e-5
+
+
+def test_enabled_model_under_compile_takes_both_packed_batch_kinds():
+    """A model under kvt.integrations.transformers.enable() compiled with compile_backend: a one-level PackedBatch
+    failed in enable()'s pre-call check, which read the layout's offsets (fake tensors in the trace: "cu_seqlens has
+    no data to read ... build the layout from real tensors", advice the caller cannot follow); a TreeBatch ran. Both
+    give the eager logits; a bad layout is still refused, by the DualKV op when the compiled graph runs."""
+    from kvtransform.integrations.transformers import enable, packed_inputs
+
+    model = kvt.tiny_model("llama")
+    groups = [([1, 2, 3, 4], [[5, 6], [7, 8, 9]]), ([3, 4, 5], [[6], [7, 7]])]
+    batches = (kvt.pack_shared_prefix_groups(groups),
+               kvt.pack_trajectories([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7], [9, 8]]))
+    enable(model, "dualkv")
+    compiled = torch.compile(model, backend=compile_backend("canonical", inner="aot_eager"))
+    with torch.no_grad():
+        for b in batches:
+            torch.testing.assert_close(compiled(**packed_inputs(b)).logits, model(**packed_inputs(b)).logits)
+        bad = packed_inputs(batches[0])
+        bad["segment_prefix"] = bad["segment_prefix"].clone()
+        bad["segment_prefix"][0] = 99
+        with pytest.raises(ValueError, match="segment 0 is a response before any prefix segment"):
+            compiled(**bad)

@@ -127,7 +127,7 @@ def _check_packed_call(model, args, kwargs):
             padding), ``labels`` (shifted along the packed axis they pair tokens of different branches),
             ``output_attentions`` (no attention matrix is formed).
     """
-    from kvtransform.layout import DualKVLayout
+    from kvtransform.layout import DualKVLayout, _has_data
     from kvtransform.model_features import position_limits
     from kvtransform.packing import PackedLayoutMask, check_packed, check_rope_lengths
     from kvtransform.tree_layout import PrefixTreeLayout
@@ -179,6 +179,8 @@ def _check_packed_call(model, args, kwargs):
         if isinstance(tree, PrefixTreeLayout) and cu is None and sp is None:
             layout = tree
         elif tree is None and isinstance(cu, torch.Tensor) and isinstance(sp, torch.Tensor):
+            if not (_has_data(cu) and _has_data(sp)):  # fake tensors of a trace (torch.compile, a backend's
+                return (), {**named, "use_cache": False}  # export): nothing to read; the DualKV op checks them at run
             try:
                 layout = DualKVLayout.from_tensors(cu, sp)
             except ValueError as e:
