@@ -47,12 +47,16 @@ def reward(tok, response: torch.Tensor) -> float:
 
 
 def group_advantages(rewards: list[list[float]]) -> torch.Tensor:
-    """GRPO advantages, normalised within each prompt's group; flat ``(N,)`` in packing order."""
-    out = []
-    for r in rewards:
-        r = torch.tensor(r, dtype=torch.float32)
-        out.append((r - r.mean()) / (r.std() + 1e-4))
-    return torch.cat(out)
+    """GRPO advantages, normalised within each prompt's group (``kvtransform.distributed.group_advantages``: zeros
+    for a group of one response or of equal rewards); flat ``(N,)`` in packing order."""
+    from kvtransform.distributed import group_advantages as normalised
+
+    return torch.cat([normalised(torch.tensor(r, dtype=torch.float32)) for r in rewards])
+
+
+def worse(a: float, b: float) -> float:
+    """The larger of two errors; NaN wins (a NaN step is a mismatch, never hidden by a later finite one)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def token_level_loss(logprobs: list[torch.Tensor], adv: torch.Tensor) -> torch.Tensor:
@@ -88,6 +92,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=1e-5)
     add_threads_option(ap)
     args = ap.parse_args(argv)
+    if args.group < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        ap.error("--group, --steps and --max-new-tokens must be >= 1")
     set_threads(args.threads)
     t_start = time.perf_counter()
     model, tok = kvt.load_model("smollm2-135m")
@@ -116,11 +122,11 @@ def main(argv=None) -> dict:
 
         d2 = sum(float(((a - b).double() ** 2).sum()) for a, b in zip(g_packed, g_ref))
         r2 = sum(float((b.double() ** 2).sum()) for b in g_ref)
-        grad_rel = math.sqrt(d2 / r2)
+        grad_rel = math.sqrt(d2 / r2) if r2 > 0 else math.sqrt(d2)  # (all advantages 0: both gradients are 0)
         # relative to the loss's own scale Σ|A_i log π| / n (the group-normalised loss itself can be ~0)
         scale = float(token_level_loss([lp.detach().abs() for lp in lps], adv.abs()).abs())
         loss_rel = abs(float(loss.detach()) - float(loss_ref.detach())) / max(scale, 1e-12)
-        worst = {"loss_rel": max(worst["loss_rel"], loss_rel), "grad_rel": max(worst["grad_rel"], grad_rel)}
+        worst = {"loss_rel": worse(worst["loss_rel"], loss_rel), "grad_rel": worse(worst["grad_rel"], grad_rel)}
         print(f"step {step}: {batch.num_responses} responses, {batch.num_tokens} packed tokens vs "
               f"{batch.replicated_tokens} replicated (ρ={batch.token_ratio:.2f}); mean reward "
               f"{sum(map(sum, rewards)) / batch.num_responses:+.3f}")
