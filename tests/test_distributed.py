@@ -77,6 +77,12 @@ def _worker(rank, world_size, opt, groups, plan, adv, global_tokens, store, out,
     try:
         shard_dualkv(opt, checkpoint=True)
         assert len(opt.core.gm.layers) == 3 and all(type(m).__name__.startswith("FSDP") for m in opt.core.gm.layers)
+        for write, path in ((opt.save, store.parent / f"artifact{rank}"), (opt.export_onnx, store.parent / "m.onnx")):
+            try:  # a shard is a slice of every weight: refused in one line, nothing written (raw torch errors before)
+                write(path)
+                raise AssertionError(f"{write.__name__} of a sharded module was accepted")
+            except ValueError as e:
+                assert "is sharded (shard_dualkv: FSDP2)" in str(e) and not path.exists(), e
         loss_sum = torch.zeros(())
         for mb in plan.indices[rank]:  # gradient accumulation over this rank's micro-batches (some may be empty)
             loss = micro_batch_loss(opt, [groups[i] for i in mb], [adv[i] for i in mb], global_tokens, world_size,

@@ -107,6 +107,18 @@ class OptimizedModule(torch.nn.Module):
         self.training = mode
         return self
 
+    def refuse_sharded(self, what: str) -> None:
+        """Raises ValueError (one line) when the parameters are FSDP2 shards (``kvt.distributed.shard_dualkv``):
+        ``what`` (an artifact, an ONNX file) needs whole weights, which a shard holds a slice of."""
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # a torch without distributed: nothing can be sharded
+            return
+        if any(isinstance(p, DTensor) for p in self.parameters()):
+            raise ValueError(f"this {type(self).__name__} is sharded (shard_dualkv: FSDP2), so each rank holds a slice "
+                             f"of every weight: write {what} from the module before sharding it (or from the model "
+                             f"with its full state dict gathered, torch.distributed.checkpoint)")
+
     def _weight_dtype(self) -> Optional[torch.dtype]:
         return next((p.dtype for p in self.core.parameters() if p.is_floating_point()), None)
 
@@ -244,6 +256,7 @@ class OptimizedModule(torch.nn.Module):
 
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False; got {verify!r}")
+        self.refuse_sharded("an ONNX file")
         path = onnx_export.check_onnx_target(path, overwrite)  # before the export, which takes seconds
         probe = self.probe_inputs(tokenizer) if verify else None  # (a wrong tokenizer is named before it too)
         with stage(progress, onnx_stage_text(path, verify)):
@@ -315,7 +328,9 @@ class OptimizedModule(torch.nn.Module):
                 current directory or one of its parents, or a non-empty directory that is not a kvtransform artifact
                 (never replaced, whatever ``overwrite`` says).
             OSError: the disk has less free space than the weights (:func:`kvtransform.utils.check_free_space`).
+            ValueError: the module is sharded (:meth:`refuse_sharded`).
         """
+        self.refuse_sharded("an artifact")
         path = check_output_dir(path, overwrite)
         check_free_space(path, self.weight_bytes())
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -265,6 +265,7 @@ class DualKVModule(OptimizedModule):
         from kvtransform.capture import export_dynamic
         from kvtransform.verify import default_tolerance
 
+        self.refuse_sharded("an ONNX file")
         path = onnx_export.check_onnx_target(path, overwrite)
         probe = self.probe_inputs(tokenizer) if verify else None  # (a wrong tokenizer is named before the export)
         with stage(progress, onnx_stage_text(path, verify)):
