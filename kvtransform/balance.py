@@ -72,7 +72,7 @@ def _length(x: Any, what: str) -> int:
 
 def group_tokens(group: Any, index: int = 0) -> int:
     """Packed tokens ``P + Σ_i R_i`` of one group ``(prompt, [responses])``; prompt and responses are token
-    counts (ints) or 1-D token sequences (lists, tensors, arrays).
+    counts (ints) or 1-D token sequences (lists, tensors, arrays); the responses may be a 2-D tensor or array (rows).
 
     Raises:
         ValueError: not a pair, no responses, an empty prompt or response (the message names group ``index``).
@@ -83,8 +83,11 @@ def group_tokens(group: Any, index: int = 0) -> int:
         raise ValueError(f"group {index} must be a pair (prompt, [responses]); got {type(group).__name__}"
                          f"{' of length ' + str(len(group)) if isinstance(group, (tuple, list)) else ''}{hint}")
     prompt, responses = group
+    if len(getattr(responses, "shape", ())) == 2:  # a 2-D tensor / array: one response per row, as the packers take
+        responses = list(responses)
     if isinstance(responses, (str, bytes)) or not hasattr(responses, "__len__") or hasattr(responses, "shape"):
-        raise ValueError(f"group {index}: responses must be a list of response lengths or token sequences")
+        raise ValueError(f"group {index}: responses must be a list of response lengths or token sequences, or a "
+                         f"2-D tensor / array of responses (rows)")
     if len(responses) == 0:
         raise ValueError(f"group {index} has no responses")
     return _length(prompt, f"group {index}: prompt") + sum(

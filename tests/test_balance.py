@@ -204,6 +204,19 @@ def test_a_tree_as_a_2d_tensor_or_array_is_its_rows():
         assert (plan.indices, plan.tokens, plan.costs) == (as_list.indices, as_list.tokens, as_list.costs)
 
 
+def test_a_groups_responses_as_a_2d_tensor_or_array_are_its_rows():
+    """A group's responses as a 2-D tensor or NumPy array (rows), which pack_shared_prefix_groups takes, cost what
+    the rows as a list cost (they were refused); a 1-D tensor stays refused (lengths or one response?)."""
+    prompt, rows = [5, 6, 7], [[8, 9], [10, 11], [12, 13]]
+    as_list = kvt.balance_groups([(prompt, rows), ([1], [[2]])], 2)
+    for responses in (torch.tensor(rows), np.array(rows)):
+        plan = kvt.balance_groups([(torch.tensor(prompt), responses), ([1], [[2]])], 2)
+        assert (plan.indices, plan.tokens) == (as_list.indices, as_list.tokens)
+    assert kvt.pack_shared_prefix_groups([(torch.tensor(prompt), torch.tensor(rows))]).num_tokens == 9
+    with pytest.raises(ValueError, match="group 0: responses must be .* or a 2-D tensor / array of responses"):
+        kvt.balance_groups([(prompt, torch.tensor([8, 9]))], 1)
+
+
 def test_the_plan_prints_as_its_summary():
     """repr(plan) is its one-line summary (the generated repr printed every group's token ids)."""
     plan = kvt.balance_groups([([1] * 50, [[2] * 9, [3] * 7]), ([4] * 5, [[5] * 3])], 2)
