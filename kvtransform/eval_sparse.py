@@ -33,7 +33,7 @@ import torch
 from .attention_probe import cache_probs, probing
 from .runtime.cache import KVCache
 from .eval_results import markdown, read_results, summarize, write_results
-from .utils import cache_kwarg, is_count
+from .utils import cache_kwarg, is_count, rename_keys
 
 __all__ = ["Trace", "DocumentTeacher", "run_head", "keep_mask", "recall_per_layer", "nll",
            "evaluate_head", "EvalSparseConfig", "run_eval", "read_results", "write_results", "summarize",
@@ -293,8 +293,8 @@ def check_config(cfg) -> tuple:
     """
     from .runtime.heads import HEADS
 
-    heads = _as_list(cfg.head, str, "head")
-    budgets = _as_list(cfg.budget, int, "budget")
+    heads = list(dict.fromkeys(_as_list(cfg.head, str, "head")))  # a repeat runs once (it would be pooled twice)
+    budgets = list(dict.fromkeys(_as_list(cfg.budget, int, "budget")))
     unknown = [h for h in heads if h not in HEADS]
     if unknown:
         raise ValueError(f"unknown retrieval head {unknown[0]!r}; choose from {sorted(HEADS)}")
@@ -309,7 +309,7 @@ def check_config(cfg) -> tuple:
         raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
     if not is_count(cfg.threads, 0):
         raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
-    docs = _as_list(cfg.documents, str, "documents")
+    docs = list(dict.fromkeys(_as_list(cfg.documents, str, "documents")))
     from .textdata import stdlib_path
 
     for d in docs:  # a missing document fails before the model loads and before any run
@@ -349,6 +349,12 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
 
         model, tokenizer = load_model(name, dtype=getattr(cfg.model, "dtype", "float32"))
     model.eval()
+    limit = getattr(model.config, "max_position_embeddings", None)
+    longest = int(cfg.prefix) + max(int(cfg.continuation), int(cfg.generate))
+    if isinstance(limit, int) and longest > limit:
+        raise ValueError(f"prefix {cfg.prefix} + max(continuation {cfg.continuation}, generate {cfg.generate}) = "
+                         f"{longest} tokens exceed the model's {limit} positions: shorten prefix, continuation or "
+                         f"generate")
     from tqdm.auto import tqdm
 
     rows = []
@@ -360,7 +366,10 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
         head = make_head(head_name, SpeContextConfig(head=head_name, budget=budget, retrieval=cfg.retrieval,
                                                      num_sink=cfg.num_sink),
                          trace.scale[0])
-        head.bind(model)
+        try:
+            head.bind(model)
+        except ValueError as e:  # the fix as this command's keys spell it (retrieval=, not transform.retrieval=)
+            raise ValueError(rename_keys(str(e), {"retrieval": "retrieval"})) from None
         t0 = time.perf_counter()
         r = evaluate_head(teacher, head, trace, greedy)
         r.pop("recall_layers")

@@ -56,7 +56,7 @@ import torch
 from .attention_probe import probing
 from .eval_sparse import _as_list, markdown
 from .runtime.cache import KVCache
-from .utils import atomic_write, cache_kwarg, check_device, check_results_dir, is_count
+from .utils import atomic_write, cache_kwarg, check_device, check_results_dir, is_count, rename_keys
 
 __all__ = ["Rollouts", "token_kl_logw", "summarize_tokens", "sample_rollouts", "decode_sparse", "score_dense",
            "counted", "table", "RolloutMismatchConfig", "run_rollout_mismatch", "write_results", "TIS_CAP"]
@@ -235,7 +235,10 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
     for name, budget in heads:
         head = make_head(name, SpeContextConfig(head=name, budget=int(budget), retrieval=retrieval,
                                                 num_sink=num_sink), scale)
-        head.bind(model)
+        try:
+            head.bind(model)
+        except ValueError as e:  # the fix as this command's keys spell it (retrieval=, not transform.retrieval=)
+            raise ValueError(rename_keys(str(e), {"retrieval": "retrieval"})) from None
         k = keys.new_zeros(L, B, h_kv, P + n_tokens, keys.shape[4])     # this pair's rollouts' own keys
         k[:, :, :, :P] = keys[:, rp]
         ids = torch.zeros(B, P + n_tokens, dtype=torch.long, device=dev)

@@ -156,6 +156,17 @@ def atomic_write(path):
         tmp.unlink(missing_ok=True)
 
 
+def rename_keys(text: str, names: dict) -> str:
+    """``text`` (an error message naming ``SpeContextConfig``'s keys bare, ``retrieval=``, or as the optimize and
+    generate commands spell them, ``transform.retrieval=``) with each ``KEY=`` of ``names`` written ``names[KEY]=``:
+    the key as the caller's own config spells it (TRL's ``rollout_retrieval=``, eval-sparse's ``retrieval=``)."""
+    import re
+
+    for key, new in names.items():
+        text = re.sub(rf"(?<![\w.-])(?:transform\.)?{re.escape(key)}=", f"{new}=", text)
+    return text
+
+
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The name of the KV-cache argument of a Hugging Face model's ``forward`` (and ``generate``): ``cache``
     (transformers >= 5.2x, where ``past_key_values`` is deprecated) or ``past_key_values`` (older 5.x)."""

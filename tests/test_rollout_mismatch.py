@@ -190,3 +190,43 @@ def test_results_killed_while_writing_keep_the_earlier_files(tmp_path, monkeypat
             assert pd.read_csv(tmp_path / "results.csv").kl_mean.tolist() == [0.5]   # the earlier table
     assert pd.read_csv(tmp_path / "results.csv").kl_mean.tolist() == [0.25]          # the second attempt's, whole
     assert torch.load(tmp_path / "tokens.pt")["kl"][0, 0].item() == 0.5               # the earlier tokens.pt
+
+
+def test_eval_sparse_names_its_own_keys_refuses_positions_past_the_model_and_runs_a_repeat_once(tmp_path):
+    """eval-sparse (and rollout-mismatch) passed on the heads' advice to set transform.retrieval=, a key these
+    commands do not have (theirs is retrieval=); eval-sparse evaluated past the model's positions without a word
+    (rollout-mismatch and generate refuse); a head listed twice ran twice and printed a table that disagreed with
+    results.md."""
+    from omegaconf import OmegaConf
+
+    from kvtransform.eval_sparse import EvalSparseConfig, run_eval
+    from kvtransform.rollout_mismatch import RolloutMismatchConfig, run_rollout_mismatch
+
+    class Tok:
+        def __call__(self, text, **kw):
+            return {"input_ids": torch.tensor([[3 + ord(ch) % 120 for ch in text]])}
+
+    model = tiny_model("llama")
+    limit = model.config.max_position_embeddings
+    quiet = dict(model=model, tokenizer=Tok(), log=lambda *a: None)
+
+    def eval_cfg(**kw):
+        cfg = OmegaConf.structured(EvalSparseConfig(**{"documents": ["argparse.py"], "budget": [8], "prefix": 24,
+                                                        "continuation": 4, "generate": 3,
+                                                        "out": str(tmp_path / "e"), **kw}))
+        cfg.model = "tiny"
+        return cfg
+
+    with pytest.raises(ValueError, match=rf"exceed the model's {limit} positions: shorten prefix"):
+        run_eval(eval_cfg(head=["quest"], prefix=limit), **quiet)
+    for run, cfg in ((run_eval, eval_cfg(head=["eagle3"])),
+                     (run_rollout_mismatch, OmegaConf.structured(RolloutMismatchConfig(
+                         head=["eagle3"], budget=[4], lengths=[3], prompt=20, documents=["argparse.py"],
+                         out=str(tmp_path / "r"))))):
+        if run is run_rollout_mismatch:
+            cfg.model = "tiny"
+        with pytest.raises(ValueError, match="needs the draft") as e:
+            run(cfg, **quiet)
+        assert "retrieval=" in str(e.value) and "transform.retrieval" not in str(e.value)
+    df = run_eval(eval_cfg(head=["quest", "quest"]), **quiet)
+    assert df["head"].tolist() == ["quest"]

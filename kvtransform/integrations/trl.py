@@ -306,12 +306,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         try:
             return kvt.transform(base, cfg, tokenizer=self._tokenizer, progress=False)
         except (ValueError, RuntimeError, FileNotFoundError) as e:
-            import re
+            from kvtransform.utils import rename_keys
 
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             # the fix as this config names it (the messages name the CLI's and SpeContextConfig's keys)
-            first = re.sub(r"(?<![\w.-])(?:transform\.)?retrieval=", "rollout_retrieval=", first)
-            first = re.sub(r"(?<![\w.-])(?:transform\.)?head=", "rollout_head=", first)
+            first = rename_keys(first, {"retrieval": "rollout_retrieval", "head": "rollout_head"})
             raise ValueError(f"rollout='specontext' cannot transform {type(base).__name__}: {first}") from e
 
     def _rollout_module(self):
