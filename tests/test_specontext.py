@@ -302,6 +302,10 @@ def test_artifact_with_damaged_model_info_or_head_file_is_named_in_one_line(sp_l
         with pytest.raises(ValueError, match=rf"^{path / 'meta.json'} is damaged \(model_info: {why}\): save the "
                                              rf"artifact again$"):
             kvt.load(path)
+    for scale in ("x", -1.0, True, float("inf")):  # (loaded, then a TypeError inside the first generate)
+        (path / "meta.json").write_text(json.dumps({**meta, "softmax_scale": scale}))
+        with pytest.raises(ValueError, match=r"meta.json is damaged \(softmax_scale .* is not a positive number\)"):
+            kvt.load(path)
     (path / "meta.json").write_text(json.dumps(meta))
     for gutted in ([1, 2], {"state": {}}, {"name": "quest"}):
         torch.save(gutted, path / "head.pt")

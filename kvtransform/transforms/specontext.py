@@ -243,6 +243,11 @@ class SpeContextModule(OptimizedModule):
             raise FileNotFoundError(f"{str(path)!r} is not a complete specontext artifact (missing "
                                     f"{missing or ['meta.json model_info']})")
         info = ModelInfo.from_meta(meta["model_info"], str(path / "meta.json"))  # (before the long loads)
+        scale = meta.get("softmax_scale")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not 0 < scale < float("inf")):
+            raise ValueError(f"{path / 'meta.json'} is damaged (softmax_scale {str(scale)[:40]!r} is not a positive "
+                             f"number): save the artifact again")
         prefill = load_artifact_file(path / prefill_file, torch.export.load).module()
         decode_program = load_artifact_file(path / "decode.pt2", torch.export.load)
         info.check_decode_program(decode_program, str(path / "meta.json"))
@@ -261,7 +266,7 @@ class SpeContextModule(OptimizedModule):
         if head["name"] not in HEADS:  # (an empty name would fall back to the config's head)
             raise ValueError(f"{path / 'head.pt'} is damaged (head name {head['name'][:60]!r} is not a retrieval "
                              f"head: {', '.join(sorted(HEADS))}): save the artifact again")
-        return cls(prefill, decode, config, report, info, meta.get("softmax_scale"), head_name=head["name"],
+        return cls(prefill, decode, config, report, info, scale, head_name=head["name"],
                    head_state=head["state"])
 
 
