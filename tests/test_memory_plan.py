@@ -264,3 +264,30 @@ def test_plan_memory_limits_from_python_and_the_context_window(tmp_path, capsys)
     plan, rate = best_batch(model, HeadMemory(), StepModel(4200e9, 42e9), gpu_bytes=100_000 * 2 ** 30, input_len=1,
                             output_len=1, budget=1)
     assert plan.batch > 10 ** 8 and rate > 0 and time.perf_counter() - t0 < 30
+
+
+def test_plan_memory_offers_no_offload_to_a_sliding_window_model(tmp_path, capsys):
+    """plan-memory planned layer moves and modelled offloaded batches for a model with sliding-window layers, which
+    generate then refuses to offload: a batch that needs offload is refused in one line naming the largest resident
+    batch, and the throughput lines stay among resident batches."""
+    from kvtransform.cli import main
+    from kvtransform.tiny_models import TINY_WINDOW, tiny_model
+
+    def run(args):
+        try:
+            rc = main(args)
+        except SystemExit as e:
+            rc = e.code
+        return (rc,) + capsys.readouterr()
+
+    assert ModelMemory.from_model(tiny_model("gemma2")).window == TINY_WINDOW
+    assert ModelMemory.from_model(tiny_model("llama")).window == 0
+    tiny_model("gemma2").save_pretrained(tmp_path / "g")
+    cmd = ["plan-memory", str(tmp_path / "g"), "gpu_gb=0.0004", "input_len=100", "output_len=100", "budget=8"]
+    rc, out, err = run(cmd + ["batch=8"])
+    assert rc == 2 and "batch 8 needs KV offload, which does not take sliding-window layers yet" in err
+    assert "the largest resident batch is 4" in err
+    rc, out, err = run(cmd + ["batch=2", "hbm_gbps=100", "link_gbps=1"])
+    assert rc == 0, err
+    assert "no offload (sliding-window layers)" in out and "the most: batch 4:" in out
+    assert "0 layers on CPU by the last token" in out and "1 layers on CPU" not in out

@@ -26,7 +26,9 @@ def job(cfg: DictConfig) -> None:
     host = float(cfg.host_gb)
     kw = dict(gpu_bytes=plan.gpu_bytes, input_len=plan.input_len, output_len=plan.output_len, budget=plan.budget,
               reserve_bytes=plan.reserve_bytes)
-    best, rate = best_batch(plan.model, plan.head, rates, host_bytes=int(host * GIB), **kw)
+    # (a model with sliding-window layers cannot offload: its best batch is among the resident ones)
+    best, rate = best_batch(plan.model, plan.head, rates, host_bytes=int(host * GIB),
+                            max_batch=plan.max_batch_resident if plan.model.window else 0, **kw)
     lines = [f"\nModelled decode tokens/s (decode steps only: the GPU step {cfg.gpu_factor:g}x its floor at "
              f"{cfg.hbm_gbps:g} GB/s, elastic loading at {cfg.link_gbps:g} GB/s, selection overlap {cfg.overlap:g}):",
              f"  batch {plan.batch} (the plan above): {tokens_per_second(plan, rates):,.0f} "

@@ -61,6 +61,8 @@ class ModelMemory:
         num_layers, num_kv_heads, head_dim: ``L``, ``H_kv``, ``D``.
         kv_dtype_bytes: bytes per element of the KV cache (``e``: 2 for bf16/fp16, 4 for fp32).
         max_positions: the model's context window (``max_position_embeddings``; 0: unknown).
+        window: the sliding window of the model's window layers in tokens (0: none), which KV offload does not
+            take yet (``passes/programs.py``).
 
     Raises:
         ValueError: a field that is not an integer (``weight_bytes``, ``max_positions`` >= 0, the others >= 1).
@@ -72,10 +74,11 @@ class ModelMemory:
     head_dim: int
     kv_dtype_bytes: int
     max_positions: int = 0
+    window: int = 0
 
     def __post_init__(self):
-        _check_counts(self, ("weight_bytes", "max_positions"), ("num_layers", "num_kv_heads", "head_dim",
-                                                                "kv_dtype_bytes"))
+        _check_counts(self, ("weight_bytes", "max_positions", "window"), ("num_layers", "num_kv_heads", "head_dim",
+                                                                          "kv_dtype_bytes"))
 
     @property
     def kv_token_bytes(self) -> int:
@@ -94,11 +97,15 @@ class ModelMemory:
                 seen.add(id(p))
                 weight += p.numel() * p.element_size()
         dtype = next(model.parameters()).dtype
+        from kvtransform.model_features import config_attention_variants
+
+        window = config_attention_variants(model).get("window")
         return cls(weight_bytes=weight, num_layers=int(cfg.num_hidden_layers),
                    num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
                    head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
                    kv_dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-                   max_positions=int(getattr(cfg, "max_position_embeddings", None) or 0))
+                   max_positions=int(getattr(cfg, "max_position_embeddings", None) or 0),
+                   window=int(window) if isinstance(window, int) and window > 0 else 0)
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype = torch.bfloat16) -> "ModelMemory":
@@ -226,7 +233,8 @@ class MemoryPlan:
         head = (f"GiB = 2**30 bytes. GPU {self.gpu_bytes / GIB:.1f} GiB, weights {self.model.weight_bytes / GIB:.2f} "
                 f"GiB, batch {self.batch}, [{self.input_len} in, {self.output_len} out], budget {self.budget}: without "
                 f"offload {self.resident_bytes / GIB:.1f} GiB; with it peak {self.peak_bytes / GIB:.1f} GiB; largest "
-                f"batch {self.max_batch_resident} resident, {self.max_batch} with offload")
+                f"batch {self.max_batch_resident} resident, " + (f"{self.max_batch} with offload" if not self.model.window
+                                                                 else "no offload (sliding-window layers)"))
         lines = [head, "", "| # | layer | moves at length (tokens) | GPU GiB before | GPU GiB after | pinned CPU GiB "
                            "(at the end) |", "|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows():
@@ -382,8 +390,8 @@ def run_plan_memory(cfg) -> MemoryPlan:
     """The ``plan-memory`` job: build the plan of ``cfg`` (:class:`PlanMemoryConfig`).
 
     Raises:
-        ValueError: a bad dtype, size, rate or throughput setting, an unreadable model, or a batch that does not fit
-            (see :func:`plan_memory`).
+        ValueError: a bad dtype, size, rate or throughput setting, an unreadable model, a batch that does not fit
+            (see :func:`plan_memory`), or one that needs offload on a model with sliding-window layers.
     """
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     if cfg.dtype not in dtypes:
@@ -422,6 +430,11 @@ def run_plan_memory(cfg) -> MemoryPlan:
                          f"{mm.num_layers} layers: give 0 to {mm.num_layers} (1 for the self head)")
     head = HeadMemory(weight_bytes=int(float(cfg.head_gb) * GIB), token_bytes=int(cfg.head_token_bytes),
                       resident_layers=int(cfg.head_resident_layers))
-    return plan_memory(mm, head, gpu_bytes=int(float(cfg.gpu_gb) * GIB), batch=int(cfg.batch),
+    plan = plan_memory(mm, head, gpu_bytes=int(float(cfg.gpu_gb) * GIB), batch=int(cfg.batch),
                        input_len=int(cfg.input_len), output_len=int(cfg.output_len), budget=int(cfg.budget),
                        reserve_bytes=int(float(cfg.reserve_gb) * GIB))
+    if mm.window and plan.needs_offload:
+        raise ValueError(f"batch {plan.batch} needs KV offload, which does not take sliding-window layers yet (this "
+                         f"model's window: {mm.window} tokens): the largest resident batch is "
+                         f"{plan.max_batch_resident}")
+    return plan
