@@ -233,19 +233,24 @@ def test_sequence_level_correction_with_sparse_rollouts_is_warned_once():
     off, or a context within the budget is not (the check once read TRL's absent max_prompt_length and warned for
     every budget)."""
     from types import SimpleNamespace
+    from unittest import mock
+
+    import kvtransform.integrations.trl as trl_integration
 
     def warned(context, **kw):
         said = []
         args = SimpleNamespace(**{"rollout_budget": 64, "vllm_importance_sampling_mode": "sequence_mask",
                                   "vllm_importance_sampling_correction": True, **kw})
-        me = SimpleNamespace(args=args, _say_once=lambda m: said.append(m) if m not in said else None)
-        for _ in range(2):
-            GRPOTrainer._warn_sequence_weights(me, context)
+        me = SimpleNamespace(args=args, _kvt_said=set())
+        me._say_once = lambda what, key=None: GRPOTrainer._say_once(me, what, key)
+        for extra in (0, 0, 1, 7):  # rollouts of other lengths: still once (the length is in the message)
+            with mock.patch.object(trl_integration.logger, "warning", side_effect=said.append):
+                GRPOTrainer._warn_sequence_weights(me, context + extra)
         return said
 
     (msg,) = warned(65)
     assert "rollouts of up to 65 tokens pass rollout_budget=64" in msg and "token_truncate" in msg
-    assert not warned(64) and not warned(10 ** 6, rollout_budget=10 ** 6)
+    assert not warned(64 - 7) and not warned(10 ** 6 - 7, rollout_budget=10 ** 6)
     assert not warned(65, vllm_importance_sampling_mode="token_truncate")
     assert not warned(65, vllm_importance_sampling_correction=False)
 

@@ -218,9 +218,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             out.append(self._kvt_base(self.ref_model))
         return out
 
-    def _say_once(self, what: str) -> None:
-        if what not in self._kvt_said:
-            self._kvt_said.add(what)
+    def _say_once(self, what: str, key: Optional[str] = None) -> None:
+        """Log ``what`` once per run for its ``key`` (default: the message itself; a message that carries a number
+        passes a fixed key, or every batch of another length would log it again)."""
+        key = what if key is None else key
+        if key not in self._kvt_said:
+            self._kvt_said.add(key)
             logger.warning(what)
 
     # ---- shared-prefix log-prob passes -----------------------------------------------------------------------
@@ -334,7 +337,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                            f"{context} tokens pass rollout_budget={a.rollout_budget}, and a sequence-level weight of "
                            f"a sparse rollout is the product of its token weights (measured e^-80 to e^-600 over 4K "
                            f"tokens, docs/ROLLOUT_MISMATCH.md): it masks or shrinks most long rollouts; "
-                           f"vllm_importance_sampling_mode='token_truncate' keeps them")
+                           f"vllm_importance_sampling_mode='token_truncate' keeps them", key="sequence_weights")
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """``rollout="specontext"``: ``(completion_ids, logprobs)`` as lists per row (each completion up to and
