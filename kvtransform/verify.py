@@ -1,7 +1,8 @@
 """Verification gates: run the original and the rewritten module on the same real inputs; refuse beyond tolerance.
 
-Not a pass (it runs modules, not graph rewrites). Two gates: :func:`verify_logits` for modules with the
-``(input_ids, attention_mask) -> logits`` signature (canonical), and :func:`verify_packed` for the DualKV module
+Not a pass (it runs modules, not graph rewrites). Three gates: :func:`verify_logits` for modules with the
+``(input_ids, attention_mask) -> logits`` signature (canonical), :func:`verify_decode` for the SpeContext module's
+prefill and decode steps, and :func:`verify_packed` for the DualKV module
 (per-sequence log-probs and every parameter gradient against the original model on the replicated batch,
 :func:`check_exactness`; its one-level program on a :class:`~kvtransform.packing.PackedBatch` and its prefix-tree
 program on a :class:`~kvtransform.tree_packing.TreeBatch`). :func:`check_numerics_rule` checks the DualKV module against
@@ -31,7 +32,7 @@ from kvtransform.report import Report, Verification
 from kvtransform.utils import stage, timed
 
 __all__ = ["VerificationError", "verify", "check", "default_tolerance", "verify_logits", "verify_packed",
-           "sample_text", "text_token_ids", "verification_cases",
+           "verify_decode", "sample_text", "text_token_ids", "verification_cases",
            # kvtransform.exactness, re-exported (kvtransform.verify.check_numerics_rule is the documented name)
            "Batch", "check_exactness", "check_numerics_rule", "loss_masks", "num_sequences", "packed_logprobs",
            "replicated_logprobs", "scored_sequences", "trainable_parameters"]
@@ -260,3 +261,64 @@ def verify_packed(model, opt, cfg: DualKVConfig, tokenizer, report: Report, prog
         v.passed = bool(not bad and not failed)
         report.verification = v
         check(v, failed[0] if failed else None)
+
+
+def verify_decode(model, opt, cfg, tokenizer, report: Report, progress: bool, new_tokens: int = 3) -> None:
+    """The gate: a ragged batch of real prompts (lengths ``cfg.verify.lengths``) through the packed prefill, then
+    ``new_tokens`` teacher-forced decode steps selecting every cached token; logits compared with the original
+    model on the same sequences (relative error ``max|a-b| / max|b|``); fills ``report.verification``.
+
+    Raises:
+        VerificationError: beyond tolerance (nothing is written).
+    """
+    from kvtransform.model_features import length_dependent_rope
+    from kvtransform.runtime.heads import all_positions
+
+    if not cfg.verify.enabled:
+        return
+    param = next(model.parameters())
+    vocab = model.config.vocab_size
+    lengths = [min(int(n), opt.max_seq_len - new_tokens) for n in cfg.verify.lengths]
+    gen = torch.Generator().manual_seed(cfg.verify.seed)
+    seqs = [text_token_ids(tokenizer, vocab, n + new_tokens, offset=17 * i, generator=gen)
+            for i, n in enumerate(lengths)]
+    tol = default_tolerance(param.dtype, cfg.verify.tolerance)
+    v = Verification(max_abs_error=0.0, max_rel_error=0.0, tolerance=tol, passed=True)
+    with stage(progress, f"verifying prefill + decode steps on {_input_kind(tokenizer, 'text')}"), \
+            timed(report.timings, "verify"):
+        rt = opt.runtime
+        prompts = [s[:n] for s, n in zip(seqs, lengths)]
+        # RoPE whose frequencies follow a call's longest row (LongRoPE, dynamic NTK) gives a short row of a ragged
+        # batch other frequencies than the row alone, as in transformers' own batches: each length on its own then
+        groups = ([[i] for i in range(len(prompts))] if length_dependent_rope(model)
+                  else [list(range(len(prompts)))])
+        runs = []  # the gather program (what decode.pt2 holds); also the slot-mode variant when the head uses it
+        for slot in (False, True) if rt._slot_mode() else (False,):
+            rows = [None] * len(prompts)  # per prompt: (new_tokens + 1, vocab)
+            for group in groups:
+                cache, logits = rt.prefill([prompts[i] for i in group], max(lengths[i] for i in group) + new_tokens,
+                                           param.device)
+                ours = [logits]
+                for t in range(new_tokens):
+                    tok = torch.stack([seqs[i][lengths[i] + t] for i in group]).to(param.device)
+                    logits, _ = rt.decode(cache, tok, all_positions(cache), slot=slot)
+                    ours.append(logits)
+                for j, i in enumerate(group):
+                    rows[i] = torch.stack(ours, 1)[j].float()
+            runs.append(rows)
+        was_training = model.training
+        model.eval()
+        try:
+            for i, (s, n) in enumerate(zip(seqs, lengths)):
+                ref = model(input_ids=s[None].to(param.device), use_cache=False).logits[0, n - 1:].float()
+                abs_err = max(float((ours[i] - ref).abs().max()) for ours in runs)
+                rel = abs_err / max(float(ref.abs().max()), 1e-30)
+                v.cases.append({"name": f"len{n}+{new_tokens}", "shape": [1, n + new_tokens],
+                                "max_abs_error": abs_err, "max_rel_error": rel})
+                v.max_abs_error = max(v.max_abs_error, abs_err)
+                v.max_rel_error = max(v.max_rel_error, rel)
+        finally:
+            model.train(was_training)
+    v.passed = bool(v.max_rel_error == v.max_rel_error and v.max_rel_error <= tol)
+    report.verification = v
+    check(v)

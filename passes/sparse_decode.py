@@ -16,7 +16,7 @@ A site is rewritten only when all of this is proved:
   cache index (``S_max - j < W``: transformers numbers the new token by the cache's size); either way the site
   becomes ``window=W``, which the op applies over the row's own positions (the new token is at position
   ``cache_seqlens[b]``: HF's semantics, where the distance between two real tokens is their position difference;
-  the gate, :func:`kvtransform.transforms.specontext.verify_decode`, checks it against the original model). A mask
+  the gate, :func:`kvtransform.verify.verify_decode`, checks it against the original model). A mask
   reading other inputs, or a bias, is refused;
 * one query token (``(B, H, 1, D)``) and no attention dropout.
 

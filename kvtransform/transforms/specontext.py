@@ -34,7 +34,7 @@ from torch.export import Dim
 from kvtransform.capture import capture_decode_step, capture_prefill, decode_example, export_dynamic, \
     max_positions, prefill_example
 from kvtransform.config import SpeContextConfig
-from kvtransform.model_features import check_equal_kv_head_dims, length_dependent_rope
+from kvtransform.model_features import check_equal_kv_head_dims
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
 from kvtransform.passes.dualkv import DualKVPass
@@ -42,11 +42,11 @@ from kvtransform.passes.manager import keyword_optional_args_all
 from kvtransform.passes.programs import DecodePrograms
 from kvtransform.passes.sparse_decode import SparseDecodePass, count_cache_copies, drop_input_guards, \
     selection_layers
-from kvtransform.report import Report, Verification
+from kvtransform.report import Report
 from kvtransform.runtime.generate import GenerateOutput, ModelInfo, SpeContextRuntime
-from kvtransform.runtime.heads import HEADS, all_positions, make_head
-from kvtransform.utils import device_of, stage, timed
-from kvtransform.verify import _input_kind, check, default_tolerance, text_token_ids
+from kvtransform.runtime.heads import HEADS, make_head
+from kvtransform.utils import device_of
+from kvtransform.verify import verify_decode
 
 from . import register_transform
 from .artifact_files import load_artifact_file
@@ -387,65 +387,6 @@ class _ExampleModel:
 
 
 @torch.no_grad()
-def verify_decode(model, opt: SpeContextModule, cfg: SpeContextConfig, tokenizer, report: Report, progress: bool,
-                  new_tokens: int = 3) -> None:
-    """The gate: a ragged batch of real prompts (lengths ``cfg.verify.lengths``) through the packed prefill, then
-    ``new_tokens`` teacher-forced decode steps selecting every cached token; logits compared with the original
-    model on the same sequences (relative error ``max|a-b| / max|b|``); fills ``report.verification``.
-
-    Raises:
-        VerificationError: beyond tolerance (nothing is written).
-    """
-    if not cfg.verify.enabled:
-        return
-    param = next(model.parameters())
-    vocab = model.config.vocab_size
-    lengths = [min(int(n), opt.max_seq_len - new_tokens) for n in cfg.verify.lengths]
-    gen = torch.Generator().manual_seed(cfg.verify.seed)
-    seqs = [text_token_ids(tokenizer, vocab, n + new_tokens, offset=17 * i, generator=gen)
-            for i, n in enumerate(lengths)]
-    tol = default_tolerance(param.dtype, cfg.verify.tolerance)
-    v = Verification(max_abs_error=0.0, max_rel_error=0.0, tolerance=tol, passed=True)
-    with stage(progress, f"verifying prefill + decode steps on {_input_kind(tokenizer, 'text')}"), \
-            timed(report.timings, "verify"):
-        rt = opt.runtime
-        prompts = [s[:n] for s, n in zip(seqs, lengths)]
-        # RoPE whose frequencies follow a call's longest row (LongRoPE, dynamic NTK) gives a short row of a ragged
-        # batch other frequencies than the row alone, as in transformers' own batches: each length on its own then
-        groups = ([[i] for i in range(len(prompts))] if length_dependent_rope(model)
-                  else [list(range(len(prompts)))])
-        runs = []  # the gather program (what decode.pt2 holds); also the slot-mode variant when the head uses it
-        for slot in (False, True) if rt._slot_mode() else (False,):
-            rows = [None] * len(prompts)  # per prompt: (new_tokens + 1, vocab)
-            for group in groups:
-                cache, logits = rt.prefill([prompts[i] for i in group], max(lengths[i] for i in group) + new_tokens,
-                                           param.device)
-                ours = [logits]
-                for t in range(new_tokens):
-                    tok = torch.stack([seqs[i][lengths[i] + t] for i in group]).to(param.device)
-                    logits, _ = rt.decode(cache, tok, all_positions(cache), slot=slot)
-                    ours.append(logits)
-                for j, i in enumerate(group):
-                    rows[i] = torch.stack(ours, 1)[j].float()
-            runs.append(rows)
-        was_training = model.training
-        model.eval()
-        try:
-            for i, (s, n) in enumerate(zip(seqs, lengths)):
-                ref = model(input_ids=s[None].to(param.device), use_cache=False).logits[0, n - 1:].float()
-                abs_err = max(float((ours[i] - ref).abs().max()) for ours in runs)
-                rel = abs_err / max(float(ref.abs().max()), 1e-30)
-                v.cases.append({"name": f"len{n}+{new_tokens}", "shape": [1, n + new_tokens],
-                                "max_abs_error": abs_err, "max_rel_error": rel})
-                v.max_abs_error = max(v.max_abs_error, abs_err)
-                v.max_rel_error = max(v.max_rel_error, rel)
-        finally:
-            model.train(was_training)
-    v.passed = bool(v.max_rel_error == v.max_rel_error and v.max_rel_error <= tol)
-    report.verification = v
-    check(v)
-
-
 def head_summary(opt: SpeContextModule) -> str:
     """One line: the retrieval head in use and, for a packaged or trained head, the accuracy its ``head.json``
     records (``kvtransform eval-sparse`` on documents it never saw)."""
