@@ -232,10 +232,11 @@ def _quiet():
 
 
 def export_wrapped(model: torch.nn.Module, wrapper: torch.nn.Module, args: tuple, dynamic_shapes: dict, what: str,
-                   must_stay_dynamic: tuple, force_auto_dims: bool = False):
+                   must_stay_dynamic: tuple, force_auto_dims: bool = False, max_positions: Optional[int] = None):
     """Export ``wrapper`` (a module holding ``model`` as ``.model``) with ``model`` in eval mode; check that
     ``must_stay_dynamic`` = ``(placeholder, dim)`` stayed dynamic; make the unlifted module share ``model``'s
-    ``Parameter`` objects. Returns ``(exported_program, graph_module)``.
+    ``Parameter`` objects. Returns ``(exported_program, graph_module)``. ``max_positions``: the largest position
+    the program can see (``None``: unbounded), as :func:`export_dynamic`'s.
 
     Raises:
         RuntimeError: torch.export failed, or specialised the dimension that must stay dynamic.
@@ -244,7 +245,7 @@ def export_wrapped(model: torch.nn.Module, wrapper: torch.nn.Module, args: tuple
     model.eval()
     try:
         ep = export_dynamic(wrapper, args, None, dynamic_shapes, f"{type(model).__name__} ({what})",
-                            force_auto_dims=force_auto_dims)
+                            force_auto_dims=force_auto_dims, max_positions=max_positions)
     finally:
         model.train(was_training)
     _require_dynamic(ep, *must_stay_dynamic, type(model).__name__)
@@ -419,7 +420,7 @@ def capture_decode_step(model: torch.nn.Module, max_cache_len: Optional[int] = N
     dyn = {"input_ids": {0: batch}, "cache_seqlens": {0: batch}, "indices": {0: batch, 2: budget},
            "k_cache": {1: batch, 3: s_max}, "v_cache": {1: batch, 3: s_max}}
     ep, gm = export_wrapped(model, DecodeStepForward(model), args, dyn, "decode step", ("k_cache", 3),
-                            force_auto_dims)
+                            force_auto_dims, max_positions=max_len)  # (positions < S_max <= max_len)
     return Captured(gm, ep, max_len, DECODE_INPUTS)
 
 
@@ -470,6 +471,7 @@ def capture_prefill(model: torch.nn.Module, max_tokens: int = 1 << 20, force_aut
     seg1 = Dim("segments_plus_1", min=3, max=int(max_tokens) + 1)
     named = {"input_ids": {1: tok}, "position_ids": {1: tok}, "cu_seqlens": {0: seg1}, "segment_prefix": {0: seg},
              "logits_index": {0: seg}}
+    # each prompt's positions restart at 0, and the runtime keeps prompt + new tokens within the model's positions
     ep, gm = export_wrapped(model, PrefillForward(model), prefill_example(model), named, "packed prefill",
-                            ("input_ids", 1), force_auto_dims)
+                            ("input_ids", 1), force_auto_dims, max_positions=max_positions(model))
     return Captured(gm, ep, int(max_tokens), PREFILL_INPUTS)

@@ -310,7 +310,8 @@ def verify_decode(model, opt, cfg, tokenizer, report: Report, progress: bool, ne
         model.eval()
         try:
             for i, (s, n) in enumerate(zip(seqs, lengths)):
-                ref = model(input_ids=s[None].to(param.device), use_cache=False).logits[0, n - 1:].float()
+                with torch.no_grad():  # (no autograd graph of the reference: memory, and float() of a grad tensor)
+                    ref = model(input_ids=s[None].to(param.device), use_cache=False).logits[0, n - 1:].float()
                 abs_err = max(float((ours[i] - ref).abs().max()) for ours in runs)
                 rel = abs_err / max(float(ref.abs().max()), 1e-30)
                 v.cases.append({"name": f"len{n}+{new_tokens}", "shape": [1, n + new_tokens],

@@ -428,3 +428,19 @@ def test_default_eos_is_the_generation_configs_as_in_transformers():
     assert m.config.eos_token_id == 2 and ModelInfo.from_model(m, 64).eos_token_id == []
     m.generation_config = None
     assert ModelInfo.from_model(m, 64).eos_token_id == [2]
+
+
+def test_specontext_captures_dynamic_ntk_rope_within_the_models_positions():
+    """SpeContext refused dynamic-NTK RoPE ("this capture needs an unbounded position axis"), yet its prefill restarts
+    positions per prompt and generate keeps prompt + new tokens within the model's positions, where dynamic NTK is
+    plain RoPE: captured, verified, and greedy tokens equal transformers' generate. DualKV still refuses it."""
+    m = kvt.tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    sp = kvt.transform(m, kvt.SpeContextConfig(budget=512, head="quest"), progress=False)
+    assert sp.report.verification.passed
+    ids = torch.randint(3, 120, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    assert torch.equal(sp.generate(ids, max_new_tokens=8, eos_token_id=None), want)
+    with pytest.raises(RuntimeError, match="dynamic-NTK RoPE"):
+        kvt.transform(m, "dualkv", progress=False)
