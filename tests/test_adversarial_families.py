@@ -299,21 +299,29 @@ def test_a_window_as_long_as_the_positions_is_not_probed_at_its_length():
     assert probe_lengths(ctx) == [2, 3, 5, 17, 64]
 
 
-def test_auto_head_on_a_model_without_llama_embeddings_is_quest():
-    """head='auto' (TRL's rollout_head default) on GPT-2 (its embedding is wte, not embed_tokens): the packaged-head
-    lookup failed with "no parameter named '*embed_tokens.weight'"; it now picks quest, and decodes HF's greedy
-    tokens when the budget covers the context."""
+@pytest.mark.parametrize("model_type,config", [
+    ("gpt2", dict(n_layer=1, n_embd=32, n_head=4)),
+    ("phi", dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))])
+def test_auto_head_where_the_self_head_cannot_bind_is_quest(model_type, config):
+    """head='auto' (the default; TRL's rollout_head default) picks quest where the self head cannot bind: GPT-2 (its
+    embedding is wte, not embed_tokens: the packaged-head lookup failed with "no parameter named
+    '*embed_tokens.weight'") and Phi-2 (LayerNorm inputs: 'self' was picked, and its bind refused "cannot reproduce
+    layer 0's input norm", a head the user never chose). Quest decodes HF's greedy tokens when the budget covers the
+    context; a Llama still gets 'self'."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from kvtransform.runtime.distilled import auto_head
+
     torch.manual_seed(0)  # (fixed weights)
-    m = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=64, n_layer=1, n_embd=32, n_head=4,
-                                                              bos_token_id=1, eos_token_id=1)).eval()  # (no dropout)
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64, bos_token_id=1,
+                                                              eos_token_id=1, **config)).eval()  # (no dropout)
     sp = kvt.transform(m, kvt.SpeContextConfig(budget=64), progress=False)
     assert sp.runtime.head.name == "quest"
     row = torch.randint(3, 60, (1, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = m.generate(row, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(sp.generate(row, max_new_tokens=6, eos_token_id=None), want)
+    assert auto_head(kvt.tiny_model("llama")) == "self"
 
 
 def test_a_model_whose_capture_fixes_the_length_is_one_line():
@@ -381,26 +389,6 @@ def test_multi_head_latent_attention_runs_dualkv_exactly_and_is_refused_by_speco
             assert check_numerics_rule(m, dk, batch)["passed"]
     with pytest.raises(ValueError, match="value heads of 40 and query/key heads of 24 .* use the canonical or DualKV"):
         kvt.transform(m, kvt.SpeContextConfig(budget=16), progress=False)
-
-
-def test_auto_head_on_a_layernorm_model_is_quest():
-    """head='auto' (the default) on Phi-2 (LayerNorm inputs, not RMSNorm) picked 'self', whose bind then refused
-    the model with "head='self' cannot reproduce layer 0's input norm": a head the user never chose. It picks quest,
-    which decodes HF's greedy tokens when the budget covers the context; a Llama still gets 'self'."""
-    from transformers import PhiConfig, PhiForCausalLM
-
-    torch.manual_seed(0)
-    m = PhiForCausalLM(PhiConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                 intermediate_size=64, bos_token_id=1, eos_token_id=1)).eval()
-    sp = kvt.transform(m, kvt.SpeContextConfig(budget=64), progress=False)
-    assert sp.runtime.head.name == "quest"
-    row = torch.randint(3, 60, (1, 11), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = m.generate(row, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(sp.generate(row, max_new_tokens=6, eos_token_id=None), want)
-    from kvtransform.runtime.distilled import auto_head
-
-    assert auto_head(kvt.tiny_model("llama")) == "self"
 
 
 def test_specontext_gate_verifies_longrope_lengths_on_their_own():

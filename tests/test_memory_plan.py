@@ -107,12 +107,13 @@ def test_plan_memory_cli(tmp_path, capsys):
     for arg, msg in (("batch=9000", "lower the batch"),
                      ("head_gb=79", "raise gpu_gb (or lower head_gb, reserve_gb"),  # the head alone fills the GPU
                      ("head_resident_layers=33", "head_resident_layers=33 is more than the model's 32 layers")):
-        rc, err = _main_in_process(cmd[3:5] + [arg], capsys)
+        rc, _, err = _main_in_process(cmd[3:5] + [arg], capsys)
         assert rc == 2 and err.count("error:") == 1 and msg in err and "Traceback" not in err, err
 
 
 def _main_in_process(args, capsys) -> tuple:
-    """``(exit status, stderr)`` of ``kvtransform <args>`` run through :func:`kvtransform.cli.main` in this process."""
+    """``(exit status, stdout, stderr)`` of ``kvtransform <args>`` run through :func:`kvtransform.cli.main` in this
+    process."""
     from kvtransform.cli import main
 
     capsys.readouterr()
@@ -120,7 +121,7 @@ def _main_in_process(args, capsys) -> tuple:
         rc = main(args)
     except SystemExit as e:
         rc = e.code
-    return (0 if rc is None else rc), capsys.readouterr().err
+    return ((0 if rc is None else rc),) + tuple(capsys.readouterr())
 
 
 def test_plan_memory_defaults_fit_the_default_model(capsys):
@@ -148,7 +149,7 @@ def test_plan_memory_defaults_fit_the_default_model(capsys):
 def test_plan_memory_cli_bad_values(tmp_path, capsys, arg, msg):
     """One error line and exit 2 (no OverflowError traceback for inf or 1e300 GiB), checked before the model is
     read (in process: the subprocess path is ``test_plan_memory_cli``'s)."""
-    rc, err = _main_in_process(["plan-memory", str(tmp_path / "no-model"), arg], capsys)
+    rc, _, err = _main_in_process(["plan-memory", str(tmp_path / "no-model"), arg], capsys)
     assert rc == 2 and err.count("error:") == 1 and msg in err, err
     assert "Traceback" not in err
 
@@ -159,21 +160,13 @@ def test_plan_memory_cli_throughput(tmp_path, capsys):
     :func:`kvtransform.runtime.throughput.best_batch` in process); half a pair, a GB/s that overflows, an overlap
     outside [0, 1], a factor below 1 or a negative host_gb is one error line (in process: the subprocess path is
     ``test_plan_memory_cli``'s)."""
-    from kvtransform.cli import main
     from kvtransform.runtime.throughput import StepModel, best_batch, tokens_per_second
-
-    def run(args):
-        try:
-            rc = main(args)
-        except SystemExit as e:
-            rc = e.code
-        return (rc,) + capsys.readouterr()
 
     cfg = dict(LLAMA3_8B, architectures=["LlamaForCausalLM"], model_type="llama")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     cmd = ["plan-memory", str(tmp_path), "gpu_gb=80", "batch=32", "head_gb=1", "head_token_bytes=4096", "reserve_gb=4",
            "input_len=2048", "output_len=32768"]
-    rc, out, err = run(cmd + ["hbm_gbps=4200", "link_gbps=42", "overlap=0.1", "gpu_factor=1.8"])
+    rc, out, err = _main_in_process(cmd + ["hbm_gbps=4200", "link_gbps=42", "overlap=0.1", "gpu_factor=1.8"], capsys)
     assert rc in (0, None), err
     model = ModelMemory.from_config(transformers.LlamaConfig(**LLAMA3_8B), torch.bfloat16)
     head = HeadMemory(weight_bytes=2 ** 30, token_bytes=4096)
@@ -195,7 +188,7 @@ def test_plan_memory_cli_throughput(tmp_path, capsys):
                       (["overlap=nan"], "overlap=nan must be a fraction from 0 to 1"),
                       (["gpu_factor=0.5"], "gpu_factor=0.5 must be a step's time over its floor from 1 to 1000000"),
                       (["host_gb=-1"], "host_gb=-1.0 must be a number of GiB from 0 to 1048576 (0: no bound)")):
-        rc, out, err = run(cmd + args)
+        rc, out, err = _main_in_process(cmd + args, capsys)
         assert rc == 2 and err.count("error:") == 1 and msg in " ".join(err.split()), err
 
 
@@ -270,24 +263,16 @@ def test_plan_memory_offers_no_offload_to_a_sliding_window_model(tmp_path, capsy
     """plan-memory planned layer moves and modelled offloaded batches for a model with sliding-window layers, which
     generate then refuses to offload: a batch that needs offload is refused in one line naming the largest resident
     batch, and the throughput lines stay among resident batches."""
-    from kvtransform.cli import main
     from kvtransform.tiny_models import TINY_WINDOW, tiny_model
-
-    def run(args):
-        try:
-            rc = main(args)
-        except SystemExit as e:
-            rc = e.code
-        return (rc,) + capsys.readouterr()
 
     assert ModelMemory.from_model(tiny_model("gemma2")).window == TINY_WINDOW
     assert ModelMemory.from_model(tiny_model("llama")).window == 0
     tiny_model("gemma2").save_pretrained(tmp_path / "g")
     cmd = ["plan-memory", str(tmp_path / "g"), "gpu_gb=0.0004", "input_len=100", "output_len=100", "budget=8"]
-    rc, out, err = run(cmd + ["batch=8"])
+    rc, out, err = _main_in_process(cmd + ["batch=8"], capsys)
     assert rc == 2 and "batch 8 needs KV offload, which does not take sliding-window layers yet" in err
     assert "the largest resident batch is 4" in err
-    rc, out, err = run(cmd + ["batch=2", "hbm_gbps=100", "link_gbps=1"])
+    rc, out, err = _main_in_process(cmd + ["batch=2", "hbm_gbps=100", "link_gbps=1"], capsys)
     assert rc == 0, err
     assert "no offload (sliding-window layers)" in out and "the most: batch 4:" in out
     assert "0 layers on CPU by the last token" in out and "1 layers on CPU" not in out
