@@ -92,14 +92,20 @@ def write_results(df, out) -> None:
     csv = out / "results.csv"
     old = read_results(out)
     settings = [c for c in SETTINGS if c in df.columns or (old is not None and c in old.columns)]
-    key = ["model", "document", "head", "budget"] + settings
+    labels = [c for c in LABELS if c in df.columns or (old is not None and c in old.columns)]
+    key = ["model", "document", "head", "budget"] + settings + labels
     if old is not None:
         # a row written without its settings (an older kvtransform) is superseded by a new row of the same model,
-        # document, head and budget: its settings are unknown, so no other row can ever be its duplicate
+        # document, head and budget: its settings are unknown, so no other row can ever be its duplicate; likewise
+        # a row without the labels by a new row of the same settings
+        base = ["model", "document", "head", "budget"]
         unset = old[[c for c in settings if c in old.columns]].isna().all(axis=1) if settings else old["model"].isna()
-        ours = old[["model", "document", "head", "budget"]].apply(tuple, axis=1).isin(
-            set(df[["model", "document", "head", "budget"]].apply(tuple, axis=1)))
-        df = pd.concat([old[~(unset & ours)], df])
+        ours = old[base].apply(tuple, axis=1).isin(set(df[base].apply(tuple, axis=1)))
+        known = [c for c in settings if c in old.columns and c in df.columns]
+        unlabelled = old[[c for c in labels if c in old.columns]].isna().all(axis=1) if labels else unset
+        same = old[base + known].astype(str).apply(tuple, axis=1).isin(
+            set(df[base + known].astype(str).apply(tuple, axis=1)))
+        df = pd.concat([old[~(unset & ours) & ~(unlabelled & same)], df])
     for c in settings:   # integers; rows written without a setting (older runs) keep it empty, never 1024.0000
         df[c] = df[c].astype("Int64") if c in df.columns else pd.array([pd.NA] * len(df), dtype="Int64")
     df = df.drop_duplicates(subset=key, keep="last").sort_values(key).reset_index(drop=True)
@@ -126,6 +132,10 @@ def markdown(df) -> str:
 
 
 SETTINGS = ("cached", "continuation", "generate")  # rows measured with other settings are never averaged together
+#: the other settings that name a row (never averaged together either): ``num_sink``, the head's weights
+#: (``retrieval``: a trained head's directory, ``self`` for the packaged one, ``-`` for heads that read none) and the
+#: model's dtype; rows of older runs lack them (empty)
+LABELS = ("num_sink", "retrieval", "dtype")
 
 
 def summarize(df):
@@ -133,7 +143,7 @@ def summarize(df):
     Rows of earlier runs with other settings (``cached`` prompt tokens, ``continuation``, ``generate``) stay
     separate rows."""
     cols = ["recall_mean", "recall_worst", "nll_increase", "agreement", "select_ms"]
-    by = ["model", "head", "budget"] + [c for c in SETTINGS if c in df.columns]
+    by = ["model", "head", "budget"] + [c for c in SETTINGS + LABELS if c in df.columns]
     g = df.groupby(by, as_index=False, dropna=False)
     s = g[cols].mean()
     s.insert(len(by), "documents", g.size()["size"].values)

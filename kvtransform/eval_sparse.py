@@ -375,6 +375,9 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
         r.pop("recall_layers")
         rows.append({"model": name, "document": doc, "head": head_name, "budget": budget, "cached": trace.prefix,
                      "continuation": int(cfg.continuation), "generate": int(cfg.generate),
+                     "num_sink": int(cfg.num_sink),
+                     "retrieval": str(cfg.retrieval) if hasattr(head, "source") else "-",  # (heads with weights)
+                     "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
                      **r, "seconds": round(time.perf_counter() - t0, 1)})
     df = pd.DataFrame(rows)
     write_results(df, cfg.out)

@@ -443,3 +443,25 @@ def test_an_out_dir_that_cannot_hold_the_results_fails_before_any_job(tmp_path, 
         with pytest.raises(ValueError, match=msg):
             run("dualkv-layer", [f"out_dir={out_dir}", "device=cpu"])
     assert ran == [] and sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+def test_a_sweep_over_any_setting_keeps_its_rows_and_checks_within_its_setting(tmp_path):
+    """A -m sweep over dtype (or seed, r_max, qk_norm, ...) kept only the last job's rows (their params named P and mb
+    alone, so they replaced each other), and the correctness check compared a method with another setting's output
+    (window or qk_norm: a 59-93 % "error" on an exact method) or, jobs alternating settings, with itself. Now each
+    setting that differs from the suite default names the row, and each method is checked against the first method
+    of its own setting; results.md gives each setting its own tables."""
+    base = [t for t in TINY if not t.startswith("dtype=")]
+    out = tmp_path / "sweep"
+    rows = run("dualkv-attn", ["-m", "method=dualkv,reference", "dtype=float32,float16", "qk_norm=true,false", "P=9",
+                               "mb=2", "plot=false", f"out_dir={out}"] + base)
+    df = report.read_csv(str(out / "results.csv"))
+    fwd = df[df["pass"] == "fwd"]
+    assert len(fwd) == 8 and fwd["params"].nunique() == 4  # 2 methods x 4 settings, none dropped
+    assert {"P=9 mb=2 r_min=3 r_max=9 hidden=64 heads=4 kv_heads=2 head_dim=16 mlp=96 qk_norm=false dtype=float16"} <= \
+        set(fwd["params"])
+    ref = fwd[fwd["method"] == "reference"]
+    assert (ref["check_vs"] == "dualkv").all() and (ref["check_rel_err"] < 1e-2).all(), ref[["params", "check_rel_err"]]
+    md = (out / "results.md").read_text()
+    assert md.count("Setting: ") == 4 and "qk_norm=false dtype=float16" in md
+    assert len(rows) >= 8

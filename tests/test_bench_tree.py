@@ -113,7 +113,9 @@ def test_smoke_run_writes_rows_csv_markdown_plot(tmp_path, capsys):
     df = report.read_csv(str(out / "results.csv"))
     assert len(df) == len(rows) and {"nodes", "depth", "trajectories"} <= set(df.columns)
     md = (out / "results.md").read_text()
-    assert "| prompt=13 fanout=2x2 turns=3-9 seed=0 | 7 / 3 / 4 | 51 | 105 |" in md
+    # the shape, then the settings that differ from the suite's defaults (a -m sweep over them keeps its rows apart)
+    assert ("| prompt=13 fanout=2x2 turns=3-9 seed=0 hidden=64 heads=4 kv_heads=2 head_dim=16 mlp=96 dtype=float32 "
+            "| 7 / 3 / 4 | 51 | 105 |") in md
     assert "kvtransform bench tree-attn prompt=13" in capsys.readouterr().out
 
     # one-level rows (DualKV's shape) in the same CSV, with dualkv; a depth-2+ tree refuses dualkv in one line

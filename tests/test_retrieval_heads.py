@@ -353,6 +353,28 @@ def test_eval_results_keep_other_settings_apart(tmp_path):
     assert "0.3000" not in md and len(pd.read_csv(tmp_path / "old" / "results.csv")) == 2
 
 
+def test_eval_results_keep_rows_of_other_head_weights_sink_or_dtype_apart(tmp_path):
+    """A sweep over retrieval= (a trained head against the packaged one), num_sink or the model's dtype kept one row
+    (the last job's), and the table named none of them: they name the row now; a row of an older run without them is
+    superseded by a new row of the same settings."""
+    import pandas as pd
+
+    from kvtransform.eval_sparse import write_results
+
+    row = {**_ROW, "head": "distilled", "num_sink": 0, "retrieval": "self", "dtype": "float32"}
+    for change in ({}, {"retrieval": "/heads/mine", "recall_mean": 0.7}, {"num_sink": 8, "recall_mean": 0.6},
+                   {"dtype": "bfloat16", "recall_mean": 0.5}):
+        write_results(pd.DataFrame([{**row, **change}]), tmp_path)
+    df = pd.read_csv(tmp_path / "results.csv")
+    assert sorted(df.recall_mean) == [0.5, 0.6, 0.7, 0.9]
+    md = (tmp_path / "results.md").read_text().split("## Per document")[0]
+    assert "| m | distilled | 64 | 1024 | 32 | 16 | 0 | /heads/mine | float32 | 1 | 0.7000 |" in md
+    (tmp_path / "old").mkdir()
+    pd.DataFrame([{**_ROW, "recall_mean": 0.3}]).to_csv(tmp_path / "old" / "results.csv", index=False)
+    write_results(pd.DataFrame([{**_ROW, "num_sink": 0, "retrieval": "-", "dtype": "float32"}]), tmp_path / "old")
+    assert pd.read_csv(tmp_path / "old" / "results.csv").recall_mean.tolist() == [0.9]
+
+
 _ROW = dict(model="m", document="a", head="self", budget=64, recall_mean=0.9, recall_worst=0.8, nll_increase=0.01,
             agreement=1.0, select_ms=1.0, seconds=1.0, cached=1024, continuation=32, generate=16)
 

@@ -34,3 +34,23 @@ def _check_gqa(cfg) -> None:
     if cfg.heads % cfg.kv_heads != 0:
         raise ValueError(f"heads={cfg.heads} is not divisible by kv_heads={cfg.kv_heads} (GQA); pick kv_heads "
                          f"dividing heads")
+
+
+def swept_settings(cfg, keys) -> str:
+    """``" key=value"`` for each of ``keys`` whose value in the job's config differs from its suite's default: they
+    name a result row with the shape (its ``params``), so that rows of a ``-m`` sweep over them (or an ``append`` run
+    with another value) are kept apart instead of replacing each other. A config without its suite's dataclass
+    (a plain dict) names none."""
+    from omegaconf import OmegaConf
+
+    kind = OmegaConf.get_type(cfg) if OmegaConf.is_config(cfg) else None
+    if kind is None or not hasattr(kind, "__dataclass_fields__"):
+        return ""
+    default = kind()
+
+    def text(v):
+        v = v.value if isinstance(v, Enum) else v
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    return "".join(f" {k}={text(cfg.get(k))}" for k in keys
+                   if k in kind.__dataclass_fields__ and text(cfg.get(k)) != text(getattr(default, k)))

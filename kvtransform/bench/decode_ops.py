@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DecodeMethod, GatherTune
+from .config_common import swept_settings
 from .layer import torch_dtype
 from .device import resolve_device
 from .timing import quantiles, sync, time_steps
@@ -186,7 +187,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
 
     device = resolve_device(cfg)
     nbytes = _bytes(cfg)
-    params = f"b={cfg.batch} H={cfg.heads} Hkv={cfg.kv_heads} D={cfg.head_dim} S={cfg.S} B={cfg.budget}"
+    params = f"b={cfg.batch} H={cfg.heads} Hkv={cfg.kv_heads} D={cfg.head_dim} S={cfg.S} B={cfg.budget}" + \
+        swept_settings(cfg, ("dtype", "seed"))
     rows = []
     copy_bw = read_bw = float("nan")
 

@@ -215,6 +215,16 @@ def markdown(df) -> str:
     dk = df[~df["suite"].isin(["decode-ops", "decode", *TREE_SUITES])] if "suite" in df.columns else df
     dk = dk[~dk["pass"].isin(["tune", "check", "check_tuned"])]
     tree = markdown_tree(df) if "suite" in df.columns else ""
-    parts = [p for p in (markdown_layer(dk), markdown_attn(dk), markdown_decode(df), markdown_throughput(df), tree)
-             if p]
+    parts = []
+    # the DualKV tables are per (P, mb): rows of other settings (a window, a dtype, a shape key swept with -m: the
+    # rest of their params) get tables of their own, or one setting's cell would stand in another's row
+    setting = (dk["params"].astype(str).str.replace(r"^P=\d+ mb=\d+ ?", "", regex=True) if "params" in dk.columns
+               else None)
+    for value in ([None] if setting is None else list(dict.fromkeys(setting))):
+        sub = dk if value is None else dk[setting == value]
+        tables = [t for t in (markdown_layer(sub), markdown_attn(sub)) if t]
+        if tables and value:
+            tables[0] = f"Setting: {value}\n\n" + tables[0]
+        parts += tables
+    parts += [p for p in (markdown_decode(df), markdown_throughput(df), tree) if p]
     return "\n\n".join(parts)

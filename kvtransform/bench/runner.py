@@ -23,6 +23,7 @@ from kvtransform.layout import DualKVLayout
 
 from . import flops
 from .config import Mode
+from .config_common import swept_settings
 from .device import resolve_device
 from .layer import get_layer, release_grads, torch_dtype
 from .methods import METHODS, Unavailable, methods_for, variant_kwargs
@@ -116,6 +117,7 @@ def estimate_gb(cfg, shape: Shape, method: str, replicated: bool = None) -> floa
 
 
 _CHECK_REF: dict = {}
+_CHECK_REFS_KEPT = 4  # (CPU copies of an attention output each: a few hundred MB at the paper's largest shapes)
 
 
 def clear_check_reference() -> None:
@@ -206,9 +208,14 @@ def run_method(cfg, shape: Shape, name: str, device, launch_config: Optional[dic
             if back is not None:
                 a = a[back]
             finite = bool(torch.isfinite(a).all())
-            key = (mode, shape.key, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.seed, str(dtype))
+            # every setting that changes the attention output (a sweep over one of them compared a method with
+            # another setting's output); the references of a few settings are kept, so that a method x dtype sweep
+            # (jobs alternating settings) checks each method against the first of its own setting
+            key = (mode, shape.key, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp, cfg.qk_norm, cfg.seed,
+                   str(dtype), cfg.get("window", 0), cfg.get("softcap", 0.0), cfg.get("sinks", False))
             if key not in _CHECK_REF:
-                _CHECK_REF.clear()
+                while len(_CHECK_REF) >= _CHECK_REFS_KEPT:
+                    _CHECK_REF.pop(next(iter(_CHECK_REF)))
                 _CHECK_REF[key] = (name, a.detach().to("cpu"))
                 base["check_rel_err"] = 0.0
             else:
@@ -269,7 +276,9 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     rows, best = [], None
     # the attention variants name the rows too (a window=0,4096 sweep keeps both in one CSV; TFLOP/s count the
     # pairs of the full causal mask)
-    variants = "".join(f" {key}={cfg.get(key)}" for key in ("window", "softcap", "sinks") if cfg.get(key, 0))
+    variants = "".join(f" {key}={cfg.get(key)}" for key in ("window", "softcap", "sinks") if cfg.get(key, 0)) + \
+        swept_settings(cfg, ("r_min", "r_max", "seed", "hidden", "heads", "kv_heads", "head_dim", "mlp", "qk_norm",
+                             "dtype", "fa2_impl", "flex_compile", "flex_mask", "flex_static", "dualkv_layout_per_step"))
 
     def emit(r):
         r.setdefault("op", "decoder_layer" if _mode(cfg) == Mode.layer else "dualkv_attention")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from . import checks_tree
+from .config_common import swept_settings
 from .device import resolve_device
 from .runner import run_method
 from .tree_methods import TREE_METHODS, tree_methods_for
@@ -31,6 +32,8 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
     shape = TreeShape.of(cfg)
     mode = cfg.mode.value if hasattr(cfg.mode, "value") else str(cfg.mode)
     rows = []
+    swept = swept_settings(cfg, ("r_min", "r_max", "r_seed", "seed", "hidden", "heads", "kv_heads", "head_dim", "mlp",
+                                 "qk_norm", "dtype", "flat_impl", "flex_compile", "flex_mask", "flex_static"))
 
     def emit(r):
         r.setdefault("op", "decoder_layer" if mode == "layer" else "prefix_tree_attention")
@@ -39,7 +42,7 @@ def run_job(cfg, on_row: Optional[Callable] = None) -> list:
                  nodes=shape.layout.num_nodes, depth=shape.layout.depth, trajectories=shape.trajectories)
         if shape.one_level and shape.layout.num_trees == 1:
             r.update(P=shape.layout.lengths[0], mb=shape.layout.num_nodes - 1)
-        r["params"] = shape.params + (f" {r['params']}" if r.get("params") else "")
+        r["params"] = shape.params + swept + (f" {r['params']}" if r.get("params") else "")
         rows.append(r)
         if on_row is not None:
             on_row(r)
