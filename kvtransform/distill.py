@@ -67,6 +67,8 @@ class DistillConfig:
         steps, lr, weight_decay: AdamW, cosine decay; checkpoint_every: steps between checkpoints.
         window, dim: the block's input window (tokens) and width.
         seed: data order and initialisation; threads: torch CPU threads (0: torch's default).
+        overwrite: train again into an ``out`` that holds a trained head which this run cannot resume (its
+            checkpoint is gone or from other settings); without it that is refused before training.
         device: where the teacher and the training run: ``auto`` (a given model's device; else ``cuda`` when torch
             sees one, else ``cpu``), ``cpu`` or ``cuda[:N]`` (the model is moved there). Checkpoints and the head
             directory load on any device.
@@ -93,6 +95,7 @@ class DistillConfig:
     threads: int = 0
     device: str = "auto"
     progress: bool = True
+    overwrite: bool = False
 
 
 TEACHERS = {"mean": "mean over layers of per-KV-head group-max attention",
@@ -209,6 +212,14 @@ def _chunks(tok, cfg: DistillConfig, files: list, corpus: set) -> list:
     return out
 
 
+def _refuse_replacing_head(out: Path, cfg, why: str) -> None:
+    """ValueError (one line) when ``out`` holds a trained head (``head.json``) that this run would train again from
+    scratch and replace (``why``), unless ``cfg.overwrite``."""
+    if (out / "head.json").is_file() and not cfg.overwrite:
+        raise ValueError(f"out={out} holds a trained head and {why}: training would replace it; choose another "
+                         f"out=<directory> or pass overwrite=true")
+
+
 def _load_pt(file: Path, fix: str):
     """``torch.load`` of one of our own files (``teacher.pt``, ``checkpoint.pt``) that must hold a dict.
 
@@ -290,6 +301,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         ValueError: bad settings (the message names the key), an ``out`` that cannot be written (before the model
             loads).
         FileNotFoundError: a training file missing from this Python installation (before the model loads).
+        ValueError: ``out`` holds a trained head that this run cannot resume and ``overwrite`` is off (before
+            training; before the model loads when there is no checkpoint).
         ValueError: a damaged ``checkpoint.pt`` in ``out`` (truncated, a failed CRC, entries missing or not this
             block's): one line saying to delete it. It holds the training done so far, so it is not replaced
             silently: the user may have a good copy, and a checkpoint written atomically that is damaged points at
@@ -302,6 +315,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
     from .utils import check_results_dir
 
     check_results_dir(cfg.out)
+    if not (Path(cfg.out).expanduser() / "checkpoint.pt").is_file():  # nothing to resume: a head there is finished
+        _refuse_replacing_head(Path(cfg.out).expanduser(), cfg, "it has no checkpoint to resume")
     check_device(cfg.device, available=True, auto=True)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
@@ -383,6 +398,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None, log=print) -> dict:
         if changed or missing:
             why = (f"{', '.join(changed)} differ" if changed else
                    f"it was written by an older kvtransform (no {', '.join(missing)})")
+            _refuse_replacing_head(out, cfg, f"its checkpoint is from other settings ({why})")
             log(f"{ckpt} is from other settings ({why}): training from scratch")
         else:
             try:

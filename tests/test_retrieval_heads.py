@@ -492,7 +492,13 @@ def test_distill_resumes_only_the_same_training(tmp_path):
     again = distill(DistillConfig(files=["typing.py"], **base), model, tok, log=logs.append)
     assert any("resumed from" in m and "at step 3" in m for m in logs) and again["steps"] == 3
     logs.clear()
-    other = distill(DistillConfig(files=["argparse.py"], **base), model, tok, log=logs.append)
+    # training that cannot resume would replace the trained head: refused (it replaced it with a note), and before
+    # training when nothing is left to resume; overwrite=true trains again
+    with pytest.raises(ValueError, match="holds a trained head and its checkpoint is from other settings .*files "
+                                         "differ.*overwrite=true"):
+        distill(DistillConfig(files=["argparse.py"], **base), model, tok, log=logs.append)
+    assert load_head_dir(tmp_path / "h", model)[1]["training"]["files"] == ["typing.py"]  # untouched
+    other = distill(DistillConfig(files=["argparse.py"], overwrite=True, **base), model, tok, log=logs.append)
     assert any("training from scratch" in m and "files" in m for m in logs), logs
     w2, meta = load_head_dir(tmp_path / "h", model)
     assert meta["training"]["files"] == ["argparse.py"] and other["steps"] == 3 and first["steps"] == 3
@@ -509,8 +515,11 @@ def test_distill_resumes_only_the_same_training(tmp_path):
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(1.5)                  # "another model": its fingerprint differs
     logs.clear()
-    distill(DistillConfig(files=["argparse.py"], **base), model, tok, log=logs.append)
+    distill(DistillConfig(files=["argparse.py"], overwrite=True, **base), model, tok, log=logs.append)
     assert any("target model differ" in m and "training from scratch" in m for m in logs), logs
+    (tmp_path / "h" / "checkpoint.pt").unlink()
+    with pytest.raises(ValueError, match="holds a trained head and it has no checkpoint to resume"):
+        distill(DistillConfig(files=["argparse.py"], **base), model, tok, log=logs.append)
     assert not torch.equal(torch.load(tmp_path / "h" / "teacher.pt", weights_only=False)["items"][0]["target"],
                            teacher)                                 # the teacher was recomputed for this model
 
