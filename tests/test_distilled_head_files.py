@@ -184,7 +184,8 @@ def test_distill_writes_its_files_atomically(model, tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", killed_while_writing)
-    for cfg in (_cfg(out, steps=3), _cfg(out, positions=4)):   # the checkpoint, then the teacher is written again
+    for cfg in (_cfg(out, steps=3, overwrite=True), _cfg(out, positions=4, overwrite=True)):  # the checkpoint, then
+        # the teacher is written again (other settings: overwrite=true, or the trained head there is refused)
         with pytest.raises(KeyboardInterrupt):
             distill(cfg, model, _CharTokenizer(), log=lambda m: None)
         assert {f.name: f.read_bytes() for f in out.iterdir()} == before
