@@ -189,14 +189,14 @@ def _from_pretrained(source: str, *, dtype, attn_implementation: str, **kwargs):
 
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model, info = AutoModelForCausalLM.from_pretrained(
                 source, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True, **kwargs
             )
         except ValueError as e:
             if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(e):
                 raise
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="eager",
-                                                         output_loading_info=True, **kwargs)
+            model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="eager",
+                                                               output_loading_info=True, **kwargs)
     except ValueError as e:
         msg = str(e)
         if "Unrecognized configuration class" in msg:
@@ -204,12 +204,11 @@ def _from_pretrained(source: str, *, dtype, attn_implementation: str, **kwargs):
         if "attn_implementation" in msg or "does not support" in msg:
             raise ValueError(f"{source}: {msg.splitlines()[0]} (try attn_implementation='sdpa' or 'eager')") from None
         raise
-    model, info = model if isinstance(model, tuple) else (model, {})
     model.eval()
     check_causal_lm(model)
     head = model.get_output_embeddings()
     head_names = [f"{n}." for n, m in model.named_modules() if m is head]
-    missing = [k for k in info.get("missing_keys", ()) if any(k.startswith(h) for h in head_names)]
+    missing = [k for k in info["missing_keys"] if any(k.startswith(h) for h in head_names)]
     if missing:  # transformers initialised the LM head at random (a base model's checkpoint, e.g. LlamaModel)
         raise ValueError(f"{source}: the checkpoint has no weights for the LM head ({sorted(missing)[0]}; a base "
                          f"model's checkpoint?): its logits would come from a random head; give a causal LM's "
