@@ -194,6 +194,15 @@ def _plain(v):
     return OmegaConf.to_container(v) if isinstance(v, (ListConfig, DictConfig)) else v
 
 
+#: The built-in retrieval heads that hold no trained weights (``SpeContextConfig.retrieval`` means nothing to them).
+HEADS_WITHOUT_WEIGHTS = ("self", "quest", "oracle", "recent", "dense")
+
+def retrieval_for(head: str, retrieval: str) -> str:
+    """``retrieval`` for a head that reads trained weights, ``"self"`` (unused) for one of
+    :data:`HEADS_WITHOUT_WEIGHTS`: what each head gets in a run that compares several with one ``retrieval=``."""
+    return "self" if head in HEADS_WITHOUT_WEIGHTS else retrieval
+
+
 #: The retrieval heads kvtransform ships (``kvtransform.runtime`` registers one class per name;
 #: ``tests/test_config.py`` checks the two agree). Kept here so that checking a config imports no runtime.
 HEAD_NAMES = ("dense", "distilled", "eagle3", "oracle", "quest", "recent", "self")
@@ -270,7 +279,7 @@ class SpeContextConfig(TransformConfig):
 
     Attributes:
         head: the retrieval head (``kvtransform.runtime``): ``auto`` (default: ``distilled`` when a packaged
-            trained head fits the model -- SmolLM2-135M --, else ``self``), ``distilled`` (a head trained by
+            trained head fits the model -- SmolLM2-135M -- or ``retrieval`` names a head directory, else ``self``), ``distilled`` (a head trained by
             ``kvtransform distill-retrieval-head``), ``self`` (training-free: the model's early-layer queries from
             the token embedding against its real keys), ``eagle3`` (an EAGLE-3 draft's attention), ``quest``
             (16-token pages scored with per-page min/max keys), ``oracle`` (the LLM's own attention of the previous step: an accuracy upper
@@ -324,6 +333,10 @@ class SpeContextConfig(TransformConfig):
         if self.head not in heads and self.head != "auto":
             raise ValueError(f"unknown retrieval head {self.head!r}; choose one of {['auto'] + sorted(heads)} "
                              f"(auto, the default: the packaged distilled head when one fits the model, else self)")
+        if self.head in HEADS_WITHOUT_WEIGHTS and self.retrieval != "self":
+            raise ValueError(f"retrieval={self.retrieval!r} gives a trained head's weights, which head={self.head!r} "
+                             f"does not read: set head=distilled (a distill-retrieval-head directory) or head=eagle3 "
+                             f"(an EAGLE-3 draft), or leave retrieval unset (transform.head=... on the command line)")
 
 
 CONFIG_TYPES: dict[str, type] = {

@@ -333,7 +333,7 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
     """
     import pandas as pd
 
-    from .config import SpeContextConfig
+    from .config import SpeContextConfig, retrieval_for
     from .runtime.heads import make_head
 
     heads, budgets, docs = check_config(cfg)
@@ -363,9 +363,9 @@ def run_eval(cfg, model=None, tokenizer=None, log=print):
     for doc, head_name, budget in bar:
         bar.set_postfix_str(f"{doc} {head_name} B={budget}")
         teacher, trace, greedy = _teacher(model, tokenizer, doc, cfg)
-        head = make_head(head_name, SpeContextConfig(head=head_name, budget=budget, retrieval=cfg.retrieval,
-                                                     num_sink=cfg.num_sink),
-                         trace.scale[0])
+        hcfg = SpeContextConfig(head=head_name, budget=budget, retrieval=retrieval_for(head_name, cfg.retrieval),
+                                num_sink=cfg.num_sink)
+        head = make_head(head_name, hcfg, trace.scale[0])
         try:
             head.bind(model)
         except ValueError as e:  # the fix as this command's keys spell it (retrieval=, not transform.retrieval=)

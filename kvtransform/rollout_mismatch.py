@@ -211,7 +211,7 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
 
     from transformers import DynamicCache
 
-    from .config import SpeContextConfig
+    from .config import SpeContextConfig, retrieval_for
     from .runtime.heads import make_head
 
     dev = next(model.parameters()).device
@@ -233,8 +233,9 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
     cache.batch_select_indices(rp.repeat(len(heads)))
     built = []
     for name, budget in heads:
-        head = make_head(name, SpeContextConfig(head=name, budget=int(budget), retrieval=retrieval,
-                                                num_sink=num_sink), scale)
+        hcfg = SpeContextConfig(head=name, budget=int(budget), retrieval=retrieval_for(name, retrieval),
+                                num_sink=num_sink)
+        head = make_head(name, hcfg, scale)
         try:
             head.bind(model)
         except ValueError as e:  # the fix as this command's keys spell it (retrieval=, not transform.retrieval=)

@@ -248,6 +248,13 @@ def test_foreign_head_is_refused(tmp_path):
                           progress=False)
         with pytest.raises(ValueError, match="trained for another model"):
             kvt.transform(b, kvt.SpeContextConfig(head="distilled", retrieval=str(tmp_path / "h")), progress=False)
+        # head=auto with a head directory is that directory's distilled head (checked before capture too)
+        with pytest.raises(ValueError, match="trained for another model"):
+            kvt.transform(b, kvt.SpeContextConfig(retrieval=str(tmp_path / "h")), progress=False)
+    # a head without weights refuses the directory it would ignore
+    for name in ("self", "quest", "oracle", "recent", "dense"):
+        with pytest.raises(ValueError, match=f"head='{name}' does not read: set head=distilled"):
+            kvt.SpeContextConfig(head=name, retrieval=str(tmp_path / "h")).validate()
 
 
 def _eagle3_dir(path, model, vocab=None, kv_heads=None, drop=(), max_positions=256):
@@ -312,10 +319,10 @@ def test_self_head_in_the_runtime_is_exact_when_the_budget_covers_the_context():
 def test_distilled_head_in_the_runtime_and_its_artifact(tmp_path):
     model = tiny_model("llama")
     save_head_dir(tmp_path / "h", _block(model), fingerprint(model))
-    sp = kvt.transform(model, kvt.SpeContextConfig(head="distilled", budget=4, retrieval=str(tmp_path / "h")),
-                       progress=False)
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=4, retrieval=str(tmp_path / "h")), progress=False)
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     out = sp.generate(ids, max_new_tokens=6, eos_token_id=None, return_dict_in_generate=True)
+    # head=auto (the default) with a head directory: the distilled head of that directory
     assert out.stats.head == "distilled" and out.stats.selection_overlap is not None
     sp.save(str(tmp_path / "art"))
     assert not any("embed" in k for k in torch.load(tmp_path / "art" / "head.pt")["state"])  # shared, not copied

@@ -17,6 +17,7 @@ from .report_markdown import markdown
 from .report_plot import plot_png
 from .report_rows import fmt, num
 from .report_tree import TREE_SUITES, plot_tree
+from ..utils import atomic_write
 
 COLUMNS = ["suite", "mode", "method", "op", "impl", "pass", "params", "P", "mb", "T", "T_packed", "T_replicated", "S",
            "batch", "budget", "ms_p20", "ms_p50", "ms_p80", "ms_mean", "iters", "gb", "bytes_gb", "gbps", "pct_copy",
@@ -140,23 +141,30 @@ def write_csv(rows: List[dict], path: str, append: bool = False):
         if len(v) and (v == v.round()).all() and v.abs().max() < 2 ** 53:
             df[c] = col.astype("Int64")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    df.to_csv(path, index=False)
+    with atomic_write(path) as tmp:  # a run killed while writing leaves the earlier file whole
+        df.to_csv(tmp, index=False)
     return df
 
 
 def write_all(rows: List[dict], out_dir: str, append: bool = False, plot: bool = True) -> List[str]:
-    """``results.csv``, ``results.md`` and (``plot``) ``results.png`` in ``out_dir``; returns their paths."""
+    """``results.csv``, ``results.md`` and (``plot``) ``results.png`` in ``out_dir``; returns their paths. Each file
+    is written atomically (:func:`kvtransform.utils.atomic_write`): a run killed meanwhile leaves the earlier one;
+    a plot with nothing measured removes an earlier ``results.png`` (it showed rows the CSV no longer holds)."""
     os.makedirs(out_dir, exist_ok=True)
     csv_path = os.path.join(out_dir, "results.csv")
     df = write_csv(rows, csv_path, append=append)
     md_path = os.path.join(out_dir, "results.md")
-    with open(md_path, "w") as f:
-        f.write(markdown(df) + "\n")
+    with atomic_write(md_path) as tmp:
+        tmp.write_text(markdown(df) + "\n")
     paths = [csv_path, md_path]
     if plot:
         png = os.path.join(out_dir, "results.png")
-        if plot_any(df, png):
+        with atomic_write(png) as tmp:
+            drawn = plot_any(df, str(tmp))
+        if drawn:
             paths.append(png)
+        else:
+            os.remove(png)
     return paths
 
 

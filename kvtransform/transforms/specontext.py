@@ -76,7 +76,8 @@ class SpeContextModule(OptimizedModule):
         if name == "auto":
             from kvtransform.runtime.distilled import auto_head
 
-            name = auto_head(model if model is not None else decode)
+            # a head directory given with head=auto is the distilled head it holds
+            name = "distilled" if config.retrieval != "self" else auto_head(model if model is not None else decode)
         self.head = make_head(name, config, scale)
         if isinstance(decode, torch.fx.GraphModule):  # heads score with the layers that read the selection
             self.head.score_layers = selection_layers(decode, config.budget)
@@ -412,9 +413,10 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
         kvtransform.verify.VerificationError: the programs differ from the original model beyond tolerance.
     """
     check_equal_kv_head_dims(model, "the SpeContext transform")
-    if cfg.head != "auto":
-        head = make_head(cfg.head, cfg)  # an unknown head fails before any capture
-        if (cfg.head == "distilled" and cfg.retrieval != "self") or cfg.head == "self":
+    chosen = "distilled" if cfg.head == "auto" and cfg.retrieval != "self" else cfg.head  # (as SpeContextModule)
+    if chosen != "auto":
+        head = make_head(chosen, cfg)  # an unknown head fails before any capture
+        if (chosen == "distilled" and cfg.retrieval != "self") or chosen == "self":
             head.bind(model)  # so do a missing head directory, a head of another model (a small file read) and a
             # model whose query projection the self head cannot borrow
     report = new_report(model, cfg)
