@@ -353,38 +353,28 @@ def load_model(
     return model, tok
 
 
-def _load(name: str, dt, attn_implementation: str):
-    """:func:`load_model` without attaching the tokenizer."""
-    if attn_implementation not in ("sdpa", "eager"):
-        raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', not {attn_implementation!r}")
-    if name in REGISTRY:
-        return _load_registry(name, dtype=dt, attn_implementation=attn_implementation)
+def check_model_source(name: str) -> str:
+    """What ``name`` names, checked without loading it (a ``-m`` sweep checks every job's model before the first
+    runs): ``"registry"``, ``"gguf"`` (a ``.gguf`` file), ``"directory"`` (a model directory with ``config.json``) or
+    ``"hub"`` (an ``org/name`` id; whether the local Hugging Face cache holds it is checked at load).
 
+    Raises:
+        FileNotFoundError: a path that does not exist. ValueError: a file that is not ``.gguf``, a directory without
+            ``config.json``, an unknown registry name (with the closest known one).
+    """
+    if name in REGISTRY:
+        return "registry"
     path = Path(name).expanduser()
     if path.exists():
         if path.is_file():
             if path.suffix.lower() != ".gguf":
                 raise ValueError(f"{path} is a file but not a .gguf model; {_accepted()}")
-            with stage(True, f"Loading and dequantising {path.name}"):
-                model = _from_pretrained(
-                    str(path.parent), dtype=dt, attn_implementation=attn_implementation, gguf_file=path.name
-                )
-                tok = _load_tokenizer(str(path.parent), gguf_file=path.name)
-            return model, tok
+            return "gguf"
         if not (path / "config.json").is_file():
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
             hint = f" It holds GGUF files: pass one of them, e.g. {path / ggufs[0]}." if ggufs else ""
             raise ValueError(f"{path} is not a model directory (no config.json).{hint} {_accepted()}")
-        _precheck(str(path))
-        with stage(True, f"Loading {path}"):
-            try:
-                model = _from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
-            except OSError as e:
-                raise ValueError(f"{path} is not a loadable model directory: {str(e).splitlines()[0]}") from None
-            has_tok = any((path / f).is_file() for f in _TOKENIZER_FILES)
-            tok = _load_tokenizer(str(path)) if has_tok else None
-        return model, tok
-
+        return "directory"
     looks_like_path = (
         name.startswith(("./", "../", "/", "~")) or name.lower().endswith(".gguf") or name.count("/") > 1 or "\\" in name
     )
@@ -398,6 +388,34 @@ def _load(name: str, dt, attn_implementation: str):
             f". Known registry names: {known}. Otherwise pass a local model directory, "
             "a .gguf file, or a hub id (org/name) already in the local Hugging Face cache"
         )
+    return "hub"
+
+
+def _load(name: str, dt, attn_implementation: str):
+    """:func:`load_model` without attaching the tokenizer."""
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', not {attn_implementation!r}")
+    kind = check_model_source(name)
+    if kind == "registry":
+        return _load_registry(name, dtype=dt, attn_implementation=attn_implementation)
+    path = Path(name).expanduser()
+    if kind == "gguf":
+        with stage(True, f"Loading and dequantising {path.name}"):
+            model = _from_pretrained(
+                str(path.parent), dtype=dt, attn_implementation=attn_implementation, gguf_file=path.name
+            )
+            tok = _load_tokenizer(str(path.parent), gguf_file=path.name)
+        return model, tok
+    if kind == "directory":
+        _precheck(str(path))
+        with stage(True, f"Loading {path}"):
+            try:
+                model = _from_pretrained(str(path), dtype=dt, attn_implementation=attn_implementation)
+            except OSError as e:
+                raise ValueError(f"{path} is not a loadable model directory: {str(e).splitlines()[0]}") from None
+            has_tok = any((path / f).is_file() for f in _TOKENIZER_FILES)
+            tok = _load_tokenizer(str(path)) if has_tok else None
+        return model, tok
     # A hub id: only what is already cached (no network here, and no surprise downloads anywhere).
     with stage(True, f"Loading {name} from the local Hugging Face cache"):
         try:

@@ -192,8 +192,12 @@ def test_sweep_typos_and_bad_values_are_named_before_any_job(capsys, args, expec
     # ${hydra:job.num} in a setting resolves to each job's number for the check (not "HydraConfig was not set")
     (["rollout-mismatch", "-m", "seed=${hydra:job.num}", "budget=8,-16"], "budget and lengths must be integers >= 1",
      "budget=-16"),
-    (["optimize", "-m", "transform=specontext", "transform.head=quest,distilled", "transform.retrieval=/no/such/dir"],
-     "transform.retrieval=/no/such/dir: no such directory", "transform.head=distilled"),
+    (["optimize", "-m", "transform=specontext", "transform.head=auto,distilled", "transform.retrieval=/no/such/dir"],
+     "transform.retrieval=/no/such/dir: no such directory", "transform.head=auto"),
+    (["optimize", "-m", "transform=specontext", "transform.head=distilled,quest", "transform.retrieval=/tmp"],
+     "which head='quest' does not read: set head=distilled", "transform.head=quest"),
+    (["optimize", "-m", "model.name=smollm2-135m,/no/such/model"], "model: /no/such/model: no such file or directory",
+     "model.name=/no/such/model"),
 ])
 def test_sweep_values_each_command_refuses_are_named_before_any_job(capsys, args, expected, job):
     """A value of the right type that the command itself refuses (a dtype, a negative tolerance, budget or seed, a
@@ -722,7 +726,7 @@ def test_output_dir_in_an_unwritable_directory_is_refused_before_loading(tmp_pat
     with pytest.raises(PermissionError, match="is not writable"):
         tb.check_output_dir(locked / "a" / "b", overwrite=False)
     tb.check_output_dir(tmp_path / "fine", overwrite=False)
-    rc, _, err = _run(["optimize", "no-such-model-dir", f"out={locked / 'a'}"], capsys)
+    rc, _, err = _run(["optimize", "smollm2-135m", f"out={locked / 'a'}"], capsys)
     assert rc == 2 and "is not writable" in err and len(err.strip().splitlines()) == 1, err
 
 

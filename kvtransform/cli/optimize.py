@@ -134,7 +134,8 @@ def check_config(cfg: DictConfig) -> tuple:
 
     Raises:
         UsageError: an invalid transform setting or a transform that is not built, a bad ``emit`` (or ONNX with
-            SpeContext), ``threads`` or ``model.dtype``, a ``transform.retrieval`` directory that does not exist.
+            SpeContext), ``threads`` or ``model.dtype``, a ``transform.retrieval`` directory that does not exist, a
+            model that does not exist (:func:`kvtransform.models.check_model_source`; not loaded).
     """
     from .generate import check_threads
     from .keyvalue import check_model_dtype
@@ -150,10 +151,17 @@ def check_config(cfg: DictConfig) -> tuple:
             raise UsageError(f"emit=[...,onnx] with transform=specontext: {e}; use emit=[pt2]") from None
     check_threads(cfg.threads)
     retrieval = Path(str(getattr(tcfg, "retrieval", "self"))).expanduser()
-    if getattr(tcfg, "head", "") in ("distilled", "eagle3") and str(retrieval) != "self" and not retrieval.exists():
+    if getattr(tcfg, "head", "") in ("auto", "distilled", "eagle3") and str(retrieval) != "self" and \
+            not retrieval.exists():
         raise UsageError(f"transform.retrieval={retrieval}: no such directory (a head written by `kvtransform "
                          f"distill-retrieval-head`, or an EAGLE-3 draft for head=eagle3)")
     check_model_dtype(cfg.model.dtype)
+    from ..models import check_model_source
+
+    try:
+        check_model_source(str(cfg.model.name))
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(f"model: {e}") from None
     return tcfg, emit
 
 
