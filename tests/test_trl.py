@@ -183,6 +183,9 @@ def test_unpackable_batch_runs_trl_pass_and_says_so_once(tiny_dir, caplog):
     (dict(rollout="specontext", rollout_head="nope"), "rollout_budget / rollout_head"),
     (dict(rollout_budget=0), "rollout_budget must be an integer >= 1"),
     (dict(shared_prefix="trees"), "shared_prefix must be True, False or 'tree'; got 'trees'"),
+    (dict(shared_prefix=2), "shared_prefix must be True, False or 'tree'; got 2"),
+    (dict(rollout="specontext", generation_kwargs={"num_beams": 1, "use_cache": False}),
+     "does not take generation_kwargs ['use_cache']"),
     (dict(rollout="specontext", rollout_head="distilled", rollout_retrieval="/no/such/dir"), "is not a directory"),
     (dict(shared_prefix="tree", use_transformers_continuous_batching=True), "shared_prefix='tree' switches"),
 ])
@@ -225,6 +228,13 @@ def test_rollout_from_the_command_line(tmp_path, argv, want):
     cfg = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
                      per_device_train_batch_size=2, rollout="SpeContext", rollout_head=" AUTO")
     assert cfg.rollout_head == "auto"  # head names are case-insensitive as rollout's and shared_prefix's
+    # 0 / 1 (a JSON config) and NumPy's bool are the booleans; generation_kwargs at values that change nothing
+    for value, want in ((1, True), (0, False), (np.bool_(True), True)):
+        cfg = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
+                         per_device_train_batch_size=2, shared_prefix=value)
+        assert cfg.shared_prefix is want
+    GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
+               per_device_train_batch_size=2, rollout="specontext", generation_kwargs={"num_beams": 1})
 
 
 def test_sequence_level_correction_with_sparse_rollouts_is_warned_once():

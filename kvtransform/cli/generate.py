@@ -147,8 +147,8 @@ def run(args: Sequence[str]) -> None:
     on_cpu = next(model.parameters()).device.type == "cpu"
     cpu = f", {threads} CPU thread{'s' if threads > 1 else ''}" if on_cpu else ""
     # a budget beyond the cache's length selects the whole cache (stats.budget: the tokens each step attended)
-    budget = (f"budget={tcfg.budget} (every one of the {st.budget} cached tokens)" if st.budget < tcfg.budget
-              else f"budget={st.budget}")
+    budget = (f"budget={tcfg.budget} (past the {st.budget}-token cache: every step attended all it held)"
+              if st.budget < tcfg.budget else f"budget={st.budget}")
     _console(stderr=True).print(
         f"[dim]{st.new_tokens} new tokens, head={st.head} {budget}{cpu}: prefill {st.prefill_s:.2f} s "
         f"({st.prefill_tokens_per_s:.0f} tok/s), decode "

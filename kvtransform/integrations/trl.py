@@ -52,6 +52,8 @@ ROLLOUTS = (None, "specontext")
 # generation settings the SpeContext sampler reproduces (temperature / top-k / top-p); anything else is refused
 _ROLLOUT_GENERATION_KEYS = {"do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_id",
                             "pad_token_id", "bos_token_id", "cache_implementation", "min_p", "repetition_penalty"}
+# generation_kwargs at the value that changes nothing in sampling (transformers' defaults): taken with SpeContext
+_ROLLOUT_NO_OP_GENERATION = {"num_beams": 1, "num_beam_groups": 1, "no_repeat_ngram_size": 0, "use_cache": True}
 
 
 @dataclass
@@ -96,6 +98,9 @@ class GRPOConfig(trl.GRPOConfig):
 
         if isinstance(self.shared_prefix, str) and self.shared_prefix.strip().lower() == "tree":
             self.shared_prefix = "tree"
+        elif (isinstance(self.shared_prefix, int) or type(self.shared_prefix).__module__ == "numpy") and \
+                getattr(self.shared_prefix, "ndim", 0) == 0 and self.shared_prefix in (0, 1):
+            self.shared_prefix = bool(self.shared_prefix)  # 0 / 1 (a JSON or YAML config), NumPy's bool
         elif isinstance(self.shared_prefix, str):  # a command line's or YAML's
             try:
                 self.shared_prefix = string_to_bool(self.shared_prefix)
@@ -144,7 +149,8 @@ class GRPOConfig(trl.GRPOConfig):
                 gen.get("min_p", self.min_p) not in (None, 0.0):
             raise ValueError("rollout='specontext' samples with temperature / top_k / top_p only: set "
                              "repetition_penalty=1.0 and min_p=None (in generation_kwargs too)")
-        extra = sorted(set(gen) - _ROLLOUT_GENERATION_KEYS)
+        extra = sorted(k for k in set(gen) - _ROLLOUT_GENERATION_KEYS
+                       if k not in _ROLLOUT_NO_OP_GENERATION or gen[k] != _ROLLOUT_NO_OP_GENERATION[k])
         if extra:
             raise ValueError(f"rollout='specontext' does not take generation_kwargs {extra} (it samples with "
                              f"do_sample / temperature / top_k / top_p)")
