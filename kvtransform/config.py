@@ -197,6 +197,35 @@ def _plain(v):
 #: The built-in retrieval heads that hold no trained weights (``SpeContextConfig.retrieval`` means nothing to them).
 HEADS_WITHOUT_WEIGHTS = ("self", "quest", "oracle", "recent", "dense")
 
+
+def head_for_directory(retrieval) -> str:
+    """The head ``head="auto"`` means with ``retrieval`` a directory: ``eagle3`` for an EAGLE-3 draft (a
+    ``config.json`` and no ``head.json``), else ``distilled`` (whose loader names what the directory lacks)."""
+    from pathlib import Path
+
+    d = Path(str(retrieval)).expanduser()
+    return "eagle3" if (d / "config.json").is_file() and not (d / "head.json").is_file() else "distilled"
+
+
+def check_retrieval(heads, retrieval) -> None:
+    """``retrieval`` (a trained head's weights) checked for runs of ``heads`` before any model loads: a directory
+    that one of them reads (``auto``, ``distilled``, ``eagle3`` or a registered head), or ``"self"`` / empty.
+
+    Raises:
+        ValueError: a directory that none of ``heads`` reads. FileNotFoundError: a directory that does not exist.
+    """
+    from pathlib import Path
+
+    if retrieval is None or str(retrieval).strip() in ("", "self"):
+        return
+    if all(h in HEADS_WITHOUT_WEIGHTS for h in heads):
+        raise ValueError(f"retrieval={retrieval} gives a trained head's weights, which no head of {list(heads)} "
+                         f"reads: add head distilled (or eagle3 for an EAGLE-3 draft), or leave retrieval unset")
+    if not Path(str(retrieval)).expanduser().is_dir():
+        raise FileNotFoundError(f"retrieval={retrieval}: no such directory (a head written by `kvtransform "
+                                f"distill-retrieval-head`, or an EAGLE-3 draft for head=eagle3)")
+
+
 def retrieval_for(head: str, retrieval: str) -> str:
     """``retrieval`` for a head that reads trained weights, ``"self"`` (unused) for one of
     :data:`HEADS_WITHOUT_WEIGHTS`: what each head gets in a run that compares several with one ``retrieval=``."""
@@ -279,19 +308,22 @@ class SpeContextConfig(TransformConfig):
 
     Attributes:
         head: the retrieval head (``kvtransform.runtime``): ``auto`` (default: ``distilled`` when a packaged
-            trained head fits the model -- SmolLM2-135M -- or ``retrieval`` names a head directory, else ``self``), ``distilled`` (a head trained by
-            ``kvtransform distill-retrieval-head``), ``self`` (training-free: the model's early-layer queries from
-            the token embedding against its real keys), ``eagle3`` (an EAGLE-3 draft's attention), ``quest``
-            (16-token pages scored with per-page min/max keys), ``oracle`` (the LLM's own attention of the previous step: an accuracy upper
-            bound), ``recent`` (sink + window), ``dense`` (every token, budget ignored: the baseline), or a head
-            registered with ``kvtransform.runtime.register_head``.
+            trained head fits the model -- SmolLM2-135M --, the head in ``retrieval``'s directory when one is given
+            (:func:`head_for_directory`), else ``self``),
+            ``distilled`` (a head trained by ``kvtransform distill-retrieval-head``), ``self`` (training-free: the
+            model's early-layer queries from the token embedding against its real keys), ``eagle3`` (an EAGLE-3
+            draft's attention), ``quest`` (16-token pages scored with per-page min/max keys), ``oracle`` (the LLM's
+            own attention of the previous step: an accuracy upper bound), ``recent`` (sink + window), ``dense``
+            (every token, budget ignored: the baseline), or a head registered with
+            ``kvtransform.runtime.register_head``.
         budget: B, tokens kept per KV head per decode step (``quest`` rounds up to whole pages).
         num_sink: always-kept first tokens (0 = off, as in the paper).
         num_recent: always-kept most recent tokens (0 = off, as in the paper).
         page_size: tokens per page of the ``quest`` head.
         retrieval: where a trained head's weights come from (not a head name: ``retrieval="self"`` is unrelated to
-            ``head="self"``): ``"self"`` (``distilled``: the packaged head for this model) or a directory (``distilled``: one written by ``kvtransform distill-retrieval-head``;
-            ``eagle3``: an EAGLE-3 draft checkpoint).
+            ``head="self"``): ``"self"`` (``distilled``: the packaged head for this model) or a directory
+            (``distilled``: one written by ``kvtransform distill-retrieval-head``; ``eagle3``: an EAGLE-3 draft
+            checkpoint). A head without weights (:data:`HEADS_WITHOUT_WEIGHTS`) refuses a directory.
         cuda_graphs, offload, compile, fuse_projections, share_fused_weights: the runtime settings, documented in
             :class:`RuntimeConfig` (:attr:`runtime` returns them as one).
     """
@@ -316,6 +348,8 @@ class SpeContextConfig(TransformConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.retrieval is None or not str(self.retrieval).strip():  # (an empty command-line value)
+            self.retrieval = "self"
         for key in ("budget", "num_sink", "num_recent", "page_size"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -336,7 +370,7 @@ class SpeContextConfig(TransformConfig):
         if self.head in HEADS_WITHOUT_WEIGHTS and self.retrieval != "self":
             raise ValueError(f"retrieval={self.retrieval!r} gives a trained head's weights, which head={self.head!r} "
                              f"does not read: set head=distilled (a distill-retrieval-head directory) or head=eagle3 "
-                             f"(an EAGLE-3 draft), or leave retrieval unset (transform.head=... on the command line)")
+                             f"(an EAGLE-3 draft), or leave retrieval unset")
 
 
 CONFIG_TYPES: dict[str, type] = {

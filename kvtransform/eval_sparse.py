@@ -288,8 +288,9 @@ def check_config(cfg) -> tuple:
 
     Raises:
         ValueError: an unknown head, a bad budget, length, ``num_sink``, ``threads`` or ``model.dtype`` (the message
-            names the key).
-        FileNotFoundError: a document missing from this Python installation.
+            names the key), a ``retrieval`` directory that no head reads (:func:`~kvtransform.config.check_retrieval`).
+        FileNotFoundError: a document missing from this Python installation, a ``retrieval`` directory that does not
+            exist.
     """
     from .runtime.heads import HEADS
 
@@ -309,6 +310,9 @@ def check_config(cfg) -> tuple:
         raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
     if not is_count(cfg.threads, 0):
         raise ValueError(f"threads must be an integer >= 0 (0: torch's default); got {cfg.threads!r}")
+    from .config import check_retrieval
+
+    check_retrieval(heads, cfg.retrieval)
     docs = list(dict.fromkeys(_as_list(cfg.documents, str, "documents")))
     from .textdata import stdlib_path
 

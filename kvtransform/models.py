@@ -356,11 +356,12 @@ def load_model(
 def check_model_source(name: str) -> str:
     """What ``name`` names, checked without loading it (a ``-m`` sweep checks every job's model before the first
     runs): ``"registry"``, ``"gguf"`` (a ``.gguf`` file), ``"directory"`` (a model directory with ``config.json``) or
-    ``"hub"`` (an ``org/name`` id; whether the local Hugging Face cache holds it is checked at load).
+    ``"hub"`` (an ``org/name`` id whose ``config.json`` the local Hugging Face cache holds).
 
     Raises:
-        FileNotFoundError: a path that does not exist. ValueError: a file that is not ``.gguf``, a directory without
-            ``config.json``, an unknown registry name (with the closest known one).
+        FileNotFoundError: a path that does not exist, a hub id the local cache does not hold. ValueError: a file
+            that is not ``.gguf`` or is empty, a directory without ``config.json``, an unknown registry name (with the
+            closest known one).
     """
     if name in REGISTRY:
         return "registry"
@@ -369,6 +370,8 @@ def check_model_source(name: str) -> str:
         if path.is_file():
             if path.suffix.lower() != ".gguf":
                 raise ValueError(f"{path} is a file but not a .gguf model; {_accepted()}")
+            if path.stat().st_size == 0:
+                raise ValueError(f"{path} is empty (an interrupted download or copy): copy the .gguf file again")
             return "gguf"
         if not (path / "config.json").is_file():
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
@@ -388,7 +391,21 @@ def check_model_source(name: str) -> str:
             f". Known registry names: {known}. Otherwise pass a local model directory, "
             "a .gguf file, or a hub id (org/name) already in the local Hugging Face cache"
         )
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repository id (huggingface_hub's validation)
+        cached = False
+    if not cached:
+        raise FileNotFoundError(_not_cached(name))
     return "hub"
+
+
+def _not_cached(name: str) -> str:
+    return (f"{name!r} is not in the local Hugging Face cache and kvtransform does not download models. "
+            f"Download it first (e.g. `hf download {name}` on a machine with network access) or pass a local "
+            f"path; {_accepted()}")
 
 
 def _load(name: str, dt, attn_implementation: str):
@@ -421,11 +438,7 @@ def _load(name: str, dt, attn_implementation: str):
         try:
             _precheck(name, local_files_only=True)
             model = _from_pretrained(name, dtype=dt, attn_implementation=attn_implementation, local_files_only=True)
-        except OSError:
-            raise FileNotFoundError(
-                f"{name!r} is not in the local Hugging Face cache and kvtransform does not download models. "
-                f"Download it first (e.g. `hf download {name}` on a machine with network access) or pass a local "
-                f"path; {_accepted()}"
-            ) from None
+        except OSError:  # (weights missing from the cache)
+            raise FileNotFoundError(_not_cached(name)) from None
         tok = _load_tokenizer(name, local_files_only=True)
     return model, tok

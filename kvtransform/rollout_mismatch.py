@@ -26,7 +26,8 @@ How the two distributions are obtained: an **emulation** of the SpeContext decod
   the runtime's cache holds -- after ``set_current`` with the token being decoded; ``queries``: this rollout's own
   post-RoPE queries of the previous step, None at the first decode step, as in the runtime); every layer then
   attends only to the selection plus the token itself, and ``x_{t+1}`` is drawn from the resulting distribution
-  (``torch.multinomial``, one seeded generator). Every head is thus emulated as the runtime runs it: unlike the
+  (``torch.multinomial``, one generator per (head, budget), each seeded with ``seed``: a head's rollouts do not
+  depend on the other heads of the run). Every head is thus emulated as the runtime runs it: unlike the
   teacher-forced ``eval-sparse`` emulation (:mod:`kvtransform.eval_sparse`), where ``quest`` and ``oracle`` score
   with the dense run's queries (teacher forcing has no sparse-run queries before its one forward), nothing here is
   borrowed from the dense run.
@@ -248,11 +249,13 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
         head.prefill(kv, n_tokens)
         built.append([head, kv, None])                                   # head, its cache, previous queries
     del keys
-    gen = torch.Generator(device=dev).manual_seed(int(seed))
+    # one generator per (head, budget), each seeded with seed: a head's rollouts do not depend on which other heads
+    # run beside it, and every head draws from the same random numbers (a paired comparison)
+    gens = [torch.Generator(device=dev).manual_seed(int(seed)) for _ in heads]
     lp = (out.logits[:, -1].float() / temperature).log_softmax(-1)[rp.repeat(len(heads))]
     sparse_lp = torch.empty(n, n_tokens, lp.shape[-1], dtype=torch.float32, device=dev)
     sparse_lp[:, 0] = lp
-    tok = torch.multinomial(lp.exp(), 1, generator=gen)[:, 0]
+    tok = _draw(lp, gens)
     tokens = torch.zeros(n, n_tokens, dtype=torch.long, device=dev)
     tokens[:, 0] = tok
     sels = [[] for _ in heads] if record else None
@@ -285,7 +288,7 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
                 b[2] = q_new[:, c * B:(c + 1) * B]
             lp = (out.logits[:, -1].float() / temperature).log_softmax(-1)
             sparse_lp[:, t] = lp
-            tok = torch.multinomial(lp.exp(), 1, generator=gen)[:, 0]
+            tok = _draw(lp, gens)
             tokens[:, t] = tok
             done = t + 1
     for head, _, _ in built:
@@ -295,6 +298,13 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
             for name, budget in heads for i in range(B)]
     z = torch.zeros(n, n_tokens, dtype=torch.float64)
     return Rollouts(rows, tokens.cpu(), z, z.clone(), done, sels), sparse_lp
+
+
+def _draw(lp: torch.Tensor, gens: list) -> torch.Tensor:
+    """One token per row of ``lp`` (fp32 ``(n, vocab)`` log-probabilities, ``len(gens)`` equal blocks of rows, one
+    per (head, budget)), each block from its own generator: int64 ``(n,)``."""
+    return torch.cat([torch.multinomial(block.exp(), 1, generator=g)[:, 0]
+                      for block, g in zip(lp.chunk(len(gens)), gens)])
 
 
 def score_dense(model, prompts: torch.Tensor, r: Rollouts, sparse_lp: torch.Tensor, temperature: float) -> None:
@@ -365,7 +375,9 @@ def check_config(cfg) -> tuple:
     sample twice and pool both runs into one row).
 
     Raises:
-        ValueError: one line naming the bad key.
+        ValueError: one line naming the bad key (a ``retrieval`` directory that no head reads:
+            :func:`~kvtransform.config.check_retrieval`). FileNotFoundError: a ``retrieval`` directory that does not
+            exist.
     """
     from .runtime.heads import HEADS
 
@@ -388,6 +400,9 @@ def check_config(cfg) -> tuple:
     if not is_count(ns, 0, min(budgets)):
         raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
     check_device(cfg.device)
+    from .config import check_retrieval
+
+    check_retrieval(heads, cfg.retrieval)
     return heads, budgets, sorted(set(lengths))
 
 

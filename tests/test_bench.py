@@ -434,7 +434,8 @@ def test_csv_keeps_counts_whole(tmp_path):
 
 def test_results_files_are_written_atomically(tmp_path, monkeypatch):
     """A run killed while writing results.csv / .md / .png leaves the earlier files whole and no temporary file;
-    a run with nothing to plot removes an earlier results.png (it showed rows the CSV no longer holds)."""
+    a run without a plot (plot=false, or nothing to plot) removes an earlier results.png (it showed rows the CSV no
+    longer holds)."""
     import pandas as pd
 
     rows = [dict(suite="decode", mode="gen", method="dense", params="a", requests=12, ms_p50=1.5)]
@@ -455,10 +456,12 @@ def test_results_files_are_written_atomically(tmp_path, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             report.write_all(rows, str(tmp_path), plot=False)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    (tmp_path / "results.png").write_bytes(b"an earlier plot")
-    monkeypatch.setattr(report, "plot_any", lambda df, path: False)
-    assert sorted(os.path.basename(p) for p in report.write_all(rows, str(tmp_path))) == ["results.csv", "results.md"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "results.md"]
+    for plot in (True, False):
+        (tmp_path / "results.png").write_bytes(b"an earlier plot")
+        monkeypatch.setattr(report, "plot_any", lambda df, path: False)
+        paths = report.write_all(rows, str(tmp_path), plot=plot)
+        assert sorted(os.path.basename(p) for p in paths) == ["results.csv", "results.md"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "results.md"]
 
 
 def test_an_out_dir_that_cannot_hold_the_results_fails_before_any_job(tmp_path, monkeypatch):

@@ -198,6 +198,10 @@ def test_sweep_typos_and_bad_values_are_named_before_any_job(capsys, args, expec
      "which head='quest' does not read: set head=distilled", "transform.head=quest"),
     (["optimize", "-m", "model.name=smollm2-135m,/no/such/model"], "model: /no/such/model: no such file or directory",
      "model.name=/no/such/model"),
+    (["eval-sparse", "-m", "retrieval=self,/no/such/dir"], "retrieval=/no/such/dir: no such directory",
+     "retrieval=/no/such/dir"),
+    (["rollout-mismatch", "-m", "head=[oracle]", "retrieval=self,/tmp"], "which no head of ['oracle'] reads",
+     "retrieval=/tmp"),
 ])
 def test_sweep_values_each_command_refuses_are_named_before_any_job(capsys, args, expected, job):
     """A value of the right type that the command itself refuses (a dtype, a negative tolerance, budget or seed, a

@@ -204,6 +204,31 @@ def test_hub_id_not_cached():
         load_model("kvtransform-tests/definitely-not-cached-0")
 
 
+def test_check_model_source_without_loading(tmp_path, monkeypatch):
+    """What a -m sweep checks of each job's model before the first job: the kind of source, and the errors
+    load_model gives (an uncached hub id and an empty .gguf included), without loading anything."""
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert models.check_model_source("smollm2-135m") == "registry"
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        models.check_model_source("org/name")
+    snap = tmp_path / "hub" / "models--org--name" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--name" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--name" / "refs" / "main").write_text("abc")
+    assert models.check_model_source("org/name") == "hub"
+    (tmp_path / "m.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="m.gguf is empty"):
+        models.check_model_source(str(tmp_path / "m.gguf"))
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ValueError, match="not a model directory"):
+        models.check_model_source(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="did you mean 'smollm2-135m'"):
+        models.check_model_source("smolm2-135m")
+
+
 def test_bad_attn_implementation():
     with pytest.raises(ValueError, match="sdpa"):
         load_model("smollm2-135m", attn_implementation="flash_attention_9")

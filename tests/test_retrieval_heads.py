@@ -251,10 +251,12 @@ def test_foreign_head_is_refused(tmp_path):
         # head=auto with a head directory is that directory's distilled head (checked before capture too)
         with pytest.raises(ValueError, match="trained for another model"):
             kvt.transform(b, kvt.SpeContextConfig(retrieval=str(tmp_path / "h")), progress=False)
-    # a head without weights refuses the directory it would ignore
+    # a head without weights refuses the directory it would ignore; an empty retrieval is unset
     for name in ("self", "quest", "oracle", "recent", "dense"):
         with pytest.raises(ValueError, match=f"head='{name}' does not read: set head=distilled"):
             kvt.SpeContextConfig(head=name, retrieval=str(tmp_path / "h")).validate()
+    for empty in ("", None, " "):
+        assert kvt.SpeContextConfig(head="self", retrieval=empty).retrieval == "self"
 
 
 def _eagle3_dir(path, model, vocab=None, kv_heads=None, drop=(), max_positions=256):
@@ -304,6 +306,13 @@ def test_eagle3_loader_random_checkpoint(tmp_path):
         load_eagle3(_eagle3_dir(tmp_path / "m", model, drop=("midlayer.self_attn.k_proj.weight",)), info)
     with pytest.raises(ValueError, match="needs the draft"):
         make_head("eagle3", kvt.SpeContextConfig(head="eagle3")).bind(model)
+    # head=auto (the default) with a draft's directory is the eagle3 head; a damaged draft is named in one line
+    sp = kvt.transform(model, kvt.SpeContextConfig(budget=6, retrieval=str(d), cuda_graphs=False), progress=False)
+    assert sp.head.name == "eagle3"
+    bad = _eagle3_dir(tmp_path / "bad", model)
+    (bad / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model.safetensors is damaged .*copy the EAGLE-3 draft again"):
+        load_eagle3(bad, info)
 
 
 def test_self_head_in_the_runtime_is_exact_when_the_budget_covers_the_context():

@@ -2,6 +2,7 @@
 against the stock trl.GRPOTrainer on a tiny random Llama (fp32) with a character tokenizer built in memory."""
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,8 +185,14 @@ def test_unpackable_batch_runs_trl_pass_and_says_so_once(tiny_dir, caplog):
     (dict(rollout_budget=0), "rollout_budget must be an integer >= 1"),
     (dict(shared_prefix="trees"), "shared_prefix must be True, False or 'tree'; got 'trees'"),
     (dict(shared_prefix=2), "shared_prefix must be True, False or 'tree'; got 2"),
+    (dict(shared_prefix=1.0), "shared_prefix must be True, False or 'tree'; got 1.0"),
+    (dict(shared_prefix=np.array([True, False])), "shared_prefix must be True, False or 'tree'"),
     (dict(rollout="specontext", generation_kwargs={"num_beams": 1, "use_cache": False}),
      "does not take generation_kwargs ['use_cache']"),
+    (dict(rollout="specontext", generation_kwargs={"num_beams": np.array([1, 1])}),
+     "does not take generation_kwargs ['num_beams']"),
+    (dict(rollout="specontext", rollout_head="self", rollout_retrieval="/tmp"),
+     "rollout_head='self' does not read: set rollout_head=distilled"),
     (dict(rollout="specontext", rollout_head="distilled", rollout_retrieval="/no/such/dir"), "is not a directory"),
     (dict(shared_prefix="tree", use_transformers_continuous_batching=True), "shared_prefix='tree' switches"),
 ])
@@ -229,7 +236,7 @@ def test_rollout_from_the_command_line(tmp_path, argv, want):
                      per_device_train_batch_size=2, rollout="SpeContext", rollout_head=" AUTO")
     assert cfg.rollout_head == "auto"  # head names are case-insensitive as rollout's and shared_prefix's
     # 0 / 1 (a JSON config) and NumPy's bool are the booleans; generation_kwargs at values that change nothing
-    for value, want in ((1, True), (0, False), (np.bool_(True), True)):
+    for value, want in ((1, True), (0, False), (np.bool_(True), True), (" 1 ", True)):
         cfg = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=2,
                          per_device_train_batch_size=2, shared_prefix=value)
         assert cfg.shared_prefix is want

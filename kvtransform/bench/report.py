@@ -149,7 +149,8 @@ def write_csv(rows: List[dict], path: str, append: bool = False):
 def write_all(rows: List[dict], out_dir: str, append: bool = False, plot: bool = True) -> List[str]:
     """``results.csv``, ``results.md`` and (``plot``) ``results.png`` in ``out_dir``; returns their paths. Each file
     is written atomically (:func:`kvtransform.utils.atomic_write`): a run killed meanwhile leaves the earlier one;
-    a plot with nothing measured removes an earlier ``results.png`` (it showed rows the CSV no longer holds)."""
+    a run without a plot (``plot`` false, or nothing measured) removes an earlier ``results.png`` (it showed rows the
+    CSV no longer holds)."""
     os.makedirs(out_dir, exist_ok=True)
     csv_path = os.path.join(out_dir, "results.csv")
     df = write_csv(rows, csv_path, append=append)
@@ -157,14 +158,15 @@ def write_all(rows: List[dict], out_dir: str, append: bool = False, plot: bool =
     with atomic_write(md_path) as tmp:
         tmp.write_text(markdown(df) + "\n")
     paths = [csv_path, md_path]
+    png = os.path.join(out_dir, "results.png")
+    drawn = False
     if plot:
-        png = os.path.join(out_dir, "results.png")
         with atomic_write(png) as tmp:
             drawn = plot_any(df, str(tmp))
-        if drawn:
-            paths.append(png)
-        else:
-            os.remove(png)
+    if drawn:
+        paths.append(png)
+    elif os.path.exists(png):
+        os.remove(png)
     return paths
 
 

@@ -150,11 +150,13 @@ def check_config(cfg: DictConfig) -> tuple:
         except UnsupportedOpError as e:
             raise UsageError(f"emit=[...,onnx] with transform=specontext: {e}; use emit=[pt2]") from None
     check_threads(cfg.threads)
-    retrieval = Path(str(getattr(tcfg, "retrieval", "self"))).expanduser()
-    if getattr(tcfg, "head", "") in ("auto", "distilled", "eagle3") and str(retrieval) != "self" and \
-            not retrieval.exists():
-        raise UsageError(f"transform.retrieval={retrieval}: no such directory (a head written by `kvtransform "
-                         f"distill-retrieval-head`, or an EAGLE-3 draft for head=eagle3)")
+    if isinstance(tcfg, SpeContextConfig):
+        from kvtransform.config import check_retrieval
+
+        try:
+            check_retrieval([tcfg.head], tcfg.retrieval)
+        except FileNotFoundError as e:
+            raise UsageError(f"transform.{e}") from None
     check_model_dtype(cfg.model.dtype)
     from ..models import check_model_source
 

@@ -56,6 +56,12 @@ _ROLLOUT_GENERATION_KEYS = {"do_sample", "temperature", "top_k", "top_p", "max_n
 _ROLLOUT_NO_OP_GENERATION = {"num_beams": 1, "num_beam_groups": 1, "no_repeat_ngram_size": 0, "use_cache": True}
 
 
+def _no_op(key: str, value) -> bool:
+    """``generation_kwargs[key] = value`` changes nothing in sampling (a plain scalar equal to the default)."""
+    want = _ROLLOUT_NO_OP_GENERATION.get(key)
+    return want is not None and type(value) is type(want) and value == want
+
+
 @dataclass
 class GRPOConfig(trl.GRPOConfig):
     """``trl.GRPOConfig`` plus kvtransform's options (every TRL field unchanged).
@@ -96,17 +102,19 @@ class GRPOConfig(trl.GRPOConfig):
         super().__post_init__()
         from transformers.hf_argparser import string_to_bool
 
+        import numpy as np
+
         if isinstance(self.shared_prefix, str) and self.shared_prefix.strip().lower() == "tree":
             self.shared_prefix = "tree"
-        elif (isinstance(self.shared_prefix, int) or type(self.shared_prefix).__module__ == "numpy") and \
-                getattr(self.shared_prefix, "ndim", 0) == 0 and self.shared_prefix in (0, 1):
+        elif isinstance(self.shared_prefix, (int, np.integer, np.bool_)) and self.shared_prefix in (0, 1):
             self.shared_prefix = bool(self.shared_prefix)  # 0 / 1 (a JSON or YAML config), NumPy's bool
         elif isinstance(self.shared_prefix, str):  # a command line's or YAML's
             try:
-                self.shared_prefix = string_to_bool(self.shared_prefix)
+                self.shared_prefix = string_to_bool(self.shared_prefix.strip())
             except Exception:  # argparse's error for an unknown string: ours below names the choices
                 pass
-        if not isinstance(self.shared_prefix, bool) and self.shared_prefix != "tree":
+        if not isinstance(self.shared_prefix, bool) and not (isinstance(self.shared_prefix, str) and
+                                                             self.shared_prefix == "tree"):
             raise ValueError(f"shared_prefix must be True, False or 'tree'; got {self.shared_prefix!r}")
         if self.shared_prefix and getattr(self, "use_transformers_continuous_batching", False):
             raise ValueError(f"shared_prefix={self.shared_prefix!r} switches the model's attention to kvtransform's "
@@ -130,7 +138,10 @@ class GRPOConfig(trl.GRPOConfig):
             SpeContextConfig(budget=self.rollout_budget, head=self.rollout_head, retrieval=self.rollout_retrieval,
                              compile=self.rollout_compile)
         except ValueError as e:
-            raise ValueError(f"rollout_budget / rollout_head / rollout_retrieval / rollout_compile: {e}") from None
+            from kvtransform.utils import rename_keys
+
+            why = rename_keys(str(e), {k: f"rollout_{k}" for k in ("budget", "head", "retrieval", "compile")})
+            raise ValueError(f"rollout_budget / rollout_head / rollout_retrieval / rollout_compile: {why}") from None
         if self.rollout != "specontext":
             unused = [f"{k}={getattr(self, k)!r}" for k, default in (("rollout_budget", 2048), ("rollout_head", "auto"),
                       ("rollout_retrieval", "self"), ("rollout_compile", False)) if getattr(self, k) != default]
@@ -149,8 +160,7 @@ class GRPOConfig(trl.GRPOConfig):
                 gen.get("min_p", self.min_p) not in (None, 0.0):
             raise ValueError("rollout='specontext' samples with temperature / top_k / top_p only: set "
                              "repetition_penalty=1.0 and min_p=None (in generation_kwargs too)")
-        extra = sorted(k for k in set(gen) - _ROLLOUT_GENERATION_KEYS
-                       if k not in _ROLLOUT_NO_OP_GENERATION or gen[k] != _ROLLOUT_NO_OP_GENERATION[k])
+        extra = sorted(k for k in set(gen) - _ROLLOUT_GENERATION_KEYS if not _no_op(k, gen[k]))
         if extra:
             raise ValueError(f"rollout='specontext' does not take generation_kwargs {extra} (it samples with "
                              f"do_sample / temperature / top_k / top_p)")

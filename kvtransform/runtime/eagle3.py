@@ -38,19 +38,31 @@ _KEEP = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.w
 
 
 def _read_weights(d: Path) -> dict:
-    files = sorted(d.glob("*.safetensors"))
-    out = {}
-    if files:
-        from safetensors.torch import load_file
+    """The draft's tensors from ``d``'s ``*.safetensors`` (else ``*.bin``) files.
 
-        for f in files:
-            out.update(load_file(str(f)))
-    else:
-        bins = sorted(d.glob("*.bin"))
-        if not bins:
+    Raises:
+        FileNotFoundError: neither kind of file. ValueError: a damaged file (one line naming it).
+    """
+    import pickle
+    import zipfile
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(d.glob("*.safetensors"))
+    read = lambda f: load_file(str(f))  # noqa: E731
+    if not files:
+        files = sorted(d.glob("*.bin"))
+        if not files:
             raise FileNotFoundError(f"{d} has no *.safetensors or *.bin weights of an EAGLE-3 draft")
-        for f in bins:
-            out.update(torch.load(f, map_location="cpu", weights_only=True))
+        read = lambda f: torch.load(f, map_location="cpu", weights_only=True)  # noqa: E731
+    out = {}
+    for f in files:
+        try:
+            out.update(read(f))
+        except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+            why = (str(e).strip().splitlines() or [""])[0][:160]
+            raise ValueError(f"{f} is damaged ({type(e).__name__}: {why}): copy the EAGLE-3 draft again") from None
     return out
 
 

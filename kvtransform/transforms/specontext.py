@@ -33,7 +33,7 @@ from torch.export import Dim
 
 from kvtransform.capture import capture_decode_step, capture_prefill, decode_example, export_dynamic, \
     max_positions, prefill_example
-from kvtransform.config import SpeContextConfig
+from kvtransform.config import SpeContextConfig, head_for_directory
 from kvtransform.model_features import check_equal_kv_head_dims
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
@@ -76,8 +76,8 @@ class SpeContextModule(OptimizedModule):
         if name == "auto":
             from kvtransform.runtime.distilled import auto_head
 
-            # a head directory given with head=auto is the distilled head it holds
-            name = "distilled" if config.retrieval != "self" else auto_head(model if model is not None else decode)
+            name = (head_for_directory(config.retrieval) if config.retrieval != "self" else
+                    auto_head(model if model is not None else decode))
         self.head = make_head(name, config, scale)
         if isinstance(decode, torch.fx.GraphModule):  # heads score with the layers that read the selection
             self.head.score_layers = selection_layers(decode, config.budget)
@@ -413,8 +413,8 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
         kvtransform.verify.VerificationError: the programs differ from the original model beyond tolerance.
     """
     check_equal_kv_head_dims(model, "the SpeContext transform")
-    chosen = "distilled" if cfg.head == "auto" and cfg.retrieval != "self" else cfg.head  # (as SpeContextModule)
-    if chosen != "auto":
+    chosen = head_for_directory(cfg.retrieval) if cfg.head == "auto" and cfg.retrieval != "self" else cfg.head
+    if chosen != "auto":  # (as SpeContextModule chooses)
         head = make_head(chosen, cfg)  # an unknown head fails before any capture
         if (chosen == "distilled" and cfg.retrieval != "self") or chosen == "self":
             head.bind(model)  # so do a missing head directory, a head of another model (a small file read) and a
