@@ -254,7 +254,7 @@ def test_existing_out_dir(capsys, tmp_path):
     out = tmp_path / "existing"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    rc, _, err = _run(["optimize", "smollm3-135m", f"out={out}"], capsys)  # out is checked before the model
+    rc, _, err = _run(["optimize", "smollm2-135m", f"out={out}"], capsys)  # out is checked before the model loads
     assert rc == 2 and "exists and is not empty" in err and "overwrite=true" in err
     assert os.listdir(out) == ["keep.txt"]
 
@@ -364,7 +364,7 @@ def test_optimize_moves_in_only_what_out_still_allows(tmp_path, capsys, reload_i
 
     monkeypatch.chdir(tmp_path / "raced")
     (tmp_path / "raced" / "notes.txt").unlink()
-    rc, _, err = _run(["optimize", "smollm3-135m", "out=."], capsys)  # an empty current directory too
+    rc, _, err = _run(["optimize", "smollm2-135m", "out=."], capsys)  # an empty current directory too
     assert rc == 2 and "is the current directory" in err, err
 
 
@@ -404,7 +404,7 @@ def test_reload_check_names_a_killed_check(tmp_path, monkeypatch):
 def test_optimize_refuses_an_output_path_inside_a_file_before_loading(tmp_path, capsys, monkeypatch, out, expected):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile.txt").write_text("mine")
-    rc, _, err = _run(["optimize", "smollm3-135m", f"out={out}"], capsys)  # checked before the (unknown) model
+    rc, _, err = _run(["optimize", "smollm2-135m", f"out={out}"], capsys)  # checked before the model loads
     assert rc == 2 and expected in err, err
     assert (tmp_path / "afile.txt").read_text() == "mine"
 
