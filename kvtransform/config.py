@@ -207,16 +207,22 @@ def head_for_directory(retrieval) -> str:
     return "eagle3" if (d / "config.json").is_file() and not (d / "head.json").is_file() else "distilled"
 
 
+_EAGLE3_NEEDS_DRAFT = "head=eagle3 needs the draft: retrieval=<EAGLE-3 checkpoint directory>"
+
+
 def check_retrieval(heads, retrieval) -> None:
     """``retrieval`` (a trained head's weights) checked for runs of ``heads`` before any model loads: a directory
     that one of them reads (``auto``, ``distilled``, ``eagle3`` or a registered head), or ``"self"`` / empty.
 
     Raises:
-        ValueError: a directory that none of ``heads`` reads. FileNotFoundError: a directory that does not exist.
+        ValueError: a directory that none of ``heads`` reads, ``eagle3`` without one. FileNotFoundError: a directory
+            that does not exist.
     """
     from pathlib import Path
 
     if retrieval is None or str(retrieval).strip() in ("", "self"):
+        if "eagle3" in heads:
+            raise ValueError(_EAGLE3_NEEDS_DRAFT)
         return
     if all(h in HEADS_WITHOUT_WEIGHTS for h in heads):
         raise ValueError(f"retrieval={retrieval} gives a trained head's weights, which no head of {list(heads)} "
@@ -367,6 +373,8 @@ class SpeContextConfig(TransformConfig):
         if self.head not in heads and self.head != "auto":
             raise ValueError(f"unknown retrieval head {self.head!r}; choose one of {['auto'] + sorted(heads)} "
                              f"(auto, the default: the packaged distilled head when one fits the model, else self)")
+        if self.head == "eagle3" and self.retrieval == "self":
+            raise ValueError(_EAGLE3_NEEDS_DRAFT)
         if self.head in HEADS_WITHOUT_WEIGHTS and self.retrieval != "self":
             raise ValueError(f"retrieval={self.retrieval!r} gives a trained head's weights, which head={self.head!r} "
                              f"does not read: set head=distilled (a distill-retrieval-head directory) or head=eagle3 "

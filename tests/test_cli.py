@@ -830,8 +830,12 @@ def test_multirun_jobs_get_their_own_out(tmp_path, capsys, reload_in_process):
     assert rc == 2 and "same directory for every job" in err, err
     rc, _, err = _run(["optimize", str(model_dir), "-m", f"out={tmp_path / 'a'},{tmp_path / 'a'}"], capsys)
     assert rc == 2 and "same directory for every job" in err, err           # a swept out= naming one directory twice
-    rc, _, err = _run(["optimize", str(model_dir), "-m", "transform.verify.lengths=[5]", "threads=1,2"], capsys)
+    rc, out, err = _run(["optimize", str(model_dir), "-m", "transform.verify.lengths=[5]", "threads=1,2"], capsys)
     assert rc == 0, err
+    # each job's wall time counts from its own start (job 1's "startup" held job 0's whole run)
+    walls = [(float(a), float(b)) for a, b in re.findall(r"Done in ([\d.]+) s wall \(startup/imports ([\d.]+) s",
+                                                         " ".join(out.split()))]
+    assert len(walls) == 2 and walls[1][1] < walls[0][0], out
     sweeps = list((tmp_path / "outputs" / "multirun").iterdir())  # one folder per sweep (a second never collides)
     assert len(sweeps) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", sweeps[0].name), sweeps
     for job in ("0", "1"):

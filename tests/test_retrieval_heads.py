@@ -149,10 +149,10 @@ def test_yarn_extension_is_per_row(kind, tmp_path):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     room = 37                                                     # max_new_tokens
     prompts = [torch.randint(3, 128, (n,), generator=g) for n in (49, 83)]    # both past 64: YaRN on, and longer
-    cfg = kvt.SpeContextConfig(head=kind, budget=32)   # beyond the 20 forced sink + recent tokens
-    if kind == "eagle3":
-        cfg = kvt.SpeContextConfig(head=kind, budget=32,
-                                   retrieval=str(_eagle3_dir(tmp_path / "draft", model, max_positions=64)))
+    # budget beyond the 20 forced sink + recent tokens
+    cfg = kvt.SpeContextConfig(head=kind, budget=32, retrieval=str(_eagle3_dir(tmp_path / "draft", model,
+                                                                               max_positions=64))
+                               if kind == "eagle3" else "self")
 
     def selections(rows):
         longest = max(r.numel() for r in rows)
@@ -251,6 +251,11 @@ def test_foreign_head_is_refused(tmp_path):
         # head=auto with a head directory is that directory's distilled head (checked before capture too)
         with pytest.raises(ValueError, match="trained for another model"):
             kvt.transform(b, kvt.SpeContextConfig(retrieval=str(tmp_path / "h")), progress=False)
+        # an EAGLE-3 head over a directory that holds no draft (or none at all): before capture too
+        with pytest.raises((ValueError, FileNotFoundError), match="EAGLE-3"):
+            kvt.transform(a, kvt.SpeContextConfig(head="eagle3", retrieval=str(tmp_path / "h")), progress=False)
+        with pytest.raises(ValueError, match=r"head=eagle3 needs the draft: retrieval=<EAGLE-3 checkpoint directory>$"):
+            kvt.SpeContextConfig(head="eagle3")
     # a head without weights refuses the directory it would ignore; an empty retrieval is unset
     for name in ("self", "quest", "oracle", "recent", "dense"):
         with pytest.raises(ValueError, match=f"head='{name}' does not read: set head=distilled"):

@@ -33,7 +33,9 @@ __all__ = ["main", "ArtifactReloadError", "reload_check", "run_optimize"]
 class ArtifactReloadError(RuntimeError):
     """The written artifact does not load in a fresh process, or gives other outputs there (the CLI removes it)."""
 
-_T_START = time.perf_counter()  # process start, near enough: the wall time printed by optimize counts from here
+# process start, near enough: the wall time printed by optimize counts from here; a -m sweep's later jobs count from
+# the end of the job before (run_optimize moves it), not from the process start
+_T_START = time.perf_counter()
 
 
 def reload_check(opt, out: Path, tokenizer) -> tuple[float, tuple]:
@@ -174,7 +176,7 @@ def run_optimize(cfg: DictConfig) -> dict:
         cfg: composed :class:`~kvtransform.cli.schema.OptimizeConfig`.
 
     Returns:
-        timings in seconds: ``startup`` (process start to load), ``load``, ``transform``, ``demo`` (the step of
+        timings in seconds: ``startup`` (process start, or the previous job's end in a ``-m`` sweep, to load), ``load``, ``transform``, ``demo`` (the step of
         :mod:`.steps` when it did timed work, e.g. the DualKV demo; else 0), ``save``, ``reload``, ``onnx`` (0 unless
         ``emit`` has ``onnx``), ``total`` (process start to end).
 
@@ -251,8 +253,10 @@ def run_optimize(cfg: DictConfig) -> dict:
     files = sorted(p.name for p in out.iterdir())
     onnx_note = "; model.onnx is ONNX opset 23 and onnxruntime matches the module on a probe" if "onnx" in emit else ""
     console.print(f"[bold]Saved[/bold] to {out}: {', '.join(files)}{onnx_note}")
+    global _T_START
     times = dict(startup=t0 - _T_START, load=t1 - t0, transform=t2 - t1, demo=demo_s, save=t3 - t_save,
                  reload=t4 - t3, onnx=t5 - t4, total=t5 - _T_START)
+    _T_START = time.perf_counter()
     demo = f", {tcfg.name} demo {times['demo']:.1f} s" if demo_s else ""
     console.print(
         f"[bold green]Done[/bold green] in {times['total']:.1f} s wall "

@@ -416,7 +416,7 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
     chosen = head_for_directory(cfg.retrieval) if cfg.head == "auto" and cfg.retrieval != "self" else cfg.head
     if chosen != "auto":  # (as SpeContextModule chooses)
         head = make_head(chosen, cfg)  # an unknown head fails before any capture
-        if (chosen == "distilled" and cfg.retrieval != "self") or chosen == "self":
+        if (chosen in ("distilled", "eagle3") and cfg.retrieval != "self") or chosen == "self":
             head.bind(model)  # so do a missing head directory, a head of another model (a small file read) and a
             # model whose query projection the self head cannot borrow
     report = new_report(model, cfg)
