@@ -176,9 +176,10 @@ def run_optimize(cfg: DictConfig) -> dict:
         cfg: composed :class:`~kvtransform.cli.schema.OptimizeConfig`.
 
     Returns:
-        timings in seconds: ``startup`` (process start, or the previous job's end in a ``-m`` sweep, to load), ``load``, ``transform``, ``demo`` (the step of
-        :mod:`.steps` when it did timed work, e.g. the DualKV demo; else 0), ``save``, ``reload``, ``onnx`` (0 unless
-        ``emit`` has ``onnx``), ``total`` (process start to end).
+        timings in seconds: ``startup`` (process start, or the previous job's end in a ``-m`` sweep, to load),
+        ``load``, ``transform``, ``demo`` (the step of :mod:`.steps` when it did timed work, e.g. the DualKV demo;
+        else 0), ``save``, ``reload``, ``onnx`` (0 unless ``emit`` has ``onnx``), ``total`` (from the same start to
+        the end).
 
     Raises:
         FileExistsError: ``out`` exists and is not empty and ``overwrite`` is false (checked before loading).
