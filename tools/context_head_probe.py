@@ -3,6 +3,9 @@ sublayer, trained on the distill teacher cache, evaluated against the shipped he
 
     python3 -P tools/context_head_probe.py train OUT.pt STEPS SEED ctx window=8 dim=256 ctx_heads=4 teacher=DIR/teacher.pt
     python3 -P tools/context_head_probe.py eval LICENSE.txt shipped OUT.pt ens:mean+shipped+OUT.pt ens:max+shipped+OUT.pt
+    python3 -P tools/context_head_probe.py group-teacher DIR/teacher.pt deep.pt 15 30     # layers 15..29 alone
+    python3 -P tools/context_head_probe.py train DEEP.pt 4000 0 base window=8 dim=256 teacher=deep.pt
+    python3 -P tools/context_head_probe.py eval-groups LICENSE.txt 15 shipped:shipped shipped:DEEP.pt
 """
 import torch, torch.nn.functional as F
 from torch import nn
@@ -213,6 +216,90 @@ def evaluate(argv):
 
 
 
+def group_teacher(argv):
+    """Teacher targets of the layers [lo, hi) alone (max over them) on the chunks and positions of a teacher.pt."""
+    import time
+    from kvtransform.models import load_model
+    from kvtransform.attention_probe import cache_probs, probing
+    src, out, lo, hi = argv[0], argv[1], int(argv[2]), int(argv[3])
+    torch.set_num_threads(2)
+    m, tok = load_model("smollm2-135m"); m.eval()
+    data = torch.load(src, weights_only=False)
+    items = []
+    t0 = time.time()
+    for n, it in enumerate(data["items"]):
+        ids, positions = it["ids"], it["positions"]
+        with torch.no_grad(), probing(m) as probe:
+            probe.capture, probe.q_positions = True, positions
+            m(input_ids=ids[None], use_cache=False)
+            acc = None
+            for l in range(lo, hi):
+                p = cache_probs(probe.q[l][0], probe.k[l][0], positions, probe.scale[l])
+                gm = p.unflatten(0, (probe.k[l].shape[1], -1)).amax(dim=1)
+                acc = gm if acc is None else torch.maximum(acc, gm)
+        tgt = acc / acc.sum(-1, keepdim=True).clamp(min=1e-30)
+        items.append({"file": it["file"], "ids": ids, "positions": positions, "target": tgt.half()})
+        if n % 20 == 0:
+            print(n, round(time.time() - t0), flush=True)
+    torch.save({"items": items, "layers": [lo, hi]}, out)
+    print("saved", out, time.time() - t0)
+
+
+def eval_groups(argv):
+    """Per-group selection: layers [0, split) attend the first head's selection, [split, L) the second's
+    (pairs "shallow:deep", each "shipped" or a .pt of train)."""
+    import json
+    from types import SimpleNamespace
+    from kvtransform.attention_probe import Probe
+    from kvtransform.runtime.distilled import load_head_dir, shipped_head_for
+    from kvtransform.models import load_model
+    from kvtransform.config import SpeContextConfig
+    from kvtransform.eval_sparse import _teacher, run_head, keep_mask, nll
+    torch.set_num_threads(2)
+    orig = Probe.__call__
+
+    def call(self, module, *a, **k):  # a dict of keep masks: one per layer
+        kb = self.keep
+        if isinstance(kb, dict):
+            self.keep = kb[int(getattr(module, "layer_idx", 0))]
+            try:
+                return orig(self, module, *a, **k)
+            finally:
+                self.keep = kb
+        return orig(self, module, *a, **k)
+    Probe.__call__ = call
+    doc, split = argv[0], int(argv[1])
+    m, tok = load_model("smollm2-135m"); m.eval()
+    L = m.config.num_hidden_layers
+
+    def block_of(h):
+        if h == "shipped":
+            return load_head_dir(shipped_head_for(m), m)[0].float()
+        d = torch.load(h, weights_only=False)
+        b = DistilledBlock(**d["arch"]); b.load_state_dict(d["state"]); return b.eval()
+    prefix = 3072 if doc == "LICENSE.txt" else 4096
+    teacher, trace, greedy = _teacher(m, tok, doc, SimpleNamespace(prefix=prefix, continuation=512, generate=256))
+    for pair in argv[2:]:
+        a, b = pair.split(":")
+
+        def keeps(tr):
+            ks = []
+            for h in (a, b):
+                head = PrecomputedHead(SpeContextConfig(head="distilled", budget=1024), block_of(h), trace.scale[0])
+                head.bind(m)
+                sel, _ = run_head(head, tr)
+                ks.append(keep_mask(sel, tr.prefix, tr.ids.numel()))
+            return {l: ks[0] if l < split else ks[1] for l in range(L)}
+        cont = trace.ids[trace.prefix:]
+        d, s = nll(trace.logp, cont), nll(teacher.sparse_logp(cont, keeps(trace)), cont)
+        g = greedy.ids[greedy.prefix:]
+        glogp = teacher.sparse_logp(g, keeps(greedy))
+        agree = float((glogp[:-1].argmax(-1).cpu() == g[1:]).double().mean())
+        print(json.dumps({"doc": doc, "split": split, "pair": pair, "nll_increase": round(float((s - d).mean()), 4),
+                          "agreement": round(agree, 4)}), flush=True)
+
+
 if __name__ == "__main__":
     import sys
-    {"train": train, "eval": evaluate}[sys.argv[1]](sys.argv[2:])
+    {"train": train, "eval": evaluate, "group-teacher": group_teacher, "eval-groups": eval_groups}[sys.argv[1]](
+        sys.argv[2:])
