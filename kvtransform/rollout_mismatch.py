@@ -26,22 +26,16 @@ How the two distributions are obtained: an **emulation** of the SpeContext decod
   the runtime's cache holds -- after ``set_current`` with the token being decoded; ``queries``: this rollout's own
   post-RoPE queries of the previous step, None at the first decode step, as in the runtime); every layer then
   attends only to the selection plus the token itself, and ``x_{t+1}`` is drawn from the resulting distribution
-  (``torch.multinomial``, one generator per (head, budget), each seeded with ``seed``: a head's rollouts do not
-  depend on the other heads of the run). Every head is thus emulated as the runtime runs it: unlike the
+  (``torch.multinomial``; one generator per (head, budget) seeded with ``seed``: a head's rollouts do not depend on
+  the others). Every head is thus emulated as the runtime runs it: unlike the
   teacher-forced ``eval-sparse`` emulation (:mod:`kvtransform.eval_sparse`), where ``quest`` and ``oracle`` score
   with the dense run's queries (teacher forcing has no sparse-run queries before its one forward), nothing here is
   borrowed from the dense run.
 * Dense (:func:`score_dense`): each finished rollout teacher-forced through the dense model after its prompt
   (:class:`~kvtransform.eval_sparse.DocumentTeacher`), one forward per rollout.
 
-Checks (tests/test_rollout_mismatch.py, docs/ROLLOUT_MISMATCH.md): teacher-forcing a rollout through
-``eval-sparse``'s emulation (:meth:`DocumentTeacher.sparse_logp` with the recorded selections) reproduces the
-recorded sparse distributions; the dense scores equal a one-shot forward over prompt + rollout; the ``dense`` head
-gives the rounding floor (KL ~1e-7 nats); on a tiny model the sampled tokens equal the runtime's
-``generate(do_sample=True, seed=...)``. Limits: attention runs in fp32 SDPA (``kvt::sparse_decode_attention``'s bf16
-rounding is not in these numbers; run the model in fp32 to see the sparsity alone); a head's selections equal the
-runtime's for the same prefix up to the rounding of its scores (ties at the budget's edge can differ); the numbers
-hold for the prompt length used (a step whose cache fits in the budget is exact: ``KL = 0``).
+Checks (tests/test_rollout_mismatch.py) and limits (attention in fp32 SDPA, ties at the budget's edge, the prompt
+length used): docs/ROLLOUT_MISMATCH.md.
 """
 from __future__ import annotations
 
@@ -174,8 +168,7 @@ def sample_rollouts(model, prompts: torch.Tensor, heads: Sequence[tuple], n_toke
         deadline: ``time.perf_counter()`` value after which decoding stops (:attr:`Rollouts.steps` says where).
         record: keep every step's selections and the sparse log-probabilities in the result (tests).
 
-    Memory: the sparse log-probabilities of every token are held on the model's device until scored, fp32
-    ``rollouts × n_tokens × vocab`` (24 rollouts of 4096 tokens of SmolLM2: 19 GB).
+    Memory: fp32 ``rollouts × n_tokens × vocab`` sparse log-probabilities wait on the device until scored.
 
     Raises:
         ValueError: an unknown head, a bad setting, prompt + rollout beyond the model's positions (one line naming
@@ -249,13 +242,14 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
         head.prefill(kv, n_tokens)
         built.append([head, kv, None])                                   # head, its cache, previous queries
     del keys
-    # one generator per (head, budget), each seeded with seed: a head's rollouts do not depend on which other heads
-    # run beside it, and every head draws from the same random numbers (a paired comparison)
+    # one generator per (head, budget) seeded with seed: every head draws the same random numbers (a paired comparison)
     gens = [torch.Generator(device=dev).manual_seed(int(seed)) for _ in heads]
+    draw = lambda lp: torch.cat([torch.multinomial(b.exp(), 1, generator=g)[:, 0]  # noqa: E731
+                                 for b, g in zip(lp.chunk(len(gens)), gens)])
     lp = (out.logits[:, -1].float() / temperature).log_softmax(-1)[rp.repeat(len(heads))]
     sparse_lp = torch.empty(n, n_tokens, lp.shape[-1], dtype=torch.float32, device=dev)
     sparse_lp[:, 0] = lp
-    tok = _draw(lp, gens)
+    tok = draw(lp)
     tokens = torch.zeros(n, n_tokens, dtype=torch.long, device=dev)
     tokens[:, 0] = tok
     sels = [[] for _ in heads] if record else None
@@ -288,7 +282,7 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
                 b[2] = q_new[:, c * B:(c + 1) * B]
             lp = (out.logits[:, -1].float() / temperature).log_softmax(-1)
             sparse_lp[:, t] = lp
-            tok = _draw(lp, gens)
+            tok = draw(lp)
             tokens[:, t] = tok
             done = t + 1
     for head, _, _ in built:
@@ -298,13 +292,6 @@ def decode_sparse(model, prompts, heads, n_tokens, samples, temperature, seed, r
             for name, budget in heads for i in range(B)]
     z = torch.zeros(n, n_tokens, dtype=torch.float64)
     return Rollouts(rows, tokens.cpu(), z, z.clone(), done, sels), sparse_lp
-
-
-def _draw(lp: torch.Tensor, gens: list) -> torch.Tensor:
-    """One token per row of ``lp`` (fp32 ``(n, vocab)`` log-probabilities, ``len(gens)`` equal blocks of rows, one
-    per (head, budget)), each block from its own generator: int64 ``(n,)``."""
-    return torch.cat([torch.multinomial(block.exp(), 1, generator=g)[:, 0]
-                      for block, g in zip(lp.chunk(len(gens)), gens)])
 
 
 def score_dense(model, prompts: torch.Tensor, r: Rollouts, sparse_lp: torch.Tensor, temperature: float) -> None:
@@ -375,10 +362,10 @@ def check_config(cfg) -> tuple:
     sample twice and pool both runs into one row).
 
     Raises:
-        ValueError: one line naming the bad key (a ``retrieval`` directory that no head reads:
-            :func:`~kvtransform.config.check_retrieval`). FileNotFoundError: a ``retrieval`` directory that does not
-            exist.
+        ValueError: one line naming the bad key (``retrieval``: :func:`~kvtransform.config.check_retrieval`,
+            FileNotFoundError for a missing directory).
     """
+    from .config import check_retrieval
     from .runtime.heads import HEADS
 
     heads = list(dict.fromkeys(_as_list(cfg.head, str, "head")))
@@ -400,8 +387,6 @@ def check_config(cfg) -> tuple:
     if not is_count(ns, 0, min(budgets)):
         raise ValueError(f"num_sink must be an integer in [0, smallest budget {min(budgets)}]; got {ns!r}")
     check_device(cfg.device)
-    from .config import check_retrieval
-
     check_retrieval(heads, cfg.retrieval)
     return heads, budgets, sorted(set(lengths))
 
