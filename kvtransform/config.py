@@ -198,15 +198,6 @@ def _plain(v):
 HEADS_WITHOUT_WEIGHTS = ("self", "quest", "oracle", "recent", "dense")
 
 
-def head_for_directory(retrieval) -> str:
-    """The head ``head="auto"`` means with ``retrieval`` a directory: ``eagle3`` for an EAGLE-3 draft (a
-    ``config.json`` and no ``head.json``), else ``distilled`` (whose loader names what the directory lacks)."""
-    from pathlib import Path
-
-    d = Path(str(retrieval)).expanduser()
-    return "eagle3" if (d / "config.json").is_file() and not (d / "head.json").is_file() else "distilled"
-
-
 _EAGLE3_NEEDS_DRAFT = "head=eagle3 needs the draft: retrieval=<EAGLE-3 checkpoint directory>"
 
 
@@ -315,7 +306,7 @@ class SpeContextConfig(TransformConfig):
     Attributes:
         head: the retrieval head (``kvtransform.runtime``): ``auto`` (default: ``distilled`` when a packaged
             trained head fits the model -- SmolLM2-135M --, the head in ``retrieval``'s directory when one is given
-            (:func:`head_for_directory`), else ``self``),
+            (:func:`kvtransform.runtime.distilled.auto_head`), else ``self``),
             ``distilled`` (a head trained by ``kvtransform distill-retrieval-head``), ``self`` (training-free: the
             model's early-layer queries from the token embedding against its real keys), ``eagle3`` (an EAGLE-3
             draft's attention), ``quest`` (16-token pages scored with per-page min/max keys), ``oracle`` (the LLM's

@@ -362,10 +362,15 @@ class DistilledHead(EmbeddingKeyHead):
         self.window = int(self.block.arch["window"])
 
 
-def auto_head(model) -> str:
-    """The default head of ``SpeContextConfig(head="auto")``: ``distilled`` when a packaged head fits ``model``
-    (SmolLM2-135M), else the training-free ``self`` where it can borrow the model's layer-0 query (else ``quest``,
-    which reads only the KV cache: Phi-3's fused ``qkv_proj``, Gemma 3's two RoPE tables, Phi-2's LayerNorm)."""
+def auto_head(model, retrieval="self") -> str:
+    """The default head of ``SpeContextConfig(head="auto")``. With ``retrieval`` a directory, the head it holds:
+    ``eagle3`` for an EAGLE-3 draft (a ``config.json`` and no ``head.json``), else ``distilled`` (whose loader names
+    what the directory lacks). Otherwise ``distilled`` when a packaged head fits ``model`` (SmolLM2-135M), else the
+    training-free ``self`` where it can borrow the model's layer-0 query (else ``quest``, which reads only the KV
+    cache: Phi-3's fused ``qkv_proj``, Gemma 3's two RoPE tables, Phi-2's LayerNorm)."""
+    if str(retrieval) != "self":
+        d = Path(str(retrieval)).expanduser()
+        return "eagle3" if (d / "config.json").is_file() and not (d / "head.json").is_file() else "distilled"
     if shipped_head_for(model) is not None:
         return "distilled"
     from .embedding_heads import SelfHead

@@ -33,7 +33,7 @@ from torch.export import Dim
 
 from kvtransform.capture import capture_decode_step, capture_prefill, decode_example, export_dynamic, \
     max_positions, prefill_example
-from kvtransform.config import SpeContextConfig, head_for_directory
+from kvtransform.config import SpeContextConfig
 from kvtransform.model_features import check_equal_kv_head_dims
 from kvtransform.passes.attention import AttentionPass
 from kvtransform.passes.cleanup import CleanupPass
@@ -76,8 +76,7 @@ class SpeContextModule(OptimizedModule):
         if name == "auto":
             from kvtransform.runtime.distilled import auto_head
 
-            name = (head_for_directory(config.retrieval) if config.retrieval != "self" else
-                    auto_head(model if model is not None else decode))
+            name = auto_head(model if model is not None else decode, config.retrieval)
         self.head = make_head(name, config, scale)
         if isinstance(decode, torch.fx.GraphModule):  # heads score with the layers that read the selection
             self.head.score_layers = selection_layers(decode, config.budget)
@@ -413,12 +412,13 @@ def specontext_transform(model, cfg: SpeContextConfig, tokenizer=None, progress:
         kvtransform.verify.VerificationError: the programs differ from the original model beyond tolerance.
     """
     check_equal_kv_head_dims(model, "the SpeContext transform")
-    chosen = head_for_directory(cfg.retrieval) if cfg.head == "auto" and cfg.retrieval != "self" else cfg.head
-    if chosen != "auto":  # (as SpeContextModule chooses)
-        head = make_head(chosen, cfg)  # an unknown head fails before any capture
-        if (chosen in ("distilled", "eagle3") and cfg.retrieval != "self") or chosen == "self":
-            head.bind(model)  # so do a missing head directory, a head of another model (a small file read) and a
-            # model whose query projection the self head cannot borrow
+    from kvtransform.runtime.distilled import auto_head
+
+    chosen = auto_head(model, cfg.retrieval) if cfg.head == "auto" else cfg.head  # (as SpeContextModule chooses)
+    head = make_head(chosen, cfg)  # an unknown head fails before any capture
+    if (chosen in ("distilled", "eagle3") and cfg.retrieval != "self") or chosen == "self":
+        head.bind(model)  # so do a missing head directory, a head of another model (a small file read) and a
+        # model whose query projection the self head cannot borrow
     report = new_report(model, cfg)
     dec, ctx, cap = capture_and_rewrite(model, capture_decode_step, [SparseDecodePass, CleanupPass], report,
                                         progress, what="capturing the decode step (torch.export)")
